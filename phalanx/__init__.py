@@ -1,0 +1,90 @@
+"""phalanx: distributed training for PyTorch, in pure Python, on PyTorch's own engine.
+
+Example::
+
+    import torch, phalanx as px
+
+    px.init()                                   # reads torchrun / SLURM / MPI / phalanx run env
+    model = torch.nn.Linear(10, 1)
+    px.broadcast_parameters(model.state_dict(), root_rank=0)
+    ...
+    loss.backward()
+    for p in model.parameters():                # (DataParallel does this for you, fused and overlapped)
+        px.allreduce(p.grad, op=px.Average, inplace=True)
+
+Run it with ``phalanx run -np 2 python train.py``.
+"""
+
+from phalanx.comm.collectives import (
+    Average,
+    CollectiveMismatchError,
+    Handle,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_object,
+    reducescatter,
+    set_mismatch_check,
+)
+from phalanx.launcher.spawn import RankError, RankTimeoutError, run
+from phalanx.runtime import (
+    Topology,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    topology,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # runtime
+    "init",
+    "shutdown",
+    "is_initialized",
+    "topology",
+    "Topology",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    # collectives
+    "ReduceOp",
+    "Sum",
+    "Average",
+    "Min",
+    "Max",
+    "Product",
+    "Handle",
+    "CollectiveMismatchError",
+    "allreduce",
+    "allgather",
+    "broadcast",
+    "reducescatter",
+    "alltoall",
+    "barrier",
+    "broadcast_object",
+    "allgather_object",
+    "set_mismatch_check",
+    # launching
+    "run",
+    "RankError",
+    "RankTimeoutError",
+]

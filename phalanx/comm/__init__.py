@@ -1,0 +1,1 @@
+"""Communication layer: collectives, buckets, compression, algorithms."""

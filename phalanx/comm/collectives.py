@@ -1,0 +1,384 @@
+"""Collectives: one function per operation, each with an ``async_op`` form.
+
+Every call takes its ``group`` explicitly (``None`` is the whole world) and a
+group of one returns at once. Before a collective is sent, the ranks compare a
+63-bit digest of what each is about to do (operation, name, dtype, shape, op,
+root) with one 16-byte allreduce; if they differ, every rank raises
+:class:`CollectiveMismatchError` naming the tensor and the ranks that disagree,
+instead of hanging or silently summing garbage. The digest of a repeated call
+is cached. Switch the check off with ``set_mismatch_check(False)`` or
+``PHALANX_CHECK_COLLECTIVES=0``; ``benchmarks/mismatch_check.py`` measures what it costs.
+
+Example::
+
+    import torch, phalanx as px
+    px.init()
+    g = px.allreduce(torch.ones(3), op=px.Average, name="grad")
+    h = px.allgather(torch.tensor([px.rank()]), async_op=True)
+    print(h.wait())
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_flat",
+    "reduce_scatter_flat",
+    "ReduceOp",
+    "Sum",
+    "Average",
+    "Min",
+    "Max",
+    "Product",
+    "Handle",
+    "CollectiveMismatchError",
+    "allreduce",
+    "allgather",
+    "broadcast",
+    "reducescatter",
+    "alltoall",
+    "barrier",
+    "broadcast_object",
+    "allgather_object",
+    "set_mismatch_check",
+    "mismatch_check_enabled",
+    "group_size",
+    "group_rank",
+]
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+Sum, Average, Min, Max, Product = (
+    ReduceOp.SUM,
+    ReduceOp.AVERAGE,
+    ReduceOp.MIN,
+    ReduceOp.MAX,
+    ReduceOp.PRODUCT,
+)
+
+# torch 2.13 renamed the flat-tensor forms; keep working on torch >= 2.3.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_TORCH_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVERAGE: dist.ReduceOp.SUM,  # divided locally: works for every backend and dtype
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called different collectives, or the same one on incompatible tensors."""
+
+
+class Handle:
+    """The pending result of an ``async_op=True`` collective.
+
+    ``is_completed()`` polls without blocking; ``wait()`` blocks and returns the result.
+    """
+
+    __slots__ = ("_work", "_result", "_finish", "_done")
+
+    def __init__(self, work, result, finish: Callable[[Any], Any] | None = None) -> None:
+        self._work = work
+        self._result = result
+        self._finish = finish
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+    def wait(self):
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+            self._done = True
+        return self._result
+
+
+_check_enabled = os.environ.get("PHALANX_CHECK_COLLECTIVES", "1") not in ("0", "false", "False")
+
+
+def set_mismatch_check(enabled: bool) -> None:
+    """Turn the cross-rank metadata check on or off for this process (all ranks must agree)."""
+    global _check_enabled
+    _check_enabled = bool(enabled)
+
+
+def mismatch_check_enabled() -> bool:
+    return _check_enabled
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(signature: tuple) -> int:
+    raw = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 1  # fits a signed int64
+
+
+def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, **extra) -> None:
+    """Raise on every rank if the ranks are not all about to make the same call."""
+    if not _check_enabled:
+        return
+    shape = tuple(tensor.shape) if tensor is not None else None
+    dtype = str(tensor.dtype) if tensor is not None else None
+    if kind in ("allgather", "alltoall") and shape:
+        shape = ("*",) + shape[1:]  # the first dimension may differ across ranks
+    signature = (kind, name, dtype, shape, tuple(sorted(extra.items())))
+    h = _digest(signature)
+    device = tensor.device if tensor is not None and tensor.device.type != "meta" else _default_device()
+    probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    if int(probe[0]) == -int(probe[1]):
+        return
+    mine = {"call": kind, "name": name, "dtype": dtype, "shape": shape, **extra}
+    every: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(every, mine, group=group)
+    raise CollectiveMismatchError(_describe_mismatch(every, group))
+
+
+def _describe_mismatch(every: list[dict], group) -> str:
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
+    fields = [k for k in every[0] if len({repr(m.get(k)) for m in every}) > 1]
+    fields += [k for m in every for k in m if k not in every[0] and k not in fields]
+    names = sorted({str(m.get("name")) for m in every})
+    lines = [
+        f"phalanx: collective mismatch on tensor {', '.join(names)}: the ranks disagree on "
+        f"{', '.join(fields)}."
+    ]
+    for r, m in zip(ranks, every):
+        desc = ", ".join(f"{k}={m[k]}" for k in m if k != "call")
+        lines.append(f"  rank {r}: {m['call']}({desc})")
+    lines.append(
+        "Every rank must make the same collectives in the same order on tensors of the same "
+        "dtype and shape. Check for rank-dependent branches or data-dependent shapes."
+    )
+    return "\n".join(lines)
+
+
+def _default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _done(result, async_op: bool):
+    return Handle(None, result) if async_op else result
+
+
+def _launch(work, result, finish, async_op: bool):
+    handle = Handle(work, result, finish)
+    return handle if async_op else handle.wait()
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    op: ReduceOp = Average,
+    *,
+    group=None,
+    async_op: bool = False,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    inplace: bool = False,
+):
+    """Reduce ``tensor`` across the group; returns the result (or a :class:`Handle`).
+
+    ``Average`` divides the sum by the group size (floor division for integers).
+    ``prescale_factor`` multiplies before the reduction, ``postscale_factor`` after.
+    With ``inplace=True`` the result is written into ``tensor``.
+    """
+    op = ReduceOp(op)
+    n = dist.get_world_size(group)
+    out = tensor if inplace else tensor.clone()
+    if prescale_factor != 1.0:
+        out.mul_(prescale_factor)
+
+    def finish(t):
+        if op is ReduceOp.AVERAGE and n > 1:
+            if t.is_floating_point() or t.is_complex():
+                t.div_(n)
+            else:
+                t.floor_divide_(n)
+        if postscale_factor != 1.0:
+            t.mul_(postscale_factor)
+        return t
+
+    if n == 1:
+        return _done(finish(out), async_op)
+    _check("allreduce", name, tensor, group, op=op.value)
+    work = dist.all_reduce(out, op=_TORCH_OP[op], group=group, async_op=True)
+    return _launch(work, out, finish, async_op)
+
+
+def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name: str | None = None):
+    """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return _done(tensor.clone(), async_op)
+    _check("allgather", name, tensor, group)
+    t = tensor.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    sizes = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+    every = torch.empty(n, dtype=torch.int64, device=t.device)
+    all_gather_flat(every, sizes, group=group)
+    counts = [int(c) for c in every.tolist()]
+    if len(set(counts)) == 1:
+        out = torch.empty((n * counts[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        work = all_gather_flat(out, t, group=group, async_op=True)
+        return _launch(work, out, None, async_op)
+    # Uneven first dimensions: pad to the largest, gather, then cut the padding away.
+    biggest = max(counts)
+    padded = torch.zeros((biggest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    work = dist.all_gather(parts, padded, group=group, async_op=True)
+    return _launch(work, parts, lambda ps: torch.cat([p[:c] for p, c in zip(ps, counts)]), async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int = 0,
+    *,
+    group=None,
+    async_op: bool = False,
+    name: str | None = None,
+    inplace: bool = False,
+):
+    """Copy ``tensor`` from global rank ``root_rank`` to every rank of the group."""
+    n = dist.get_world_size(group)
+    out = tensor if inplace else tensor.clone()
+    if n == 1:
+        return _done(out, async_op)
+    members = dist.get_process_group_ranks(group) if group is not None else range(n)
+    if root_rank not in members:
+        raise ValueError(f"root_rank {root_rank} is not a member of the group {list(members)}")
+    _check("broadcast", name, tensor, group, root=root_rank)
+    work = dist.broadcast(out, src=root_rank, group=group, async_op=True)
+    return _launch(work, out, None, async_op)
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    op: ReduceOp = Average,
+    *,
+    group=None,
+    async_op: bool = False,
+    name: str | None = None,
+):
+    """Reduce across ranks, then give rank i the i-th slice of dim 0.
+
+    When dim 0 does not divide evenly, the first ``len % n`` ranks get one extra row
+    (Horovod's rule).
+    """
+    op = ReduceOp(op)
+    n = dist.get_world_size(group)
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"reducescatter supports Sum and Average, not {op.name.title()}")
+    if n == 1:
+        return _done(tensor.clone(), async_op)
+    _check("reducescatter", name, tensor, group, op=op.value)
+    me = dist.get_rank(group)
+    rows = tensor.shape[0]
+    counts = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+    divide = op is ReduceOp.AVERAGE
+
+    def finish(t):
+        return t.div_(n) if divide and t.is_floating_point() else (t.floor_divide_(n) if divide else t)
+
+    t = tensor.contiguous()
+    if len(set(counts)) == 1:
+        out = torch.empty((counts[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        work = reduce_scatter_flat(out, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _launch(work, out, finish, async_op)
+    parts = list(torch.split(t, counts))
+    out = torch.empty_like(parts[me])
+    work = dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _launch(work, out, finish, async_op)
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    *,
+    group=None,
+    async_op: bool = False,
+    name: str | None = None,
+):
+    """Send slice i of dim 0 to rank i; returns ``(received, received_splits)``.
+
+    ``splits`` gives the row count for each destination (default: equal slices).
+    """
+    n = dist.get_world_size(group)
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall: dim 0 ({rows}) is not divisible by the group size {n}; pass splits=")
+        splits = [rows // n] * n
+    splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}")
+    if n == 1:
+        return _done((tensor.clone(), torch.tensor(splits)), async_op)
+    _check("alltoall", name, tensor, group)
+    t = tensor.contiguous()
+    send = torch.tensor(splits, dtype=torch.int64, device=t.device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    recv_splits = [int(s) for s in recv.tolist()]
+    out = torch.empty((sum(recv_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    work = dist.all_to_all_single(out, t, recv_splits, splits, group=group, async_op=True)
+    return _launch(work, (out, recv.cpu()), None, async_op)
+
+
+def barrier(group=None) -> None:
+    """Block until every rank of the group has reached this point."""
+    if dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, *, group=None) -> Any:
+    """Pickle ``obj`` on ``root_rank`` and return it on every rank."""
+    if dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=root_rank, group=group)
+    return box[0]
+
+
+def allgather_object(obj: Any, *, group=None) -> list[Any]:
+    """Return the list of every rank's ``obj``, in rank order."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out

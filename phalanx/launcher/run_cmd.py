@@ -1,0 +1,63 @@
+"""``phalanx run``: start a command on N ranks (horovodrun's spellings are accepted).
+
+Example::
+
+    phalanx run -np 2 python train.py --epochs 3
+    phalanx run -np 4 -H localhost:4 -- python -c "import phalanx as px; px.init(); print(px.rank())"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
+from phalanx.launcher.local import LaunchSpec, launch
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a command on N workers",
+        description="Run COMMAND on N workers with rank-prefixed output; stops all if one fails.",
+    )
+    p.add_argument("-np", "--num-proc", "--np", dest="np", type=int, default=None,
+                   help="total number of workers (default: sum of host slots, or 1)")
+    p.add_argument("-H", "--hosts", default=None, help="hosts and slots, e.g. localhost:2")
+    p.add_argument("--hostfile", "-hostfile", default=None, help="file of 'host slots=N' lines")
+    p.add_argument("--start-timeout", type=int, default=60,
+                   help="seconds to wait for every worker to join (default 60)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may wait for peers before it raises (default 300)")
+    p.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr files here")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("phalanx run: no command given; e.g. phalanx run -np 2 python train.py", file=sys.stderr)
+        return 2
+    try:
+        hosts = parse_hostfile(args.hostfile) if args.hostfile else (parse_hosts(args.hosts) if args.hosts else [])
+    except (OSError, ValueError) as err:
+        print(f"phalanx run: {err}", file=sys.stderr)
+        return 2
+    remote = [h.name for h in hosts if not is_local(h.name)]
+    if remote:
+        print(f"phalanx run: hosts {remote} are remote; multi-host launch is not yet supported "
+              "(run one `torchrun` per host meanwhile)", file=sys.stderr)
+        return 2
+    np = args.np or (sum(h.slots for h in hosts) if hosts else 1)
+    if hosts and np > sum(h.slots for h in hosts):
+        print(f"phalanx run: -np {np} exceeds the {sum(h.slots for h in hosts)} slots of the hosts given",
+              file=sys.stderr)
+        return 2
+    env = {}
+    if args.timeout is not None:
+        env["PHALANX_TIMEOUT"] = str(args.timeout)
+    spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env)
+    return launch(spec, command)

@@ -1,0 +1,1 @@
+"""Parallel strategies: data, ZeRO, pipeline, tensor, and their composition."""

@@ -1,0 +1,157 @@
+"""Every collective and op on real ranks, async handles, and the cross-rank mismatch errors.
+
+One spawned group runs many checks: starting ranks is the expensive part.
+"""
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.testing import RankError, distributed
+
+
+def _every_collective():
+    r, n = px.rank(), px.size()
+    out = {}
+    base = torch.tensor([1.0, 2.0, 3.0]) * (r + 1)
+    out["sum"] = px.allreduce(base, op=px.Sum)
+    out["avg"] = px.allreduce(base, op=px.Average)
+    out["min"] = px.allreduce(base, op=px.Min)
+    out["max"] = px.allreduce(base, op=px.Max)
+    out["prod"] = px.allreduce(base, op=px.Product)
+    out["int_avg"] = px.allreduce(torch.tensor([r + 1, 7]), op=px.Average)
+    out["scaled"] = px.allreduce(base, op=px.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    inplace = base.clone()
+    px.allreduce(inplace, op=px.Sum, inplace=True)
+    out["inplace"] = inplace
+    out["bf16"] = px.allreduce(base.bfloat16(), op=px.Sum).float()
+    out["allgather_uneven"] = px.allgather(torch.full((r + 1, 2), float(r)))
+    out["allgather_even"] = px.allgather(torch.tensor([float(r)]))
+    out["bcast"] = px.broadcast(torch.tensor([float(r)]), root_rank=n - 1)
+    out["reducescatter"] = px.reducescatter(torch.arange(2.0 * n) + r, op=px.Sum)
+    out["reducescatter_uneven"] = px.reducescatter(torch.ones(n + 1, 2), op=px.Average)
+    recv, splits = px.alltoall(torch.arange(float(n)) + 10 * r)
+    out["alltoall"], out["alltoall_splits"] = recv, splits
+    # uneven alltoall: rank r sends j+1 rows to rank j
+    send = torch.cat([torch.full((j + 1,), float(r)) for j in range(n)])
+    out["alltoall_uneven"] = px.alltoall(send, splits=[j + 1 for j in range(n)])[0]
+    # async forms: launch several, poll, then wait
+    handles = [px.allreduce(torch.ones(1000) * i, op=px.Sum, async_op=True) for i in range(3)]
+    handles.append(px.allgather(torch.tensor([r]), async_op=True))
+    handles.append(px.broadcast(torch.tensor([r]), root_rank=0, async_op=True))
+    handles.append(px.reducescatter(torch.ones(n), op=px.Sum, async_op=True))
+    polled = [h.is_completed() for h in handles]  # must not block or raise
+    out["async"] = [h.wait() for h in handles]
+    out["async_done"] = all(h.is_completed() for h in handles) and all(isinstance(p, bool) for p in polled)
+    out["objects"] = px.allgather_object({"rank": r})
+    out["bobj"] = px.broadcast_object(["from", r], root_rank=0)
+    px.barrier()
+    return out
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_every_collective_and_op(np):
+    results = distributed(_every_collective, np=np)
+    ranks = torch.arange(1.0, np + 1)  # the (r+1) factors
+    base = torch.tensor([1.0, 2.0, 3.0])
+    for r, out in enumerate(results):
+        torch.testing.assert_close(out["sum"], base * ranks.sum())
+        torch.testing.assert_close(out["avg"], base * ranks.mean())
+        torch.testing.assert_close(out["min"], base * 1)
+        torch.testing.assert_close(out["max"], base * np)
+        torch.testing.assert_close(out["prod"], base**np * ranks.prod())
+        assert out["int_avg"].tolist() == [int(ranks.sum()) // np, 7]
+        torch.testing.assert_close(out["scaled"], base * ranks.sum())
+        torch.testing.assert_close(out["inplace"], base * ranks.sum())
+        torch.testing.assert_close(out["bf16"], base * ranks.sum())
+        expect = torch.cat([torch.full((k + 1, 2), float(k)) for k in range(np)])
+        torch.testing.assert_close(out["allgather_uneven"], expect)
+        torch.testing.assert_close(out["allgather_even"], torch.arange(float(np)))
+        torch.testing.assert_close(out["bcast"], torch.tensor([float(np - 1)]))
+        full = sum(torch.arange(2.0 * np) + k for k in range(np))
+        torch.testing.assert_close(out["reducescatter"], full[2 * r : 2 * r + 2])
+        rows = (np + 1) // np + (1 if r < (np + 1) % np else 0)
+        torch.testing.assert_close(out["reducescatter_uneven"], torch.ones(rows, 2))
+        torch.testing.assert_close(out["alltoall"], torch.tensor([float(r + 10 * k) for k in range(np)]))
+        assert out["alltoall_splits"].tolist() == [1] * np
+        torch.testing.assert_close(out["alltoall_uneven"], torch.cat([torch.full((r + 1,), float(k)) for k in range(np)]))
+        for i in range(3):
+            torch.testing.assert_close(out["async"][i], torch.ones(1000) * i * np)
+        assert out["async"][3].tolist() == list(range(np))
+        assert out["async"][4].tolist() == [0]
+        assert out["async"][5].tolist() == [float(np)]
+        assert out["async_done"]
+        assert out["objects"] == [{"rank": k} for k in range(np)]
+        assert out["bobj"] == ["from", 0]
+
+
+def _mismatch(kind):
+    r = px.rank()
+    try:
+        if kind == "shape":
+            px.allreduce(torch.ones(2 + r), name="layer1.weight")
+        elif kind == "dtype":
+            px.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64), name="bias")
+        elif kind == "collective":
+            if r == 0:
+                px.allreduce(torch.ones(2), name="x")
+            else:
+                px.broadcast(torch.ones(2), root_rank=0, name="x")
+        elif kind == "root":
+            px.broadcast(torch.ones(2), root_rank=r, name="params")
+    except px.CollectiveMismatchError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("shape", ["layer1.weight", "shape", "(2,)", "(3,)"]),
+    ("dtype", ["bias", "dtype", "float64"]),
+    ("collective", ["allreduce", "broadcast"]),
+    ("root", ["root"]),
+])
+def test_mismatch_raises_on_every_rank_naming_tensor_and_ranks(kind, words):
+    messages = distributed(_mismatch, np=2, args=(kind,), timeout=60)
+    for msg in messages:
+        assert msg is not None, "a mismatch went undetected"
+        assert "rank 0" in msg and "rank 1" in msg
+        for w in words:
+            assert w in msg
+
+
+def _check_off_and_bad_args():
+    px.set_mismatch_check(False)
+    same = px.allreduce(torch.ones(3), op=px.Sum)  # still works with the check off
+    px.set_mismatch_check(True)
+    errors = []
+    for call in (lambda: px.alltoall(torch.ones(3)),
+                 lambda: px.alltoall(torch.ones(4), splits=[1, 2]),
+                 lambda: px.broadcast(torch.ones(1), root_rank=9),
+                 lambda: px.reducescatter(torch.ones(2), op=px.Max)):
+        try:
+            call()
+        except ValueError as err:
+            errors.append(str(err))
+    return same, errors
+
+
+def test_check_switch_and_argument_errors():
+    for same, errors in distributed(_check_off_and_bad_args, np=2):
+        assert same.tolist() == [2.0, 2.0, 2.0]
+        assert len(errors) == 4
+        assert "not divisible" in errors[0] and "splits" in errors[1]
+        assert "root_rank 9" in errors[2] and "Max" in errors[3]
+
+
+def _raise_on_rank_one():
+    if px.rank() == 1:
+        raise KeyError("boom on one")
+    px.barrier()  # rank 0 would wait here forever without the harness
+
+
+def test_exception_on_one_rank_is_reported_with_its_traceback():
+    with pytest.raises(RankError) as info:
+        distributed(_raise_on_rank_one, np=2, timeout=60)
+    assert info.value.rank == 1
+    assert "boom on one" in str(info.value) and "_raise_on_rank_one" in str(info.value)
+    assert isinstance(info.value.exception, KeyError)

@@ -1,0 +1,107 @@
+"""``phalanx run``: rank-prefixed output, failure reports, no orphans; and the demo."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from phalanx.launcher.hosts import parse_hostfile, parse_hosts
+
+PHALANX = [sys.executable, "-m", "phalanx"]
+
+
+def _run(args, timeout=120, **kw):
+    return subprocess.run(PHALANX + args, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_run_prints_rank_and_size_with_prefixes():
+    proc = _run(["run", "-np", "2", sys.executable, "-c",
+                 "import phalanx as px; px.init(); print(px.rank(), px.size())"])
+    assert proc.returncode == 0, proc.stderr
+    lines = set(proc.stdout.splitlines())
+    assert "[0]: 0 2" in lines and "[1]: 1 2" in lines
+
+
+def test_horovod_variables_are_exported():
+    proc = _run(["run", "-np", "2", "--", sys.executable, "-c",
+                 "import os; print(os.environ['HOROVOD_RANK'], os.environ['HOROVOD_SIZE'])"])
+    assert proc.returncode == 0, proc.stderr
+    assert "[1]: 1 2" in proc.stdout.splitlines()
+
+
+def _descendants_of(pid):
+    from phalanx.launcher.local import _children_map
+
+    children, found, todo = _children_map(), [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def test_sigkill_of_one_worker_stops_the_job_fast_and_leaves_nothing(tmp_path):
+    marker = tmp_path / "pids"
+    script = tmp_path / "victim.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "300"])      # a grandchild that must not survive
+        with open({str(marker)!r}, "a") as f:
+            f.write(f"{{os.getpid()}} {{child.pid}}\\n")
+        if os.environ["RANK"] == "1":
+            time.sleep(2)
+            os.kill(os.getpid(), 9)
+        time.sleep(300)
+    """))
+    started = time.monotonic()
+    proc = _run(["run", "-np", "2", sys.executable, str(script)], timeout=60)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert elapsed < 10 + 3, f"took {elapsed:.1f}s"  # 2 s of the script's own sleep plus start-up
+    assert "rank 1" in proc.stderr and "SIGKILL" in proc.stderr
+    time.sleep(0.5)
+    pids = [int(p) for line in marker.read_text().split() for p in [line]]
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_failure_report_has_the_traceback_tail():
+    proc = _run(["run", "-np", "2", sys.executable, "-c",
+                 "import os\nif os.environ['RANK']=='1': raise ValueError('bad batch 17')\nimport time; time.sleep(30)"])
+    assert proc.returncode == 1
+    assert "rank 1" in proc.stderr and "exit code 1" in proc.stderr
+    assert "ValueError: bad batch 17" in proc.stderr
+
+
+def test_bad_invocations_are_explained():
+    assert "no command given" in _run(["run", "-np", "2"]).stderr
+    assert "not yet supported" in _run(["run", "-np", "2", "-H", "far-away:2", "true"]).stderr
+    assert "exceeds" in _run(["run", "-np", "4", "-H", "localhost:2", "true"]).stderr
+    assert "host:slots" in _run(["run", "-H", "localhost:x", "true"]).stderr
+
+
+def test_host_parsing(tmp_path):
+    assert [(h.name, h.slots) for h in parse_hosts("a:2,b")] == [("a", 2), ("b", 1)]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=4\nnode2 slots=2 max_slots=8\n\nnode3\n")
+    assert [(h.name, h.slots) for h in parse_hostfile(str(hostfile))] == [("node1", 4), ("node2", 2), ("node3", 1)]
+    hostfile.write_text("node1 slots=four\n")
+    with pytest.raises(ValueError, match=":1"):
+        parse_hostfile(str(hostfile))
+
+
+def test_demo_trains_and_reports():
+    proc = _run(["demo", "--np", "2", "--epochs", "8"], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "speedup" in proc.stdout and "test acc" in proc.stdout
