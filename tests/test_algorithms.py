@@ -1,0 +1,111 @@
+"""Ring and hierarchical allreduce on real ranks (4 ranks as 2 simulated hosts x 2), vs a reference sum.
+
+Values are small integers so that every summation order is exact in every dtype,
+which lets the check be exact equality, for odd sizes and uneven chunks.
+"""
+
+import torch
+
+import phalanx as px
+from phalanx.comm.algorithms import ALGORITHMS, allreduce, choose_algorithm
+from phalanx.testing import distributed
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+SIZES = (1, 3, 7, 1001, 70001)  # odd; 1 and 3 are smaller than the world and the host
+
+
+def _value(numel, dtype, rank):
+    return ((torch.arange(numel) * 7 + rank * 3) % 11).to(dtype)
+
+
+def _every_algorithm():
+    topo = px.topology()
+    r = topo.rank
+    out = {}
+    for algo in ALGORITHMS:
+        for dtype in DTYPES:
+            for numel in SIZES:
+                t = _value(numel, dtype, r)
+                back = allreduce(t, algo, topology=topo, op=px.Sum)
+                assert back is t, "allreduce works in place and returns its tensor"
+                out[(algo, str(dtype), numel)] = t
+        out[(algo, "avg")] = allreduce(_value(1001, torch.float32, r), algo, topology=topo, op=px.Average)
+        out[(algo, "max")] = allreduce(_value(1001, torch.float32, r), algo, topology=topo, op=px.Max)
+        # a non-contiguous tensor (a transposed view) is reduced through a copy
+        m = _value(35, torch.float32, r).view(5, 7).t()
+        allreduce(m, algo, topology=topo, op=px.Sum)
+        out[(algo, "strided")] = m.clone()
+        # async: several in flight, then wait in order
+        hs = [allreduce(_value(999 + i, torch.float32, r), algo, topology=topo, async_op=True) for i in range(3)]
+        polled = all(isinstance(h.is_completed(), bool) for h in hs)
+        out[(algo, "async")] = [h.wait() for h in hs] + [polled and all(h.is_completed() for h in hs)]
+    # the ring on a sub-group of 3 ranks (odd ring), and the errors
+    if r in (0, 1, 3):
+        g = topo.group([0, 1, 3])
+        out["ring_sub"] = allreduce(_value(1001, torch.float32, r), "ring", topology=topo, group=g)
+        try:
+            allreduce(torch.ones(4), "hierarchical", topology=topo, group=g)
+        except ValueError as e:
+            out["hier_sub_error"] = str(e)
+    try:
+        allreduce(torch.ones(4), "bogus", topology=topo)
+    except ValueError as e:
+        out["bad_name"] = str(e)
+    out["auto_big"] = choose_algorithm(64 << 20, topo)
+    out["auto_small"] = choose_algorithm(4096, topo)
+    return out
+
+
+def test_every_algorithm_exact_on_two_simulated_hosts():
+    n = 4
+    results = distributed(_every_algorithm, np=n, local_size=2)
+    for algo in ALGORITHMS:
+        for dtype in DTYPES:
+            for numel in SIZES:
+                want = sum(_value(numel, dtype, r).double() for r in range(n)).to(dtype)
+                for r, out in enumerate(results):
+                    got = out[(algo, str(dtype), numel)]
+                    assert got.dtype == dtype
+                    assert torch.equal(got, want), f"{algo} {dtype} numel={numel} rank {r}"
+        ref = sum(_value(1001, torch.float32, r) for r in range(n))
+        ref_max = torch.stack([_value(1001, torch.float32, r) for r in range(n)]).max(0).values
+        ref_strided = sum(_value(35, torch.float32, r) for r in range(n)).view(5, 7).t()
+        for out in results:
+            torch.testing.assert_close(out[(algo, "avg")], ref / n)
+            assert torch.equal(out[(algo, "max")], ref_max)
+            assert torch.equal(out[(algo, "strided")], ref_strided)
+            *tensors, done = out[(algo, "async")]
+            assert done
+            for i, t in enumerate(tensors):
+                torch.testing.assert_close(t, sum(_value(999 + i, torch.float32, r) for r in range(n)))
+    ref_sub = sum(_value(1001, torch.float32, r) for r in (0, 1, 3))
+    for r in (0, 1, 3):
+        assert torch.equal(results[r]["ring_sub"], ref_sub)
+        assert "group=None" in results[r]["hier_sub_error"]
+    assert "ring" in results[0]["bad_name"] and "bogus" in results[0]["bad_name"]
+    assert results[0]["auto_big"] == "hierarchical" and results[0]["auto_small"] == "flat"
+
+
+def _one_host_auto():
+    topo = px.topology()
+    t = _value(1 << 18, torch.float32, topo.rank)
+    return choose_algorithm(1 << 30, topo), allreduce(t, "hierarchical", topology=topo)
+
+
+def test_one_host_auto_is_flat_and_hierarchical_still_exact():
+    results = distributed(_one_host_auto, np=2)
+    want = _value(1 << 18, torch.float32, 0) + _value(1 << 18, torch.float32, 1)
+    for choice, t in results:
+        assert choice == "flat"
+        assert torch.equal(t, want)
+
+
+
+def test_world_of_one_returns_at_once():
+    topo = px.init()
+    try:
+        t = torch.arange(5.0)
+        assert allreduce(t, "ring", topology=topo) is t
+        assert torch.equal(allreduce(t, "hierarchical", topology=topo, async_op=True).wait(), torch.arange(5.0))
+    finally:
+        px.shutdown()
