@@ -1,0 +1,115 @@
+"""The Horovod facade on real ranks: every collective form, handles, names, process sets, errors."""
+
+import pytest
+import torch
+
+import phalanx.horovod as hvd
+from phalanx.testing import distributed
+
+
+def _facade_collectives():
+    r, n = hvd.rank(), hvd.size()
+    out = {"sizes": (hvd.size(), hvd.local_size(), hvd.cross_size(), hvd.local_rank(), hvd.cross_rank(),
+                     hvd.is_homogeneous())}
+    x = torch.tensor([1.0, 2.0]) * (r + 1)
+    out["avg"] = hvd.allreduce(x)
+    out["sum_deprecated"] = hvd.allreduce(x, average=False)
+    out["fp16"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+    out["scaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0)
+    y = x.clone()
+    hvd.allreduce_(y, op=hvd.Max)
+    out["inplace_max"] = y
+    h = hvd.allreduce_async(torch.ones(1 << 16) * r, op=hvd.Sum, name="big")
+    out["poll_type"] = isinstance(hvd.poll(h), bool)
+    out["async"] = hvd.synchronize(h)[:3]
+    out["grouped"] = hvd.grouped_allreduce([x, torch.tensor([r], dtype=torch.int64), x * 2], op=hvd.Sum)
+    zs = [x.clone(), x.clone() * 3]
+    hvd.grouped_allreduce_(zs, op=hvd.Sum)
+    out["grouped_inplace"] = zs
+    out["allgather"] = hvd.allgather(torch.full((r + 1,), float(r)))
+    out["grouped_allgather"] = hvd.grouped_allgather([torch.tensor([r]), torch.tensor([10 * r])])
+    b = torch.tensor([float(r)])
+    hvd.broadcast_(b, root_rank=1)
+    out["broadcast_inplace"] = b
+    out["broadcast"] = hvd.broadcast(torch.tensor([float(r)]), root_rank=0)
+    out["alltoall"] = hvd.alltoall(torch.arange(float(n)) + 10 * r)
+    out["alltoall_splits"] = hvd.alltoall(torch.arange(3.0) + r, splits=[1, 2])
+    out["reducescatter"] = hvd.reducescatter(torch.ones(4, 2) * (r + 1), op=hvd.Sum, postscale_factor=2.0)
+    out["grouped_reducescatter"] = hvd.grouped_reducescatter([torch.ones(2), torch.ones(4)], op=hvd.Sum)
+    out["objects"] = (hvd.broadcast_object({"from": r}, root_rank=1), hvd.allgather_object(r))
+    # errors
+    errors = []
+    first = hvd.allreduce_async(torch.ones(2), name="dup")
+    try:
+        hvd.allreduce_async(torch.ones(2), name="dup")
+    except ValueError as e:
+        errors.append(str(e))
+    hvd.synchronize(first)
+    try:
+        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+    except NotImplementedError as e:
+        errors.append(str(e))
+    try:
+        hvd.allreduce(torch.ones(2 + r), name="mismatch")
+    except Exception as e:  # CollectiveMismatchError
+        errors.append(str(e))
+    try:
+        hvd.broadcast(torch.ones(1), root_rank=r, name="roots")
+    except Exception as e:
+        errors.append(str(e))
+    out["errors"] = errors
+    # process sets: {0} and {1} each reduce alone; the global set still works afterwards
+    sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    mine = sets[r]
+    out["ps"] = (mine.included(), mine.size(), mine.rank(), hvd.allreduce(torch.tensor([5.0 + r]), op=hvd.Sum,
+                                                                              process_set=mine).item())
+    try:
+        hvd.allreduce(torch.ones(1), process_set=sets[1 - r])
+    except ValueError as e:
+        out["ps_error"] = str(e)
+    hvd.barrier()
+    out["builds"] = (hvd.gloo_built(), hvd.mpi_built(), hvd.nccl_built() == torch.cuda.is_available())
+    return out
+
+
+def test_facade_collectives_on_two_ranks():
+    results = distributed(_facade_collectives, np=2)
+    for r, o in enumerate(results):
+        assert o["sizes"] == (2, 2, 1, r, 0, True)
+        torch.testing.assert_close(o["avg"], torch.tensor([1.5, 3.0]))
+        torch.testing.assert_close(o["sum_deprecated"], torch.tensor([3.0, 6.0]))
+        torch.testing.assert_close(o["fp16"], torch.tensor([3.0, 6.0]))
+        torch.testing.assert_close(o["scaled"], torch.tensor([6.0, 12.0]))
+        torch.testing.assert_close(o["inplace_max"], torch.tensor([2.0, 4.0]))
+        assert o["poll_type"] and o["async"].tolist() == [1.0, 1.0, 1.0]
+        g = o["grouped"]
+        torch.testing.assert_close(g[0], torch.tensor([3.0, 6.0]))
+        assert g[1].tolist() == [1] and g[1].dtype == torch.int64
+        torch.testing.assert_close(g[2], torch.tensor([6.0, 12.0]))
+        torch.testing.assert_close(o["grouped_inplace"][1], torch.tensor([9.0, 18.0]))
+        assert o["allgather"].tolist() == [0.0, 1.0, 1.0]
+        assert [t.tolist() for t in o["grouped_allgather"]] == [[0, 1], [0, 10]]
+        assert o["broadcast_inplace"].tolist() == [1.0] and o["broadcast"].tolist() == [0.0]
+        assert o["alltoall"].tolist() == [float(r), float(r + 10)]
+        recv, splits = o["alltoall_splits"]
+        assert splits.tolist() == ([1, 1] if r == 0 else [2, 2])
+        torch.testing.assert_close(o["reducescatter"], torch.full((2, 2), 6.0))
+        assert [t.tolist() for t in o["grouped_reducescatter"]] == [[2.0], [2.0, 2.0]]
+        assert o["objects"] == ({"from": 1}, [0, 1])
+        dup, adasum, mismatch, roots = o["errors"]
+        assert "already in flight" in dup and "Adasum" in adasum
+        assert "mismatch" in mismatch and "rank 1" in mismatch and "root" in roots
+        assert o["ps"] == (True, 1, 0, 5.0 + r)
+        assert "not in ProcessSet" in o["ps_error"]
+        assert o["builds"] == (True, False, True)
+
+
+def test_facade_runtime_in_a_world_of_one():
+    hvd.init()
+    try:
+        assert (hvd.rank(), hvd.size(), hvd.is_initialized()) == (0, 1, True)
+        with pytest.raises(ValueError, match="MPI"):
+            hvd.init(comm=object())
+        assert not hvd.mpi_enabled() and not hvd.mpi_threads_supported()
+    finally:
+        hvd.shutdown()
