@@ -1,0 +1,196 @@
+"""One pipeline stage: its slice of the model, its neighbours, and the schedule executor.
+
+Data flow for stage s of p (activations right, gradients left)::
+
+    stage s-1 ──x_s (isend/recv)──▶ [ stage s: module ] ──y_s──▶ stage s+1
+              ◀──dL/dx_s──────────                    ◀──dL/dy_s──
+
+* Shapes are exchanged once: the first activation a stage sends is preceded by
+  a small int64 header (ndim, dtype, dims); later ones reuse it. Gradients
+  have the shape of the activation they answer, so they need no header.
+* Sends are ``isend`` and are waited on at the end of the step, so a stage
+  never blocks on a send; receives block (under the process group timeout).
+* The last stage applies ``loss_fn(output, target) / m`` to each micro-batch;
+  backward accumulates into ``.grad`` across the m micro-batches, so after
+  ``step`` the gradients equal those of the mean loss over the whole batch.
+* ``checkpoint=True`` recomputes the stage's activations in backward
+  (``torch.utils.checkpoint``, non-reentrant): memory per micro-batch drops to
+  its input, at about one extra forward.
+
+Example::
+
+    stage = PipelineStage(my_layers, stage_index=px.rank(), num_stages=2,
+                          loss_fn=torch.nn.functional.cross_entropy)
+    loss = stage.step(x if stage.is_first else None, y if stage.is_last else None,
+                      num_microbatches=4, schedule="1f1b")   # loss on the last stage, else None
+    opt.step()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from phalanx.parallel.pipeline.schedules import Schedule, get_schedule
+
+__all__ = ["PipelineStage"]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER = 10  # ndim, dtype code, up to 8 dims
+
+
+class PipelineStage:
+    """Stage ``stage_index`` of ``num_stages``; ``ranks[s]`` is the global rank running stage s.
+
+    ``ranks`` defaults to ``range(num_stages)`` (a world that is one pipeline).
+    ``group`` is the pipeline's process group (``None``: the world).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        *,
+        ranks: Sequence[int] | None = None,
+        group=None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        checkpoint: bool = False,
+    ) -> None:
+        ranks = list(range(num_stages)) if ranks is None else [int(r) for r in ranks]
+        if len(ranks) != num_stages:
+            raise ValueError(f"ranks={ranks} must name one global rank per stage (num_stages={num_stages})")
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index={stage_index} must be in [0, num_stages={num_stages})")
+        if stage_index == num_stages - 1 and loss_fn is None:
+            raise ValueError("the last stage computes the loss: pass loss_fn=(output, target) -> scalar")
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.ranks = ranks
+        self.group = group
+        self.loss_fn = loss_fn
+        self.checkpoint = checkpoint
+        self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._sent_header = False
+        self.busy_s = 0.0  # compute seconds in the last step (for bubble measurements)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    # -- point to point -------------------------------------------------------------------
+    def _peer(self, offset: int) -> int:
+        return self.ranks[self.stage_index + offset]
+
+    def _send_activation(self, y: torch.Tensor, pending: list) -> None:
+        y = y.detach().contiguous()
+        if not self._sent_header:
+            if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
+                raise ValueError(f"stage {self.stage_index}: cannot send an activation of shape "
+                                 f"{tuple(y.shape)} and dtype {y.dtype} (at most {_HEADER - 2} dims, dtype in {_DTYPES})")
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
+            header[2 : 2 + y.dim()] = torch.tensor(y.shape)
+            pending.append(dist.isend(header.to(y.device), dst=self._peer(1), group=self.group))
+            self._sent_header = True
+        pending.append(dist.isend(y, dst=self._peer(1), group=self.group))
+
+    def _recv_activation(self, device: torch.device) -> torch.Tensor:
+        if self._recv_header is None:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            dist.recv(header, src=self._peer(-1), group=self.group)
+            ndim, code = int(header[0]), int(header[1])
+            self._recv_header = (_DTYPES[code], tuple(int(d) for d in header[2 : 2 + ndim]))
+        dtype, shape = self._recv_header
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=self._peer(-1), group=self.group)
+        return x
+
+    # -- the step ---------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return _checkpoint(self.module, x, use_reentrant=False)
+        return self.module(x)
+
+    def step(
+        self,
+        inputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        num_microbatches: int,
+        schedule: str | Schedule = "1f1b",
+    ) -> torch.Tensor | None:
+        """Run forward and backward of every micro-batch; returns the mean loss on the last stage.
+
+        ``inputs`` is the whole batch (first stage only), ``targets`` too (last
+        stage only); both are split into ``num_microbatches`` equal chunks along dim 0.
+        Gradients accumulate into ``.grad``; call the optimizer afterwards.
+        """
+        m = num_microbatches
+        xs = self._chunks(inputs, m, "inputs") if self.is_first else None
+        ts = self._chunks(targets, m, "targets") if self.is_last else None
+        device = self._device()
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pending: list = []
+        loss_sum = torch.zeros((), device=device)
+        self.busy_s = 0.0
+        for kind, i in get_schedule(schedule).actions(self.stage_index, self.num_stages, m):
+            if kind == "F":
+                if self.is_first:
+                    x = xs[i]
+                else:
+                    x = self._recv_activation(device)
+                    x.requires_grad_(x.is_floating_point())
+                t0 = time.perf_counter()
+                y = self._forward(x)
+                if self.is_last:
+                    y = self.loss_fn(y, ts[i]) / m
+                    loss_sum += y.detach()
+                self.busy_s += time.perf_counter() - t0
+                if not self.is_last:
+                    self._send_activation(y, pending)
+                saved[i] = (x, y)
+            elif kind == "B":
+                x, y = saved.pop(i)
+                grad = None
+                if not self.is_last:
+                    grad = torch.empty_like(y)
+                    dist.recv(grad, src=self._peer(1), group=self.group)
+                t0 = time.perf_counter()
+                torch.autograd.backward(y, grad_tensors=grad)
+                self.busy_s += time.perf_counter() - t0
+                if not self.is_first:
+                    if x.grad is None:
+                        raise RuntimeError(f"stage {self.stage_index}: the input received no gradient; "
+                                           "does the stage's output depend on its input?")
+                    pending.append(dist.isend(x.grad.contiguous(), dst=self._peer(-1), group=self.group))
+            else:
+                raise ValueError(f"unknown schedule action {kind!r}; use 'F' or 'B'")
+        if saved:
+            raise RuntimeError(f"schedule left micro-batches {sorted(saved)} without a backward")
+        for work in pending:
+            work.wait()
+        return loss_sum if self.is_last else None
+
+    @staticmethod
+    def _chunks(batch: torch.Tensor | None, m: int, field: str) -> list[torch.Tensor]:
+        if batch is None:
+            raise ValueError(f"{field} is required on this stage")
+        if m < 1 or batch.shape[0] % m:
+            raise ValueError(f"{field}: batch of {batch.shape[0]} rows does not split into "
+                             f"num_microbatches={m} equal micro-batches; pick m dividing the batch")
+        return list(batch.chunk(m))

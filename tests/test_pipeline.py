@@ -1,0 +1,157 @@
+"""Pipeline: optimal partitions on constructed costs, schedule invariants, and GPipe / 1F1B on
+real ranks (p = 2 and 4, m = 1, 4, 8) against one process: same loss per step and same
+parameters after 10 SGD steps."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.parallel.pipeline import (
+    PipelineStage,
+    get_schedule,
+    min_bottleneck_split,
+    partition,
+    uniform_split,
+)
+from phalanx.testing import distributed
+
+STEPS, BATCH, WIDTH = 10, 8, 6
+
+
+# -- partitioner (no ranks) ---------------------------------------------------------------
+def _brute_force(costs, p):
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_min_bottleneck_is_optimal_on_constructed_costs():
+    rng = random.Random(0)
+    cases = [([1, 1, 1, 9, 1, 1], 3), ([5, 1, 1, 1, 1, 1], 2), ([1] * 8, 4), ([3, 3, 3, 3, 100], 2),
+             ([0, 0, 0, 7], 2)]
+    cases += [([rng.randint(0, 20) for _ in range(rng.randint(3, 9))], rng.randint(1, 3)) for _ in range(60)]
+    for costs, p in cases:
+        bounds = min_bottleneck_split(costs, p)
+        assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == p + 1
+        assert all(a < b for a, b in zip(bounds, bounds[1:])), f"empty stage in {bounds} for {costs}"
+        got = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        assert got == _brute_force(costs, p), (costs, p, bounds)
+    assert min_bottleneck_split([1, 1, 1, 9, 1, 1], 3) == (0, 3, 4, 6)
+
+
+def test_partition_methods_report_costs_and_beat_uniform_on_a_heavy_block():
+    torch.manual_seed(0)
+    heavy = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    model = nn.Sequential(heavy, nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    uni = partition(model, 2, method="uniform")
+    assert uni.bounds == uniform_split(5, 2) == (0, 3, 5)
+    by_params = partition(model, 2, method="parameters")
+    assert by_params.stage_costs == [sum(p.numel() for s in model[a:b] for p in s.parameters())
+                                     for a, b in zip(by_params.bounds, by_params.bounds[1:])]
+    uni_params = [sum(p.numel() for s in model[a:b] for p in s.parameters()) for a, b in zip(uni.bounds, uni.bounds[1:])]
+    assert by_params.bounds == (0, 1, 5) and by_params.bottleneck < max(uni_params)
+    assert by_params.std >= 0
+    flops = partition(model, 2, method="flops", sample=torch.randn(3, 4))
+    assert len(flops.stage_costs) == 2 and flops.bottleneck > 0
+    stages = by_params.split(model)
+    assert sum(len(s) for s in stages) == 5
+    with pytest.raises(ValueError, match="at least one block"):
+        min_bottleneck_split([1, 2], 3)
+    with pytest.raises(ValueError, match="sample="):
+        partition(model, 2, method="time")
+    with pytest.raises(ValueError, match="method="):
+        partition(model, 2, method="bogus")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_schedule_invariants(name):
+    sched = get_schedule(name)
+    for p, m in [(1, 1), (2, 1), (2, 4), (4, 3), (4, 8)]:
+        for s in range(p):
+            acts = sched.actions(s, p, m)
+            assert sorted(acts) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            in_flight, peak = 0, 0
+            for kind, i in acts:
+                assert kind == "F" or ("F", i) in acts[: acts.index((kind, i))]
+                in_flight += 1 if kind == "F" else -1
+                peak = max(peak, in_flight)
+            if name == "1f1b":
+                assert peak <= min(p - s, m)  # the point of 1F1B: at most p - s micro-batches alive
+    with pytest.raises(ValueError, match="known schedules"):
+        get_schedule("zigzag")
+
+
+# -- real ranks ---------------------------------------------------------------------------
+def _model(p):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(p)],
+                         nn.Linear(WIDTH, 2))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, 2, generator=g)
+
+
+def _loss(out, y):
+    return (out - y).pow(2).mean()
+
+
+def _pipeline_runs(cases):
+    import phalanx as px
+
+    p, s = px.size(), px.rank()
+    results = {}
+    for schedule, m, ckpt in cases:
+        model = _model(p)
+        stage_mod = partition(model, p, method="uniform").split(model)[s]
+        stage = PipelineStage(stage_mod, s, p, loss_fn=_loss if s == p - 1 else None, checkpoint=ckpt)
+        opt = torch.optim.SGD(stage_mod.parameters(), lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            x, y = _batch(step)
+            loss = stage.step(x, y, num_microbatches=m, schedule=schedule)
+            opt.step()
+            opt.zero_grad()
+            losses.append(None if loss is None else loss.item())
+        results[(schedule, m, ckpt)] = (losses, {k: v.clone() for k, v in stage_mod.state_dict().items()})
+    return results
+
+
+def _reference(p):
+    model = _model(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_gpipe_and_1f1b_match_one_process(np):
+    cases = [(sched, m, False) for sched in ("gpipe", "1f1b") for m in (1, 4, 8)] + [("1f1b", 4, True)]
+    results = distributed(_pipeline_runs, np=np, args=(cases,), timeout=180)
+    ref_losses, ref_params = _reference(np)
+    for case in cases:
+        losses = results[-1][case][0]
+        assert all(v is None for r in results[:-1] for v in r[case][0]), "only the last stage reports the loss"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0,
+                                   msg=lambda msg, case=case: f"{case}: losses differ: {msg}")
+        merged = {}
+        for r in results:
+            merged.update(r[case][1])
+        assert merged.keys() == ref_params.keys()
+        for k in ref_params:
+            torch.testing.assert_close(merged[k], ref_params[k], atol=1e-5, rtol=0,
+                                       msg=lambda msg, case=case, k=k: f"{case} {k}: {msg}")
