@@ -1,0 +1,125 @@
+"""Error feedback (residual memory) for lossy compressors, and the warm-up switch.
+
+A lossy compressor ``C`` drops part of every gradient. Error feedback keeps what
+was dropped and adds it to the next gradient before compressing, so nothing is
+lost, only delayed (Seide et al. 2014, "1-bit SGD"; Stich et al. 2018;
+Karimireddy et al. 2019, "EF-SignSGD")::
+
+    corrected_t = grad_t + residual_{t-1}
+    sent_t      = C(corrected_t)
+    residual_t  = corrected_t - sent_t          =>  sum_t sent_t = sum_t grad_t - residual_T
+
+The sum of what was sent over T steps differs from the sum of the true gradients
+by one bounded residual, which is why sign and top-k converge with it and
+diverge (or stall) without. Residuals are kept per tensor ``name`` (per bucket in
+the data-parallel engine) and are part of ``state_dict()``.
+
+Example::
+
+    from phalanx.comm.error_feedback import ErrorFeedback
+    from phalanx.comm.onebit import SignCompressor
+    c = ErrorFeedback(SignCompressor(), warmup_steps=10)
+    payload, ctx = c.compress(grad, name="bucket0")
+    approx = c.decompress(payload, ctx)
+    sd = c.state_dict()            # {"residuals": {"bucket0": ...}, "steps": {...}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ResidualMemory", "ErrorFeedback"]
+
+
+class ResidualMemory:
+    """Residual tensors keyed by name, with ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def correct(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor + residual[key]`` (a new tensor; ``tensor`` is not modified)."""
+        res = self.residuals.get(key)
+        if res is None or res.shape != tensor.shape:
+            return tensor.clone()
+        return tensor + res.to(tensor.dtype)
+
+    def update(self, key: str, corrected: torch.Tensor, approx: torch.Tensor) -> None:
+        """Remember what compression dropped: ``corrected - approx``."""
+        self.residuals[key] = (corrected - approx).detach()
+
+    def clear(self) -> None:
+        self.residuals.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {k: v.clone() for k, v in state.items()}
+
+
+class ErrorFeedback:
+    """Wrap a lossy compressor with residual memory and an uncompressed warm-up.
+
+    ``enabled=False`` keeps only the warm-up switch. ``warmup_steps=N``: the first N
+    calls for each name go uncompressed (``allreduce_compressed`` checks
+    :meth:`in_warmup`), like PowerSGD's ``start_powerSGD_iter``.
+    Attributes other than these are forwarded to the inner compressor.
+    """
+
+    def __init__(self, inner: Any, *, enabled: bool = True, warmup_steps: int = 0) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.inner = inner
+        self.enabled = bool(enabled)
+        self.warmup_steps = int(warmup_steps)
+        self.memory = ResidualMemory()
+        self.steps: dict[str, int] = {}
+
+    def __getattr__(self, attr: str):  # name, summable, fixed_size, payload_nbytes ...
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.inner!r}, enabled={self.enabled}, warmup_steps={self.warmup_steps})"
+
+    def tick(self, name: str) -> bool:
+        """Count one call for ``name``; True while that name is still warming up."""
+        n = self.steps.get(name, 0)
+        self.steps[name] = n + 1
+        return n < self.warmup_steps
+
+    def in_warmup(self, name: str) -> bool:
+        return self.steps.get(name, 0) < self.warmup_steps
+
+    def correct(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return self.memory.correct(key, tensor) if self.enabled else tensor
+
+    def update(self, key: str, corrected: torch.Tensor, approx: torch.Tensor) -> None:
+        if self.enabled:
+            self.memory.update(key, corrected, approx)
+
+    def compress(self, tensor: torch.Tensor, name: str = "default"):
+        corrected = self.correct(name, tensor)
+        payload, ctx = self.inner.compress(corrected)
+        if self.enabled:
+            self.update(name, corrected, self.inner.decompress(payload, ctx))
+        return payload, ctx
+
+    def decompress(self, payload, ctx) -> torch.Tensor:
+        return self.inner.decompress(payload, ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"residuals": self.memory.state_dict(), "steps": dict(self.steps)}
+        if hasattr(self.inner, "state_dict"):
+            out["inner"] = self.inner.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.memory.load_state_dict(state.get("residuals", {}))
+        self.steps = dict(state.get("steps", {}))
+        if "inner" in state and hasattr(self.inner, "load_state_dict"):
+            self.inner.load_state_dict(state["inner"])

@@ -1,0 +1,137 @@
+"""PowerSGD: rank-r low-rank gradient compression (Vogels, Karimireddy, Jaggi, NeurIPS 2019).
+
+A gradient matrix ``M`` (n x m) is sent as two thin factors. One power-iteration
+step per training step, warm-started from the previous step's ``Q``::
+
+    M  = grad + residual                    (error feedback, per name)
+    P  = M @ Q            n x r   ── allreduce (mean) ──>  P
+    P  = orthogonalise(P)           (reduced QR)
+    Q  = M^T @ P          m x r   ── allreduce (mean) ──>  Q
+    approx   = P @ Q^T              (identical on every rank)
+    residual = M - approx
+
+Both messages are plain sums, so they go through ordinary allreduces of
+``(n + m) * r`` floats instead of ``n * m``. A flat bucket is viewed as a
+near-square matrix, as torch's ``batched_powerSGD_hook`` does; a 2-D tensor keeps
+its own shape. Use through ``allreduce_compressed`` (it calls :meth:`reduce`).
+
+Example::
+
+    from phalanx.comm.compressed import allreduce_compressed
+    from phalanx.comm.compression import get_compressor
+    c = get_compressor("powersgd", rank=4)
+    avg = allreduce_compressed(grad_flat, c, name="bucket0")
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm.error_feedback import ResidualMemory
+
+__all__ = ["PowerSGDCompressor"]
+
+
+class PowerSGDCompressor:
+    """Rank-``rank`` PowerSGD with warm start and error feedback (``error_feedback=True``)."""
+
+    summable = False
+    fixed_size = True
+    name = "powersgd"
+
+    def __init__(self, rank: int = 4, *, error_feedback: bool = True, warmup_steps: int = 0, seed: int = 0) -> None:
+        if rank < 1:
+            raise ValueError(f"powersgd rank must be >= 1, got {rank}")
+        self.rank = int(rank)
+        self.error_feedback = bool(error_feedback)
+        self.warmup_steps = int(warmup_steps)
+        self.seed = int(seed)
+        self.memory = ResidualMemory()
+        self.q_memory: dict[str, torch.Tensor] = {}
+        self.steps: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"PowerSGDCompressor(rank={self.rank}, error_feedback={self.error_feedback})"
+
+    def tick(self, name: str) -> bool:
+        n = self.steps.get(name, 0)
+        self.steps[name] = n + 1
+        return n < self.warmup_steps
+
+    @staticmethod
+    def matrix_shape(tensor: torch.Tensor) -> tuple[int, int]:
+        if tensor.dim() == 2:
+            return tuple(tensor.shape)  # type: ignore[return-value]
+        n = tensor.numel()
+        rows = max(1, math.isqrt(n))
+        return rows, math.ceil(n / rows)
+
+    def payload_nbytes(self, numel_or_tensor) -> int:
+        t = numel_or_tensor if isinstance(numel_or_tensor, torch.Tensor) else torch.empty(int(numel_or_tensor), device="meta")
+        rows, cols = self.matrix_shape(t)
+        r = min(self.rank, rows, cols)
+        return (rows + cols) * r * 4
+
+    def _matrix(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.matrix_shape(tensor)
+        flat = tensor.detach().reshape(-1).float()
+        pad = rows * cols - flat.numel()
+        return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(rows, cols)
+
+    def compress(self, tensor: torch.Tensor):
+        """Local (no communication) rank-r factors ``(P, Q)``; the collective form is :meth:`reduce`."""
+        matrix = self._matrix(tensor)
+        rows, cols = matrix.shape
+        r = min(self.rank, rows, cols)
+        q = torch.randn(cols, r, generator=torch.Generator().manual_seed(self.seed)).to(matrix.device)
+        p = torch.linalg.qr(matrix @ q).Q
+        return (p, matrix.t() @ p), (tensor.numel(), tensor.dtype, tuple(tensor.shape))
+
+    def decompress(self, payload, ctx) -> torch.Tensor:
+        p, q = payload
+        n, dtype, shape = ctx
+        return (p @ q.t()).reshape(-1)[:n].to(dtype).reshape(shape)
+
+    def reduce(self, tensor: torch.Tensor, *, group=None, name: str = "default") -> tuple[torch.Tensor, int]:
+        """The averaged rank-r approximation on every rank, and the bytes this rank sent."""
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        matrix = self._matrix(tensor)
+        if self.error_feedback:
+            matrix = self.memory.correct(name, matrix)
+        rows, cols = matrix.shape
+        r = min(self.rank, rows, cols)
+        q = self.q_memory.get(name)
+        if q is None or q.shape != (cols, r):
+            gen = torch.Generator().manual_seed(self.seed)  # the same start on every rank
+            q = torch.randn(cols, r, generator=gen).to(matrix.device)
+        p = matrix @ q
+        if world > 1:
+            dist.all_reduce(p, group=group)
+            p.div_(world)
+        p = torch.linalg.qr(p).Q
+        q = matrix.t() @ p
+        if world > 1:
+            dist.all_reduce(q, group=group)
+            q.div_(world)
+        self.q_memory[name] = q  # warm start for the next step
+        approx = p @ q.t()
+        if self.error_feedback:
+            self.memory.update(name, matrix, approx)
+        out = approx.reshape(-1)[: tensor.numel()].to(tensor.dtype).reshape(tensor.shape)
+        sent = 2 * (world - 1) * (p.numel() + q.numel()) * 4 // world if world > 1 else 0
+        return out, sent
+
+    def state_dict(self) -> dict:
+        return {
+            "residuals": self.memory.state_dict(),
+            "q": {k: v.clone() for k, v in self.q_memory.items()},
+            "steps": dict(self.steps),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.memory.load_state_dict(state.get("residuals", {}))
+        self.q_memory = {k: v.clone() for k, v in state.get("q", {}).items()}
+        self.steps = dict(state.get("steps", {}))

@@ -1,0 +1,103 @@
+"""Sparsification: send only the largest entries, as (index, value) pairs.
+
+``TopKCompressor(ratio)`` keeps the ``ceil(ratio * n)`` entries of largest
+magnitude (Stich et al. 2018; Lin et al. 2018, "Deep Gradient Compression");
+``ThresholdCompressor(threshold)`` keeps every entry with ``|x| >= threshold``
+(Strom 2015), so its payload size varies from step to step. Both need error
+feedback to converge (on by default in the registry). Payload layout, one uint8
+tensor::
+
+    [ indices: k * int32 ][ values: k * fp32 ]        8 bytes per kept entry
+
+Top-k at ratio 0.01 is 50x smaller than fp32. Sums of sparse payloads are not
+sparse payloads, so they are reduced by ``allreduce_compressed`` (an allgather of
+pairs, or two-phase).
+
+Example::
+
+    from phalanx.comm.sparsify import TopKCompressor
+    c = TopKCompressor(ratio=0.01)
+    payload, ctx = c.compress(grad)
+    sparse_grad = c.decompress(payload, ctx)     # dense, zeros except the top 1%
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from phalanx.comm.quantize import from_bytes, to_bytes
+
+__all__ = ["TopKCompressor", "ThresholdCompressor"]
+
+
+def _encode(flat: torch.Tensor, idx: torch.Tensor):
+    return torch.cat([to_bytes(idx.to(torch.int32)), to_bytes(flat[idx].float())])
+
+
+def _decode(payload: torch.Tensor, ctx) -> torch.Tensor:
+    n, dtype, shape = ctx
+    k = payload.numel() // 8
+    idx = from_bytes(payload, torch.int32, k).long()
+    values = from_bytes(payload[4 * k :], torch.float32, k)
+    out = torch.zeros(n, dtype=torch.float32, device=payload.device)
+    out.index_add_(0, idx, values)
+    return out.to(dtype).reshape(shape)
+
+
+class TopKCompressor:
+    """Keep the ``ceil(ratio * n)`` largest-magnitude entries."""
+
+    summable = False
+    fixed_size = True
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
+        self.ratio = float(ratio)
+        self.name = "topk"
+
+    def __repr__(self) -> str:
+        return f"TopKCompressor(ratio={self.ratio})"
+
+    def k(self, numel: int) -> int:
+        return max(1, math.ceil(self.ratio * numel)) if numel else 0
+
+    def payload_nbytes(self, numel: int) -> int:
+        return 8 * self.k(numel)
+
+    def compress(self, tensor: torch.Tensor):
+        flat = tensor.detach().reshape(-1)
+        idx = flat.abs().topk(self.k(flat.numel()), sorted=False).indices
+        return _encode(flat, idx), (flat.numel(), tensor.dtype, tuple(tensor.shape))
+
+    def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
+        return _decode(payload, ctx)
+
+
+class ThresholdCompressor:
+    """Keep every entry with ``|x| >= threshold`` (variable payload size)."""
+
+    summable = False
+    fixed_size = False
+
+    def __init__(self, threshold: float = 1e-3) -> None:
+        if threshold <= 0:
+            raise ValueError(f"threshold must be > 0, got {threshold}")
+        self.threshold = float(threshold)
+        self.name = "threshold"
+
+    def __repr__(self) -> str:
+        return f"ThresholdCompressor(threshold={self.threshold})"
+
+    def payload_nbytes(self, numel: int):
+        return None  # depends on the data
+
+    def compress(self, tensor: torch.Tensor):
+        flat = tensor.detach().reshape(-1)
+        idx = (flat.abs() >= self.threshold).nonzero().reshape(-1)
+        return _encode(flat, idx), (flat.numel(), tensor.dtype, tuple(tensor.shape))
+
+    def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
+        return _decode(payload, ctx)

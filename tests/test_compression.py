@@ -1,0 +1,143 @@
+"""Compressors one by one: error bounds, exact bit packing, error feedback, residual checkpoints."""
+
+import math
+
+import pytest
+import torch
+
+from phalanx.comm.compressed import allreduce_compressed
+from phalanx.comm.compression import available_compressors, get_compressor
+from phalanx.comm.error_feedback import ErrorFeedback
+from phalanx.comm.onebit import SignCompressor
+from phalanx.comm.powersgd import PowerSGDCompressor
+from phalanx.comm.quantize import QuantizeCompressor, pack_bits, unpack_bits
+from phalanx.comm.sparsify import ThresholdCompressor, TopKCompressor
+
+
+def test_pack_bits_exact():
+    assert pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1]), 1).tolist() == [0b1101, 1]
+    assert pack_bits(torch.tensor([3, 0, 2, 1]), 2).tolist() == [3 | 2 << 4 | 1 << 6]
+    assert pack_bits(torch.tensor([15, 1, 7]), 4).tolist() == [15 | 1 << 4, 7]
+    gen = torch.Generator().manual_seed(0)
+    for bits in (1, 2, 4, 8):
+        codes = torch.randint(0, 2**bits, (1001,), generator=gen)
+        packed = pack_bits(codes, bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(1001 * bits / 8)
+        assert torch.equal(unpack_bits(packed, bits, 1001), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_error_bound_and_size(bits):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(bits)) * 3
+    q = QuantizeCompressor(bits=bits, chunk=100)
+    payload, ctx = q.compress(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == q.payload_nbytes(1000)
+    y = q.decompress(payload, ctx)
+    scale = x.view(10, 100).abs().amax(1, keepdim=True) / q.levels  # one scale per chunk
+    assert ((y - x).view(10, 100).abs() <= scale / 2 + 1e-6).all()
+    assert x.numel() * 4 / payload.numel() > {8: 3.8, 4: 7.0, 2: 12.0}[bits]
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.linspace(-1, 1, 64)
+    q = QuantizeCompressor(bits=2, chunk=64, stochastic=True, seed=0)  # only -1, 0, +1 levels
+    mean = sum(q.decompress(*q.compress(x)) for _ in range(4000)) / 4000
+    assert (mean - x).abs().max() < 0.05
+    nearest = QuantizeCompressor(bits=2, chunk=64)
+    assert (nearest.decompress(*nearest.compress(x)) - x).abs().max() > 0.3  # the bias it removes
+
+
+def test_sign_packs_eight_per_byte_and_keeps_mean_magnitude():
+    x = torch.tensor([0.5, -2.0, 1.5, 0.0, -1.0, 3.0, -0.5, 2.0, 1.0])
+    c = SignCompressor(chunk=4)
+    payload, ctx = c.compress(x)
+    assert payload.numel() == 2 + 3 * 4  # 9 bits -> 2 bytes, 3 fp32 scales
+    assert payload[:2].tolist() == [0b10101101, 1]
+    y = c.decompress(payload, ctx)
+    assert torch.equal(torch.sign(y), torch.where(x >= 0, 1.0, -1.0))
+    torch.testing.assert_close(y.abs(), torch.tensor([1.0] * 4 + [1.625] * 4 + [1.0]))
+
+
+def test_topk_and_threshold_keep_exactly_the_right_entries():
+    x = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    c = TopKCompressor(ratio=0.02)
+    payload, ctx = c.compress(x)
+    y = c.decompress(payload, ctx)
+    keep = x.abs().topk(10).indices
+    assert payload.numel() == 80 and (y != 0).sum() == 10 and torch.equal(y[keep], x[keep])
+    t = ThresholdCompressor(threshold=2.0)
+    y = t.decompress(*t.compress(x))
+    assert torch.equal(y, torch.where(x.abs() >= 2.0, x, torch.zeros_like(x)))
+
+
+@pytest.mark.parametrize("name,kw", [("sign", {"chunk": 16}), ("topk", {"ratio": 0.05}), ("2bit", {}), ("threshold", {"threshold": 0.5})])
+def test_error_feedback_makes_accumulated_update_unbiased(name, kw):
+    gen = torch.Generator().manual_seed(2)
+    g_mean = torch.randn(200, generator=gen)
+    with_ef, without = get_compressor(name, **kw), get_compressor(name, error_feedback=False, **kw)
+    sent_ef = sent_plain = total = 0
+    steps = 400
+    for _ in range(steps):
+        g = g_mean + 0.1 * torch.randn(200, generator=gen)
+        total = total + g
+        sent_ef = sent_ef + with_ef.decompress(*with_ef.compress(g, name="w"))
+        sent_plain = sent_plain + without.decompress(*without.compress(g, name="w"))
+    # the exact identity: what was sent + what is still held back == what was computed
+    torch.testing.assert_close(sent_ef + with_ef.memory.residuals["w"], total, atol=1e-3, rtol=1e-4)
+    err_ef = ((sent_ef - total) / steps).abs().max()
+    err_plain = ((sent_plain - total) / steps).abs().max()
+    assert err_ef < 0.05, err_ef
+    assert err_plain > 5 * err_ef, (err_plain, err_ef)
+
+
+def test_residual_state_dict_round_trip():
+    a = get_compressor("topk", ratio=0.1, warmup_steps=1)
+    xs = [torch.randn(100, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for x in xs[:3]:
+        a.tick("b0")
+        a.compress(x, name="b0")
+    b = get_compressor("topk", ratio=0.1, warmup_steps=1)
+    b.load_state_dict(a.state_dict())
+    assert b.steps == {"b0": 3} and not b.in_warmup("b0")
+    pa, _ = a.compress(xs[3], name="b0")
+    pb, _ = b.compress(xs[3], name="b0")
+    assert torch.equal(pa, pb) and torch.equal(a.memory.residuals["b0"], b.memory.residuals["b0"])
+    fresh = get_compressor("topk", ratio=0.1)
+    assert not torch.equal(fresh.compress(xs[3], name="b0")[0], pa)  # the residual mattered
+
+
+def test_powersgd_exact_on_low_rank_and_state_round_trip():
+    gen = torch.Generator().manual_seed(3)
+    m = torch.randn(30, 2, generator=gen) @ torch.randn(2, 20, generator=gen)
+    c = PowerSGDCompressor(rank=2)
+    out, sent = c.reduce(m, name="w")  # world of one: no communication
+    torch.testing.assert_close(out, m, atol=1e-4, rtol=1e-4)
+    assert sent == 0 and c.payload_nbytes(m) == (30 + 20) * 2 * 4
+    full = torch.randn(30, 20, generator=gen)
+    c2 = PowerSGDCompressor(rank=1)
+    for _ in range(3):
+        c2.reduce(full, name="w")
+    c3 = PowerSGDCompressor(rank=1)
+    c3.load_state_dict(c2.state_dict())
+    torch.testing.assert_close(c2.reduce(full, name="w")[0], c3.reduce(full, name="w")[0])
+    flat = torch.randn(1000, generator=gen)  # a flat bucket becomes a near-square matrix
+    assert c.reduce(flat, name="flat")[0].shape == flat.shape
+
+
+def test_registry_and_errors():
+    assert {"none", "fp16", "bf16", "int8", "int4", "2bit", "topk", "threshold", "sign", "powersgd"} <= set(
+        available_compressors()
+    )
+    assert isinstance(get_compressor("sign"), ErrorFeedback) and get_compressor("sign").enabled
+    assert not get_compressor("int8", error_feedback=False).enabled
+    assert get_compressor("int8", stochastic=True).inner.stochastic
+    with pytest.raises(ValueError, match="unknown compression 'int9'"):
+        get_compressor("int9")
+    with pytest.raises(TypeError, match="'topk': bad option"):
+        get_compressor("topk", ration=0.1)
+    with pytest.raises(ValueError, match="topk ratio"):
+        get_compressor("topk", ratio=2.0)
+    with pytest.raises(ValueError, match="algorithm"):
+        allreduce_compressed(torch.ones(3), "int8", algorithm="ring")
+    x = torch.randn(10)
+    assert torch.equal(allreduce_compressed(x, "sign"), x)  # a world of one sends nothing
