@@ -1,0 +1,49 @@
+"""Crash-safe sharded checkpoints: parallel per-rank files, manifest last, async save, resharding load.
+
+Example::
+
+    import phalanx.checkpoint as ckpt
+
+    state = {"model": model, "optim": opt, "sched": sched, "scaler": scaler,
+             "sampler": sampler, "rng": ckpt.RNGState(), "step": 0}
+    mgr = ckpt.CheckpointManager("ckpts", keep=3)
+    mgr.load_latest(state)                    # resume if there is something to resume
+    for step in range(state["step"], 1000):
+        ...
+        state["step"] = step + 1
+        if (step + 1) % 100 == 0:
+            mgr.save(step + 1, state, async_=True)   # blocks only for the CPU copy
+
+See docs/fault_tolerance.md for the layout and what happens on each failure.
+"""
+
+from phalanx.checkpoint._tree import Shard
+from phalanx.checkpoint.async_save import AsyncWriter, CheckpointWriteError
+from phalanx.checkpoint.io import CorruptCheckpointError
+from phalanx.checkpoint.sharded import (
+    MANIFEST,
+    CheckpointManager,
+    RNGState,
+    list_checkpoints,
+    load,
+    load_latest,
+    read_manifest,
+    save,
+    wait,
+)
+
+__all__ = [
+    "save",
+    "load",
+    "load_latest",
+    "list_checkpoints",
+    "read_manifest",
+    "wait",
+    "Shard",
+    "RNGState",
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "CheckpointWriteError",
+    "AsyncWriter",
+    "MANIFEST",
+]

@@ -1,0 +1,435 @@
+"""Sharded checkpoints: every rank writes its own file in parallel; the manifest is written last.
+
+Layout of one checkpoint directory (N = world size at save time)::
+
+    step-000000120/
+      rank00000.safetensors   rank 0's tensors (torch.save + weights_only load without safetensors)
+      rank00000.json          rank 0's skeleton: the tree structure, plain values, tensor records
+      ...                     one pair per rank, written concurrently
+      manifest.json           written by rank 0 only after every rank's pair exists: world size,
+                              format, sha256 of every file, shape/dtype/sharding of every tensor
+
+A checkpoint without ``manifest.json`` is incomplete and is never loaded, so a
+crash at any point of a save leaves the previous checkpoint as the newest
+loadable one. Loading checks every file it reads against the manifest's sha256.
+
+Resharding: a tensor split across ranks is saved as a :class:`Shard` (local
+piece + global shape + offsets). A loader at another world size passes a state
+whose Shards have the new offsets; each is filled from every saved piece that
+overlaps it. Other values (replicated model weights, per-rank RNG) come from
+the same rank's file, or rank 0's for ranks that did not exist at save time.
+
+Example::
+
+    state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "step": step}
+    ckpt.save(f"ckpts/step-{step:09d}", state, async_=True)   # returns after the CPU copy
+    ...
+    ckpt.load_latest("ckpts", state)                          # newest intact one
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from phalanx.checkpoint import io
+from phalanx.checkpoint._tree import Shard, _path_str, copy_overlap, decode, encode
+from phalanx.checkpoint.async_save import default_writer
+from phalanx.log import get_logger
+
+__all__ = ["save", "load", "load_latest", "list_checkpoints", "wait", "RNGState", "CheckpointManager",
+           "MANIFEST"]
+
+log = get_logger(__name__)
+MANIFEST = "manifest.json"
+_VERSION = 1
+
+
+def _world() -> tuple[int, int]:
+    from phalanx import runtime
+
+    if runtime.is_initialized():
+        return runtime.rank(), runtime.size()
+    return 0, 1
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get("PHALANX_TIMEOUT", "300"))
+
+
+def _is_stateful(v: Any) -> bool:
+    return hasattr(v, "state_dict") and hasattr(v, "load_state_dict") and not isinstance(v, torch.Tensor)
+
+
+def _to_tree(state: dict) -> dict:
+    if not isinstance(state, dict):
+        raise TypeError(f"checkpoint state must be a dict of name -> piece, got {type(state).__name__}")
+    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+
+
+class RNGState:
+    """Every random generator of this process as one state piece: torch CPU (and CUDA), Python, numpy.
+
+    Example::
+
+        state = {"rng": RNGState(), ...}; ckpt.save(path, state)   # later load() restores the streams
+    """
+
+    def state_dict(self) -> dict:
+        import random
+
+        import numpy as np
+
+        out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        import random
+
+        import numpy as np
+
+        torch.set_rng_state(sd["torch"])
+        random.setstate(sd["python"])
+        np.random.set_state(sd["numpy"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(sd["cuda"])
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _rank_files(rank: int, fmt: str) -> tuple[str, str]:
+    ext = "safetensors" if fmt == "safetensors" else "pt"
+    return f"rank{rank:05d}.{ext}", f"rank{rank:05d}.json"
+
+
+def _write_rank(path: str, rank: int, world: int, nonce: str, skeleton, tensors, records, fmt: str,
+                meta: dict, fsync: bool) -> None:
+    tfile, mfile = _rank_files(rank, fmt)
+    digest = io.write_tensors(os.path.join(path, tfile), tensors, fmt=fmt, fsync=fsync)
+    _test_hook("after_tensors", rank)
+    io.write_json(os.path.join(path, mfile), {
+        "nonce": nonce, "rank": rank, "world_size": world, "format": fmt, "tensor_file": tfile,
+        "tensor_sha256": digest, "records": records, "skeleton": skeleton, "meta": meta}, fsync=fsync)
+    if rank == 0:
+        _write_manifest(path, world, nonce, fmt, meta, fsync)
+
+
+def _write_manifest(path: str, world: int, nonce: str, fmt: str, meta: dict, fsync: bool) -> None:
+    """Rank 0: wait until every rank's files of this save exist, then write the manifest (last)."""
+    deadline = time.monotonic() + _timeout_s()
+    ranks = []
+    for r in range(world):
+        tfile, mfile = _rank_files(r, fmt)
+        mpath = os.path.join(path, mfile)
+        while True:
+            try:
+                info = io.read_json(mpath)
+                if info.get("nonce") == nonce:
+                    break
+            except (io.CorruptCheckpointError, OSError):
+                pass  # not written yet (or an older attempt's file): keep polling
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint {path}: rank {r} did not write its shard within "
+                                   f"{_timeout_s():.0f}s (PHALANX_TIMEOUT); the manifest was not written, "
+                                   "so the previous checkpoint stays the newest")
+            time.sleep(0.005)
+        ranks.append({"tensor_file": tfile, "tensor_sha256": info["tensor_sha256"], "meta_file": mfile,
+                      "meta_sha256": io.sha256_file(mpath), "tensors": info["records"]})
+    _test_hook("before_manifest", 0)
+    io.write_json(os.path.join(path, MANIFEST), {
+        "version": _VERSION, "nonce": nonce, "world_size": world, "format": fmt,
+        "created": time.time(), "meta": meta, "ranks": ranks}, fsync=fsync)
+
+
+def _test_hook(where: str, rank: int) -> None:
+    # Tests kill the process here to prove a crash mid-save is harmless.
+    if os.environ.get("PHALANX_CKPT_CRASH") == f"{where}:{rank}":
+        os.kill(os.getpid(), 9)
+
+
+def save(path: str, state: dict, *, async_: bool = False, meta: dict | None = None,
+         fsync: bool = True, on_done=None) -> None:
+    """Save ``state`` (name -> module/optimizer/…/tensor/plain value) to directory ``path``.
+
+    Every rank calls it. ``async_=True`` returns once the state is copied to CPU
+    memory; the files are written on a background thread (at most one save in
+    flight; an error is raised by the next ``save``/``wait``). ``meta`` is a small
+    JSON dict stored in the manifest (e.g. ``{"step": 120}``). ``on_done`` runs on
+    rank 0 after the manifest is written (used to prune old checkpoints).
+    """
+    writer = default_writer()
+    writer.wait()  # at most one in flight; raises the previous save's error here
+    rank, world = _world()
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        raise FileExistsError(f"checkpoint {path} already exists and is complete; save each step to a "
+                              "new directory (CheckpointManager does) or delete it first")
+    nonce = uuid.uuid4().hex
+    if world > 1:  # every rank must tag its files with the same save id
+        from phalanx.comm.collectives import broadcast_object
+
+        nonce = broadcast_object(nonce, root_rank=0)
+    tensors: dict[str, torch.Tensor] = {}
+    records: dict[str, dict] = {}
+    skeleton = encode(_to_tree(state), tensors, records, copy=async_)
+    fmt = io.tensor_format()
+    meta = dict(meta or {})
+    os.makedirs(path, exist_ok=True)
+
+    def write() -> None:
+        _write_rank(path, rank, world, nonce, skeleton, tensors, records, fmt, meta, fsync)
+        if rank == 0 and on_done is not None:
+            on_done()
+
+    if async_:
+        writer.submit(write, what=path)
+        return
+    write()
+    if world > 1:
+        from phalanx.comm.collectives import barrier
+
+        barrier()  # a sync save returns on every rank only when the manifest exists
+
+
+def wait() -> None:
+    """Block until the asynchronous save in flight is complete on every rank (manifest included).
+
+    Every rank calls it (it ends with a barrier when the world is larger than one);
+    raises :class:`CheckpointWriteError` if this rank's write failed.
+    """
+    default_writer().wait()
+    _, world = _world()
+    if world > 1:
+        from phalanx.comm.collectives import barrier
+
+        barrier()  # rank 0 returns from its wait only after writing the manifest
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _template_shards(tree: Any, path: tuple = (), out: dict | None = None) -> dict[str, Shard]:
+    out = {} if out is None else out
+    if isinstance(tree, Shard):
+        out[_path_str(path)] = tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _template_shards(v, path + (k,), out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _template_shards(v, path + (i,), out)
+    return out
+
+
+class _Reader:
+    """Reads (and checksums) each rank file of one checkpoint at most once."""
+
+    def __init__(self, path: str, manifest: dict) -> None:
+        self.path, self.manifest, self.cache = path, manifest, {}
+
+    def tensors(self, r: int) -> dict[str, torch.Tensor]:
+        if r not in self.cache:
+            entry = self.manifest["ranks"][r]
+            self.cache[r] = io.read_tensors(os.path.join(self.path, entry["tensor_file"]),
+                                            sha256=entry["tensor_sha256"], fmt=self.manifest["format"])
+        return self.cache[r]
+
+    def pieces(self, pstr: str):
+        """Every saved (rank, name, record) at this tree path."""
+        for r, entry in enumerate(self.manifest["ranks"]):
+            for name, rec in entry["tensors"].items():
+                if rec["path"] == pstr:
+                    yield r, name, rec
+
+    def assemble(self, pstr: str, shape, offsets, dtype) -> torch.Tensor:
+        """A tensor of ``shape`` at ``offsets`` of the global tensor at ``pstr``, from every overlapping piece."""
+        dst = torch.empty(shape, dtype=dtype)
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for r, name, rec in self.pieces(pstr):
+            src_off = rec.get("offsets", [0] * len(rec["shape"]))
+            if not _overlaps(shape, offsets, rec["shape"], src_off):
+                continue  # do not even read that rank's file
+            copy_overlap(dst, offsets, self.tensors(r)[name], src_off)
+            copy_overlap(covered, offsets, torch.ones((), dtype=torch.bool).expand(rec["shape"]), src_off)
+        if not bool(covered.all()):
+            raise io.CorruptCheckpointError(
+                f"checkpoint {self.path}: the saved pieces of '{pstr}' do not cover the region at offsets "
+                f"{list(offsets)} of shape {list(shape)}")
+        return dst
+
+
+def _overlaps(a_shape, a_off, b_shape, b_off) -> bool:
+    return all(max(ao, bo) < min(ao + an, bo + bn) for an, ao, bn, bo in zip(a_shape, a_off, b_shape, b_off))
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(mpath):
+        raise io.CorruptCheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete "
+                                        "(a save was interrupted) or not a phalanx checkpoint")
+    manifest = io.read_json(mpath)
+    if manifest.get("version") != _VERSION:
+        raise io.CorruptCheckpointError(f"checkpoint {path}: manifest version {manifest.get('version')} "
+                                        f"is not the supported {_VERSION}")
+    return manifest
+
+
+def _read(path: str, state: dict) -> dict:
+    """Read this rank's view of checkpoint ``path`` into a tree shaped like ``state`` (nothing applied)."""
+    rank, world = _world()
+    manifest = read_manifest(path)
+    saved_world = manifest["world_size"]
+    src = rank if rank < saved_world else 0
+    entry = manifest["ranks"][src]
+    info = io.read_json(os.path.join(path, entry["meta_file"]), sha256=entry["meta_sha256"])
+    reader = _Reader(path, manifest)
+    template = _template_shards(_to_tree(state))
+    dtype_of = {n: getattr(torch, rec["dtype"]) for n, rec in entry["tensors"].items()}
+
+    def fetch(name: str, node: dict, path_: tuple):
+        pstr = _path_str(path_)
+        want = template.get(pstr)
+        if want is not None:  # the loader wants its own piece: reshard from every overlapping file
+            t = reader.assemble(pstr, tuple(want.tensor.shape), want.offsets, want.tensor.dtype)
+            return Shard(t, want.global_shape, want.offsets)
+        if "__shard__" in node:  # saved split, wanted whole: gather the full tensor
+            shape = node["global_shape"]
+            return reader.assemble(pstr, shape, [0] * len(shape), dtype_of[name])
+        return reader.tensors(src)[name]
+
+    return decode(info["skeleton"], fetch)
+
+
+def _apply(state: dict, tree: dict) -> None:
+    for k, v in state.items():
+        if k not in tree:
+            raise KeyError(f"checkpoint has no piece '{k}' (it has {sorted(map(str, tree))}); "
+                           "remove it from the state or load a checkpoint that has it")
+        if _is_stateful(v):
+            v.load_state_dict(tree[k])
+        elif isinstance(v, torch.Tensor):
+            with torch.no_grad():
+                v.copy_(tree[k])
+        else:
+            state[k] = tree[k]
+
+
+def load(path: str, state: dict) -> dict:
+    """Load checkpoint ``path`` into ``state`` in place (modules, optimizers, tensors) and return the tree.
+
+    Plain values (``state["step"]``) are replaced in the dict. Every file read is
+    checked against the manifest's sha256; a mismatch raises
+    :class:`~phalanx.checkpoint.io.CorruptCheckpointError`. Runs no code from the files.
+    """
+    wait()
+    tree = _read(path, state)
+    _apply(state, tree)
+    return tree
+
+
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+def list_checkpoints(root: str, complete_only: bool = True) -> list[str]:
+    """Checkpoint directories under ``root``, newest first (by trailing step number, then mtime)."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        p = os.path.join(root, name)
+        if not os.path.isdir(p) or (complete_only and not os.path.exists(os.path.join(p, MANIFEST))):
+            continue
+        m = _STEP_RE.search(name)
+        out.append(((int(m.group(1)) if m else -1), os.path.getmtime(p), p))
+    return [p for _, _, p in sorted(out, reverse=True)]
+
+
+def load_latest(root: str, state: dict) -> str | None:
+    """Load the newest checkpoint under ``root`` that every rank can read intact; return its path.
+
+    A checkpoint whose files are missing or fail their checksum on any rank is
+    skipped (with a warning) for the next older one. Returns None if ``root`` has
+    no complete checkpoint at all; raises if all of them are corrupt.
+    """
+    wait()
+    rank, world = _world()
+    candidates = list_checkpoints(root)
+    if world > 1:
+        from phalanx.comm.collectives import allgather_object, broadcast_object
+
+        candidates = broadcast_object(candidates, root_rank=0)
+    errors = []
+    for path in candidates:
+        try:
+            tree, err = _read(path, state), None
+        except (io.CorruptCheckpointError, OSError, KeyError, ValueError) as e:
+            tree, err = None, f"rank {rank}: {e}"
+        errs = allgather_object(err) if world > 1 else [err]
+        bad = [e for e in errs if e is not None]
+        if not bad:
+            _apply(state, tree)
+            return path
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(bad))
+        errors.extend(bad)
+    if candidates:
+        raise io.CorruptCheckpointError(f"no intact checkpoint under {root}: " + "; ".join(errors))
+    return None
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``root``; keeps the newest ``keep`` complete ones.
+
+    Example::
+
+        mgr = CheckpointManager("ckpts", keep=3)
+        start = mgr.load_latest(state)        # None on a fresh run
+        for step in range(...):
+            ...
+            if step % 100 == 0:
+                mgr.save(step, state, async_=True)
+    """
+
+    def __init__(self, root: str, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"CheckpointManager(keep={keep}): keep at least 1 checkpoint")
+        self.root, self.keep = root, keep
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{int(step):09d}")
+
+    def save(self, step: int, state: dict, *, async_: bool = False, fsync: bool = True) -> str:
+        path = self.path(step)
+        save(path, state, async_=async_, meta={"step": int(step)}, fsync=fsync, on_done=self.prune)
+        return path
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` complete checkpoints, and unfinished ones older than those."""
+        import shutil
+
+        complete = list_checkpoints(self.root)
+        if not complete:
+            return
+        keep = set(complete[: self.keep])
+        oldest_kept = _step_of(complete[: self.keep][-1])
+        for p in list_checkpoints(self.root, complete_only=False):
+            if p not in keep and _step_of(p) < oldest_kept:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def load_latest(self, state: dict) -> str | None:
+        return load_latest(self.root, state)
+
+    def latest(self) -> str | None:
+        found = list_checkpoints(self.root)
+        return found[0] if found else None
+
+
+def _step_of(path: str) -> int:
+    m = _STEP_RE.search(os.path.basename(path))
+    return int(m.group(1)) if m else -1

@@ -1,0 +1,148 @@
+"""Elastic state (Horovod's model): ``commit()`` a known-good point, ``restore()`` it, ``sync()`` it to all.
+
+Horovod keeps the last commit in the memory of the surviving workers. phalanx
+runs on TorchElastic, whose agent restarts the *whole* worker group after a
+failure, so memory does not survive; a commit is therefore also a fast local
+snapshot through :mod:`phalanx.checkpoint` (by default under ``/dev/shm``,
+without fsync), which the restarted group loads — resharded when the world
+size changed.
+
+    step:   1   2   3   4   5   6   7   8   9
+                    ^commit     ^commit   x rank 2 killed
+    agent restarts all workers -> restore() loads the commit at step 6
+    steps lost = 8 - 6 (at most the commit interval)
+
+Example::
+
+    state = TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+    state.commit()             # every few steps
+    state.restore()            # roll back to the last commit (memory, else snapshot)
+    state.sync()               # rank 0's state to every rank; re-deal the sampler
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from phalanx.checkpoint.sharded import CheckpointManager, _is_stateful
+from phalanx.log import get_logger
+
+__all__ = ["State", "TorchState", "default_commit_dir"]
+
+log = get_logger(__name__)
+
+
+@runtime_checkable
+class State(Protocol):
+    """What ``phalanx.elastic.run`` needs from a training state."""
+
+    def commit(self) -> None: ...
+
+    def restore(self) -> bool: ...
+
+    def sync(self) -> None: ...
+
+
+def default_commit_dir() -> str:
+    """``$PHALANX_RESUME_FROM``, else ``$PHALANX_ELASTIC_DIR``, else ``/dev/shm/phalanx-elastic-<run id>``."""
+    for var in ("PHALANX_RESUME_FROM", "PHALANX_ELASTIC_DIR"):
+        if os.environ.get(var):
+            return os.environ[var]
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+
+
+class TorchState:
+    """Model, optimizer and named extras (schedulers, samplers, plain values) as one elastic state.
+
+    Extras are attributes: ``state.epoch``, ``state.sampler``. ``commit()`` keeps
+    a copy in memory and writes a snapshot to ``commit_dir`` (``keep`` newest
+    kept); ``restore()`` returns False when there is nothing to restore.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *,
+                 commit_dir: str | None = None, keep: int = 2, **extras: Any) -> None:
+        pieces = {"model": model, "optimizer": optimizer, **extras}
+        object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
+        object.__setattr__(self, "commit_dir", commit_dir or default_commit_dir())
+        object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep))
+        object.__setattr__(self, "_memory", None)
+        object.__setattr__(self, "commits", 0)
+        object.__setattr__(self, "restored_from", None)
+
+    def __getattr__(self, name: str) -> Any:
+        pieces = object.__getattribute__(self, "_pieces")
+        if name in pieces:
+            return pieces[name]
+        raise AttributeError(f"TorchState has no piece '{name}' (pieces: {sorted(pieces)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._pieces:
+            self._pieces[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def pieces(self) -> dict[str, Any]:
+        """The live name -> piece dict (what a checkpoint of this state holds), plus the commit counter."""
+        return {**self._pieces, "_commits": self.commits}
+
+    def commit(self) -> None:
+        """Remember this point: in memory, and as a snapshot a restarted group can load."""
+        object.__setattr__(self, "commits", self.commits + 1)
+        snapshot = {k: copy.deepcopy(v.state_dict() if _is_stateful(v) else v)
+                    for k, v in self._pieces.items()}
+        object.__setattr__(self, "_memory", snapshot)
+        self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
+
+    def restore(self) -> bool:
+        """Roll back to the last commit: from memory if this process made it, else from the snapshot."""
+        if self._memory is not None:
+            for k, v in self._pieces.items():
+                if _is_stateful(v):
+                    v.load_state_dict(copy.deepcopy(self._memory[k]))
+                elif isinstance(v, torch.Tensor):
+                    with torch.no_grad():
+                        v.copy_(self._memory[k])
+                else:
+                    self._pieces[k] = copy.deepcopy(self._memory[k])
+            return True
+        live = self.pieces()
+        path = self._manager.load_latest(live)
+        if path is None:
+            return False
+        object.__setattr__(self, "commits", live.pop("_commits"))
+        self._pieces.update({k: v for k, v in live.items() if not _is_stateful(v)})
+        object.__setattr__(self, "restored_from", path)
+        log.info("restored commit %d from %s", self.commits, path)
+        return True
+
+    def sync(self) -> None:
+        """Make every rank hold rank 0's state (after a restart or a new worker joined)."""
+        from phalanx import runtime
+        from phalanx.comm.collectives import broadcast, broadcast_object
+
+        if not runtime.is_initialized() or runtime.size() == 1:
+            self._reset_samplers()
+            return
+        for k, v in self._pieces.items():
+            if isinstance(v, torch.nn.Module):
+                for t in list(v.parameters()) + list(v.buffers()):
+                    broadcast(t.data, root_rank=0, inplace=True, name=f"sync.{k}")
+            elif _is_stateful(v):
+                sd = broadcast_object(v.state_dict() if runtime.rank() == 0 else None, root_rank=0)
+                v.load_state_dict(sd)
+            elif isinstance(v, torch.Tensor):
+                broadcast(v, root_rank=0, inplace=True, name=f"sync.{k}")
+            else:
+                self._pieces[k] = broadcast_object(v, root_rank=0)
+        object.__setattr__(self, "commits", broadcast_object(self.commits, root_rank=0))
+        self._reset_samplers()
+
+    def _reset_samplers(self) -> None:
+        for v in self._pieces.values():
+            if hasattr(v, "reset") and hasattr(v, "record_batch"):
+                v.reset()
