@@ -33,7 +33,7 @@ optimizer = hvd.DistributedOptimizer(
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 # 训练循环
 model.train()
-epochs = 10  # the seed's 100 epochs, shortened for a demo run
+epochs = 20  # the seed runs 100; 20 is enough to see it learn
 for epoch in range(epochs):
     sampler.set_epoch(epoch)
     for batch_idx, (data, target) in enumerate(train_loader):

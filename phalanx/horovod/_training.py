@@ -44,11 +44,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
     """
     global _last_optimizer
     from phalanx.horovod import Adasum, global_process_set
-    from phalanx.parallel.data import DistributedOptimizer as _Engine
+    from phalanx.parallel.data_optimizer import DistributedOptimizer as _Engine
 
     if op == Adasum:
         raise NotImplementedError("Adasum is not supported by phalanx; use op=hvd.Average or hvd.Sum")
     process_set = process_set or global_process_set
+    named_parameters = list(named_parameters) if named_parameters is not None else None
     params = [p for _, p in (named_parameters or [])] or [
         p for g in optimizer.param_groups for p in g["params"]
     ]
@@ -73,14 +74,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
 
 def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
     """Copy parameters (a state_dict or named_parameters) from ``root_rank`` to every rank, in place."""
-    from phalanx.parallel.data import broadcast_parameters as _bp
+    from phalanx.parallel.data_optimizer import broadcast_parameters as _bp
 
     _bp(params, root_rank=root_rank, **({"group": process_set.group} if process_set is not None else {}))
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_set=None) -> None:
     """Copy optimizer state (also when still empty) from ``root_rank`` to every rank."""
-    from phalanx.parallel.data import broadcast_optimizer_state as _bos
+    from phalanx.parallel.data_optimizer import broadcast_optimizer_state as _bos
 
     inner = getattr(optimizer, "optimizer", optimizer)
     _bos(inner, root_rank=root_rank, **({"group": process_set.group} if process_set is not None else {}))
