@@ -1,0 +1,277 @@
+"""ZeRO: shard optimizer state (stage 1), gradients (2) and parameters (3) across data-parallel ranks.
+
+Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models" (SC 2020, arXiv:1910.02054). Per-rank bytes with
+mixed precision and Adam (K = 12: fp32 master + two moments), Ψ parameters,
+N ranks::
+
+    stage 1  P_os        2Ψ + 2Ψ + KΨ/N
+    stage 2  P_os+g      2Ψ + (2 + K)Ψ/N
+    stage 3  P_os+g+p    (2 + 2 + K)Ψ/N
+
+Data flow of one step (every stage; the stages differ in what stays whole)::
+
+    forward/backward (full params: stages 1-2; gathered per module: 3)
+      → grads reduce-scattered: at step (1) / during backward (2, 3) → rank's grad shard
+      → global-norm clip (one allreduce of a scalar) → inner optimizer on the fp32 shard
+      → params: allgather into the full flats (1, 2) / refresh the low-precision shard (3)
+
+Example::
+
+    import torch, phalanx as px
+    px.init()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = px.zero(model, opt, stage=2, max_grad_norm=1.0)
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from phalanx.log import get_logger
+from phalanx.parallel.zero_shard import assign_shard_offsets, build_units, segments
+from phalanx.parallel.zero_stage3 import Stage3
+from phalanx.parallel.zero_stage12 import Stage12
+
+__all__ = ["zero", "ZeroOptimizer"]
+
+_log = get_logger(__name__)
+_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMAT = "phalanx.zero/1"
+
+
+def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm) -> None:
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero(stage={stage!r}): stage must be 1, 2 or 3")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zero(model=…): expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zero(optimizer=…): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer.state:
+        raise ValueError("zero(optimizer=…): the optimizer has already stepped; wrap it before the first step")
+    if mixed_precision not in _DTYPES:
+        raise ValueError(f"zero(mixed_precision={mixed_precision!r}): use None, 'bf16' or 'fp16'")
+    if not bucket_mb or bucket_mb <= 0:
+        raise ValueError(f"zero(bucket_mb={bucket_mb!r}): must be a positive number of MiB")
+    if max_grad_norm is not None and max_grad_norm <= 0:
+        raise ValueError(f"zero(max_grad_norm={max_grad_norm!r}): must be positive, or None to not clip")
+
+
+def zero(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int = 1,
+    *,
+    topology=None,
+    group=None,
+    bucket_mb: float = 25.0,
+    mixed_precision: str | None = None,
+    max_grad_norm: float | None = None,
+):
+    """Shard ``optimizer`` (and, by stage, gradients and parameters) over the ranks of ``group``.
+
+    Returns ``(model, optimizer)``: the same module with hooks added, and a
+    :class:`ZeroOptimizer` used like the original (``step``, ``zero_grad``).
+    Parameters start equal to rank 0's. ``mixed_precision="bf16"|"fp16"`` computes
+    in that dtype with fp32 master weights in the shard (for fp16, backward on
+    ``optimizer.scale_loss(loss)``). ``max_grad_norm`` clips by the global norm.
+
+    Example::
+
+        model, opt = px.zero(model, torch.optim.Adam(model.parameters()), stage=3)
+    """
+    _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm)
+    if topology is None:
+        import phalanx.runtime as runtime
+
+        topology = runtime.init()
+    group = group if group is not None else topology.world_group()
+    return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm)
+
+
+def _cast(dtype):
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return cast
+
+
+class ZeroOptimizer:
+    """The inner optimizer, rebuilt over this rank's flat fp32 shard of each parameter group."""
+
+    def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm) -> None:
+        self.model, self.stage, self.group = model, stage, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.max_grad_norm = max_grad_norm
+        self.loss_scale = 2.0**16 if compute_dtype == torch.float16 else 1.0
+        self._good_steps = 0
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups_named = []
+        for gi, pg in enumerate(optimizer.param_groups):
+            missing = [p for p in pg["params"] if id(p) not in names]
+            if missing:
+                raise ValueError(
+                    f"zero: param_groups[{gi}] holds {len(missing)} tensor(s) that are not parameters of the "
+                    "model; build the optimizer from model.parameters()"
+                )
+            groups_named.append([(names[id(p)], p) for p in pg["params"]])
+        first = next(model.parameters(), None)
+        param_dtype = first.dtype if first is not None else torch.float32
+        self.compute_dtype = compute_dtype or param_dtype
+        master_dtype = torch.float32 if compute_dtype is not None else param_dtype
+        self._check_layout(groups_named)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        for _, p in model.named_parameters():  # everyone starts from rank 0's values
+            dist.broadcast(p.data, src=src, group=group)
+        if stage == 3:
+            self.engine = Stage3(model, groups_named, master_dtype, self.compute_dtype, group, self.rank, self.world)
+            self.masters = self.engine.masters
+        else:
+            bucket_numel = max(1, int(bucket_mb * 2**20 / torch.finfo(self.compute_dtype).bits * 8))
+            # Reverse registration order: gradients of the last layers arrive first in backward.
+            units = [build_units(list(reversed(named)), self.world, bucket_numel) for named in groups_named]
+            device = first.device if first is not None else torch.device("cpu")
+            self.masters = [torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=device) for us in units]
+            self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank)
+        hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
+        self.inner = type(optimizer)([{"params": [m], **hp} for m, hp in zip(self.masters, hparams)], **optimizer.defaults)
+        if compute_dtype is not None:
+            model.register_forward_pre_hook(lambda m, args, kw: tree_map(_cast(compute_dtype), (args, kw)), with_kwargs=True)
+            model.register_forward_hook(lambda m, args, out: tree_map(_cast(torch.float32), out))
+        if stage == 3:
+            model.register_state_dict_pre_hook(lambda *a, **k: self.engine.gather_all())
+            model.register_state_dict_post_hook(lambda *a: self._full_state_dict_post(*a))
+
+    def _check_layout(self, groups_named) -> None:
+        mine = [[(n, tuple(p.shape)) for n, p in named] for named in groups_named]
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        for r, other in enumerate(every):
+            if other != mine:
+                raise ValueError(f"zero: rank {r} has different parameters (names/shapes) than rank {self.rank}")
+
+    def _full_state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
+        for k, v in state_dict.items():
+            if isinstance(v, torch.Tensor):
+                state_dict[k] = v.clone()
+        self.engine.free_all()
+
+    # -- the optimizer interface --------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (1 unless fp16); call backward on this in fp16 mode."""
+        return loss * self.loss_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce gradients to their owners, clip, step the shard, republish the parameters."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step(closure=…) is not supported; compute the loss before step()")
+        grads = [g.float() if g.dtype != m.dtype else g for g, m in zip(self.engine.grad_shards_for_step(), self.masters)]
+        if self.loss_scale != 1.0:
+            for g in grads:
+                g.div_(self.loss_scale)
+        sq = torch.zeros(1, dtype=torch.float32, device=self.masters[0].device)
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        total_norm = sq.sqrt()
+        if not torch.isfinite(total_norm).item():
+            self.loss_scale /= 2.0
+            self._good_steps = 0
+            _log.warning("zero: non-finite gradient norm; step skipped, loss scale now %g", self.loss_scale)
+            return None
+        if self.max_grad_norm is not None:
+            coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        self.inner.step()
+        for m in self.masters:
+            m.grad = None
+        self.engine.publish()
+        if self.loss_scale != 1.0:
+            self._good_steps += 1
+            if self._good_steps % 2000 == 0:
+                self.loss_scale *= 2.0
+        return total_norm
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """This rank's pieces of master weights and optimizer state, addressed by parameter name.
+
+        Every piece records ``name``, ``start`` (element offset in the flattened
+        parameter), ``numel`` and ``shape``; a load at any world size reassembles from them.
+        """
+        groups = []
+        for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
+            st = self.inner.state.get(m, {})
+            flat_keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == m.shape]
+            pieces = []
+            for name, start, n, off in segments(us, self.rank):
+                shape = next(s for u in us for nm, s in zip(u.names, u.shapes) if nm == name)
+                piece = {"name": name, "start": start, "numel": n, "shape": tuple(shape),
+                         "master": m[off : off + n].clone()}
+                piece["state"] = {k: st[k][off : off + n].clone() for k in flat_keys}
+                pieces.append(piece)
+            scalars = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items() if k not in flat_keys}
+            hp = {k: v for k, v in self.inner.param_groups[g].items() if k != "params"}
+            groups.append({"pieces": pieces, "scalars": scalars, "hparams": hp})
+        return {"format": FORMAT, "stage": self.stage, "world_size": self.world, "rank": self.rank, "groups": groups}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load from the sharded dicts of every saved rank (any world size, any stage).
+
+        Example::
+
+            opt.load_sharded_state_dict([torch.load(f"ckpt/rank{r}.pt") for r in range(4)])
+        """
+        shards = [shards] if isinstance(shards, dict) else list(shards)
+        for s in shards:
+            if s.get("format") != FORMAT:
+                raise ValueError(f"load_sharded_state_dict: not a {FORMAT} shard (format={s.get('format')!r})")
+        if len(shards) != shards[0]["world_size"]:
+            raise ValueError(
+                f"load_sharded_state_dict: got {len(shards)} shard(s) but they were saved by "
+                f"{shards[0]['world_size']} ranks; pass every rank's shard"
+            )
+        for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
+            saved = [s["groups"][g] for s in shards]
+            index: dict[str, list[dict]] = {}
+            for sg in saved:
+                for piece in sg["pieces"]:
+                    index.setdefault(piece["name"], []).append(piece)
+            keys = list(saved[0]["pieces"][0]["state"]) if saved[0]["pieces"] else []
+            state = {k: torch.zeros_like(m) for k in keys}
+            for name, start, n, off in segments(us, self.rank):
+                for piece in index.get(name, []):
+                    a, b = max(start, piece["start"]), min(start + n, piece["start"] + piece["numel"])
+                    if a >= b:
+                        continue
+                    dst, src = slice(off + a - start, off + b - start), slice(a - piece["start"], b - piece["start"])
+                    m[dst].copy_(piece["master"][src])
+                    for k in keys:
+                        state[k][dst].copy_(piece["state"][k][src])
+            for k, v in saved[0]["scalars"].items():
+                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            if state:
+                self.inner.state[m] = state
+            self.inner.param_groups[g].update(saved[0]["hparams"])
+        self.engine.publish()

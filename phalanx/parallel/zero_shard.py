@@ -1,0 +1,129 @@
+"""ZeRO's flat partition: parameters packed into units, each unit split evenly across ranks.
+
+A *unit* is a list of whole parameters flattened end to end and padded to a
+multiple of the world size N; rank r owns elements ``[r*s, (r+1)*s)`` of it,
+``s = padded / N``. Balance is by element count: every rank owns exactly ``s``
+elements of every unit, however the parameters fall (a parameter may straddle
+two owners). Units are gradient buckets for stages 1 and 2 and modules for
+stage 3. One rank's pieces of every unit of a parameter group, end to end,
+form that group's *shard* — the one flat fp32 tensor its inner optimizer steps::
+
+    unit 0  [ w0 ........ | b0 | w1 ...... |pad]      unit 1  [ w2 ..... | b2 |pad]
+             \\_ rank 0 _/ \\__ rank 1 ___/                    \\_ r0 _/ \\_ r1 _/
+    shard (rank 0) = [ unit0[0:s0] | unit1[0:s1] ]
+
+Example::
+
+    units = build_units([("w", w), ("b", b)], world=2, bucket_numel=1 << 20)
+    units[0].owned(rank=1)            # (start, stop) of rank 1's slice of unit 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Unit", "build_units", "segments"]
+
+
+@dataclasses.dataclass
+class Unit:
+    """Whole parameters flattened end to end, padded to a multiple of ``world``."""
+
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    shapes: list[torch.Size]
+    offsets: list[int]  # start of each parameter in the unit's flat
+    numel: int
+    world: int
+    shard_offset: int = 0  # where this unit's slice starts in the rank's group shard
+
+    @property
+    def padded(self) -> int:
+        return math.ceil(self.numel / self.world) * self.world if self.numel else 0
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded // self.world
+
+    def owned(self, rank: int) -> tuple[int, int]:
+        s = self.shard_numel
+        return rank * s, (rank + 1) * s
+
+    def flatten(self, dtype: torch.dtype | None = None, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """A new padded flat holding ``tensors`` (default: the parameters' data)."""
+        tensors = [p.detach() for p in self.params] if tensors is None else tensors
+        dtype = dtype or tensors[0].dtype
+        flat = torch.zeros(self.padded, dtype=dtype, device=tensors[0].device)
+        for t, off in zip(tensors, self.offsets):
+            flat[off : off + t.numel()].copy_(t.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a padded flat, shaped like the parameter."""
+        return [flat[off : off + math.prod(shape)].view(shape) for shape, off in zip(self.shapes, self.offsets)]
+
+
+def _unit(named: Sequence[tuple[str, torch.nn.Parameter]], world: int) -> Unit:
+    offsets, off = [], 0
+    for _, p in named:
+        offsets.append(off)
+        off += p.numel()
+    return Unit(
+        names=[n for n, _ in named],
+        params=[p for _, p in named],
+        shapes=[p.shape for _, p in named],
+        offsets=offsets,
+        numel=off,
+        world=world,
+    )
+
+
+def build_units(
+    named: Sequence[tuple[str, torch.nn.Parameter]], world: int, bucket_numel: int | None
+) -> list[Unit]:
+    """Pack parameters, in the given order, into units of about ``bucket_numel`` elements.
+
+    ``bucket_numel=None`` makes one unit of all of them (a stage-3 module).
+    """
+    if bucket_numel is None:
+        return [_unit(named, world)] if named else []
+    units, current, size = [], [], 0
+    for name, p in named:
+        if current and size + p.numel() > bucket_numel:
+            units.append(_unit(current, world))
+            current, size = [], 0
+        current.append((name, p))
+        size += p.numel()
+    if current:
+        units.append(_unit(current, world))
+    return units
+
+
+def assign_shard_offsets(units: Sequence[Unit]) -> int:
+    """Lay the units' slices end to end in the rank's shard; returns the shard's length."""
+    off = 0
+    for u in units:
+        u.shard_offset = off
+        off += u.shard_numel
+    return off
+
+
+def segments(units: Sequence[Unit], rank: int) -> list[tuple[str, int, int, int]]:
+    """Rank's pieces of parameters: ``(name, start_in_param, numel, offset_in_shard)``.
+
+    This is what a sharded checkpoint records, so that any other world size can
+    find, for each element it owns, which saved piece holds it.
+    """
+    out = []
+    for u in units:
+        lo, hi = u.owned(rank)
+        for name, shape, off in zip(u.names, u.shapes, u.offsets):
+            n = math.prod(shape)
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((name, a - off, b - a, u.shard_offset + a - lo))
+    return out

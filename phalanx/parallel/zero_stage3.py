@@ -1,0 +1,201 @@
+"""ZeRO stage 3 (P_os+g+p): parameters sharded too, gathered per module just in time.
+
+Each *unit* is a module that owns parameters directly (with all its descendants'
+parameters, so ``nn.MultiheadAttention`` reading ``out_proj.weight`` itself still
+works). A unit's parameters are views into one padded flat whose storage is
+freed (``resize_(0)``) between uses, so tensors autograd saved in forward keep
+pointing at the same storage, which is refilled before backward::
+
+    forward:   pre-hook(u_i): wait gather(u_i) · prefetch gather(u_i+1) → run u_i → free(u_i)
+    backward:  grad of u_i's output: wait gather(u_i) · prefetch gather(u_i-1)
+               grads accumulated → copy into flat buffer → reduce_scatter(async) → free(u_i)
+    step():    inner optimizer on the fp32 shard → refresh the compute-dtype shard
+
+The model's code is untouched: only forward pre/post hooks, a multi-grad hook on
+each unit's outputs and post-accumulate-grad hooks on parameters are added.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from phalanx.comm.collectives import all_gather_flat
+from phalanx.parallel.zero_shard import Unit, assign_shard_offsets, build_units
+from phalanx.parallel.zero_stage12 import GradReducer
+
+__all__ = ["Stage3", "unit_modules"]
+
+
+def unit_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Modules that own parameters directly and have no such ancestor (outermost first)."""
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for name, m in model.named_modules():
+        if any(name == c or name.startswith(c + ".") for c, _ in chosen if c) or (chosen and chosen[0][0] == ""):
+            continue
+        if any(True for _ in m.parameters(recurse=False)):
+            chosen.append((name, m))
+    return chosen
+
+
+class Stage3:
+    """Sharded parameters with per-module gather/free hooks (see module docstring)."""
+
+    def __init__(self, model, groups_named, master_dtype, compute_dtype, group, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self.compute_dtype = compute_dtype
+        group_of = {id(p): g for g, named in enumerate(groups_named) for _, p in named}
+        names = {id(p): n for named in groups_named for n, p in named}
+        self.units: list[list[Unit]] = [[] for _ in groups_named]
+        self.module_units: list[tuple[torch.nn.Module, list[tuple[int, Unit]]]] = []
+        seen: set[int] = set()
+        for _, m in unit_modules(model):
+            per_group: dict[int, list] = {}
+            for p in m.parameters():
+                if id(p) in seen:
+                    raise ValueError(
+                        f"zero(stage=3): parameter {names.get(id(p))} is shared by two modules; "
+                        "stage 3 shards per module — tie weights inside one module or use stage 2"
+                    )
+                seen.add(id(p))
+                if id(p) not in group_of:
+                    raise ValueError(
+                        f"zero(stage=3): parameter {names.get(id(p), '?')} is not in the optimizer; "
+                        "stage 3 shards every parameter — pass all of model.parameters() to the optimizer"
+                    )
+                per_group.setdefault(group_of[id(p)], []).append((names[id(p)], p))
+            mu = []
+            for g, named in sorted(per_group.items()):
+                u = build_units(named, world, None)[0]
+                self.units[g].append(u)
+                mu.append((g, u))
+            self.module_units.append((m, mu))
+        self.masters = [
+            torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=self._device(us)) for us in self.units
+        ]
+        self.flats: dict[int, torch.Tensor] = {}
+        for g, us in enumerate(self.units):
+            for u in us:
+                full = u.flatten(dtype=master_dtype)
+                lo, hi = u.owned(rank)
+                self.masters[g][u.shard_offset : u.shard_offset + u.shard_numel].copy_(full[lo:hi])
+                flat = torch.empty(u.padded, dtype=compute_dtype, device=full.device)
+                for p, v in zip(u.params, u.views(flat)):
+                    p.data = v
+                self.flats[id(u)] = flat
+                self._free(u)
+        # The compute-dtype shard that is gathered; in full precision it is the master itself.
+        self.shards = self.masters if compute_dtype == master_dtype else [m.to(compute_dtype) for m in self.masters]
+        self.grad_shards = [torch.zeros_like(m, dtype=compute_dtype) for m in self.masters]
+        self._gathered: set[int] = set()
+        self._prefetch: dict[int, object] = {}
+        self._order: list[int] = []  # forward order of module units, learned on the first pass
+        self._order_done = False
+        self.reducer = GradReducer(self.units, self.grad_shards, group, self._free, self._backward_end)
+        for i, (m, _) in enumerate(self.module_units):
+            m.register_forward_pre_hook(self._make_pre(i))
+            m.register_forward_hook(self._make_post(i))
+        model.register_forward_hook(self._end_of_forward)
+
+    def _end_of_forward(self, module, args, output) -> None:
+        self._order_done = bool(self._order)  # one full forward has taught us the order
+
+    @staticmethod
+    def _device(us):
+        return us[0].params[0].device if us else torch.device("cpu")
+
+    # -- gather / free -------------------------------------------------------------------
+    def _free(self, u: Unit) -> None:
+        self.flats[id(u)].untyped_storage().resize_(0)
+        if hasattr(self, "_gathered"):
+            self._gathered.discard(id(u))
+
+    def _launch_gather(self, g: int, u: Unit):
+        flat = self.flats[id(u)]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        mine = self.shards[g][u.shard_offset : u.shard_offset + u.shard_numel]
+        return all_gather_flat(flat, mine, group=self.group, async_op=True)
+
+    def _gather_module(self, i: int) -> None:
+        works = []
+        for g, u in self.module_units[i][1]:
+            if id(u) in self._gathered:
+                continue
+            work = self._prefetch.pop(id(u), None) or self._launch_gather(g, u)
+            works.append(work)
+            self._gathered.add(id(u))
+        for w in works:
+            w.wait()
+
+    def _prefetch_module(self, i: int) -> None:
+        for g, u in self.module_units[i][1]:
+            if id(u) not in self._gathered and id(u) not in self._prefetch:
+                self._prefetch[id(u)] = self._launch_gather(g, u)
+
+    def gather_all(self) -> None:
+        for i in range(len(self.module_units)):
+            self._gather_module(i)
+
+    def free_all(self) -> None:
+        for work in self._prefetch.values():
+            work.wait()
+        self._prefetch.clear()
+        for us in self.units:
+            for u in us:
+                self._free(u)
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _make_pre(self, i: int):
+        def pre(module, args):
+            if not self._order_done and i not in self._order:
+                self._order.append(i)
+            self._gather_module(i)
+            if self._order_done:
+                k = self._order.index(i)
+                if k + 1 < len(self._order):
+                    self._prefetch_module(self._order[k + 1])
+
+        return pre
+
+    def _make_post(self, i: int):
+        def post(module, args, output):
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if torch.is_grad_enabled() and tensors:
+                register_multi_grad_hook(tensors, lambda grads: self._pre_backward(i), mode="any")
+            for _, u in self.module_units[i][1]:
+                self._free(u)
+
+        return post
+
+    def _pre_backward(self, i: int) -> None:
+        self._gather_module(i)
+        if i in self._order:
+            k = self._order.index(i)
+            if k > 0:
+                self._prefetch_module(self._order[k - 1])
+
+    def _backward_end(self) -> None:
+        self.free_all()
+
+    # -- step ----------------------------------------------------------------------------
+    def grad_shards_for_step(self) -> list[torch.Tensor]:
+        return self.grad_shards
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.grad_shards:
+            s.zero_()
+
+    def publish(self) -> None:
+        if self.shards is not self.masters:
+            for s, m in zip(self.shards, self.masters):
+                s.copy_(m)
+
+    def param_bytes(self) -> int:
+        gathered = sum(
+            self.flats[id(u)].untyped_storage().nbytes() for us in self.units for u in us
+        )
+        return gathered + sum(s.numel() * s.element_size() for s in self.shards)
+
+    def grad_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.grad_shards)
