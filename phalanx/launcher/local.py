@@ -49,6 +49,7 @@ class LaunchSpec:
     log_dir: str | None = None
     local_addr: str | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    rdzv_extra: dict[str, object] = dataclasses.field(default_factory=dict)  # e.g. {"is_host": True}
     monitor_interval_s: float = 0.1
 
 
@@ -129,7 +130,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         run_id=spec.run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=spec.rdzv_endpoint,
-        rdzv_configs={"timeout": spec.start_timeout_s, "join_timeout": spec.start_timeout_s},
+        rdzv_configs={"timeout": spec.start_timeout_s, "join_timeout": spec.start_timeout_s, **spec.rdzv_extra},
         max_restarts=spec.max_restarts,
         monitor_interval=spec.monitor_interval_s,
         start_method="spawn",

@@ -13,6 +13,7 @@ import sys
 
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
 from phalanx.launcher.local import LaunchSpec, launch
+from phalanx.launcher.remote import add_remote_arguments
 
 
 def register(subparsers) -> None:
@@ -30,6 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait for peers before it raises (default 300)")
     p.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr files here")
+    add_remote_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
     p.set_defaults(func=main)
 
@@ -48,9 +50,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     remote = [h.name for h in hosts if not is_local(h.name)]
     if remote:
-        print(f"phalanx run: hosts {remote} are remote; multi-host launch is not yet supported "
-              "(run one `torchrun` per host meanwhile)", file=sys.stderr)
-        return 2
+        from phalanx.launcher.remote import run_remote
+
+        return run_remote(args, hosts, command)
     np = args.np or (sum(h.slots for h in hosts) if hosts else 1)
     if hosts and np > sum(h.slots for h in hosts):
         print(f"phalanx run: -np {np} exceeds the {sum(h.slots for h in hosts)} slots of the hosts given",

@@ -1,0 +1,286 @@
+"""Multi-host launch over SSH: one TorchElastic agent per host, rendezvous on the first host.
+
+``phalanx run -np 4 -H a:2,b:2 python train.py`` does, from the machine you type it on::
+
+    launcher ──ssh a── agent a (c10d rendezvous store host) ── workers rank 0,1
+             └─ssh b── agent b (joins a:PORT)                  ── workers rank 2,3
+       stdin of each ssh: the job secret, then kept open (EOF = "stop now")
+       stdout of each ssh: the workers' "[rank]: line" output, streamed back
+
+* Every host is first probed (``ssh host true``, in parallel, ConnectTimeout 5 s);
+  one that cannot be reached fails the launch at once, naming it and SSH's error.
+* Ranks are host-major: TorchElastic gives each agent a contiguous block of
+  global ranks (agents are ordered by their address), with LOCAL_RANK and
+  GROUP_RANK (= cross rank) set accordingly.
+* When any host's agent exits non-zero (a worker failed) or the user hits
+  Ctrl-C, the launcher closes every other agent's stdin; each agent then stops
+  its workers (SIGTERM, then SIGKILL) and exits; ssh clients still running after
+  a grace period are killed.
+* The secret reaches agents on stdin and workers through a 0600 file
+  (``PHALANX_SECRET_FILE``); it is never on a command line.
+
+The agent side is ``python -m phalanx.launcher.remote agent …`` (see :func:`agent_main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+from phalanx.launcher import secret as job_secret
+from phalanx.launcher.hosts import Host
+from phalanx.log import get_logger
+
+__all__ = ["SSHOptions", "launch_remote", "run_remote", "add_remote_arguments", "agent_main", "UnreachableHost"]
+
+log = get_logger("phalanx.launcher.remote")
+_GRACE_S = 10.0
+
+
+class UnreachableHost(RuntimeError):
+    pass
+
+
+class SSHOptions:
+    """How to reach the hosts: ``ssh [-F config] [-i identity] [-p port] [-l user] host``."""
+
+    def __init__(self, config: str | None = None, identity: str | None = None, port: int | None = None,
+                 user: str | None = None, connect_timeout: int = 5, extra: Sequence[str] = ()) -> None:
+        self.argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_timeout}"]
+        if config:
+            self.argv += ["-F", config]
+        if identity:
+            self.argv += ["-i", identity]
+        if port:
+            self.argv += ["-p", str(port)]
+        if user:
+            self.argv += ["-l", user]
+        self.argv += list(extra)
+
+    def command(self, host: str, remote: str) -> list[str]:
+        return [*self.argv, host, remote]
+
+
+def _probe(hosts: list[str], ssh: SSHOptions, timeout_s: float) -> None:
+    procs = {h: subprocess.Popen(ssh.command(h, "true"), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for h in dict.fromkeys(hosts)}
+    errors = []
+    for h, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            err = f"no answer within {timeout_s:.0f}s"
+        if p.returncode:
+            errors.append(f"host {h!r} cannot be reached by ssh: {err.strip() or f'exit {p.returncode}'}")
+    if errors:
+        raise UnreachableHost("; ".join(errors))
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        # Worker lines already carry "[rank]: "; the agent's own lines get the host name.
+        out.write(line if line.startswith("[") else f"[{prefix}] {line}")
+        out.flush()
+    stream.close()
+
+
+def launch_remote(
+    hosts: list[Host],
+    np: int,
+    command: list[str],
+    *,
+    ssh: SSHOptions | None = None,
+    network_interface: str | None = None,
+    start_timeout: int = 60,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    python: str | None = None,
+) -> int:
+    """Start ``command`` on ``np`` workers spread over ``hosts`` (host order, filling slots); return the exit code.
+
+    Example::
+
+        launch_remote([Host("a", 2), Host("b", 2)], 4, ["python", "train.py"],
+                      ssh=SSHOptions(config="~/.ssh/config"), network_interface="eth0")
+    """
+    ssh = ssh or SSHOptions()
+    plan, left = [], np
+    for h in hosts:
+        if left <= 0:
+            break
+        plan.append((h.name, min(h.slots, left)))
+        left -= plan[-1][1]
+    if left > 0:
+        raise ValueError(f"-np {np} exceeds the {sum(h.slots for h in hosts)} slots of the hosts given")
+    if len({k for _, k in plan}) != 1:
+        log.warning("hosts run different numbers of workers %s; hierarchical collectives fall back to flat",
+                    [k for _, k in plan])
+    _probe([h for h, _ in plan], ssh, timeout_s=15)
+    key = job_secret.new_secret()
+    run_id = uuid.uuid4().hex[:12]
+    port = port or random.randint(20000, 40000)
+    rdzv = f"{plan[0][0]}:{port}"
+    python = python or sys.executable
+    procs: list[tuple[str, subprocess.Popen]] = []
+    pumps = []
+    for index, (host, slots) in enumerate(plan):
+        agent = [python, "-m", "phalanx.launcher.remote", "agent", "--rdzv", rdzv, "--nnodes", str(len(plan)),
+                 "--nproc", str(slots), "--run-id", run_id, "--local-addr", host,
+                 "--start-timeout", str(start_timeout)]
+        if index == 0:
+            agent.append("--is-host")
+        if network_interface:
+            agent += ["--network-interface", network_interface]
+        for k, v in (env or {}).items():
+            agent += ["--env", f"{k}={v}"]
+        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec {shlex.join(agent + ['--', *command])}"
+        p = subprocess.Popen(ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        p.stdin.write(key.decode() + "\n")
+        p.stdin.flush()
+        procs.append((host, p))
+        t = threading.Thread(target=_pump, args=(p.stdout, host, sys.stdout), daemon=True)
+        t.start()
+        pumps.append(t)
+    return _supervise(procs, pumps)
+
+
+def _supervise(procs, pumps) -> int:
+    stop = threading.Event()
+    previous = {}
+
+    def on_signal(signum, _frame):
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread
+            previous[sig] = signal.signal(sig, on_signal)
+    code, failed_host = 0, None
+    try:
+        while not stop.is_set():
+            running = [(h, p) for h, p in procs if p.poll() is None]
+            bad = [(h, p) for h, p in procs if p.poll() not in (None, 0)]
+            if bad:
+                failed_host, p = bad[0]
+                code = p.returncode
+                break
+            if not running:
+                break
+            time.sleep(0.1)
+        if stop.is_set():
+            code = 130
+            print("phalanx: interrupted; stopping the workers on every host", file=sys.stderr, flush=True)
+    finally:
+        _stop_all(procs)
+        for t in pumps:
+            t.join(2)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failed_host is not None:
+        what = "cannot be reached by ssh" if code == 255 else f"exited with code {code}"
+        others = [h for h, _ in procs if h != failed_host]
+        print(f"phalanx: the agent on host {failed_host} {what}; stopped the job on {others}",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def _stop_all(procs) -> None:
+    for _, p in procs:  # EOF on stdin tells each agent to stop its workers and exit
+        with contextlib.suppress(OSError, ValueError):
+            p.stdin.close()
+    deadline = time.monotonic() + _GRACE_S
+    for _, p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.1, deadline - time.monotonic()))
+    for _, p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+
+def add_remote_arguments(p: argparse.ArgumentParser) -> None:
+    """The multi-host options of ``phalanx run``."""
+    p.add_argument("--network-interface", default=None, metavar="IFACE",
+                   help="interface the workers talk on (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)")
+    p.add_argument("--ssh-config", "-F", default=None, help="ssh_config file to reach the hosts")
+    p.add_argument("--ssh-identity", "-i", default=None, help="ssh private key")
+    p.add_argument("--ssh-port", "-p", type=int, default=None, help="ssh port on every host")
+    p.add_argument("--ssh-user", default=None, help="user name on the hosts")
+    p.add_argument("--rdzv-port", type=int, default=None,
+                   help="port of the rendezvous store on the first host (default: random 20000-40000)")
+
+
+def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str]) -> int:
+    """``phalanx run`` with remote hosts: validate, then :func:`launch_remote`."""
+    np = args.np or sum(h.slots for h in hosts)
+    env = {"PHALANX_TIMEOUT": str(args.timeout)} if args.timeout is not None else {}
+    ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
+    try:
+        return launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,
+                             start_timeout=args.start_timeout, env=env, port=args.rdzv_port)
+    except (UnreachableHost, ValueError) as err:
+        print(f"phalanx run: {err}", file=sys.stderr, flush=True)
+        return 255 if isinstance(err, UnreachableHost) else 2
+
+
+# -- the agent, one per host --------------------------------------------------
+
+def _watch_stdin(pid: int) -> None:
+    sys.stdin.read()  # returns at EOF: the launcher is gone or asks us to stop
+    os.kill(pid, signal.SIGTERM)
+
+
+def agent_main(argv: list[str] | None = None) -> int:
+    """``python -m phalanx.launcher.remote agent``: read the secret from stdin, run this host's workers."""
+    from phalanx.launcher.local import LaunchSpec, launch
+
+    p = argparse.ArgumentParser(prog="phalanx-agent")
+    p.add_argument("--rdzv", required=True)
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--nproc", type=int, required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--local-addr", default=None)
+    p.add_argument("--is-host", action="store_true")
+    p.add_argument("--start-timeout", type=int, default=60)
+    p.add_argument("--network-interface", default=None)
+    p.add_argument("--env", action="append", default=[])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["agent"] or "--" not in argv:
+        p.error("usage: python -m phalanx.launcher.remote agent OPTIONS -- COMMAND")
+    cut = argv.index("--")
+    args, command = p.parse_args(argv[1:cut]), argv[cut + 1 :]
+    key = sys.stdin.readline().strip().encode()
+    if not key:
+        print("phalanx agent: no job secret on stdin; start agents with `phalanx run`", file=sys.stderr)
+        return 2
+    secret_path = job_secret.write_secret_file(key)
+    env = dict(kv.split("=", 1) for kv in args.env)
+    env[job_secret.SECRET_FILE_ENV] = secret_path
+    if args.network_interface:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = args.network_interface
+    threading.Thread(target=_watch_stdin, args=(os.getpid(),), daemon=True).start()
+    spec = LaunchSpec(nproc_per_node=args.nproc, min_nodes=args.nnodes, max_nodes=args.nnodes,
+                      rdzv_endpoint=args.rdzv, run_id=args.run_id, start_timeout_s=args.start_timeout,
+                      local_addr=args.local_addr, env=env, rdzv_extra={"is_host": args.is_host})
+    try:
+        return launch(spec, command)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(secret_path)
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main())
