@@ -86,7 +86,8 @@ def test_failure_report_has_the_traceback_tail():
 
 def test_bad_invocations_are_explained():
     assert "no command given" in _run(["run", "-np", "2"]).stderr
-    assert "not yet supported" in _run(["run", "-np", "2", "-H", "far-away:2", "true"]).stderr
+    far = _run(["run", "-np", "2", "-H", "far-away.invalid:2", "true"])  # remote: fails fast at the ssh probe
+    assert far.returncode == 255 and "far-away.invalid" in far.stderr and "cannot be reached by ssh" in far.stderr
     assert "exceeds" in _run(["run", "-np", "4", "-H", "localhost:2", "true"]).stderr
     assert "host:slots" in _run(["run", "-H", "localhost:x", "true"]).stderr
 
