@@ -35,11 +35,16 @@ from phalanx.comm.collectives import (
     set_mismatch_check,
 )
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
+from phalanx.parallel.data import DataParallel
+from phalanx.parallel.data_optimizer import (
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from phalanx.runtime import (
     Topology,
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -48,6 +53,26 @@ from phalanx.runtime import (
     size,
     topology,
 )
+from phalanx.runtime import init as _runtime_init
+
+
+def init(backend=None, device=None, timeout=None) -> Topology:
+    """Join the job (see :func:`phalanx.runtime.init`); also starts the timeline when
+    ``phalanx run --timeline FILE`` set PHALANX_TIMELINE. The runtime never imports the profiler.
+
+    Example::
+
+        topo = px.init()
+    """
+    topo = _runtime_init(backend=backend, device=device, timeout=timeout)
+    import os
+
+    if os.environ.get("PHALANX_TIMELINE"):
+        from phalanx.profiler.timeline import start_from_env
+
+        start_from_env(topo.rank)
+    return topo
+
 
 __version__ = "0.1.0"
 
@@ -83,6 +108,11 @@ __all__ = [
     "broadcast_object",
     "allgather_object",
     "set_mismatch_check",
+    # data parallel
+    "DataParallel",
+    "DistributedOptimizer",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
     # launching
     "run",
     "RankError",

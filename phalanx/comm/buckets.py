@@ -1,0 +1,183 @@
+"""Tensor fusion: gradients packed into flat buckets, each launched the moment it is full.
+
+The picotron shape: a :class:`Bucket` owns one flat buffer and the parameters
+whose gradients are views into it; it reports when every one of them is ready.
+A :class:`BucketManager` assigns parameters to buckets (reverse registration
+order, a byte threshold, one dtype/device per bucket) and launches buckets
+strictly in index order, so every rank issues the same collectives in the same
+sequence even when its gradients become ready in a different order::
+
+    backward:  grad p9 ready ─┐
+               grad p8 ready ─┤ bucket 0 full → launch(0)   (async; overlaps the rest)
+               grad p7 ready ─┐
+               ...            ┘ bucket 1 full → launch(1)
+    step():    wait(0), wait(1), ...
+
+Buckets are rebuilt once, from the order in which gradients actually arrived in
+the first iteration (rank 0's order is used by everyone), as DDP does.
+
+Example::
+
+    mgr = BucketManager(list(model.parameters()), bucket_bytes=25 * 2**20, launch=print)
+    mgr.mark_ready(p)   # from a post-accumulate-grad hook; launches full buckets in order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["Bucket", "BucketManager"]
+
+
+class Bucket:
+    """One flat buffer and the parameters whose gradients live in it.
+
+    ``view(p)`` is ``p``'s slice of the buffer, shaped like ``p``.
+    """
+
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        first = params[0]
+        self.index = index
+        self.params = list(params)
+        self.offsets: list[int] = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self._views = {
+            id(p): self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)
+        }
+        self.pending = len(self.params)
+        self.ready: set[int] = set()
+        self.handle = None  # whatever the launcher returned (a Handle-like object)
+        self.launched = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        return self._views[id(p)]
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.ready.clear()
+        self.handle = None
+        self.launched = False
+
+    def mark(self, p: torch.Tensor) -> bool:
+        """Record ``p`` as ready; True when it was the last one outstanding."""
+        if id(p) in self.ready:
+            return False
+        self.ready.add(id(p))
+        self.pending -= 1
+        return self.pending == 0
+
+
+class BucketManager:
+    """Assigns parameters to buckets and launches full buckets in index order.
+
+    ``launch(bucket)`` is called once per bucket per iteration with the bucket's
+    buffer filled; it should start an async collective and store its handle in
+    ``bucket.handle``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        bucket_bytes: int,
+        launch: Callable[[Bucket], None],
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes; pass bucket_mb > 0")
+        self.params = list(params)
+        self.bucket_bytes = int(bucket_bytes)
+        self.launch = launch
+        self.rebuilt = False
+        self.observed: list[int] = []  # indices into self.params, in the order grads arrived
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._build(list(reversed(range(len(self.params)))))
+
+    def _build(self, order: Sequence[int]) -> None:
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for i in order:
+            p = self.params[i]
+            nbytes = p.numel() * p.element_size()
+            if current and (
+                size + nbytes > self.bucket_bytes
+                or p.dtype != current[0].dtype
+                or p.device != current[0].device
+            ):
+                self._add(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self._add(current)
+        self.next_to_launch = 0
+
+    def _add(self, params: list[torch.nn.Parameter]) -> None:
+        bucket = Bucket(len(self.buckets), params)
+        self.buckets.append(bucket)
+        for p in params:
+            self._bucket_of[id(p)] = bucket
+
+    def bucket_of(self, p: torch.Tensor) -> Bucket:
+        return self._bucket_of[id(p)]
+
+    def manages(self, p: torch.Tensor) -> bool:
+        return id(p) in self._bucket_of
+
+    def order(self) -> list[int]:
+        """Current parameter order (indices into ``params``), bucket by bucket."""
+        return [self._index[id(p)] for b in self.buckets for p in b.params]
+
+    def mark_ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is in its bucket view; launch every bucket that is now launchable."""
+        if not self.rebuilt:
+            self.observed.append(self._index[id(p)])
+        self.bucket_of(p).mark(p)
+        self.launch_ready()
+
+    def launch_ready(self) -> None:
+        while self.next_to_launch < len(self.buckets):
+            bucket = self.buckets[self.next_to_launch]
+            if bucket.pending:
+                return
+            bucket.launched = True
+            self.launch(bucket)
+            self.next_to_launch += 1
+
+    def missing(self) -> list[torch.nn.Parameter]:
+        """Parameters not yet marked ready in this iteration."""
+        return [p for b in self.buckets for p in b.params if id(p) not in b.ready]
+
+    def reset(self) -> None:
+        for b in self.buckets:
+            b.reset()
+        self.next_to_launch = 0
+
+    def maybe_rebuild(self, order: Sequence[int] | None) -> bool:
+        """Rebuild once from ``order`` (normally rank 0's observed order); True if the layout changed.
+
+        Parameters missing from ``order`` (no gradient in the first iteration) go last.
+        """
+        if self.rebuilt:
+            return False
+        self.rebuilt = True
+        self.observed = []
+        if not order:
+            return False
+        seen = set(order)
+        full = list(dict.fromkeys(order)) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        if full == self.order():
+            return False
+        self._build(full)
+        return True

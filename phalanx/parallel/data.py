@@ -1,0 +1,448 @@
+"""Data parallelism: the gradient-synchronisation engine and its ``DataParallel`` front.
+
+Each rank holds a full replica and computes gradients on its own slice of the
+global batch; gradients are averaged so every replica takes the same step
+(Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Training", VLDB 2020; Sergeev & Del Balso, "Horovod", 2018). The engine fuses
+gradients into flat buckets and overlaps their allreduce with the rest of
+backward::
+
+    backward ──► post-accumulate-grad hook(p) ──► copy grad into bucket view
+                                                  bucket full? ─► [compress] ─► async allreduce
+    end of backward (autograd callback) ──► fill unused params · launch what is left
+                                             · sparse grads via allgather
+    DataParallel: wait here (grads ready when backward returns)
+    DistributedOptimizer: wait in synchronize()/step()
+
+Example::
+
+    import torch, phalanx as px
+    px.init()
+    model = px.DataParallel(torch.nn.Linear(10, 1), bucket_mb=25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 10)).sum().backward()   # gradients averaged when this returns
+    opt.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx import trace
+from phalanx.comm.buckets import Bucket, BucketManager
+from phalanx.comm.collectives import Average, ReduceOp, allgather, allreduce, broadcast_object
+from phalanx.comm.compression import get_compressor
+from phalanx.log import get_logger
+from phalanx.parallel.data_optimizer import broadcast_buffers_, broadcast_parameters, root_of
+
+__all__ = ["GradientEngine", "DataParallel"]
+
+_log = get_logger(__name__)
+
+
+class GradientEngine:
+    """Buckets, hooks and collectives shared by :class:`DataParallel` and ``DistributedOptimizer``.
+
+    ``wait_in_backward=True`` finishes the reduction inside the end-of-backward
+    callback (DDP semantics); otherwise :meth:`wait` does it (Horovod semantics).
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        group=None,
+        topology=None,
+        bucket_mb: float = 25.0,
+        compression=None,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        find_unused_parameters: bool = False,
+        sparse_as_dense: bool = False,
+        sparse_ids: Iterable[int] = (),
+        algorithm: str = "flat",
+        backward_passes_per_step: int = 1,
+        wait_in_backward: bool = True,
+    ) -> None:
+        self.op = ReduceOp(op)
+        if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ValueError(f"op must be Sum or Average for gradients, got {self.op.name.title()}")
+        if gradient_predivide_factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        self.group = group
+        self.topology = topology
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.predivide = float(gradient_predivide_factor)
+        self.find_unused = find_unused_parameters
+        self.sparse_as_dense = sparse_as_dense
+        self.algorithm = algorithm
+        self.k = backward_passes_per_step
+        self.wait_in_backward = wait_in_backward
+        self.compressor = get_compressor(compression)
+        self.sample_weight: float | None = None
+        self.bytes_sent = 0
+        self.require_sync = True
+        self.names = {id(p): n for n, p in named_params}
+        sparse_ids = set(sparse_ids) if not sparse_as_dense else set()
+        self.sparse = [p for _, p in named_params if id(p) in sparse_ids]
+        dense = [p for _, p in named_params if id(p) not in sparse_ids]
+        self.buckets = BucketManager(dense, int(bucket_mb * 2**20), self._launch)
+        self._passes = 0
+        self._queued = False
+        self._pending = False
+        self._used: set[int] = set()
+        self._extra: list = []  # (kind, payload) launched after the buckets
+        self._warned_unused = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params]
+
+    # ------------------------------------------------------------------ backward
+    def sync_now(self) -> bool:
+        return self.require_sync and (self._passes + 1) % self.k == 0
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.world == 1 and self.k == 1 and not self.find_unused:
+            return  # nothing to reduce
+        if not self.sync_now() or not self.buckets.manages(p):
+            return
+        self._into_bucket(p)
+        self._used.add(id(p))
+        self.buckets.mark_ready(p)
+
+    def _into_bucket(self, p: torch.Tensor) -> None:
+        view = self.buckets.bucket_of(p).view(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise RuntimeError(
+                    f"parameter {self.names[id(p)]!r} produced a sparse gradient; pass sparse_as_dense=True "
+                    "(or wrap the module with DataParallel, which reduces nn.Embedding(sparse=True) by allgather)"
+                )
+            grad = grad.to_dense()
+        elif grad.data_ptr() == view.data_ptr():
+            return
+        view.copy_(grad)
+        p.grad = view
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        sync = self.sync_now()
+        self._passes += 1
+        if not sync or (self.world == 1 and not self.find_unused):
+            return
+        self._launch_rest()
+        if self.wait_in_backward:
+            self.wait()
+
+    def _launch_rest(self) -> None:
+        missing = self.buckets.missing()
+        no_grad = [p for p in missing if p.grad is None]
+        if no_grad and not self.find_unused:
+            names = ", ".join(self.names[id(p)] for p in no_grad[:8])
+            raise RuntimeError(
+                f"phalanx DataParallel: {len(no_grad)} parameter(s) got no gradient in this backward "
+                f"({names}{', …' if len(no_grad) > 8 else ''}). Pass find_unused_parameters=True when parts "
+                "of the model are skipped, or set requires_grad=False on frozen parameters before wrapping."
+            )
+        for p in missing:
+            bucket = self.buckets.bucket_of(p)
+            if p.grad is None:
+                bucket.view(p).zero_()
+            else:
+                self._into_bucket(p)
+                self._used.add(id(p))
+            bucket.mark(p)
+        self.buckets.launch_ready()
+        self._launch_sparse()
+        if self.find_unused:
+            used = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in self.buckets.params])
+            self._extra.append(("used", allreduce(used, op=ReduceOp.SUM, group=self.group, async_op=True,
+                                                  name="dp.used", inplace=True)))
+        self._pending = True
+
+    def _launch_sparse(self, shadow: bool = False) -> None:
+        for p in self.sparse:
+            grad = None if shadow else p.grad
+            if grad is not None and not grad.is_sparse:
+                grad = grad.to_sparse()
+            if grad is None:
+                idx = torch.zeros((0, 1), dtype=torch.int64, device=p.device)
+                val = torch.zeros((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+            else:
+                grad = grad.coalesce()
+                idx, val = grad.indices().t().contiguous(), grad.values().contiguous()
+            name = f"dp.sparse.{self.names[id(p)]}"
+            self.bytes_sent += idx.nbytes + val.nbytes
+            hi = allgather(idx, group=self.group, async_op=True, name=name + ".idx")
+            hv = allgather(val, group=self.group, async_op=True, name=name + ".val")
+            self._extra.append(("sparse", (p, hi, hv)))
+
+    # ------------------------------------------------------------------ collectives
+    def _scales(self) -> tuple[ReduceOp, float, float]:
+        if self.sample_weight is not None:
+            return ReduceOp.SUM, self.sample_weight / self.predivide, self.predivide
+        return self.op, 1.0 / self.predivide, self.predivide
+
+    def _launch(self, bucket: Bucket) -> None:
+        i, nbytes = bucket.index, bucket.nbytes
+        op, pre, post = self._scales()
+        name = f"dp.bucket{i}"
+        if not getattr(self.compressor, "summable", True):
+            from phalanx.comm.compressed import allreduce_compressed
+
+            bucket.flat.mul_(pre) if pre != 1.0 else None
+            with trace.span("allreduce_launch", "comm", bucket=i, bytes=nbytes):
+                handle = allreduce_compressed(bucket.flat, self.compressor, group=self.group,
+                                              async_op=True, name=name)
+            self.bytes_sent += int(getattr(handle, "bytes_sent", nbytes))
+            # allreduce_compressed averages; undo that for Sum and apply the post factor
+            scale = post * (self.world if op is ReduceOp.SUM else 1)
+            bucket.handle = (handle, None, scale)
+            return
+        with trace.span("compress", "comm", bucket=i, bytes=nbytes):
+            payload, ctx = self.compressor.compress(bucket.flat)
+        self.bytes_sent += payload.nbytes
+        with trace.span("allreduce_launch", "comm", bucket=i, bytes=payload.nbytes):
+            if self.algorithm == "flat":
+                handle = allreduce(payload, op=op, group=self.group, async_op=True, name=name,
+                                   prescale_factor=pre, postscale_factor=post, inplace=True)
+                scale = 1.0
+            else:
+                from phalanx.comm.algorithms import allreduce as algo_allreduce
+
+                if pre != 1.0:
+                    payload.mul_(pre)
+                kwargs = {"algorithm": self.algorithm, "topology": self.topology, "group": self.group,
+                          "async_op": True}
+                if "op" in inspect.signature(algo_allreduce).parameters:
+                    kwargs["op"] = ReduceOp.SUM
+                handle = algo_allreduce(payload, **kwargs)
+                scale = post / (self.world if op is ReduceOp.AVERAGE else 1)
+        bucket.handle = (handle, ctx, scale)
+
+    def _finish_bucket(self, bucket: Bucket) -> None:
+        handle, ctx, scale = bucket.handle
+        i = bucket.index
+        with trace.span("allreduce_wait", "comm", bucket=i, bytes=bucket.nbytes):
+            result = handle.wait()
+        if ctx is not None or result.data_ptr() != bucket.flat.data_ptr():
+            with trace.span("decompress", "comm", bucket=i, bytes=bucket.nbytes):
+                out = self.compressor.decompress(result, ctx) if ctx is not None or \
+                    getattr(self.compressor, "summable", True) else result
+                bucket.flat.copy_(out.reshape(-1))
+        if scale != 1.0:
+            bucket.flat.mul_(scale)
+
+    def wait(self) -> None:
+        """Finish every launched collective and write the averaged gradients into ``p.grad``."""
+        if not self._pending:
+            return
+        self._pending = False
+        for bucket in self.buckets.buckets:
+            self._finish_bucket(bucket)
+        for kind, payload in self._extra:
+            if kind == "sparse":
+                self._finish_sparse(*payload)
+            elif kind == "used":
+                self._finish_used(payload.wait())
+        self._extra = []
+        self._used = set()
+        self._maybe_rebuild()
+        self.buckets.reset()
+
+    def _finish_sparse(self, p, hi, hv) -> None:
+        idx, val = hi.wait(), hv.wait()
+        op, pre, post = self._scales()
+        scale = pre * post / (self.world if op is ReduceOp.AVERAGE else 1)
+        if self.sample_weight is not None:
+            scale = 1.0 / self.world  # per-row weights would need the owner rank; keep the plain mean
+        grad = torch.sparse_coo_tensor(idx.t(), val * scale, p.shape, check_invariants=False).coalesce()
+        p.grad = grad
+
+    def _finish_used(self, counts: torch.Tensor) -> None:
+        nobody = 0
+        for p, c in zip(self.buckets.params, counts.tolist()):
+            if c == 0:
+                nobody += 1
+                p.grad = None  # unused on every rank: leave it untouched, as a single process would
+            elif p.grad is None:
+                p.grad = self.buckets.bucket_of(p).view(p)
+        if not self.buckets.rebuilt and nobody == 0 and not self._warned_unused:
+            self._warned_unused = True
+            _log.info("find_unused_parameters=True but every parameter got a gradient; "
+                      "find_unused_parameters=False saves one small allreduce per step")
+
+    def _maybe_rebuild(self) -> None:
+        if self.buckets.rebuilt:
+            return
+        order = self.buckets.observed if dist.get_rank() == root_of(self.group) else None
+        order = broadcast_object(order, root_rank=root_of(self.group), group=self.group)
+        if self.buckets.maybe_rebuild(order):
+            _log.debug("rebuilt %d buckets from the order gradients arrived in", len(self.buckets.buckets))
+
+    def shadow(self) -> None:
+        """Take part in one iteration's collectives with zero gradients (a joined rank)."""
+        for p in self.buckets.params:
+            b = self.buckets.bucket_of(p)
+            b.flat.zero_()
+            b.mark(p)
+        self.buckets.launch_ready()
+        self._launch_sparse(shadow=True)
+        if self.find_unused:
+            zeros = torch.zeros(len(self.buckets.params))
+            self._extra.append(("used", allreduce(zeros, op=ReduceOp.SUM, group=self.group, async_op=True,
+                                                  name="dp.used", inplace=True)))
+        self._pending = True
+        for b in self.buckets.buckets:
+            b.handle[0].wait()
+        for kind, payload in self._extra:
+            if kind == "sparse":
+                payload[1].wait(), payload[2].wait()
+            else:
+                payload.wait()
+        self._extra, self._pending, self._used = [], False, set()
+        self._maybe_rebuild()
+        self.buckets.reset()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        out = {"passes": self._passes}
+        if hasattr(self.compressor, "state_dict"):
+            out["compression"] = self.compressor.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self._passes = int(state.get("passes", 0))
+        if "compression" in state and hasattr(self.compressor, "load_state_dict"):
+            self.compressor.load_state_dict(state["compression"])
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _sparse_param_ids(module: nn.Module) -> set[int]:
+    return {id(m.weight) for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
+class DataParallel(nn.Module):
+    """Wrap a module so that ``loss.backward()`` returns with gradients averaged over the ranks.
+
+    Parameters and buffers are broadcast from the group's first rank at wrap time; with
+    ``broadcast_buffers=True`` buffers (BatchNorm statistics) are re-broadcast before
+    every forward, as DDP does. See ``docs/data_parallel.md`` for every knob and its cost.
+
+    Example::
+
+        model = px.DataParallel(net, bucket_mb=25, compression="fp16")
+        with model.no_sync():              # accumulate locally
+            model(x1).sum().backward()
+        model(x2).sum().backward()         # this one communicates
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        topology=None,
+        group=None,
+        bucket_mb: float = 25.0,
+        compression=None,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        sparse_as_dense: bool = False,
+        algorithm: str = "flat",
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallel needs phalanx.init() (or torch.distributed) first")
+        self.module = module
+        self.group = group
+        self.broadcast_buffers = broadcast_buffers
+        self._joining = False
+        broadcast_parameters(module.state_dict(), root_rank=root_of(group), group=group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._engine = GradientEngine(
+            named, group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
+            sparse_as_dense=sparse_as_dense, sparse_ids=_sparse_param_ids(module), algorithm=algorithm,
+            wait_in_backward=True,
+        )
+
+    def forward(self, *args, **kwargs):
+        if self._joining:
+            allreduce(torch.ones(1), op=ReduceOp.SUM, group=self.group, name="dp.join")
+        if self.broadcast_buffers and self._engine.world > 1:
+            broadcast_buffers_(self.module, root_of(self.group), self.group)
+        return self.module(*args, **kwargs)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank handed to gradient collectives so far."""
+        return self._engine.bytes_sent
+
+    def set_sample_weight(self, w: float) -> None:
+        """Weight this rank's gradient by ``w`` (weights sum to 1 over ranks) instead of 1/N."""
+        if not 0.0 <= w <= 1.0:
+            raise ValueError(f"sample weight must be in [0, 1] (weights sum to 1 over ranks), got {w}")
+        self._engine.sample_weight = float(w)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the first backward after the block communicates."""
+        before, self._engine.require_sync = self._engine.require_sync, False
+        try:
+            yield
+        finally:
+            self._engine.require_sync = before
+
+    @contextlib.contextmanager
+    def join(self):
+        """Uneven inputs: a rank that leaves the block keeps contributing zero gradients until all do.
+
+        Gradients are still averaged over the whole group (joined ranks count as zeros), like
+        DDP's default. Not supported together with ``no_sync()`` inside the block.
+        """
+        self._joining = True
+        try:
+            yield
+        except BaseException:
+            self._joining = False
+            raise
+        self._joining = False
+        while True:
+            active = allreduce(torch.zeros(1), op=ReduceOp.SUM, group=self.group, name="dp.join")
+            if active.item() == 0:
+                return
+            if self.broadcast_buffers and self._engine.world > 1:
+                broadcast_buffers_(self.module, root_of(self.group), self.group)
+            self._engine.shadow()
+
+    def state_dict(self, *args, **kwargs):  # the plain module's keys, loadable without the wrapper
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def comm_state_dict(self) -> dict:
+        """The engine's own state (compressor residuals under ``"compression"``)."""
+        return self._engine.state_dict()
+
+    def load_comm_state_dict(self, state: dict) -> None:
+        self._engine.load_state_dict(state)
