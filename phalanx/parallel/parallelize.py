@@ -56,7 +56,7 @@ class ParallelModel(nn.Module):
     def __init__(self, stage: PipelineStage, mesh: DeviceMesh, num_microbatches: int, schedule,
                  bounds: tuple[int, ...]) -> None:
         super().__init__()
-        self.module = stage.module
+        self.module = stage.module  # the plain stage (parameter names as in the full model)
         self.stage = stage
         self.mesh = mesh
         self.num_microbatches = num_microbatches
@@ -80,12 +80,10 @@ class ParallelModel(nn.Module):
         return allreduce(loss, op=Average, group=self.mesh.dp_group, name="dp.loss")
 
     def _sync_grads(self) -> None:
-        if self.mesh.dp == 1:
-            return
-        # phalanx.parallel.data.DataParallel (bucketed, overlapped) is being written in parallel
-        # with this module; until its micro-batch accumulation contract is settled we average
-        # each gradient over the dp group once per step with the plain collective. Correct,
-        # but not overlapped with backward.
+        if self.mesh.dp == 1 or self._dp is not None:
+            return  # DataParallel already averaged the gradients inside the last backward
+        # Fallback when phalanx.parallel.data is missing: average each gradient over the
+        # dp group once per step with the plain collective (correct, not overlapped).
         for p in self.module.parameters():
             if p.grad is not None:
                 allreduce(p.grad, op=Average, group=self.mesh.dp_group, inplace=True, name="dp.grad")
@@ -127,7 +125,19 @@ def parallelize(
                           loss_fn=loss_fn if s == mesh.pp - 1 else None, checkpoint=checkpoint)
 
     # 4. Data parallel: replicas of the same (stage, shard) start equal and average gradients.
-    if sync_init and mesh.dp > 1:
-        for p in stage_module.parameters():
-            broadcast(p.data, root_rank=mesh.dp_ranks[0], group=mesh.dp_group, inplace=True, name="dp.init")
-    return ParallelModel(stage, mesh, num_microbatches, schedule, bounds)
+    #    DataParallel (bucketed, overlapped with the last micro-batch's backward) when it is
+    #    installed; its no_sync() keeps the other micro-batches' backwards local.
+    pm = ParallelModel(stage, mesh, num_microbatches, schedule, bounds)
+    if mesh.dp > 1:
+        try:
+            from phalanx.parallel.data import DataParallel
+        except ImportError:
+            DataParallel = None
+        if DataParallel is not None:
+            # It broadcasts the parameters from the dp group's first rank when it wraps.
+            pm._dp = DataParallel(stage_module, group=mesh.dp_group, broadcast_buffers=False)
+            stage.module, stage.no_sync = pm._dp, pm._dp.no_sync
+        elif sync_init:
+            for p in stage_module.parameters():
+                broadcast(p.data, root_rank=mesh.dp_ranks[0], group=mesh.dp_group, inplace=True, name="dp.init")
+    return pm

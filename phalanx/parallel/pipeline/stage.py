@@ -16,6 +16,8 @@ Data flow for stage s of p (activations right, gradients left)::
 * ``checkpoint=True`` recomputes the stage's activations in backward
   (``torch.utils.checkpoint``, non-reentrant): memory per micro-batch drops to
   its input, at about one extra forward.
+* ``no_sync`` (a data-parallel wrapper's context manager): all backwards but the
+  step's last run inside it, so gradients are reduced once per step.
 
 Example::
 
@@ -28,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -61,6 +64,7 @@ class PipelineStage:
         group=None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         checkpoint: bool = False,
+        no_sync=None,
     ) -> None:
         ranks = list(range(num_stages)) if ranks is None else [int(r) for r in ranks]
         if len(ranks) != num_stages:
@@ -76,6 +80,9 @@ class PipelineStage:
         self.group = group
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
+        # A data-parallel wrapper's no_sync(): every backward but the step's last runs inside
+        # it, so gradients are reduced once per step, not once per micro-batch.
+        self.no_sync = no_sync
         self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._sent_header = False
         self.busy_s = 0.0  # compute seconds in the last step (for bubble measurements)
@@ -148,7 +155,9 @@ class PipelineStage:
         pending: list = []
         loss_sum = torch.zeros((), device=device)
         self.busy_s = 0.0
-        for kind, i in get_schedule(schedule).actions(self.stage_index, self.num_stages, m):
+        actions = get_schedule(schedule).actions(self.stage_index, self.num_stages, m)
+        last_backward = max(k for k, (kind, _) in enumerate(actions) if kind == "B")
+        for at, (kind, i) in enumerate(actions):
             if kind == "F":
                 if self.is_first:
                     x = xs[i]
@@ -171,7 +180,9 @@ class PipelineStage:
                     grad = torch.empty_like(y)
                     dist.recv(grad, src=self._peer(1), group=self.group)
                 t0 = time.perf_counter()
-                torch.autograd.backward(y, grad_tensors=grad)
+                quiet = self.no_sync is not None and at != last_backward
+                with self.no_sync() if quiet else contextlib.nullcontext():
+                    torch.autograd.backward(y, grad_tensors=grad)
                 self.busy_s += time.perf_counter() - t0
                 if not self.is_first:
                     if x.grad is None:
