@@ -109,3 +109,107 @@ def test_compressed_allreduce_matches_simulation(np):
         if isinstance(key, tuple) and key[0] == "result":
             for other in results[1:]:
                 assert torch.equal(results[0][key], other[key]), key
+
+
+CONVERGENCE = {
+    "none": {},
+    "fp16": {},
+    "int8": {},
+    "int4": {},
+    "2bit": {},
+    # Measured on this setup (8 epochs, lr 0.1, momentum 0.9): sign at its default chunk of 256
+    # reached 0.60, chunk 32 0.953, chunk 8 0.969 vs 0.969 uncompressed; top-k at ratio 0.01
+    # reached 0.911, at 0.05 0.969; PowerSGD rank 4 0.916, rank 8 0.967. The settings below
+    # are the ones that meet the 1.5-point bar; see docs/compression.md.
+    "sign": {"chunk": 8},
+    "topk": {"ratio": 0.05},
+    "threshold": {"threshold": 0.01},
+    "powersgd": {"rank": 8},
+}
+
+
+def _train_digits(compression, kw, epochs=8, hidden=64, seed=0):
+    """Data-parallel SGD on digits: each rank its slice of every global batch, one flat bucket."""
+    from phalanx.demo import load_digits
+
+    r, n = px.rank(), px.size()
+    x_train, y_train, x_test, y_test = load_digits()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    comp = get_compressor(compression, **kw)
+    params = list(model.parameters())
+    batch, local = 64, 64 // n
+    for epoch in range(epochs):
+        order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+        for step in range(len(x_train) // batch):
+            idx = order[step * batch + r * local :][:local]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            avg = allreduce_compressed(flat, comp, name="bucket0")
+            for p, g in zip(params, torch.split(avg, [p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+            opt.step()
+    with torch.no_grad():
+        acc = (model(x_test).argmax(1) == y_test).float().mean().item()
+    return acc, torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _train_onebit_adam(epochs=8, hidden=64):
+    from phalanx.demo import load_digits
+    from phalanx.optim import OneBitAdam
+
+    r, n = px.rank(), px.size()
+    x_train, y_train, x_test, y_test = load_digits()
+    out = {}
+    for kind in ("adam", "onebit"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+        if kind == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        else:
+            opt = OneBitAdam(model.parameters(), lr=3e-3, freeze_step=80)
+        batch, local = 64, 64 // n
+        for epoch in range(epochs):
+            order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+            for step in range(len(x_train) // batch):
+                idx = order[step * batch + r * local :][:local]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+                if kind == "adam":
+                    for p in model.parameters():
+                        px.allreduce(p.grad, op=px.Average, inplace=True)
+                opt.step()
+                if kind == "onebit" and opt.step_count == 80:  # end of warm-up: still exact Adam
+                    out["warmup_params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                if kind == "adam" and epoch * (len(x_train) // batch) + step + 1 == 80:
+                    out["adam_params_80"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        with torch.no_grad():
+            out[kind] = (model(x_test).argmax(1) == y_test).float().mean().item()
+        out[kind + "_params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if kind == "onebit":
+            sd = opt.state_dict()
+            out["residual_keys"] = sorted(sd["onebit"]["compressor"]["residuals"])
+    return out
+
+
+def _convergence_body():
+    out = {name: _train_digits(name, kw) for name, kw in CONVERGENCE.items()}
+    out["onebit_adam"] = _train_onebit_adam()
+    return out
+
+
+def test_convergence_on_digits_every_compressor():
+    results = distributed(_convergence_body, np=2, timeout=300)
+    base = results[0]["none"][0]
+    assert base > 0.93, f"uncompressed baseline only reached {base:.3f}"
+    for name in CONVERGENCE:
+        acc = results[0][name][0]
+        assert acc >= base - 0.015, f"{name}: test accuracy {acc:.4f} vs uncompressed {base:.4f}"
+        assert torch.equal(results[0][name][1], results[1][name][1]), f"{name}: replicas diverged"
+    ob = results[0]["onebit_adam"]
+    torch.testing.assert_close(ob["warmup_params"], ob["adam_params_80"], atol=1e-5, rtol=1e-5)
+    assert ob["onebit"] >= ob["adam"] - 0.015, (ob["onebit"], ob["adam"])
+    assert torch.equal(ob["onebit_params"], results[1]["onebit_adam"]["onebit_params"])
+    assert "onebit_adam.group0" in ob["residual_keys"]
