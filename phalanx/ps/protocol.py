@@ -1,0 +1,180 @@
+"""Wire protocol of the parameter server: message tags and framing on c10d point-to-point.
+
+Every message is a *frame* sent with ``torch.distributed`` ``isend``/``irecv``
+and a tag per message kind; there is no socket code here. A frame is::
+
+    header  int64[6]   [op, clock, version, meta_len, n_tensors, arg]     tag REQ (to server) / REPLY
+    meta    uint8[..]  pickled [(dtype, shape) per tensor] + compressor ctx tag DATA / REPLY_DATA
+    tensors ...        the compressor's payload (one or more tensors)     tag DATA / REPLY_DATA
+
+Tags keep request headers (which a server receives from *any* worker) apart
+from the payloads that follow them on the same pair of ranks. Every wait has a
+deadline: a peer that died or stopped answering raises :class:`PSTimeoutError`
+or :class:`PSPeerError` naming the rank and its role instead of hanging.
+
+Example::
+
+    from phalanx.ps.protocol import Op, send_frame, recv_frame
+    send_frame(dst=0, op=Op.PUSH, clock=3, tensor=grad_flat, compressor=c, timeout_s=60)
+    header, flat, nbytes = recv_frame(src=1, compressor=c, timeout_s=60, reply=True)
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import pickle
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Op",
+    "TAG_REQ",
+    "TAG_DATA",
+    "TAG_REPLY",
+    "TAG_REPLY_DATA",
+    "HEADER_LEN",
+    "PSError",
+    "PSTimeoutError",
+    "PSPeerError",
+    "send_frame",
+    "recv_header",
+    "recv_body",
+    "recv_frame",
+    "wait_work",
+]
+
+# Tags well above anything user code is likely to use on the same pairs.
+TAG_REQ = 7101
+TAG_DATA = 7102
+TAG_REPLY = 7103
+TAG_REPLY_DATA = 7104
+HEADER_LEN = 6
+
+
+class Op(enum.IntEnum):
+    """What a frame asks for (worker -> server) or answers (server -> worker)."""
+
+    PULL = 1  # worker wants the shard; clock = pushes it has done
+    PUSH = 2  # gradient for the shard; version = shard version it was computed on
+    DONE = 3  # worker leaves; the server stops counting it for sync / SSP
+    PARAMS = 4  # server's answer to PULL; version = shard version sent
+
+
+class PSError(RuntimeError):
+    """A parameter-server protocol failure (bad message, dead or silent peer)."""
+
+
+class PSTimeoutError(PSError):
+    """A peer did not answer within the timeout."""
+
+
+class PSPeerError(PSError):
+    """The transport reported the peer gone (connection closed: it crashed or exited)."""
+
+
+def _translate(err: RuntimeError, timeout_s: float, what: str) -> PSError:
+    text = str(err)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return PSTimeoutError(
+            f"{what}: no answer within {timeout_s:g}s — the peer is dead, stuck, or much slower "
+            "than the timeout (raise timeout= or PHALANX_TIMEOUT if it is merely slow)"
+        )
+    if "closed" in text.lower() or "reset" in text.lower() or "crash" in text.lower():
+        return PSPeerError(f"{what}: the peer is gone — it crashed or exited ({text.splitlines()[0][:160]})")
+    return PSError(f"{what}: {text[:300]}")
+
+
+def wait_work(work, timeout_s: float, what: str) -> None:
+    """Wait for one c10d work with a deadline; translate transport errors into PS errors."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        raise _translate(err, timeout_s, what) from err
+
+
+def _post(fn, tensor: torch.Tensor, peer: int | None, tag: int, timeout_s: float, what: str):
+    """``dist.isend`` / ``dist.irecv`` that reports a dead peer as a PS error (posting can fail too)."""
+    try:
+        return fn(tensor, peer, tag=tag)
+    except RuntimeError as err:
+        raise _translate(err, timeout_s, what) from err
+
+
+def _pack(tensor: torch.Tensor, compressor) -> tuple[list[torch.Tensor], bytes]:
+    payload, ctx = compressor.compress(tensor)
+    single = isinstance(payload, torch.Tensor)
+    tensors = [payload] if single else list(payload)
+    tensors = [t.contiguous() for t in tensors]
+    meta = pickle.dumps((single, [(t.dtype, tuple(t.shape)) for t in tensors], ctx))
+    return tensors, meta
+
+
+def send_frame(
+    dst: int,
+    op: Op,
+    *,
+    clock: int = 0,
+    version: int = 0,
+    arg: int = 0,
+    tensor: torch.Tensor | None = None,
+    compressor=None,
+    reply: bool = False,
+    timeout_s: float = 300.0,
+    what: str = "send",
+    wait: bool = True,
+):
+    """Send one frame; returns ``(works, bytes_sent)``. With ``wait=False`` the caller
+    keeps ``works`` (and so the buffers) alive and waits on them later."""
+    tag_head, tag_data = (TAG_REPLY, TAG_REPLY_DATA) if reply else (TAG_REQ, TAG_DATA)
+    tensors, meta = ([], b"") if tensor is None else _pack(tensor, compressor)
+    header = torch.tensor([int(op), clock, version, len(meta), len(tensors), arg], dtype=torch.int64)
+    bufs = [header]
+    if tensor is not None:
+        bufs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        bufs.extend(tensors)
+    works = []
+    for i, buf in enumerate(bufs):
+        work = _post(dist.isend, buf, dst, tag_head if i == 0 else tag_data, timeout_s, what)
+        works.append((work, buf))
+    if wait:
+        for work, _ in works:
+            wait_work(work, timeout_s, what)
+    nbytes = sum(b.numel() * b.element_size() for b in bufs)
+    return works, nbytes
+
+
+def recv_header(src: int | None, *, reply: bool, timeout_s: float, what: str) -> tuple[list[int], int]:
+    """Receive a header (from ``src``, or from any rank when ``src`` is None); returns (fields, sender)."""
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    work = _post(dist.irecv, header, src, TAG_REPLY if reply else TAG_REQ, timeout_s, what)
+    wait_work(work, timeout_s, what)
+    sender = src if src is not None else work._source_rank()
+    return header.tolist(), sender
+
+
+def recv_body(src: int, header: list[int], compressor, *, reply: bool, timeout_s: float, what: str):
+    """Receive the meta and tensors announced by ``header``; returns (tensor or None, bytes)."""
+    meta_len, n_tensors = header[3], header[4]
+    if n_tensors == 0:
+        return None, HEADER_LEN * 8
+    tag = TAG_REPLY_DATA if reply else TAG_DATA
+    meta_buf = torch.empty(meta_len, dtype=torch.uint8)
+    wait_work(_post(dist.irecv, meta_buf, src, tag, timeout_s, what), timeout_s, what)
+    single, specs, ctx = pickle.loads(meta_buf.numpy().tobytes())
+    if len(specs) != n_tensors:
+        raise PSError(f"{what}: header announced {n_tensors} tensors but meta lists {len(specs)}")
+    tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
+    for t in tensors:
+        wait_work(_post(dist.irecv, t, src, tag, timeout_s, what), timeout_s, what)
+    payload = tensors[0] if single else tuple(tensors)
+    nbytes = HEADER_LEN * 8 + meta_len + sum(t.numel() * t.element_size() for t in tensors)
+    return compressor.decompress(payload, ctx), nbytes
+
+
+def recv_frame(src: int, compressor, *, reply: bool, timeout_s: float, what: str):
+    """Header and body from ``src`` in one call: ``(header, tensor or None, bytes)``."""
+    header, _ = recv_header(src, reply=reply, timeout_s=timeout_s, what=what)
+    tensor, nbytes = recv_body(src, header, compressor, reply=reply, timeout_s=timeout_s, what=what)
+    return header, tensor, nbytes

@@ -1,0 +1,162 @@
+"""Parameter server on real ranks: sync == data parallel, SSP bound, async convergence, failures.
+
+One 4-rank group (2 servers, 2 workers) runs every mode; one 2-rank group checks failures.
+"""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx.demo import load_digits
+from phalanx.ps import ParameterServer, PSError, PSWorker, run_ps, shard_parameters
+from phalanx.testing import RankError, distributed
+
+STEPS, BATCH = 8, 32
+
+
+def _mlp(hidden=32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def _exact_train(worker):
+    x, y, _, _ = load_digits()
+    half = BATCH // worker.num_workers
+    for step in range(STEPS):
+        worker.pull()
+        idx = slice(step * BATCH + worker.index * half, step * BATCH + (worker.index + 1) * half)
+        worker.model.zero_grad()
+        nn.functional.cross_entropy(worker.model(x[idx]), y[idx]).backward()
+        worker.push()
+    worker.pull()
+    return [p.detach().clone() for p in worker.model.parameters()]
+
+
+def _digits_train(worker, epochs=12, global_batch=64, slow_s=0.0):
+    x, y, xt, yt = load_digits()
+    local = global_batch // worker.num_workers
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        for step in range(len(x) // global_batch):
+            idx = order[step * global_batch + worker.index * local :][:local]
+            worker.pull()
+            if slow_s and worker.index == 0:
+                time.sleep(slow_s)
+            worker.model.zero_grad()
+            nn.functional.cross_entropy(worker.model(x[idx]), y[idx]).backward()
+            worker.push()
+    worker.pull()
+    with torch.no_grad():
+        return (worker.model(xt).argmax(1) == yt).float().mean().item()
+
+
+def _ssp_train(worker):
+    return _digits_train(worker, epochs=1, slow_s=0.02)
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=3e-3)
+
+
+def _ps_suite(ckpt_dir):
+    out = {"exact": run_ps(_mlp, _sgd, _exact_train, num_servers=2, mode="sync", checkpoint_dir=ckpt_dir)}
+    for mode, s in (("ssp", 2), ("async", 0)):
+        out[f"bound_{mode}"] = run_ps(_mlp, _sgd, _ssp_train, num_servers=2, mode=mode, staleness=s)
+    model = lambda: _mlp(64)  # noqa: E731
+    out["acc_sync"] = run_ps(model, _adam, _digits_train, num_servers=2, mode="sync")
+    out["acc_async"] = run_ps(model, _adam, _digits_train, num_servers=2, mode="async", compression="fp16")
+    out["acc_ssp"] = run_ps(model, _adam, _digits_train, num_servers=2, mode="ssp", staleness=1,
+                            staleness_lr=True)
+    return out
+
+
+def _reference_params():
+    model, (x, y, _, _) = _mlp(), load_digits()
+    opt = _sgd(model.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[step * BATCH : (step + 1) * BATCH]),
+                                    y[step * BATCH : (step + 1) * BATCH]).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_ps_modes_on_four_ranks(tmp_path):
+    results = distributed(_ps_suite, np=4, args=(str(tmp_path),), timeout=240)
+    servers, workers = results[:2], results[2:]
+    assert [r["exact"]["role"] for r in results] == ["server", "server", "worker", "worker"]
+    # 1. synchronous PS == synchronous data parallel on the global batch (one process)
+    ref = _reference_params()
+    for w in workers:
+        for got, want in zip(w["exact"]["result"], ref):
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # shards are balanced by size and each server checkpointed its own (weights_only-safe)
+    names = shard_parameters({n: p.numel() for n, p in _mlp().named_parameters()}, 2)
+    assert sorted(sum(names, [])) == sorted(n for n, _ in _mlp().named_parameters())
+    ref_named = dict(zip([n for n, _ in _mlp().named_parameters()], ref))
+    for i in range(2):
+        state = torch.load(tmp_path / f"ps_shard{i}.pt", weights_only=True)
+        assert state["names"] == names[i] and state["version"] == STEPS
+        for n in names[i]:
+            torch.testing.assert_close(state["params"][n], ref_named[n], atol=2e-6, rtol=1e-5)
+    assert all(s["exact"]["stats"]["staleness"] == {0: STEPS * 2} for s in servers)
+    # 2. SSP: no pull granted more than s=2 clocks ahead of the slowest; the bound is reached
+    # (the slow worker makes it bind), while async with the same straggler drifts further.
+    for s in servers:
+        ssp = s["bound_ssp"]["stats"]
+        assert ssp["max_gap"] == 2, ssp["clock_gap"]
+        assert max(ssp["clock_gap"]) <= 2 and ssp["held_pulls"] > 0
+        assert s["bound_async"]["stats"]["max_gap"] > 2
+    # 3. async (fp16 pushes/pulls) and SSP converge to within 2 points of sync
+    acc = {m: workers[0][f"acc_{m}"]["result"] for m in ("sync", "async", "ssp")}
+    assert acc["sync"] > 0.9, acc
+    assert acc["async"] >= acc["sync"] - 0.02 and acc["ssp"] >= acc["sync"] - 0.02, acc
+    # 4. statistics: fp16 halves the bytes per push; servers saw every push
+    per_step = {m: workers[0][f"acc_{m}"]["stats"]["push_bytes"] / workers[0][f"acc_{m}"]["stats"]["steps"]
+                for m in ("sync", "async")}
+    assert 0.45 < per_step["async"] / per_step["sync"] < 0.6, per_step
+    steps = sum(w["acc_sync"]["stats"]["steps"] for w in workers)
+    assert all(s["acc_sync"]["stats"]["pushes"] == steps for s in servers)
+
+
+def _silent_worker():
+    if px.rank() == 0:  # waits for a worker that never speaks: must raise, naming it
+        ParameterServer(_mlp(), _sgd, servers=[0], workers=[1], timeout_s=1.5).serve()
+    time.sleep(3)
+
+
+def _dead_server():
+    out = {}
+    try:
+        run_ps(_mlp, _sgd, _exact_train, num_servers=2)
+    except ValueError as err:
+        out["bad_servers"] = str(err)
+    if px.rank() == 0:
+        return out  # the server leaves without serving
+    time.sleep(1)
+    try:
+        PSWorker(_mlp(), servers=[0], workers=[1], timeout_s=3).pull()
+    except PSError as err:
+        out["dead_server"] = str(err)
+    return out
+
+
+def test_dead_or_silent_peer_is_reported():
+    with pytest.raises(RankError, match=r"server rank 0 waiting for workers \[1\].*no answer within 1.5s"):
+        distributed(_silent_worker, np=2, timeout=60)
+    server, worker = distributed(_dead_server, np=2, timeout=60)
+    assert "num_servers=2" in server["bad_servers"]
+    assert "worker rank 1" in worker["dead_server"] and "server rank 0" in worker["dead_server"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_servers"):
+        shard_parameters({"w": 1}, 0)
+    assert shard_parameters({"w": 100, "b": 10, "v": 90}, 2) == [["w"], ["b", "v"]]
