@@ -15,6 +15,8 @@ import sys
 _SUBCOMMANDS = (
     "phalanx.launcher.run_cmd",
     "phalanx.demo",
+    "phalanx.launcher.cluster_cmd",
+    "phalanx.launcher.bench_cmd",
 )
 
 
