@@ -35,12 +35,14 @@ from phalanx.comm.collectives import (
     set_mismatch_check,
 )
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
+from phalanx.memory import memory_report
 from phalanx.parallel.data import DataParallel
 from phalanx.parallel.data_optimizer import (
     DistributedOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from phalanx.parallel.zero import zero
 from phalanx.runtime import (
     Topology,
     cross_rank,
@@ -113,6 +115,8 @@ __all__ = [
     "DistributedOptimizer",
     "broadcast_parameters",
     "broadcast_optimizer_state",
+    "zero",
+    "memory_report",
     # launching
     "run",
     "RankError",
