@@ -1,0 +1,64 @@
+"""``phalanx run`` options for fault tolerance: --min-np/--max-np, --host-discovery-script,
+--resume-from, --max-restarts. Kept here so the launcher's own file stays small.
+
+Example::
+
+    phalanx run -np 4 --max-restarts 3 --resume-from ckpts python train.py
+    phalanx run -np 2 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+__all__ = ["add_elastic_arguments", "elastic_launch_options"]
+
+
+def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--max-restarts", type=int, default=None,
+                   help="restart the worker group up to N times after a worker fails; workers resume "
+                        "from their last commit/checkpoint (default 0, or 3 with --min-np/--max-np)")
+    g.add_argument("--min-np", type=int, default=None, help="elastic: fewest workers to run with")
+    g.add_argument("--max-np", type=int, default=None, help="elastic: most workers to admit")
+    g.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
+                   help="elastic (horovodrun's flag): executable printing 'host:slots' lines")
+    g.add_argument("--resume-from", default=None, metavar="DIR",
+                   help="resume from the newest intact checkpoint under DIR (exported to the "
+                        "workers as PHALANX_RESUME_FROM)")
+
+
+def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str]) -> dict:
+    """Validate the flags, add their environment to ``env``; return extra LaunchSpec fields.
+
+    Raises ValueError naming the flag and the fix.
+    """
+    min_np, max_np = args.min_np, args.max_np
+    elastic = min_np is not None or max_np is not None or args.host_discovery_script is not None
+    if min_np is not None and min_np < 1:
+        raise ValueError(f"--min-np must be at least 1, got {min_np}")
+    if min_np is not None and min_np > np:
+        raise ValueError(f"--min-np {min_np} is larger than -np {np}; lower --min-np or raise -np")
+    if max_np is not None and max_np < np:
+        raise ValueError(f"--max-np {max_np} is smaller than -np {np}; raise --max-np or lower -np")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.host_discovery_script is not None:
+        script = args.host_discovery_script
+        if not (os.path.isfile(script) and os.access(script, os.X_OK)):
+            raise ValueError(f"--host-discovery-script {script} is not an executable file; chmod +x it")
+        env["PHALANX_HOST_DISCOVERY_SCRIPT"] = os.path.abspath(script)
+    if args.resume_from is not None:
+        env["PHALANX_RESUME_FROM"] = os.path.abspath(args.resume_from)
+    out: dict = {}
+    restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else None)
+    if restarts is not None:
+        out["max_restarts"] = restarts
+        env["PHALANX_MAX_RESTARTS"] = str(restarts)
+    if elastic:
+        # TorchElastic counts nodes (agents), each running -np workers here.
+        out["min_nodes"] = max(1, math.ceil((min_np or np) / np))
+        out["max_nodes"] = max(out["min_nodes"], math.ceil((max_np or np) / np))
+    return out
