@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from phalanx.elastic.launch_options import add_elastic_arguments, elastic_launch_options
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
 from phalanx.launcher.local import LaunchSpec, launch
 from phalanx.launcher.remote import add_remote_arguments
@@ -32,6 +33,7 @@ def register(subparsers) -> None:
                    help="seconds a collective may wait for peers before it raises (default 300)")
     p.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr files here")
     add_remote_arguments(p)
+    add_elastic_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
     p.set_defaults(func=main)
 
@@ -61,5 +63,11 @@ def main(args: argparse.Namespace) -> int:
     env = {}
     if args.timeout is not None:
         env["PHALANX_TIMEOUT"] = str(args.timeout)
-    spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env)
+    try:
+        elastic = elastic_launch_options(args, np, env)
+    except ValueError as err:
+        print(f"phalanx run: {err}", file=sys.stderr)
+        return 2
+    spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env,
+                      **elastic)
     return launch(spec, command)
