@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from phalanx.elastic.launch_options import add_elastic_arguments, elastic_launch_options
@@ -32,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait for peers before it raises (default 300)")
     p.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr files here")
+    p.add_argument("--timeline", default=None, metavar="FILE",
+                   help="write a Chrome-trace timeline of every rank to FILE (open in ui.perfetto.dev)")
     add_remote_arguments(p)
     add_elastic_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
@@ -68,6 +71,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"phalanx run: {err}", file=sys.stderr)
         return 2
+    if args.timeline:
+        env["PHALANX_TIMELINE"] = os.path.abspath(args.timeline)
     spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env,
                       **elastic)
-    return launch(spec, command)
+    code = launch(spec, command)
+    if args.timeline:
+        from phalanx.profiler.timeline import merge_parts
+
+        merge_parts(os.path.abspath(args.timeline))
+    return code

@@ -1,0 +1,17 @@
+"""Planner: predict a step's time before running it, choose a layout, tune online.
+
+- :mod:`~phalanx.planner.cost`: alpha-beta cost model (ring, hierarchical, compressed
+  allreduce, ZeRO, pipeline bubble, tensor parallel, Amdahl) and its calibration.
+- :mod:`~phalanx.planner.plan`: ``phalanx plan``, enumerate dp/pp/tp/ZeRO/compression/bucket
+  layouts under a memory budget and rank them by predicted step time.
+- :mod:`~phalanx.planner.autotune`: tune the fusion (bucket) size during the first steps.
+
+Example::
+
+    from phalanx.planner import cost
+    cost.amdahl(0.6, 10)   # 2.17
+"""
+
+from phalanx.planner import cost
+
+__all__ = ["cost"]

@@ -1,0 +1,221 @@
+"""Alpha-beta cost model: what a step's communication costs before you buy the machines.
+
+A message of ``n`` bytes over a link costs ``alpha + n * beta`` (Hockney's model;
+alpha = latency in seconds, beta = seconds per byte = 1 / bandwidth). Formulas,
+for ``N`` ranks and a gradient of ``M`` bytes:
+
+    ring allreduce (Patarasuk & Yuan 2009)    2(N-1) alpha + 2(N-1)/N * M beta
+        N-1 reduce-scatter steps then N-1 allgather steps, each moving M/N:
+        r0 ─M/N→ r1 ─M/N→ r2 ─M/N→ r3 ─M/N→ r0   (x 2(N-1))
+    reduce-scatter / allgather                (N-1) alpha + (N-1)/N * M beta
+    hierarchical (local L ranks, H hosts)     reduce-scatter on the intra link,
+        ring allreduce of M/L across hosts on the inter link, allgather intra
+    compressed                                allreduce of M * ratio + codec time
+    the seeds' rule of thumb                  M / bandwidth + latency * messages
+
+ZeRO (Rajbhandari et al. 2020): stages 1 and 2 move what an allreduce moves
+(reduce-scatter of gradients + allgather of parameters); stage 3 gathers the
+parameters again for backward: 1.5x. Pipeline (GPipe, Huang et al. 2019): with
+``p`` stages and ``m`` micro-batches the bubble is ``(p-1)/(m+p-1)`` of the step.
+Megatron tensor parallel (Shoeybi et al. 2019): per transformer layer, two
+allreduces of the activations forward and two backward. Amdahl: speedup
+``1 / ((1-P) + P/N)``.
+
+Example::
+
+    from phalanx.planner import cost
+    eth = cost.Link.from_bandwidth(1250e6, latency_s=1e-4)     # 10 Gbit/s, 0.1 ms
+    cost.seed_estimate(100e6, eth, messages=6)                 # 0.0806 s (the seeds' example)
+    cost.ring_allreduce(100e6, 4, eth)                         # 0.1206 s (the exact ring)
+    cost.amdahl(0.6, 10)                                       # 2.17
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+__all__ = [
+    "Link", "Cluster", "seed_estimate", "ring_allreduce", "reducescatter", "allgather",
+    "hierarchical_allreduce", "allreduce", "compressed_allreduce", "overlapped_exposure",
+    "zero_comm", "zero_memory", "pipeline_bubble", "pipeline_step", "tp_comm",
+    "amdahl", "fit_amdahl", "fit_link",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link type: ``alpha_s`` latency per message, ``beta_s`` seconds per byte."""
+
+    alpha_s: float
+    beta_s: float
+
+    @classmethod
+    def from_bandwidth(cls, bytes_per_s: float, latency_s: float) -> Link:
+        if bytes_per_s <= 0:
+            raise ValueError(f"bandwidth must be positive bytes/s, got {bytes_per_s}")
+        return cls(alpha_s=latency_s, beta_s=1.0 / bytes_per_s)
+
+    @property
+    def bandwidth(self) -> float:
+        return math.inf if self.beta_s == 0 else 1.0 / self.beta_s
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.alpha_s + nbytes * self.beta_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Hosts x ranks per host, an intra-host and an inter-host link, memory per rank."""
+
+    hosts: int
+    ranks_per_host: int
+    intra: Link
+    inter: Link
+    memory_bytes: float = math.inf
+
+    @property
+    def size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+def seed_estimate(nbytes: float, link: Link, messages: int) -> float:
+    """The seeds' rule of thumb: ``bytes / bandwidth + latency * messages``."""
+    return link.time(nbytes, messages)
+
+
+def ring_allreduce(nbytes: float, n: int, link: Link) -> float:
+    """Ring allreduce of ``nbytes`` over ``n`` ranks: ``2(n-1) alpha + 2(n-1)/n nbytes beta``."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes * link.beta_s
+
+
+def reducescatter(nbytes: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter (also allgather) of a ``nbytes`` buffer over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s
+
+
+allgather = reducescatter
+
+
+def hierarchical_allreduce(nbytes: float, local: int, hosts: int, intra: Link, inter: Link) -> float:
+    """Reduce-scatter inside each host, ring allreduce of a shard across hosts, allgather inside."""
+    return (2 * reducescatter(nbytes, local, intra)
+            + ring_allreduce(nbytes / max(local, 1), hosts, inter))
+
+
+def allreduce(nbytes: float, cluster: Cluster, hierarchical: bool = False) -> float:
+    """Allreduce over the whole cluster: a flat ring runs at the slowest link's pace."""
+    if cluster.hosts == 1:
+        return ring_allreduce(nbytes, cluster.ranks_per_host, cluster.intra)
+    if hierarchical:
+        return hierarchical_allreduce(nbytes, cluster.ranks_per_host, cluster.hosts, cluster.intra, cluster.inter)
+    return ring_allreduce(nbytes, cluster.size, cluster.inter)
+
+
+def compressed_allreduce(nbytes: float, cluster: Cluster, ratio: float, codec_s_per_byte: float = 0.0,
+                         hierarchical: bool = False) -> float:
+    """Allreduce of ``nbytes * ratio`` plus encode/decode time (``codec_s_per_byte`` of input)."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"compression ratio must be in (0, 1], got {ratio}")
+    return allreduce(nbytes * ratio, cluster, hierarchical) + nbytes * codec_s_per_byte
+
+
+def overlapped_exposure(bucket_comm_s: Sequence[float], backward_s: float) -> float:
+    """Communication left after backward when bucket ``k`` (of B) is ready at ``backward * k/B``.
+
+    Buckets go one at a time, as one process group's collectives do::
+
+        backward ▕███████████████████████▏
+        buckets        ▕b0▏  ▕b1▏   ▕b2─────▏   <- exposed = end of last bucket - end of backward
+    """
+    n = len(bucket_comm_s)
+    free = 0.0
+    for k, c in enumerate(bucket_comm_s, start=1):
+        free = max(free, backward_s * k / n) + c
+    return max(0.0, free - backward_s) if n else 0.0
+
+
+def zero_comm(param_bytes: float, stage: int, cluster: Cluster) -> float:
+    """Per-step communication of ZeRO ``stage`` (0 = plain data parallel) on ``cluster``."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    base = allreduce(param_bytes, cluster)
+    return base * (1.5 if stage == 3 else 1.0)
+
+
+def zero_memory(params: float, stage: int, dp: int, bytes_per_param: int = 4, optim_bytes_per_param: int = 8) -> float:
+    """Bytes per rank of parameters + gradients + optimizer state (Adam: 8 B/param in fp32)."""
+    p, g, o = params * bytes_per_param, params * bytes_per_param, params * optim_bytes_per_param
+    if stage >= 1:
+        o /= dp
+    if stage >= 2:
+        g /= dp
+    if stage >= 3:
+        p /= dp
+    return p + g + o
+
+
+def pipeline_bubble(stages: int, micro_batches: int) -> float:
+    """Idle fraction of a GPipe / 1F1B step: ``(p-1) / (m+p-1)``."""
+    if stages < 1 or micro_batches < 1:
+        raise ValueError("stages and micro_batches must be >= 1")
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def pipeline_step(compute_s: float, stages: int, micro_batches: int, act_bytes: float = 0.0,
+                  link: Link | None = None) -> float:
+    """Step time of ``compute_s`` of work split over ``stages``: ``(m+p-1)`` slots of ``compute/(p m)``,
+    plus one activation send forward and one gradient send back per slot between stages."""
+    slot = compute_s / (stages * micro_batches)
+    send = 2 * link.time(act_bytes / micro_batches) if (link and stages > 1) else 0.0
+    return (micro_batches + stages - 1) * (slot + send)
+
+
+def tp_comm(act_bytes_per_layer: float, layers: int, tp: int, link: Link) -> float:
+    """Megatron: 2 allreduces of the activations per layer forward, 2 backward."""
+    return 4 * layers * ring_allreduce(act_bytes_per_layer, tp, link)
+
+
+def amdahl(p: float, n: float) -> float:
+    """Amdahl's speedup on ``n`` workers when a fraction ``p`` of the work parallelises."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"parallel fraction p must be in [0, 1], got {p}")
+    return 1.0 / ((1 - p) + p / n)
+
+
+def fit_amdahl(workers: Sequence[float], speedups: Sequence[float]) -> float:
+    """Least-squares P from measured speedups: ``1/S - 1 = P (1/N - 1)``, clipped to [0, 1]."""
+    xs = [1 / n - 1 for n in workers]
+    ys = [1 / s - 1 for s in speedups]
+    den = sum(x * x for x in xs)
+    if den == 0:
+        raise ValueError("fit_amdahl needs at least one measurement with more than one worker")
+    return min(1.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / den))
+
+
+def fit_link(samples: Sequence[tuple[float, float]], n: int) -> Link:
+    """Calibrate alpha and beta from measured ring allreduces ``[(nbytes, seconds), ...]`` on ``n`` ranks.
+
+    Least squares on ``t = a * 2(n-1) + b * 2(n-1)/n * nbytes``; both clipped at zero.
+    """
+    if n < 2 or len(samples) < 2:
+        raise ValueError("fit_link needs n >= 2 ranks and at least two message sizes")
+    rows = [(2 * (n - 1), 2 * (n - 1) / n * m, t) for m, t in samples]
+    s11 = sum(a * a for a, _, _ in rows)
+    s12 = sum(a * b for a, b, _ in rows)
+    s22 = sum(b * b for _, b, _ in rows)
+    y1 = sum(a * t for a, _, t in rows)
+    y2 = sum(b * t for _, b, t in rows)
+    det = s11 * s22 - s12 * s12
+    if det == 0:
+        raise ValueError("fit_link needs at least two different message sizes")
+    alpha = (y1 * s22 - y2 * s12) / det
+    beta = (s11 * y2 - s12 * y1) / det
+    if alpha < 0:  # latency below noise: refit bandwidth alone
+        alpha, beta = 0.0, y2 / s22
+    return Link(alpha_s=alpha, beta_s=max(beta, 0.0))
