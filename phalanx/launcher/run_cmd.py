@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait for peers before it raises (default 300)")
     p.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr files here")
+    p.add_argument("--servers", type=int, default=None, metavar="N",
+                   help="parameter-server jobs: the first N ranks serve (exports PHALANX_NUM_SERVERS)")
     p.add_argument("--timeline", default=None, metavar="FILE",
                    help="write a Chrome-trace timeline of every rank to FILE (open in ui.perfetto.dev)")
     add_remote_arguments(p)
@@ -66,6 +68,12 @@ def main(args: argparse.Namespace) -> int:
     env = {}
     if args.timeout is not None:
         env["PHALANX_TIMEOUT"] = str(args.timeout)
+    if args.servers is not None:
+        if not 1 <= args.servers < np:
+            print(f"phalanx run: --servers {args.servers} must be between 1 and -np minus 1 ({np - 1})",
+                  file=sys.stderr)
+            return 2
+        env["PHALANX_NUM_SERVERS"] = str(args.servers)
     try:
         elastic = elastic_launch_options(args, np, env)
     except ValueError as err:
