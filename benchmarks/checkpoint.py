@@ -1,0 +1,185 @@
+"""Checkpoint speed vs torch.distributed.checkpoint (DCP), and recovery time after a worker kill.
+
+Run:  python benchmarks/checkpoint.py [--mb 64] [--repeats 3] [--np 2] [--recovery-repeats 2]
+
+Part 1 (np ranks, each holding --mb MiB of distinct fp32 tensors, written to a local disk
+directory with fsync on both sides) interleaves phalanx and DCP each repeat and reports medians:
+  * sync save MiB/s       phalanx.checkpoint.save           vs dcp.save
+  * load MiB/s            phalanx.checkpoint.load           vs dcp.load
+  * blocked by async save phalanx save(async_=True) return  vs dcp.async_save return
+    (the time the training loop is stopped; the write finishes in the background)
+Part 2: `phalanx run -np 4 --max-restarts 1` of a small training job whose rank 1 SIGKILLs itself
+at step 12 (commit every 5 steps); recovery = time from the kill to the next completed step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import phalanx as px
+import phalanx.checkpoint as ckpt
+
+
+def _state(mb: int, rank: int) -> dict:
+    n = mb * (1 << 20) // 4 // 16
+    g = torch.Generator().manual_seed(rank)
+    # distinct keys per rank: DCP would otherwise de-duplicate them as replicated
+    return {f"r{rank}.layer{i}": torch.randn(n, generator=g) for i in range(16)}
+
+
+def _bench_rank(mb: int, repeats: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    r = px.rank()
+    state = _state(mb, r)
+    out = {k: [] for k in ("px_save", "dcp_save", "px_load", "dcp_load", "px_block", "dcp_block",
+                           "px_async_total", "dcp_async_total")}
+
+    def timed(fn):
+        px.barrier()
+        t0 = time.perf_counter()
+        fn()
+        px.barrier()
+        return time.perf_counter() - t0
+
+    for i in range(repeats):
+        for who in (("px", "dcp") if i % 2 == 0 else ("dcp", "px")):  # interleave; alternate who goes first
+            path = os.path.join(root, f"{who}-sync-{i}")
+            if who == "px":
+                out["px_save"].append(timed(lambda p=path: ckpt.save(p, state)))
+                target = {k: torch.empty_like(v) for k, v in state.items()}
+                out["px_load"].append(timed(lambda p=path, t=target: ckpt.load(p, t)))
+            else:
+                out["dcp_save"].append(timed(lambda p=path: dcp.save(state, checkpoint_id=p)))
+                target = {k: torch.empty_like(v) for k, v in state.items()}
+                out["dcp_load"].append(timed(lambda p=path, t=target: dcp.load(t, checkpoint_id=p)))
+            assert all(torch.equal(target[k], state[k]) for k in state)
+            apath = os.path.join(root, f"{who}-async-{i}")
+            px.barrier()
+            t0 = time.perf_counter()
+            if who == "px":
+                ckpt.save(apath, state, async_=True)
+                out["px_block"].append(time.perf_counter() - t0)
+                ckpt.wait()
+                out["px_async_total"].append(time.perf_counter() - t0)
+            else:
+                fut = dcp.async_save(state, checkpoint_id=apath)
+                out["dcp_block"].append(time.perf_counter() - t0)
+                fut.result()
+                out["dcp_async_total"].append(time.perf_counter() - t0)
+            px.barrier()
+            if r == 0:
+                for p in (path, apath):
+                    shutil.rmtree(p, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------- recovery worker (runs under phalanx run)
+
+KILL_STEP, COMMIT_EVERY, STEPS = 12, 5, 20
+
+
+def _recovery_worker(out: str) -> None:
+    from phalanx import elastic
+
+    px.init()
+    r = px.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state = elastic.TorchState(model, opt, step=0, commit_dir=os.path.join(out, "commits"))
+    restart = elastic.restart_count()
+
+    def event(what: str) -> None:
+        with open(os.path.join(out, "events.txt"), "a") as f:
+            f.write(f"{what} {state.step} {restart} {time.time():.4f}\n")
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            x = torch.randn(32, 64)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                px.allreduce(p.grad, op=px.Average, inplace=True)
+            opt.step()
+            state.step += 1
+            if restart == 0 and r == 1 and state.step == KILL_STEP:
+                event("kill")
+                os.kill(os.getpid(), 9)
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+            if r == 0:
+                event("done")
+
+    train(state)
+
+
+def _recovery_once() -> tuple[float, int]:
+    out = tempfile.mkdtemp(prefix="phalanx-recovery-")
+    try:
+        cmd = [sys.executable, "-m", "phalanx", "run", "-np", "4", "--max-restarts", "1",
+               sys.executable, os.path.abspath(__file__), "--recovery-worker", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"recovery run failed:\n{proc.stderr[-2000:]}")
+        events = [line.split() for line in open(os.path.join(out, "events.txt"))]
+        kill_t = next(float(e[3]) for e in events if e[0] == "kill")
+        after = [e for e in events if e[0] == "done" and int(e[2]) == 1]
+        lost = KILL_STEP - (int(after[0][1]) - 1)
+        return float(after[0][3]) - kill_t, lost
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=64, help="MiB of state per rank")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--recovery-repeats", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
+    ap.add_argument("--recovery-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.recovery_worker:
+        return _recovery_worker(args.recovery_worker)
+
+    root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
+    try:
+        results = px.run(_bench_rank, np=args.np, args=(args.mb, args.repeats, root), timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    # a step is as slow as its slowest rank: take the max over ranks per repeat, then the median
+    med = {k: statistics.median(max(r[k][i] for r in results) for i in range(args.repeats)) for k in results[0]}
+    total_mib = args.mb * args.np
+    rows = [
+        ("sync save (MiB/s)", total_mib / med["px_save"], total_mib / med["dcp_save"]),
+        ("load (MiB/s)", total_mib / med["px_load"], total_mib / med["dcp_load"]),
+        ("blocked by async save (ms)", 1e3 * med["px_block"], 1e3 * med["dcp_block"]),
+        ("async save until on disk (ms)", 1e3 * med["px_async_total"], 1e3 * med["dcp_async_total"]),
+    ]
+    print(f"torch {torch.__version__}; {args.np} ranks x {args.mb} MiB fp32; median of {args.repeats} "
+          f"interleaved repeats; format {ckpt.io.tensor_format()}")
+    print(f"{'metric':32s} {'phalanx':>10s} {'DCP':>10s} {'phalanx/DCP':>12s}")
+    for name, a, b in rows:
+        print(f"{name:32s} {a:10.1f} {b:10.1f} {a / b:12.2f}")
+    if args.recovery_repeats:
+        rec = [_recovery_once() for _ in range(args.recovery_repeats)]
+        times = [t for t, _ in rec]
+        print(f"recovery after SIGKILL of 1 of 4 workers (kill -> next completed step): median "
+              f"{statistics.median(times):.2f} s over {len(times)} runs {[round(t, 2) for t in times]}; "
+              f"steps lost {[s for _, s in rec]} (commit every {COMMIT_EVERY})")
+
+
+if __name__ == "__main__":
+    main()
