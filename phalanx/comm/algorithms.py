@@ -22,8 +22,8 @@ of the L ranks on a host sends only 1/L of the buffer across hosts::
       2. allreduce shard i across hosts    r0<->r2 on s0,     r1<->r3 on s1
       3. allgather inside each host        every rank: [s0 s1] = full sum
 
-Per host link: 2(H-1)/H * S bytes, against 2(N-1)/N * S ... times the number of
-ring edges crossing it for a flat ring over all N = H*L ranks.
+Per host link and direction: 2(H-1)/H * S bytes for H hosts; a flat ring over all
+N = H*L ranks sends 2(N-1)/N * S over each ring edge that crosses a host boundary.
 
 Example::
 
