@@ -42,6 +42,8 @@ from phalanx.parallel.data_optimizer import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from phalanx.parallel.mesh import DeviceMesh
+from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.zero import zero
 from phalanx.runtime import (
     Topology,
@@ -117,6 +119,9 @@ __all__ = [
     "broadcast_optimizer_state",
     "zero",
     "memory_report",
+    # model parallel
+    "DeviceMesh",
+    "parallelize",
     # launching
     "run",
     "RankError",

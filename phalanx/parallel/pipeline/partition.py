@@ -128,7 +128,7 @@ def _blocks(model) -> list[nn.Module]:
 
 
 def block_costs(model, method: str = "parameters", sample: torch.Tensor | None = None,
-                repeats: int = 3) -> list[float]:
+                repeats: int = 5) -> list[float]:
     """Cost of each block under ``method`` ("uniform", "parameters", "time" or "flops")."""
     blocks = _blocks(model)
     if method == "uniform":
@@ -150,14 +150,14 @@ def block_costs(model, method: str = "parameters", sample: torch.Tensor | None =
             costs.append(float(counter.get_total_flops()))
         else:
             times = []
-            for _ in range(repeats):
+            for _ in range(repeats + 1):  # the first call warms the allocator and kernels; dropped below
                 t0 = time.perf_counter()
                 y = b(x_in)
                 if y.requires_grad:
                     y.backward(torch.ones_like(y))
                 times.append(time.perf_counter() - t0)
             b.zero_grad(set_to_none=True)
-            costs.append(statistics.median(times))
+            costs.append(statistics.median(times[1:]))
         x = y.detach()
     return costs
 
