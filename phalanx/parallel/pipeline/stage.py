@@ -6,8 +6,10 @@ Data flow for stage s of p (activations right, gradients left)::
               ◀──dL/dx_s──────────                    ◀──dL/dy_s──
 
 * Shapes are exchanged once: the first activation a stage sends is preceded by
-  a small int64 header (ndim, dtype, dims); later ones reuse it. Gradients
-  have the shape of the activation they answer, so they need no header.
+  a small int64 header (ndim, dtype, dims); later ones reuse it, so every
+  micro-batch of every step must have the same shape (keep the batch size
+  fixed; drop or pad a short last batch). Gradients have the shape of the
+  activation they answer, so they need no header.
 * Sends are ``isend`` and are waited on at the end of the step, so a stage
   never blocks on a send; receives block (under the process group timeout).
 * The last stage applies ``loss_fn(output, target) / m`` to each micro-batch;
