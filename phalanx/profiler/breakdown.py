@@ -20,7 +20,8 @@ data > blocking comm > compute > overlappable comm > other, so the parts add up
 to the step time by construction; ``other`` is what no span covered (Python
 overhead between spans) and stays small when a loop is fully instrumented.
 
-Waiting for stragglers: a rank is *ready* when its backward ends. In a step,
+Waiting for stragglers: a rank is *ready* when it first blocks on communication
+(or its backward ends, if sooner). In a step,
 rank r waits ``max_q ready_q - ready_r`` for the slowest rank (clocks are
 aligned by the timeline), charged out of its exposed communication.
 
@@ -48,7 +49,7 @@ from phalanx import trace
 
 __all__ = ["StepBreakdown", "Breakdown", "StepProfiler", "from_events"]
 
-_BLOCKING = ("wait", "compress", "decompress", "barrier", "check", "negotiat")
+_BLOCKING = ("wait", "compress", "launch", "barrier", "check", "negotiat")
 _NO_BYTES = ("wait", "decompress")
 
 
@@ -143,14 +144,15 @@ def _split_step(lo: float, hi: float, spans: list[dict[str, Any]]):
         elif cat == "comm":
             blocking = e.get("args", {}).get("blocking", any(k in name for k in _BLOCKING))
             kinds["block" if blocking else "async"].append((a, b))
+            if blocking:
+                ready = a if ready is None else min(ready, a)
         elif cat == "compute":
             kinds["compute"].append((a, b))
             if name == "backward":
-                ready = b if ready is None else max(ready, b)
+                ready = b if ready is None else min(ready, b)
     merged = {k: _union(v) for k, v in kinds.items()}
     cuts = sorted({lo, hi, *(t for v in merged.values() for seg in v for t in seg)})
     secs = dict.fromkeys(("data", "comm", "compute", "other"), 0.0)
-    first_comm = None
     for a, b in zip(cuts, cuts[1:]):
         if b <= a:
             continue
@@ -160,12 +162,11 @@ def _split_step(lo: float, hi: float, spans: list[dict[str, Any]]):
             not _covered(merged.get("compute", []), a) and _covered(merged.get("async", []), a)
         ):
             secs["comm"] += b - a
-            first_comm = a if first_comm is None else first_comm
         elif _covered(merged.get("compute", []), a):
             secs["compute"] += b - a
         else:
             secs["other"] += b - a
-    return secs, (ready if ready is not None else first_comm)
+    return secs, ready
 
 
 def from_events(events: Iterable[dict[str, Any]]) -> Breakdown:

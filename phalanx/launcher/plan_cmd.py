@@ -1,0 +1,69 @@
+"""``phalanx plan``: rank parallel layouts by predicted step time under a memory budget.
+
+Example::
+
+    phalanx plan --params 1.3e9 --layers 24 --compute-ms 900 --hosts 4 --ranks-per-host 8 --memory-gb 40
+    phalanx plan --model torch.nn:Transformer --hosts 2 --ranks-per-host 2 --inter-gbps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="rank dp/pp/tp/ZeRO/compression/bucket layouts by predicted step time",
+                              description="Predict step time of every layout with the alpha-beta cost model.")
+    p.add_argument("--params", type=float, default=None, help="trainable parameters (e.g. 1.3e9)")
+    p.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                   help="build a model to count its parameters instead of --params")
+    p.add_argument("--layers", type=int, default=1, help="layers to split over pipeline/tensor parallel")
+    p.add_argument("--compute-ms", type=float, default=100.0,
+                   help="forward+backward+optimizer of one global batch on one rank (measured)")
+    p.add_argument("--act-mb", type=float, default=0.0, help="activation MB per layer for the global batch")
+    p.add_argument("--hosts", type=int, default=1)
+    p.add_argument("--ranks-per-host", type=int, default=1)
+    p.add_argument("--intra-gbps", type=float, default=100.0, help="intra-host bandwidth, Gbit/s")
+    p.add_argument("--inter-gbps", type=float, default=10.0, help="inter-host bandwidth, Gbit/s")
+    p.add_argument("--intra-latency-us", type=float, default=5.0)
+    p.add_argument("--inter-latency-us", type=float, default=50.0)
+    p.add_argument("--memory-gb", type=float, default=float("inf"), help="memory budget per rank, GiB")
+    p.add_argument("--top", type=int, default=5)
+    p.set_defaults(func=main)
+
+
+def _count_params(spec: str) -> int:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"--model {spec!r}: use MODULE:FACTORY, e.g. torch.nn:Transformer")
+    model = getattr(importlib.import_module(module), attr)()
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def main(args: argparse.Namespace) -> int:
+    from phalanx.planner import cost, plan
+
+    try:
+        params = _count_params(args.model) if args.model else args.params
+        if not params:
+            raise ValueError("give --params N or --model MODULE:FACTORY")
+        cluster = cost.Cluster(
+            hosts=args.hosts, ranks_per_host=args.ranks_per_host,
+            intra=cost.Link.from_bandwidth(args.intra_gbps * 1e9 / 8, args.intra_latency_us * 1e-6),
+            inter=cost.Link.from_bandwidth(args.inter_gbps * 1e9 / 8, args.inter_latency_us * 1e-6),
+            memory_bytes=args.memory_gb * 2**30,
+        )
+        spec = plan.ModelSpec(params=params, layers=args.layers, compute_s=args.compute_ms / 1e3,
+                              act_bytes_per_layer=args.act_mb * 1e6)
+        ranked = plan.search(spec, cluster)
+    except (ValueError, ImportError, AttributeError) as err:
+        print(f"phalanx plan: {err}", file=sys.stderr)
+        return 2
+    print(f"phalanx plan: {params / 1e6:.1f}M params, {cluster.hosts} host(s) x {cluster.ranks_per_host} rank(s), "
+          f"{len(ranked)} layouts fit; top {args.top}:")
+    for i, p in enumerate(ranked[: args.top], start=1):
+        print(f"{i:>2}. {p.step_s * 1e3:9.2f} ms  {p.layout}")
+        print(f"      why: {p.why}")
+    return 0

@@ -1,0 +1,150 @@
+"""Plan search: enumerate layouts, keep those that fit in memory, rank by predicted step time.
+
+A layout is ``dp x pp x tp = world`` plus a ZeRO stage, a gradient compression
+and a bucket size. For each, the cost model (:mod:`phalanx.planner.cost`)
+predicts::
+
+    step = pipeline(compute / (dp tp), pp stages, m micro-batches)     # bubble (p-1)/(m+p-1)
+         + tensor-parallel allreduces (4 per layer)                      # on the intra link if tp fits a host
+         + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume
+         + codec time of the compression
+
+and the memory per rank of parameters, gradients and Adam state (ZeRO shards
+them over dp). Each prediction carries a one-line *why*.
+
+Example::
+
+    from phalanx.planner import cost, plan
+    cluster = cost.Cluster(hosts=2, ranks_per_host=4, intra=cost.Link.from_bandwidth(10e9, 5e-6),
+                           inter=cost.Link.from_bandwidth(125e6, 5e-5), memory_bytes=16e9)
+    model = plan.ModelSpec(params=350e6, layers=24, compute_s=0.8, act_bytes_per_layer=8e6)
+    for p in plan.search(model, cluster)[:3]:
+        print(p.step_s, p.layout, p.why)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from phalanx.planner import cost
+
+__all__ = ["ModelSpec", "Layout", "Prediction", "predict", "search", "COMPRESSIONS"]
+
+COMPRESSIONS: dict[str, tuple[float, float]] = {
+    # name: (bytes ratio, codec seconds per input byte — a CPU figure; calibrate for yours)
+    "none": (1.0, 0.0),
+    "fp16": (0.5, 0.25e-9),
+    "bf16": (0.5, 0.25e-9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know about a model and one step of it."""
+
+    params: float
+    """number of trainable parameters"""
+    layers: int = 1
+    """layers (blocks) to cut into pipeline stages / tensor-parallel shards"""
+    compute_s: float = 0.0
+    """forward + backward + optimizer time of one global batch on one rank (measure it)"""
+    act_bytes_per_layer: float = 0.0
+    """activation bytes per layer for the global batch (tensor- and pipeline-parallel traffic)"""
+    bytes_per_param: int = 4
+    optim_bytes_per_param: int = 8
+    """Adam in fp32: two moments"""
+    backward_fraction: float = 2 / 3
+    """share of compute_s spent in backward, the window gradient sync can hide in"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0
+    compression: str = "none"
+    bucket_mb: float = 25.0
+    micro_batches: int = 1
+
+    def __str__(self) -> str:
+        s = f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero} compression={self.compression} bucket={self.bucket_mb:g}MB"
+        return s + (f" micro={self.micro_batches}" if self.pp > 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    step_s: float
+    memory_bytes: float
+    parts: dict
+    why: str
+
+
+def _dp_cluster(cluster: cost.Cluster, dp: int, inner: int) -> cost.Cluster:
+    """The cluster the dp group sees: ranks of one dp group on a host share it; the rest cross hosts."""
+    per_host = max(1, min(dp, cluster.ranks_per_host // max(inner, 1)))
+    return dataclasses.replace(cluster, hosts=max(1, math.ceil(dp / per_host)), ranks_per_host=per_host)
+
+
+def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout) -> Prediction:
+    """Predicted step time, memory and the why for one layout."""
+    if layout.compression not in COMPRESSIONS:
+        raise ValueError(f"compression {layout.compression!r} unknown; choose one of {sorted(COMPRESSIONS)}")
+    if layout.dp * layout.pp * layout.tp != cluster.size:
+        raise ValueError(f"dp*pp*tp = {layout.dp}*{layout.pp}*{layout.tp} != world size {cluster.size}")
+    shard_compute = model.compute_s / (layout.dp * layout.tp)
+    compute = cost.pipeline_step(shard_compute, layout.pp, layout.micro_batches,
+                                 model.act_bytes_per_layer / layout.dp, cluster.inter if layout.pp > 1 else None)
+    tp_link = cluster.intra if layout.tp <= cluster.ranks_per_host else cluster.inter
+    tp_time = cost.tp_comm(model.act_bytes_per_layer / layout.dp, math.ceil(model.layers / layout.pp),
+                           layout.tp, tp_link)
+    grad_bytes = model.params * model.bytes_per_param / (layout.pp * layout.tp)
+    ratio, codec = COMPRESSIONS[layout.compression]
+    dpc = _dp_cluster(cluster, layout.dp, layout.pp * layout.tp)
+    n_buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
+    per_bucket = grad_bytes / n_buckets
+    bucket_s = cost.compressed_allreduce(per_bucket, dpc, ratio, codec) * (1.5 if layout.zero == 3 else 1.0)
+    comm_total = bucket_s * n_buckets
+    exposed = cost.overlapped_exposure([bucket_s] * n_buckets, compute * model.backward_fraction)
+    memory = cost.zero_memory(model.params / (layout.pp * layout.tp), layout.zero, layout.dp,
+                              model.bytes_per_param, model.optim_bytes_per_param)
+    step = compute + tp_time + exposed
+    bubble = cost.pipeline_bubble(layout.pp, layout.micro_batches)
+    why = (f"compute {compute * 1e3:.1f} ms" + (f" (bubble {bubble:.0%})" if layout.pp > 1 else "")
+           + f"; grad sync {comm_total * 1e3:.1f} ms in {n_buckets} bucket(s) over "
+           + f"{'inter' if dpc.hosts > 1 else 'intra'}-host links, {exposed * 1e3:.1f} ms exposed"
+           + (f"; tp allreduces {tp_time * 1e3:.1f} ms" if layout.tp > 1 else "")
+           + f"; {memory / 2**30:.2f} GiB/rank")
+    parts = {"compute_s": compute, "tp_s": tp_time, "grad_sync_s": comm_total, "exposed_s": exposed,
+             "bubble": bubble}
+    return Prediction(layout, step, memory, parts, why)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(model: ModelSpec, cluster: cost.Cluster, *, zero_stages=(0, 1, 2, 3),
+           compressions=("none", "fp16"), bucket_mbs=(1, 4, 25, 100), micro_batches=(4, 8),
+           max_pp: int | None = None, max_tp: int | None = None) -> list[Prediction]:
+    """Every layout that fits ``cluster.memory_bytes``, fastest first (ties: less memory first)."""
+    out: list[Prediction] = []
+    world = cluster.size
+    for tp, pp in itertools.product(_divisors(world), _divisors(world)):
+        if world % (tp * pp) or pp > model.layers or (max_pp and pp > max_pp) or (max_tp and tp > max_tp):
+            continue
+        dp = world // (tp * pp)
+        # with dp = 1 there is no gradient sync: ZeRO, compression and buckets change nothing
+        grid = itertools.product(zero_stages, compressions, bucket_mbs) if dp > 1 else [(0, "none", bucket_mbs[-1])]
+        for zero, comp, bucket in grid:
+            for m in (micro_batches if pp > 1 else (1,)):
+                p = predict(model, cluster, Layout(dp, pp, tp, zero, comp, bucket, m))
+                if p.memory_bytes <= cluster.memory_bytes:
+                    out.append(p)
+    if not out:
+        raise ValueError(f"no layout fits {cluster.memory_bytes / 2**30:.1f} GiB per rank; "
+                         "add ranks, allow ZeRO-3 or a larger memory budget (--memory-gb)")
+    return sorted(out, key=lambda p: (round(p.step_s, 9), p.memory_bytes))
