@@ -177,6 +177,11 @@ def test_async_error_surfaces_on_next_call_and_keep_last_k(tmp_path, monkeypatch
     ckpt.wait()  # the error was raised once, not again
     state = {"w": torch.zeros(2)}
     assert mgr.load_latest(state).endswith("step-000000004") and torch.equal(state["w"], torch.ones(2) * 4)
+    # auto-resume (phalanx run --resume-from DIR exports PHALANX_RESUME_FROM)
+    assert ckpt.resume({"w": torch.zeros(2)}) is None or os.environ.get("PHALANX_RESUME_FROM")
+    monkeypatch.setenv("PHALANX_RESUME_FROM", str(tmp_path))
+    state = {"w": torch.zeros(2)}
+    assert ckpt.resume(state).endswith("step-000000004") and torch.equal(state["w"], torch.ones(2) * 4)
     with pytest.raises(FileExistsError, match="new directory"):
         mgr.save(4, state)
     with pytest.raises(TypeError, match="extras/obj"):

@@ -20,22 +20,14 @@ See docs/fault_tolerance.md for the layout and what happens on each failure.
 from phalanx.checkpoint._tree import Shard
 from phalanx.checkpoint.async_save import AsyncWriter, CheckpointWriteError
 from phalanx.checkpoint.io import CorruptCheckpointError
-from phalanx.checkpoint.sharded import (
-    MANIFEST,
-    CheckpointManager,
-    RNGState,
-    list_checkpoints,
-    load,
-    load_latest,
-    read_manifest,
-    save,
-    wait,
-)
+from phalanx.checkpoint.manager import CheckpointManager, list_checkpoints, load_latest, resume
+from phalanx.checkpoint.sharded import MANIFEST, RNGState, load, read_manifest, save, wait
 
 __all__ = [
     "save",
     "load",
     "load_latest",
+    "resume",
     "list_checkpoints",
     "read_manifest",
     "wait",

@@ -24,13 +24,12 @@ Example::
     state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "step": step}
     ckpt.save(f"ckpts/step-{step:09d}", state, async_=True)   # returns after the CPU copy
     ...
-    ckpt.load_latest("ckpts", state)                          # newest intact one
+    ckpt.load_latest("ckpts", state)                          # newest intact one (manager.py)
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 import uuid
 from typing import Any
@@ -42,8 +41,7 @@ from phalanx.checkpoint._tree import Shard, _path_str, copy_overlap, decode, enc
 from phalanx.checkpoint.async_save import default_writer
 from phalanx.log import get_logger
 
-__all__ = ["save", "load", "load_latest", "list_checkpoints", "wait", "RNGState", "CheckpointManager",
-           "MANIFEST"]
+__all__ = ["save", "load", "read_manifest", "wait", "RNGState", "MANIFEST"]
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
@@ -332,104 +330,3 @@ def load(path: str, state: dict) -> dict:
     tree = _read(path, state)
     _apply(state, tree)
     return tree
-
-
-_STEP_RE = re.compile(r"(\d+)$")
-
-
-def list_checkpoints(root: str, complete_only: bool = True) -> list[str]:
-    """Checkpoint directories under ``root``, newest first (by trailing step number, then mtime)."""
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        p = os.path.join(root, name)
-        if not os.path.isdir(p) or (complete_only and not os.path.exists(os.path.join(p, MANIFEST))):
-            continue
-        m = _STEP_RE.search(name)
-        out.append(((int(m.group(1)) if m else -1), os.path.getmtime(p), p))
-    return [p for _, _, p in sorted(out, reverse=True)]
-
-
-def load_latest(root: str, state: dict) -> str | None:
-    """Load the newest checkpoint under ``root`` that every rank can read intact; return its path.
-
-    A checkpoint whose files are missing or fail their checksum on any rank is
-    skipped (with a warning) for the next older one. Returns None if ``root`` has
-    no complete checkpoint at all; raises if all of them are corrupt.
-    """
-    wait()
-    rank, world = _world()
-    candidates = list_checkpoints(root)
-    if world > 1:
-        from phalanx.comm.collectives import allgather_object, broadcast_object
-
-        candidates = broadcast_object(candidates, root_rank=0)
-    errors = []
-    for path in candidates:
-        try:
-            tree, err = _read(path, state), None
-        except (io.CorruptCheckpointError, OSError, KeyError, ValueError) as e:
-            tree, err = None, f"rank {rank}: {e}"
-        errs = allgather_object(err) if world > 1 else [err]
-        bad = [e for e in errs if e is not None]
-        if not bad:
-            _apply(state, tree)
-            return path
-        log.warning("skipping checkpoint %s: %s", path, "; ".join(bad))
-        errors.extend(bad)
-    if candidates:
-        raise io.CorruptCheckpointError(f"no intact checkpoint under {root}: " + "; ".join(errors))
-    return None
-
-
-class CheckpointManager:
-    """Numbered checkpoints under ``root``; keeps the newest ``keep`` complete ones.
-
-    Example::
-
-        mgr = CheckpointManager("ckpts", keep=3)
-        start = mgr.load_latest(state)        # None on a fresh run
-        for step in range(...):
-            ...
-            if step % 100 == 0:
-                mgr.save(step, state, async_=True)
-    """
-
-    def __init__(self, root: str, keep: int = 3) -> None:
-        if keep < 1:
-            raise ValueError(f"CheckpointManager(keep={keep}): keep at least 1 checkpoint")
-        self.root, self.keep = root, keep
-
-    def path(self, step: int) -> str:
-        return os.path.join(self.root, f"step-{int(step):09d}")
-
-    def save(self, step: int, state: dict, *, async_: bool = False, fsync: bool = True) -> str:
-        path = self.path(step)
-        save(path, state, async_=async_, meta={"step": int(step)}, fsync=fsync, on_done=self.prune)
-        return path
-
-    def prune(self) -> None:
-        """Delete all but the newest ``keep`` complete checkpoints, and unfinished ones older than those."""
-        import shutil
-
-        complete = list_checkpoints(self.root)
-        if not complete:
-            return
-        keep = set(complete[: self.keep])
-        oldest_kept = _step_of(complete[: self.keep][-1])
-        for p in list_checkpoints(self.root, complete_only=False):
-            if p not in keep and _step_of(p) < oldest_kept:
-                shutil.rmtree(p, ignore_errors=True)
-
-    def load_latest(self, state: dict) -> str | None:
-        return load_latest(self.root, state)
-
-    def latest(self) -> str | None:
-        found = list_checkpoints(self.root)
-        return found[0] if found else None
-
-
-def _step_of(path: str) -> int:
-    m = _STEP_RE.search(os.path.basename(path))
-    return int(m.group(1)) if m else -1

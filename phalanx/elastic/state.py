@@ -28,7 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from phalanx.checkpoint.sharded import CheckpointManager, _is_stateful
+from phalanx.checkpoint.manager import CheckpointManager
+from phalanx.checkpoint.sharded import _is_stateful
 from phalanx.log import get_logger
 
 __all__ = ["State", "TorchState", "default_commit_dir"]

@@ -1,0 +1,133 @@
+"""Numbered checkpoints under one root: newest-intact loading with fallback, keep-last-k, auto-resume.
+
+Example::
+
+    mgr = CheckpointManager("ckpts", keep=3)
+    mgr.load_latest(state)                  # None on a fresh run; skips corrupt/incomplete ones
+    mgr.save(step, state, async_=True)
+    resume(state)                           # load from $PHALANX_RESUME_FROM (phalanx run --resume-from)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from phalanx.checkpoint import io
+from phalanx.checkpoint.sharded import MANIFEST, _apply, _read, _world, log, save, wait
+
+__all__ = ["CheckpointManager", "list_checkpoints", "load_latest", "resume"]
+
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+def list_checkpoints(root: str, complete_only: bool = True) -> list[str]:
+    """Checkpoint directories under ``root``, newest first (by trailing step number, then mtime)."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        p = os.path.join(root, name)
+        if not os.path.isdir(p) or (complete_only and not os.path.exists(os.path.join(p, MANIFEST))):
+            continue
+        m = _STEP_RE.search(name)
+        out.append(((int(m.group(1)) if m else -1), os.path.getmtime(p), p))
+    return [p for _, _, p in sorted(out, reverse=True)]
+
+
+def load_latest(root: str, state: dict) -> str | None:
+    """Load the newest checkpoint under ``root`` that every rank can read intact; return its path.
+
+    A checkpoint whose files are missing or fail their checksum on any rank is
+    skipped (with a warning) for the next older one. Returns None if ``root`` has
+    no complete checkpoint at all; raises if all of them are corrupt.
+    """
+    wait()
+    rank, world = _world()
+    candidates = list_checkpoints(root)
+    if world > 1:
+        from phalanx.comm.collectives import allgather_object, broadcast_object
+
+        candidates = broadcast_object(candidates, root_rank=0)
+    errors = []
+    for path in candidates:
+        try:
+            tree, err = _read(path, state), None
+        except (io.CorruptCheckpointError, OSError, KeyError, ValueError) as e:
+            tree, err = None, f"rank {rank}: {e}"
+        errs = allgather_object(err) if world > 1 else [err]
+        bad = [e for e in errs if e is not None]
+        if not bad:
+            _apply(state, tree)
+            return path
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(bad))
+        errors.extend(bad)
+    if candidates:
+        raise io.CorruptCheckpointError(f"no intact checkpoint under {root}: " + "; ".join(errors))
+    return None
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``root``; keeps the newest ``keep`` complete ones.
+
+    Example::
+
+        mgr = CheckpointManager("ckpts", keep=3)
+        start = mgr.load_latest(state)        # None on a fresh run
+        for step in range(...):
+            ...
+            if step % 100 == 0:
+                mgr.save(step, state, async_=True)
+    """
+
+    def __init__(self, root: str, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"CheckpointManager(keep={keep}): keep at least 1 checkpoint")
+        self.root, self.keep = root, keep
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{int(step):09d}")
+
+    def save(self, step: int, state: dict, *, async_: bool = False, fsync: bool = True) -> str:
+        path = self.path(step)
+        save(path, state, async_=async_, meta={"step": int(step)}, fsync=fsync, on_done=self.prune)
+        return path
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` complete checkpoints, and unfinished ones older than those."""
+        complete = list_checkpoints(self.root)
+        if not complete:
+            return
+        keep = set(complete[: self.keep])
+        oldest_kept = _step_of(complete[: self.keep][-1])
+        for p in list_checkpoints(self.root, complete_only=False):
+            if p not in keep and _step_of(p) < oldest_kept:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def load_latest(self, state: dict) -> str | None:
+        return load_latest(self.root, state)
+
+    def latest(self) -> str | None:
+        found = list_checkpoints(self.root)
+        return found[0] if found else None
+
+
+def _step_of(path: str) -> int:
+    m = _STEP_RE.search(os.path.basename(path))
+    return int(m.group(1)) if m else -1
+
+
+def resume(state: dict, root: str | None = None) -> str | None:
+    """Load the newest intact checkpoint under ``root`` (default ``$PHALANX_RESUME_FROM``) into ``state``.
+
+    Returns the path loaded, or None when there is no root or nothing to resume
+    (a fresh run). ``phalanx run --resume-from DIR`` sets the variable.
+    """
+    root = root or os.environ.get("PHALANX_RESUME_FROM")
+    if not root:
+        return None
+    path = load_latest(root, state)
+    if path is not None:
+        log.warning("resumed from %s", path)
+    return path
