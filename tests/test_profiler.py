@@ -196,3 +196,23 @@ def test_phalanx_run_timeline_flag(tmp_path):
         assert sum(e["name"] == "forward" and e["pid"] == rank for e in events) == 3
         assert sum(e["name"] == "allreduce" and e["pid"] == rank for e in events) == 3
     assert not list(tmp_path.glob("tl.json.rank*"))  # parts merged and removed
+
+
+def test_scaling_report_and_timeline_png(tmp_path):
+    from phalanx.planner import cost
+    from phalanx.profiler import report
+
+    # speedups that follow Amdahl with P = 0.8 exactly: the fit recovers it
+    rows = [report.ScalingRow(n, 100.0 * cost.amdahl(0.8, n), 1.0) for n in (1, 2, 4)]
+    out = report.write_report(rows, str(tmp_path / "rep"))
+    assert out["amdahl_p"] == pytest.approx(0.8)
+    assert out["efficiency"][4] == pytest.approx(cost.amdahl(0.8, 4) / 4)
+    assert (tmp_path / "rep" / "scaling.png").stat().st_size > 1000
+    assert "Amdahl fit" in (tmp_path / "rep" / "report.html").read_text()
+    with pytest.raises(ValueError, match="1-worker"):
+        report.summarise(rows[1:])
+    events = [{"name": "forward", "cat": "compute", "ph": "X", "pid": r, "tid": 0, "ts": 10.0 * r, "dur": 500.0}
+              for r in (0, 1)] + [{"name": "allreduce", "cat": "comm", "ph": "X", "pid": 0, "tid": 0,
+                                   "ts": 300.0, "dur": 400.0}]
+    png = report.render_timeline(events, str(tmp_path / "tl.png"))
+    assert os.path.getsize(png) > 1000

@@ -17,6 +17,8 @@ _SUBCOMMANDS = (
     "phalanx.demo",
     "phalanx.launcher.cluster_cmd",
     "phalanx.launcher.bench_cmd",
+    "phalanx.launcher.plan_cmd",
+    "phalanx.launcher.report_cmd",
 )
 
 

@@ -89,10 +89,12 @@ def _dp_cluster(cluster: cost.Cluster, dp: int, inner: int) -> cost.Cluster:
     return dataclasses.replace(cluster, hosts=max(1, math.ceil(dp / per_host)), ranks_per_host=per_host)
 
 
-def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout) -> Prediction:
-    """Predicted step time, memory and the why for one layout."""
-    if layout.compression not in COMPRESSIONS:
-        raise ValueError(f"compression {layout.compression!r} unknown; choose one of {sorted(COMPRESSIONS)}")
+def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
+            codecs: dict[str, tuple[float, float]] | None = None) -> Prediction:
+    """Predicted step time, memory and the why for one layout (``codecs`` overrides COMPRESSIONS)."""
+    codecs = {**COMPRESSIONS, **(codecs or {})}
+    if layout.compression not in codecs:
+        raise ValueError(f"compression {layout.compression!r} unknown; choose one of {sorted(codecs)}")
     if layout.dp * layout.pp * layout.tp != cluster.size:
         raise ValueError(f"dp*pp*tp = {layout.dp}*{layout.pp}*{layout.tp} != world size {cluster.size}")
     shard_compute = model.compute_s / (layout.dp * layout.tp)
@@ -102,7 +104,7 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout) -> Predicti
     tp_time = cost.tp_comm(model.act_bytes_per_layer / layout.dp, math.ceil(model.layers / layout.pp),
                            layout.tp, tp_link)
     grad_bytes = model.params * model.bytes_per_param / (layout.pp * layout.tp)
-    ratio, codec = COMPRESSIONS[layout.compression]
+    ratio, codec = codecs[layout.compression]
     dpc = _dp_cluster(cluster, layout.dp, layout.pp * layout.tp)
     n_buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
     per_bucket = grad_bytes / n_buckets

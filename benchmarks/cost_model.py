@@ -1,0 +1,104 @@
+"""Cost model: predicted vs measured data-parallel step time, with and without fp16 compression.
+
+Run: python benchmarks/cost_model.py [--np 2] [--hidden 1024] [--repeats 3]
+
+Each repeat, on N real gloo ranks over loopback:
+  1. calibrate alpha/beta from timed allreduces of 4 sizes (cost.fit_link);
+  2. time one plain (non-distributed) training step on every rank at once -> compute;
+  3. time fp16 compress+decompress per byte -> codec cost;
+  4. predict the DataParallel step with plan.predict (buckets overlapping backward);
+  5. measure the DataParallel step (median of 15 steps), for compression none and fp16.
+Prints predicted vs measured and the error; the goal is within 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import phalanx as px
+from phalanx.planner import cost, plan
+
+SIZES = (2**16, 2**20, 2**22, 2**24)
+
+
+def _median_time(fn, n=7):
+    fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _model(hidden):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def _body(hidden, batch, bucket_mb):
+    n = px.size()
+    samples = []
+    for m in SIZES:
+        t = torch.ones(m // 4)
+        samples.append((m, px.allreduce(torch.tensor([_median_time(lambda t=t: px.allreduce(t, op=px.Sum))]),
+                                        op=px.Max).item()))
+    link = cost.fit_link(samples, n)
+    x, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
+    net = _model(hidden)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(model):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    px.barrier()
+    compute = px.allreduce(torch.tensor([_median_time(lambda: step(net))]), op=px.Max).item()
+    params = sum(p.numel() for p in net.parameters())
+    flat = torch.randn(params)
+    codec = _median_time(lambda: flat.half().float()) / (params * 4)
+    out = {}
+    for comp in ("none", "fp16"):
+        model = px.DataParallel(_model(hidden), bucket_mb=bucket_mb, compression=None if comp == "none" else comp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        px.barrier()
+        measured = px.allreduce(torch.tensor([_median_time(lambda m=model: step(m), n=15)]), op=px.Max).item()
+        spec = plan.ModelSpec(params=params, compute_s=compute * n)  # compute_s is per global batch on one rank
+        cluster = cost.Cluster(hosts=1, ranks_per_host=n, intra=link, inter=link)
+        pred = plan.predict(spec, cluster, plan.Layout(dp=n, compression=comp, bucket_mb=bucket_mb),
+                            codecs={"fp16": (0.5, codec)})
+        out[comp] = (pred.step_s, measured)
+        model._engine.remove_hooks()
+    return {"alpha_us": link.alpha_s * 1e6, "gbps": 8 / link.beta_s / 1e9 if link.beta_s else float("inf"),
+            "compute_ms": compute * 1e3, "params": params, **out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64, help="local batch per rank")
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    for r in range(args.repeats):
+        res = px.run(_body, np=args.np, args=(args.hidden, args.batch, args.bucket_mb), timeout=600)[0]
+        rows.append(res)
+        print(f"repeat {r}: alpha {res['alpha_us']:.0f} us, {res['gbps']:.2f} Gbit/s, compute {res['compute_ms']:.1f} ms,"
+              f" {res['params'] / 1e6:.2f}M params")
+    print(f"\n{'compression':>11} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   (median of {args.repeats})")
+    for comp in ("none", "fp16"):
+        pred = statistics.median(r[comp][0] for r in rows) * 1e3
+        meas = statistics.median(r[comp][1] for r in rows) * 1e3
+        print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}")
+
+
+if __name__ == "__main__":
+    main()
