@@ -48,9 +48,8 @@ class Bucket:
             total += p.numel()
         self.numel = total
         self.flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-        self._views = {
-            id(p): self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)
-        }
+        self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        self._views = {id(p): v for p, v in zip(self.params, self.views)}
         self.pending = len(self.params)
         self.ready: set[int] = set()
         self.handle = None  # whatever the launcher returned (a Handle-like object)

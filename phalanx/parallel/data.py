@@ -97,6 +97,8 @@ class GradientEngine:
         self.buckets = BucketManager(dense, int(bucket_mb * 2**20), self._launch)
         self._passes = 0
         self._queued = False
+        self._syncing = False
+        self._shadowing = False
         self._pending = False
         self._used: set[int] = set()
         self._extra: list = []  # (kind, payload) launched after the buckets
@@ -108,31 +110,17 @@ class GradientEngine:
         return self.require_sync and (self._passes + 1) % self.k == 0
 
     def _hook(self, p: torch.Tensor) -> None:
+        # The hot path: one call per parameter per backward. Only bookkeeping here; the
+        # gradient copies happen once per bucket with a single _foreach_copy_ (see _launch).
         if not self._queued:
             self._queued = True
+            self._syncing = self.sync_now() and (self.world > 1 or self.find_unused)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self.world == 1 and self.k == 1 and not self.find_unused:
-            return  # nothing to reduce
-        if not self.sync_now() or not self.buckets.manages(p):
-            return
-        self._into_bucket(p)
-        self._used.add(id(p))
-        self.buckets.mark_ready(p)
-
-    def _into_bucket(self, p: torch.Tensor) -> None:
-        view = self.buckets.bucket_of(p).view(p)
-        grad = p.grad
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise RuntimeError(
-                    f"parameter {self.names[id(p)]!r} produced a sparse gradient; pass sparse_as_dense=True "
-                    "(or wrap the module with DataParallel, which reduces nn.Embedding(sparse=True) by allgather)"
-                )
-            grad = grad.to_dense()
-        elif grad.data_ptr() == view.data_ptr():
-            return
-        view.copy_(grad)
-        p.grad = view
+        if self._syncing:
+            bucket = self.buckets._bucket_of.get(id(p))
+            if bucket is not None:
+                self._used.add(id(p))
+                self.buckets.mark_ready(p)
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -155,13 +143,9 @@ class GradientEngine:
                 "of the model are skipped, or set requires_grad=False on frozen parameters before wrapping."
             )
         for p in missing:
-            bucket = self.buckets.bucket_of(p)
-            if p.grad is None:
-                bucket.view(p).zero_()
-            else:
-                self._into_bucket(p)
+            if p.grad is not None:  # accumulated in earlier no_sync passes, unused in this one
                 self._used.add(id(p))
-            bucket.mark(p)
+            self.buckets.bucket_of(p).mark(p)
         self.buckets.launch_ready()
         self._launch_sparse()
         if self.find_unused:
@@ -169,6 +153,27 @@ class GradientEngine:
             self._extra.append(("used", allreduce(used, op=ReduceOp.SUM, group=self.group, async_op=True,
                                                   name="dp.used", inplace=True)))
         self._pending = True
+
+    def _gather_grads(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients into its flat buffer (zeros for a missing gradient)."""
+        grads, views = [], []
+        for p, view in zip(bucket.params, bucket.views):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                continue
+            if g.layout is not torch.strided:
+                if not self.sparse_as_dense:
+                    raise RuntimeError(
+                        f"parameter {self.names[id(p)]!r} produced a sparse gradient; pass sparse_as_dense=True "
+                        "(or wrap the module with DataParallel, which reduces nn.Embedding(sparse=True) by "
+                        "allgather)"
+                    )
+                g = p.grad = g.to_dense()
+            grads.append(g)
+            views.append(view)
+        if grads:
+            torch._foreach_copy_(views, grads)
 
     def _launch_sparse(self, shadow: bool = False) -> None:
         for p in self.sparse:
@@ -194,6 +199,10 @@ class GradientEngine:
         return self.op, 1.0 / self.predivide, self.predivide
 
     def _launch(self, bucket: Bucket) -> None:
+        if self._shadowing:
+            bucket.flat.zero_()
+        else:
+            self._gather_grads(bucket)
         i, nbytes = bucket.index, bucket.nbytes
         op, pre, post = self._scales()
         name = f"dp.bucket{i}"
@@ -242,6 +251,13 @@ class GradientEngine:
                 bucket.flat.copy_(out.reshape(-1))
         if scale != 1.0:
             bucket.flat.mul_(scale)
+        grads, views = [], []
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is not None:
+                grads.append(p.grad)
+                views.append(view)
+        if grads:
+            torch._foreach_copy_(grads, views)
 
     def wait(self) -> None:
         """Finish every launched collective and write the averaged gradients into ``p.grad``."""
@@ -276,7 +292,7 @@ class GradientEngine:
                 nobody += 1
                 p.grad = None  # unused on every rank: leave it untouched, as a single process would
             elif p.grad is None:
-                p.grad = self.buckets.bucket_of(p).view(p)
+                p.grad = self.buckets.bucket_of(p).view(p).clone()
         if not self.buckets.rebuilt and nobody == 0 and not self._warned_unused:
             self._warned_unused = True
             _log.info("find_unused_parameters=True but every parameter got a gradient; "
@@ -292,11 +308,13 @@ class GradientEngine:
 
     def shadow(self) -> None:
         """Take part in one iteration's collectives with zero gradients (a joined rank)."""
-        for p in self.buckets.params:
-            b = self.buckets.bucket_of(p)
-            b.flat.zero_()
-            b.mark(p)
-        self.buckets.launch_ready()
+        self._shadowing = True
+        try:
+            for p in self.buckets.params:
+                self.buckets.bucket_of(p).mark(p)
+            self.buckets.launch_ready()
+        finally:
+            self._shadowing = False
         self._launch_sparse(shadow=True)
         if self.find_unused:
             zeros = torch.zeros(len(self.buckets.params))

@@ -1,0 +1,114 @@
+"""phalanx DataParallel vs torch DDP: same model, same bucket size, world 2 on gloo.
+
+Run:  python benchmarks/dp_vs_ddp.py [--steps 20 --repeats 5 --bucket-mb 25]
+
+Three models: many small tensors (a deep narrow MLP), a few large ones (a wide
+MLP), and a small transformer encoder. Each repeat times phalanx and DDP back
+to back (interleaved, order alternating) on the same two ranks; the table shows
+the median samples/s of each and the ratio phalanx / DDP (>= 1.00 means phalanx
+is at least as fast). "phalanx (check off)" is the same run with the collectives'
+cross-rank mismatch check switched off (set_mismatch_check(False)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+
+def _models():
+    def many_small():
+        layers = []
+        for _ in range(60):
+            layers += [nn.Linear(64, 64), nn.ReLU()]
+        return nn.Sequential(nn.Linear(32, 64), *layers, nn.Linear(64, 10)), (32,), 10
+
+    def few_large():
+        return nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                             nn.Linear(2048, 10)), (512,), 10
+
+    def transformer():
+        layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+        return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Flatten(),
+                             nn.Linear(128 * 16, 10)), (16, 128), 10
+
+    return {"many small tensors": many_small, "few large tensors": few_large, "small transformer": transformer}
+
+
+def _bench(model_name: str, steps: int, repeats: int, batch: int, bucket_mb: float):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import phalanx as px
+    from phalanx.comm.collectives import set_mismatch_check
+
+    make = _models()[model_name]
+    torch.manual_seed(0)
+    base, shape, classes = make()
+    x = torch.randn((batch,) + shape)
+    y = torch.randint(0, classes, (batch,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def clone():
+        m, _, _ = make()
+        m.load_state_dict(base.state_dict())
+        return m
+
+    ddp = DDP(clone(), bucket_cap_mb=bucket_mb)  # buffers synced each forward by default
+    ours = px.DataParallel(clone(), bucket_mb=bucket_mb, broadcast_buffers=True)
+    runners = {"ddp": ddp, "phalanx": ours, "phalanx (check off)": ours}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in runners.items()}
+
+    def run(kind, n):
+        model, opt = runners[kind], opts[kind]
+        set_mismatch_check(kind != "phalanx (check off)")
+        px.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        px.barrier()
+        return time.perf_counter() - start
+
+    for kind in runners:  # warm-up (DDP and phalanx both rebuild buckets after the first step)
+        run(kind, 3)
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    kinds = list(runners)
+    for rep in range(repeats):
+        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+            times[kind].append(run(kind, steps))
+    set_mismatch_check(True)
+    world = px.size()
+    nparams = sum(p.numel() for p in base.parameters())
+    ntensors = sum(1 for _ in base.parameters())
+    return {k: world * batch * steps / statistics.median(v) for k, v in times.items()}, nparams, ntensors
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=32, help="local batch per rank")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--np", type=int, default=2)
+    args = ap.parse_args()
+    import phalanx as px
+
+    print(f"world {args.np} gloo, local batch {args.batch}, bucket {args.bucket_mb} MB, "
+          f"{args.steps} steps x {args.repeats} interleaved repeats, median samples/s")
+    print(f"{'model':<20} {'params':>9} {'tensors':>7} {'ddp':>9} {'phalanx':>9} {'ratio':>6} "
+          f"{'check off':>9} {'ratio':>6}")
+    for name in _models():
+        res, nparams, ntensors = px.run(_bench, np=args.np, args=(name, args.steps, args.repeats, args.batch,
+                                                                  args.bucket_mb), threads=1, timeout=900)[0]
+        ddp, ours, off = res["ddp"], res["phalanx"], res["phalanx (check off)"]
+        print(f"{name:<20} {nparams:>9} {ntensors:>7} {ddp:>9.0f} {ours:>9.0f} {ours / ddp:>6.2f} "
+              f"{off:>9.0f} {off / ddp:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
