@@ -85,7 +85,7 @@ def _reference():
 
 
 def test_dp_pp_tp_combinations_on_4_ranks_match_one_process():
-    combos = [(1, 2, 2, 4, "1f1b"), (2, 2, 1, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (4, 1, 1, 1, "1f1b")]
+    combos = [(1, 2, 2, 4, "1f1b"), (2, 2, 1, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (1, 4, 1, 4, "gpipe"), (4, 1, 1, 1, "1f1b")]
     results = distributed(_combos, np=4, args=(combos,), timeout=240)
     ref_losses, ref_params = _reference()
     for combo in combos:
