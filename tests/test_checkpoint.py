@@ -160,6 +160,24 @@ def test_crash_between_shard_writes_and_corrupt_shard_fall_back(tmp_path):
         sharded._Reader(str(shard.parent), ckpt.read_manifest(str(shard.parent))).tensors(1)
 
 
+def test_files_are_standard_safetensors_and_complex_falls_back(tmp_path):
+    state = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int16), "c": torch.ones(3, dtype=torch.bfloat16),
+             "e": torch.empty(0, 4), "flag": torch.tensor([True, False]), "z": torch.randn(2, dtype=torch.complex64)}
+    ckpt.save(str(tmp_path / "x"), {"s": state})
+    st = pytest.importorskip("safetensors.torch", reason="safetensors not installed: cannot cross-check the format")
+    files = sorted(p.name for p in (tmp_path / "x").iterdir())
+    assert files == ["manifest.json", "rank00000.json", "rank00000.pt"]  # complex64 has no safetensors code
+    del state["z"]
+    ckpt.save(str(tmp_path / "y"), {"s": state})
+    theirs = st.load_file(str(tmp_path / "y" / "rank00000.safetensors"))  # the reference reader agrees
+    for i, v in enumerate(state.values()):  # tensors are named t0, t1, … in tree order
+        assert torch.equal(theirs[f"t{i}"], v) and theirs[f"t{i}"].dtype == v.dtype
+    loaded = {"s": {k: torch.zeros_like(v) for k, v in state.items()}}
+    ckpt.load(str(tmp_path / "y"), loaded)
+    for k, v in state.items():
+        assert torch.equal(loaded["s"][k], v) and loaded["s"][k].dtype == v.dtype
+
+
 def test_async_error_surfaces_on_next_call_and_keep_last_k(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full (simulated)")

@@ -125,7 +125,7 @@ def _write_manifest(path: str, world: int, nonce: str, fmt: str, meta: dict, fsy
     deadline = time.monotonic() + _timeout_s()
     ranks = []
     for r in range(world):
-        tfile, mfile = _rank_files(r, fmt)
+        _, mfile = _rank_files(r, fmt)
         mpath = os.path.join(path, mfile)
         while True:
             try:
@@ -139,7 +139,7 @@ def _write_manifest(path: str, world: int, nonce: str, fmt: str, meta: dict, fsy
                                    f"{_timeout_s():.0f}s (PHALANX_TIMEOUT); the manifest was not written, "
                                    "so the previous checkpoint stays the newest")
             time.sleep(0.005)
-        ranks.append({"tensor_file": tfile, "tensor_sha256": info["tensor_sha256"], "meta_file": mfile,
+        ranks.append({"tensor_file": info["tensor_file"], "tensor_sha256": info["tensor_sha256"], "meta_file": mfile,
                       "meta_sha256": io.sha256_file(mpath), "tensors": info["records"]})
     _test_hook("before_manifest", 0)
     io.write_json(os.path.join(path, MANIFEST), {
@@ -177,7 +177,7 @@ def save(path: str, state: dict, *, async_: bool = False, meta: dict | None = No
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
     skeleton = encode(_to_tree(state), tensors, records, copy=async_)
-    fmt = io.tensor_format()
+    fmt = io.tensor_format(tensors)
     meta = dict(meta or {})
     os.makedirs(path, exist_ok=True)
 
@@ -236,7 +236,7 @@ class _Reader:
         if r not in self.cache:
             entry = self.manifest["ranks"][r]
             self.cache[r] = io.read_tensors(os.path.join(self.path, entry["tensor_file"]),
-                                            sha256=entry["tensor_sha256"], fmt=self.manifest["format"])
+                                            sha256=entry["tensor_sha256"])
         return self.cache[r]
 
     def pieces(self, pstr: str):
