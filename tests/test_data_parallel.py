@@ -117,6 +117,16 @@ def _mlp_family():
 
     out["toggle_sgd"] = _equivalence(_mlp, "sgd", loss_of=toggle_loss, dp_kwargs={"find_unused_parameters": True})
 
+    # other allreduce algorithms (issue 6) and a non-summable compressor (issue 5) plug in
+    out["ring_sgd"] = _equivalence(_mlp, "sgd", dp_kwargs={"algorithm": "ring"})
+    dense_dp, int8_dp = DataParallel(_mlp()), DataParallel(_mlp(), compression="int8")
+    x, y = _batch(1, B, (8,), seed=px.rank() + 1)
+    for m in (dense_dp, int8_dp):
+        nn.functional.cross_entropy(m(x), y).backward()
+    out["int8_grad_diff"] = max((p.grad - q.grad).abs().max().item()
+                                for p, q in zip(dense_dp.parameters(), int8_dp.parameters()))
+    out["int8_bytes"] = (dense_dp.bytes_sent, int8_dp.bytes_sent)
+
     # fp16 compression halves the bytes and stays close; bytes_sent counts the payload
     plain = DataParallel(_mlp())
     half = DataParallel(_mlp(), compression="fp16")
@@ -163,10 +173,13 @@ def _mlp_family():
 def test_mlp_family_equivalence():
     for r, out in enumerate(distributed(_mlp_family, np=2, timeout=150)):
         for key, value in out.items():
-            if key in ("bytes", "state_keys_plain", "unused_error", "fp16_grad_diff"):
+            if key in ("bytes", "state_keys_plain", "unused_error", "fp16_grad_diff", "int8_grad_diff",
+                       "int8_bytes"):
                 continue
             assert value < TOL, f"rank {r} {key}: max |param - reference| = {value}"
         assert out["fp16_grad_diff"] < 1e-2
+        assert out["int8_grad_diff"] < 5e-2, out["int8_grad_diff"]
+        assert 0 < out["int8_bytes"][1] < out["int8_bytes"][0] / 2, out["int8_bytes"]
         full, half = out["bytes"]
         assert full > 0 and half * 2 == full, out["bytes"]
         assert out["state_keys_plain"]

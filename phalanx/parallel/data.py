@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import trace
+from phalanx import runtime, trace
 from phalanx.comm.buckets import Bucket, BucketManager
 from phalanx.comm.collectives import Average, ReduceOp, allgather, allreduce, broadcast_object
 from phalanx.comm.compression import get_compressor
@@ -78,6 +78,8 @@ class GradientEngine:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self.group = group
+        if topology is None and runtime.is_initialized():
+            topology = runtime.topology()
         self.topology = topology
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.predivide = float(gradient_predivide_factor)
@@ -187,12 +189,16 @@ class GradientEngine:
                 grad = grad.coalesce()
                 idx, val = grad.indices().t().contiguous(), grad.values().contiguous()
             name = f"dp.sparse.{self.names[id(p)]}"
-            self.bytes_sent += idx.nbytes + val.nbytes
+            self.bytes_sent += (idx.nbytes + val.nbytes) * (self.world - 1)  # allgather: to every peer
             hi = allgather(idx, group=self.group, async_op=True, name=name + ".idx")
             hv = allgather(val, group=self.group, async_op=True, name=name + ".val")
             self._extra.append(("sparse", (p, hi, hv)))
 
     # ------------------------------------------------------------------ collectives
+    def _ring_bytes(self, nbytes: int) -> int:
+        """What a bandwidth-optimal (ring) allreduce of ``nbytes`` sends from each rank."""
+        return 2 * (self.world - 1) * nbytes // self.world
+
     def _scales(self) -> tuple[ReduceOp, float, float]:
         if self.sample_weight is not None:
             return ReduceOp.SUM, self.sample_weight / self.predivide, self.predivide
@@ -207,20 +213,21 @@ class GradientEngine:
         op, pre, post = self._scales()
         name = f"dp.bucket{i}"
         if not getattr(self.compressor, "summable", True):
-            from phalanx.comm.compressed import allreduce_compressed
+            from phalanx.comm import compressed
 
-            bucket.flat.mul_(pre) if pre != 1.0 else None
+            if pre != 1.0:
+                bucket.flat.mul_(pre)
+            before = compressed.wire.bytes_sent
             with trace.span("allreduce_launch", "comm", bucket=i, bytes=nbytes):
-                handle = allreduce_compressed(bucket.flat, self.compressor, group=self.group,
-                                              async_op=True, name=name)
-            self.bytes_sent += int(getattr(handle, "bytes_sent", nbytes))
-            # allreduce_compressed averages; undo that for Sum and apply the post factor
-            scale = post * (self.world if op is ReduceOp.SUM else 1)
-            bucket.handle = (handle, None, scale)
+                handle = compressed.allreduce_compressed(bucket.flat, self.compressor, group=self.group,
+                                                         async_op=True, name=name,
+                                                         average=op is ReduceOp.AVERAGE)
+            self.bytes_sent += compressed.wire.bytes_sent - before
+            bucket.handle = (handle, None, post)
             return
         with trace.span("compress", "comm", bucket=i, bytes=nbytes):
             payload, ctx = self.compressor.compress(bucket.flat)
-        self.bytes_sent += payload.nbytes
+        self.bytes_sent += self._ring_bytes(payload.nbytes)
         with trace.span("allreduce_launch", "comm", bucket=i, bytes=payload.nbytes):
             if self.algorithm == "flat":
                 handle = allreduce(payload, op=op, group=self.group, async_op=True, name=name,
@@ -412,7 +419,7 @@ class DataParallel(nn.Module):
 
     @property
     def bytes_sent(self) -> int:
-        """Payload bytes this rank handed to gradient collectives so far."""
+        """Bytes this rank sent for gradients so far (ring estimate 2(N-1)/N per allreduce payload)."""
         return self._engine.bytes_sent
 
     def set_sample_weight(self, w: float) -> None:
