@@ -57,17 +57,26 @@ def _path_str(path: tuple) -> str:
 
 
 def encode(obj: Any, tensors: dict[str, torch.Tensor], records: dict[str, dict], path: tuple = (),
-           *, copy: bool = False) -> Any:
+           *, copy: bool = False, staging: dict | None = None) -> Any:
     """Return the JSON skeleton of ``obj``; tensors go into ``tensors`` (detached, on CPU).
 
     ``records`` receives one entry per tensor: path, shape, dtype and for Shards
-    the global shape and offsets (this is what the manifest lists).
+    the global shape and offsets (this is what the manifest lists). With
+    ``copy=True`` tensors are snapshotted, into the buffers of ``staging`` when
+    the previous snapshot had a tensor of the same name, path, shape and dtype
+    (copying into memory already mapped is about twice as fast as a fresh clone).
     """
 
     def put(t: torch.Tensor, extra: dict) -> str:
         name = f"t{len(tensors)}"
         t = t.detach()
-        t = t.to("cpu", copy=True) if copy or t.device.type != "cpu" else t
+        key = (name, _path_str(path), tuple(t.shape), t.dtype)
+        if copy and staging is not None and key in staging:
+            t = staging[key].copy_(t)
+        elif copy or t.device.type != "cpu":
+            t = t.to("cpu", copy=True)
+            if staging is not None:
+                staging[key] = t
         tensors[name] = t
         records[name] = {"path": _path_str(path), "shape": list(t.shape),
                          "dtype": str(t.dtype).replace("torch.", ""), **extra}
@@ -83,12 +92,12 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], records: dict[str, dict],
     if isinstance(obj, _PLAIN):
         return obj
     if isinstance(obj, dict):
-        return {"__d__": [[encode(k, tensors, records, path), encode(v, tensors, records, path + (k,), copy=copy)]
+        return {"__d__": [[encode(k, tensors, records, path), encode(v, tensors, records, path + (k,), copy=copy, staging=staging)]
                           for k, v in obj.items()]}
     if isinstance(obj, list):
-        return [encode(v, tensors, records, path + (i,), copy=copy) for i, v in enumerate(obj)]
+        return [encode(v, tensors, records, path + (i,), copy=copy, staging=staging) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"__t__": [encode(v, tensors, records, path + (i,), copy=copy) for i, v in enumerate(obj)]}
+        return {"__t__": [encode(v, tensors, records, path + (i,), copy=copy, staging=staging) for i, v in enumerate(obj)]}
     try:
         import numpy as np
     except ImportError:  # pragma: no cover

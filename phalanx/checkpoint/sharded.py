@@ -45,6 +45,7 @@ __all__ = ["save", "load", "read_manifest", "wait", "RNGState", "MANIFEST"]
 
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
+_staging: dict = {}  # CPU snapshot buffers of the last async save, reused by the next one
 _VERSION = 1
 
 
@@ -176,7 +177,8 @@ def save(path: str, state: dict, *, async_: bool = False, meta: dict | None = No
         nonce = broadcast_object(nonce, root_rank=0)
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
-    skeleton = encode(_to_tree(state), tensors, records, copy=async_)
+    # the previous save is done (waited above), so its snapshot buffers can be reused
+    skeleton = encode(_to_tree(state), tensors, records, copy=async_, staging=_staging if async_ else None)
     fmt = io.tensor_format(tensors)
     meta = dict(meta or {})
     os.makedirs(path, exist_ok=True)
