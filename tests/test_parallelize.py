@@ -48,7 +48,7 @@ def _combos(combos):
     from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
 
     results = {}
-    for dp, pp, tp, m, schedule in combos:
+    for dp, pp, tp, m, schedule, dp_impl in combos:
         mesh = DeviceMesh(dp=dp, pp=pp, tp=tp)
         model = _gpt()
 
@@ -56,7 +56,8 @@ def _combos(combos):
             return vocab_parallel_cross_entropy(logits, y, group)
 
         pm = parallelize(model, mesh, loss_fn=loss_fn, tp_plan=gpt_tp_plan(model) if tp > 1 else None,
-                         num_microbatches=m, schedule=schedule, partition_method="uniform")
+                         num_microbatches=m, schedule=schedule, partition_method="uniform",
+                         data_parallel=dp_impl)
         opt = torch.optim.SGD(pm.parameters(), lr=0.5)
         d = mesh.coord[0]
         losses = []
@@ -66,7 +67,7 @@ def _combos(combos):
             losses.append(pm.step(x[rows], y[rows]).item())
             opt.step()
             opt.zero_grad()
-        results[(dp, pp, tp, m, schedule)] = (px.rank(), losses, gather_tp_state_dict(pm.module, mesh.tp_group))
+        results[(dp, pp, tp, m, schedule, dp_impl)] = (px.rank(), losses, gather_tp_state_dict(pm.module, mesh.tp_group))
     return results
 
 
@@ -85,7 +86,9 @@ def _reference():
 
 
 def test_dp_pp_tp_combinations_on_4_ranks_match_one_process():
-    combos = [(1, 2, 2, 4, "1f1b"), (2, 2, 1, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (1, 4, 1, 4, "gpipe"), (4, 1, 1, 1, "1f1b")]
+    # (dp, pp, tp, micro-batches, schedule, data-parallel implementation)
+    combos = [(1, 2, 2, 4, "1f1b", "auto"), (2, 2, 1, 2, "gpipe", "auto"), (2, 1, 2, 2, "1f1b", "auto"),
+              (1, 4, 1, 4, "gpipe", "auto"), (4, 1, 1, 1, "1f1b", "auto"), (2, 2, 1, 4, "1f1b", "allreduce")]
     results = distributed(_combos, np=4, args=(combos,), timeout=240)
     ref_losses, ref_params = _reference()
     for combo in combos:

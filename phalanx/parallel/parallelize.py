@@ -101,8 +101,16 @@ def parallelize(
     sample: torch.Tensor | None = None,
     checkpoint: bool = False,
     sync_init: bool = True,
+    data_parallel: str = "auto",
 ) -> ParallelModel:
-    """Cut ``model`` (an ``nn.Sequential`` of blocks, same weights on every rank) over ``mesh``."""
+    """Cut ``model`` (an ``nn.Sequential`` of blocks, same weights on every rank) over ``mesh``.
+
+    ``data_parallel="auto"`` uses ``phalanx.parallel.data.DataParallel`` when it is
+    installed; ``"allreduce"`` averages each gradient once per step with a plain
+    collective instead (no buckets, no overlap).
+    """
+    if data_parallel not in ("auto", "allreduce"):
+        raise ValueError(f"data_parallel={data_parallel!r}: use 'auto' or 'allreduce'")
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"parallelize needs an nn.Sequential of blocks, got {type(model).__name__}")
     if mesh.tp > 1 and not tp_plan:
@@ -129,10 +137,12 @@ def parallelize(
     #    installed; its no_sync() keeps the other micro-batches' backwards local.
     pm = ParallelModel(stage, mesh, num_microbatches, schedule, bounds)
     if mesh.dp > 1:
-        try:
-            from phalanx.parallel.data import DataParallel
-        except ImportError:
-            DataParallel = None
+        DataParallel = None
+        if data_parallel == "auto":
+            try:
+                from phalanx.parallel.data import DataParallel
+            except ImportError:
+                pass
         if DataParallel is not None:
             # It broadcasts the parameters from the dp group's first rank when it wraps.
             pm._dp = DataParallel(stage_module, group=mesh.dp_group, broadcast_buffers=False)
