@@ -138,6 +138,8 @@ def search(model: ModelSpec, cluster: cost.Cluster, *, zero_stages=(0, 1, 2, 3),
     for tp, pp in itertools.product(_divisors(world), _divisors(world)):
         if world % (tp * pp) or pp > model.layers or (max_pp and pp > max_pp) or (max_tp and tp > max_tp):
             continue
+        if tp > 1 and not model.act_bytes_per_layer:
+            continue  # tensor parallel's cost is its activation traffic: unknown without act_bytes_per_layer
         dp = world // (tp * pp)
         # with dp = 1 there is no gradient sync: ZeRO, compression and buckets change nothing
         grid = itertools.product(zero_stages, compressions, bucket_mbs) if dp > 1 else [(0, "none", bucket_mbs[-1])]

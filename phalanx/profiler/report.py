@@ -53,8 +53,9 @@ def measure_demo(workers: Sequence[int], epochs: int = 3, global_batch: int = 12
     from phalanx.demo import train
 
     rows = []
+    # Every worker gets the same share of cores at every count, as adding machines would.
+    threads = max(1, (os.cpu_count() or 1) // max(workers))
     for n in workers:
-        threads = max(1, (os.cpu_count() or 1) // n)
         kwargs = {"epochs": epochs, "global_batch": global_batch, "hidden": hidden, "progress": False}
         result = px.run(train, np=n, kwargs=kwargs, timeout=timeout, threads=threads)[0]
         rows.append(ScalingRow(n, result["samples_per_s"], result["seconds"]))
@@ -162,7 +163,7 @@ def render_timeline(events: Sequence[dict], path: str, start_ms: float | None = 
     ax.set_xlim(0, t1 - t0)
     ax.invert_yaxis()
     ax.set_xlabel("ms (common clock)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=8, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.4), ncol=8, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
