@@ -220,3 +220,17 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(TypeError, match="optimizer"):
         zero(m, "adam", stage=2)
     assert math.isclose(_expected_bytes(3, 100, 4, "bf16")["optimizer_state"], 300.0)
+
+
+def test_memory_report_of_a_plain_optimizer_reads_tensor_sizes():
+    m = _mlp()
+    opt = torch.optim.Adam(m.parameters())
+    psi = sum(p.numel() for p in m.parameters())
+    m(torch.randn(2, 12)).sum().backward()
+    opt.step()
+    r = memory_report(opt)
+    assert (r["params"], r["grads"]) == (4 * psi, 4 * psi)
+    assert 8 * psi <= r["optimizer_state"] <= 8 * psi + 4 * len(list(m.parameters()))  # + Adam's step scalars
+    assert r["peak"] > 0
+    with pytest.raises(TypeError, match="optimizer"):
+        memory_report(m)
