@@ -154,6 +154,31 @@ def _test_hook(where: str, rank: int) -> None:
         os.kill(os.getpid(), 9)
 
 
+_save_ids: dict = {}
+
+
+def _next_save_id(world: int) -> str:
+    """The same fresh id on every rank, without a collective per save.
+
+    A random token is broadcast once per process group; then every rank counts
+    its saves (all ranks call save() in the same order). A rank file left by a
+    crashed earlier process carries another token, so rank 0 never takes it.
+    """
+    from phalanx import runtime
+
+    topo = runtime.topology() if runtime.is_initialized() else None
+    entry = _save_ids.get("current")
+    if entry is None or entry[0] is not topo:  # identity (a strong ref: no id reuse) of this init()
+        token = uuid.uuid4().hex
+        if world > 1:
+            from phalanx.comm.collectives import broadcast_object
+
+            token = broadcast_object(token, root_rank=0)
+        entry = _save_ids["current"] = [topo, token, 0]
+    entry[2] += 1
+    return f"{entry[1]}-{entry[2]}"
+
+
 def save(path: str, state: dict, *, async_: bool = False, meta: dict | None = None,
          fsync: bool = True, on_done=None) -> None:
     """Save ``state`` (name -> module/optimizer/…/tensor/plain value) to directory ``path``.
@@ -170,11 +195,7 @@ def save(path: str, state: dict, *, async_: bool = False, meta: dict | None = No
     if os.path.exists(os.path.join(path, MANIFEST)):
         raise FileExistsError(f"checkpoint {path} already exists and is complete; save each step to a "
                               "new directory (CheckpointManager does) or delete it first")
-    nonce = uuid.uuid4().hex
-    if world > 1:  # every rank must tag its files with the same save id
-        from phalanx.comm.collectives import broadcast_object
-
-        nonce = broadcast_object(nonce, root_rank=0)
+    nonce = _next_save_id(world)
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
     # the previous save is done (waited above), so its snapshot buffers can be reused
