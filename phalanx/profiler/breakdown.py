@@ -50,7 +50,7 @@ from phalanx import trace
 __all__ = ["StepBreakdown", "Breakdown", "StepProfiler", "from_events"]
 
 _BLOCKING = ("wait", "compress", "launch", "barrier", "check", "negotiat")
-_NO_BYTES = ("wait", "decompress")
+_NO_BYTES = ("wait", "compress")  # their "bytes" repeat what the launch/collective span sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +185,7 @@ def from_events(events: Iterable[dict[str, Any]]) -> Breakdown:
             secs, ready = _split_step(lo, hi, inside)
             sent = sum(int(e.get("args", {}).get("bytes", 0)) for e in inside
                        if e.get("cat") == "comm" and lo <= e["ts"] < hi
-                       and not any(k in e["name"].lower() for k in _NO_BYTES)
-                       and "compress" != e["name"].lower())
+                       and not any(k in e["name"].lower() for k in _NO_BYTES))
             step_id = int(st.get("args", {}).get("step", i))
             partial[(rank, step_id)] = (hi - lo, secs, ready, sent)
     ready_max: dict[int, float] = {}
