@@ -15,6 +15,7 @@ Example::
 Run it with ``phalanx run -np 2 python train.py``.
 """
 
+from phalanx import checkpoint, elastic
 from phalanx.comm.collectives import (
     Average,
     CollectiveMismatchError,
@@ -126,4 +127,7 @@ __all__ = [
     "run",
     "RankError",
     "RankTimeoutError",
+    # fault tolerance (subpackages)
+    "checkpoint",
+    "elastic",
 ]
