@@ -1,6 +1,7 @@
 """Cost model: predicted vs measured data-parallel step time, with and without fp16 compression.
 
 Run: python benchmarks/cost_model.py [--np 2] [--hidden 1024] [--repeats 3]
+     python benchmarks/cost_model.py --cluster 2 --rate 1gbit     (root: simulated hosts, 1 rank each)
 
 Each repeat, on N real gloo ranks over loopback:
   1. calibrate alpha/beta from timed allreduces of 4 sizes (cost.fit_link);
@@ -14,6 +15,8 @@ Prints predicted vs measured and the error; the goal is within 20%.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
 
@@ -70,13 +73,32 @@ def _body(hidden, batch, bucket_mb):
         px.barrier()
         measured = px.allreduce(torch.tensor([_median_time(lambda m=model: step(m), n=15)]), op=px.Max).item()
         spec = plan.ModelSpec(params=params, compute_s=compute * n)  # compute_s is per global batch on one rank
-        cluster = cost.Cluster(hosts=1, ranks_per_host=n, intra=link, inter=link)
+        # calibrated on the whole world, so the link is the slowest one a flat ring crosses
+        cluster = cost.Cluster(hosts=px.cross_size(), ranks_per_host=n // px.cross_size(), intra=link, inter=link)
         pred = plan.predict(spec, cluster, plan.Layout(dp=n, compression=comp, bucket_mb=bucket_mb),
                             codecs={"fp16": (0.5, codec)})
         out[comp] = (pred.step_s, measured)
         model._engine.remove_hooks()
     return {"alpha_us": link.alpha_s * 1e6, "gbps": 8 / link.beta_s / 1e9 if link.beta_s else float("inf"),
             "compute_ms": compute * 1e3, "params": params, **out}
+
+
+def _on_cluster(args) -> dict:
+    import subprocess
+    import sys
+
+    from phalanx.testing.cluster import IFNAME, SimCluster
+
+    with SimCluster(hosts=args.cluster, rate=args.rate, ssh=True) as c:
+        cmd = [sys.executable, "-m", "phalanx", "run", "-np", str(args.cluster), "-H", c.host_spec(1),
+               "--ssh-config", c.ssh_config, "--network-interface", IFNAME, "--", sys.executable,
+               os.path.abspath(__file__), "--worker", "--hidden", str(args.hidden), "--batch", str(args.batch),
+               "--bucket-mb", str(args.bucket_mb)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if "RESULT " in ln), None)
+    if line is None:
+        raise SystemExit(f"cluster run failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    return json.loads(line.split("RESULT ", 1)[1])
 
 
 def main() -> None:
@@ -86,10 +108,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="local batch per rank")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cluster", type=int, default=0, help="simulated hosts (root), one rank each")
+    ap.add_argument("--rate", default="1gbit", help="simulated link rate")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:  # one repeat under `phalanx run` on the simulated cluster
+        torch.set_num_threads(1)  # as px.run gives each of 2 ranks on 2 cores
+        px.init()
+        res = _body(args.hidden, args.batch, args.bucket_mb)
+        if px.rank() == 0:
+            print("RESULT", json.dumps(res), flush=True)
+        return
     rows = []
     for r in range(args.repeats):
-        res = px.run(_body, np=args.np, args=(args.hidden, args.batch, args.bucket_mb), timeout=600)[0]
+        if args.cluster:
+            res = _on_cluster(args)
+        else:
+            res = px.run(_body, np=args.np, args=(args.hidden, args.batch, args.bucket_mb), timeout=600)[0]
         rows.append(res)
         print(f"repeat {r}: alpha {res['alpha_us']:.0f} us, {res['gbps']:.2f} Gbit/s, compute {res['compute_ms']:.1f} ms,"
               f" {res['params'] / 1e6:.2f}M params")
