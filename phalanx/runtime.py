@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import hashlib
@@ -318,6 +319,7 @@ def init(
     with _lock:
         if _topology is not None:
             return _topology
+        _register_exit_shutdown()
         info = detect_environment()
         backend, device = _choose_backend_and_device(info, backend, device)
         timeout_s = _timeout_s(timeout)
@@ -393,6 +395,30 @@ def _gather_hosts(info: LaunchInfo, device: torch.device) -> tuple[tuple[int, ..
     if sorted(by_host) != list(range(len(by_host))):
         raise PhalanxRuntimeError(f"host (cross) ranks are not 0..n-1: {sorted(by_host)}")
     return tuple(tuple(r for _, r in sorted(by_host[h])) for h in range(len(by_host)))
+
+
+_exit_hook_registered = False
+
+
+def _register_exit_shutdown() -> None:
+    """Leave the job at interpreter exit if the script did not call :func:`shutdown`.
+
+    Without it a process that exits right after a collective can tear down the
+    process group's threads mid-flight and abort ("terminate called without an
+    active exception"). Registered at the first ``init()``, so exit hooks added
+    later (timeline, async checkpoint writer) run before it, while the group lives.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(_shutdown_at_exit)
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001 - exiting anyway; a failing teardown must not mask the exit status
+        pass
 
 
 def shutdown() -> None:

@@ -114,3 +114,21 @@ def test_topology_groups_and_reinit_with_four_ranks_on_two_simulated_hosts():
         assert (rank, lr, cr) == (r, r % 2, r // 2)
         assert hosts == ((0, 1), (2, 3))
         assert (local, cross, again) == (2.0, 2.0, 4.0)
+
+
+def test_process_group_is_shut_down_at_exit_when_the_script_forgets():
+    # A hook registered *before* init() runs *after* phalanx's own exit hook (atexit is LIFO),
+    # so it sees whether the group was destroyed.
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, torch.distributed as dist, phalanx as px\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+        "px.init(); px.allgather_object(px.rank())\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM", "OMPI", "PMI"))}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "initialized at exit: False" in out.stdout
