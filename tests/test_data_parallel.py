@@ -117,6 +117,14 @@ def _mlp_family():
 
     out["toggle_sgd"] = _equivalence(_mlp, "sgd", loss_of=toggle_loss, dp_kwargs={"find_unused_parameters": True})
 
+    # freeze after wrapping, then unfreeze (fine-tuning): buckets follow requires_grad, no flag needed
+    def unfreeze_loss(m, x, y, step, chunk):
+        mod = m.module if isinstance(m, DataParallel) else m
+        mod[0].requires_grad_(step >= 10)
+        return nn.functional.cross_entropy(m(x), y)
+
+    out["unfreeze_adam"] = _equivalence(_mlp, "adam", loss_of=unfreeze_loss)
+
     # other allreduce algorithms (issue 6) and a non-summable compressor (issue 5) plug in
     out["ring_sgd"] = _equivalence(_mlp, "sgd", dp_kwargs={"algorithm": "ring"})
     dense_dp, int8_dp = DataParallel(_mlp()), DataParallel(_mlp(), compression="int8")

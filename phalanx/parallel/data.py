@@ -419,15 +419,43 @@ class DataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._joining = False
         broadcast_parameters(module.state_dict(), root_rank=root_of(group), group=group)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._engine = GradientEngine(
-            named, group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
+        self._engine_kwargs = dict(
+            group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             sparse_as_dense=sparse_as_dense, sparse_ids=_sparse_param_ids(module), algorithm=algorithm,
             wait_in_backward=True,
         )
+        self._all_params = list(module.parameters())
+        self._trainable = tuple(p.requires_grad for p in self._all_params)
+        self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
+
+    def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def _follow_requires_grad(self) -> None:
+        """Re-bucket when ``requires_grad`` changed since the last forward (freeze/unfreeze while training).
+
+        Every rank must make the same change; the first iteration of the new buckets goes
+        through the cross-rank mismatch check, which names the difference if they did not.
+        Compressor state (error-feedback residuals) is tied to the old layout and starts afresh.
+        """
+        trainable = tuple(p.requires_grad for p in self._all_params)
+        if trainable == self._trainable:
+            return
+        old = self._engine
+        if old._pending or old._queued:
+            raise RuntimeError("requires_grad changed while a gradient reduction was in flight; "
+                               "change it between iterations (after optimizer.step())")
+        changed = sum(a != b for a, b in zip(trainable, self._trainable))
+        _log.info("requires_grad changed on %d parameter(s): rebuilding the gradient buckets", changed)
+        old.remove_hooks()
+        self._trainable = trainable
+        self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
+        self._engine._passes, self._engine.require_sync = old._passes, old.require_sync
+        self._engine.sample_weight, self._engine.bytes_sent = old.sample_weight, old.bytes_sent
 
     def forward(self, *args, **kwargs):
+        self._follow_requires_grad()
         if self._joining:
             allreduce(torch.ones(1), op=ReduceOp.SUM, group=self.group, name="dp.join")
         if self.broadcast_buffers and self._engine.world > 1:
