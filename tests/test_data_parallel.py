@@ -145,6 +145,18 @@ def _mlp_family():
                                 for p, q in zip(plain.parameters(), half.parameters()))
     out["bytes"] = (plain.bytes_sent, half.bytes_sent)
 
+    # a lossy codec may drop NaN (a threshold never selects it): ranks must still agree to skip,
+    # and the residuals of that step must not poison the next one
+    lossy = DataParallel(_mlp(), compression="threshold")
+    x, y = _batch(4, B, (8,), seed=px.rank() + 1)
+    poison = float("nan") if px.rank() == 1 else 1.0
+    (nn.functional.cross_entropy(lossy(x), y) * poison).backward()
+    out["nan_everywhere"] = all(torch.isnan(p.grad).all().item() for p in lossy.parameters())
+    out["residuals_cleared"] = not lossy._engine.compressor.memory.residuals
+    lossy.zero_grad()
+    nn.functional.cross_entropy(lossy(x), y).backward()
+    out["finite_after"] = all(torch.isfinite(p.grad).all().item() for p in lossy.parameters())
+
     # sample weights: rank r's gradient counts with weight w_r
     weights = [0.25, 0.75]
     w = DataParallel(_mlp())
@@ -182,7 +194,7 @@ def test_mlp_family_equivalence():
     for r, out in enumerate(distributed(_mlp_family, np=2, timeout=150)):
         for key, value in out.items():
             if key in ("bytes", "state_keys_plain", "unused_error", "fp16_grad_diff", "int8_grad_diff",
-                       "int8_bytes"):
+                       "int8_bytes", "nan_everywhere", "residuals_cleared", "finite_after"):
                 continue
             assert value < TOL, f"rank {r} {key}: max |param - reference| = {value}"
         assert out["fp16_grad_diff"] < 1e-2
@@ -191,6 +203,7 @@ def test_mlp_family_equivalence():
         full, half = out["bytes"]
         assert full > 0 and half * 2 == full, out["bytes"]
         assert out["state_keys_plain"]
+        assert out["nan_everywhere"] and out["residuals_cleared"] and out["finite_after"], out
         assert "find_unused_parameters=True" in out["unused_error"] and "b.weight" in out["unused_error"]
 
 

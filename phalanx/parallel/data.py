@@ -44,7 +44,7 @@ from phalanx.comm.collectives import (
     allreduce,
     broadcast_object,
 )
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression import CastCompressor, NoneCompressor, get_compressor
 from phalanx.log import get_logger
 from phalanx.parallel.data_optimizer import broadcast_buffers_, broadcast_parameters, root_of
 
@@ -96,6 +96,10 @@ class GradientEngine:
         self.k = backward_passes_per_step
         self.wait_in_backward = wait_in_backward
         self.compressor = get_compressor(compression)
+        # Sums carry inf/NaN to every rank by themselves; lossy codecs may drop or clip them
+        # (a threshold never selects NaN), so the ranks then agree through one 4-byte MAX.
+        self._guard_finite = not isinstance(self.compressor, (NoneCompressor, CastCompressor))
+        self._nonfinite = torch.zeros((), dtype=torch.bool)
         self.sample_weight: float | None = None
         self.bytes_sent = 0
         self.require_sync = True
@@ -161,7 +165,31 @@ class GradientEngine:
             used = torch.tensor([1.0 if id(p) in self._used else 0.0 for p in self.buckets.params])
             self._extra.append(("used", allreduce(used, op=ReduceOp.SUM, group=self.group, async_op=True,
                                                   name="dp.used", inplace=True)))
+        self._launch_finite_flag()
         self._pending = True
+
+    def _launch_finite_flag(self) -> None:
+        if self._guard_finite:
+            flag = self._nonfinite.to(torch.float32).reshape(1)
+            self._nonfinite = torch.zeros((), dtype=torch.bool)
+            self._extra.append(("finite", allreduce(flag, op=ReduceOp.MAX, group=self.group, async_op=True,
+                                                    name="dp.nonfinite", inplace=True)))
+
+    def _finish_finite(self, flag: torch.Tensor) -> None:
+        """Some rank saw inf/NaN: every rank gets NaN gradients, so GradScaler skips everywhere.
+
+        The compressor's residuals (and PowerSGD's warm-start factors) came from that step and
+        would carry the NaN into every later one, so they start afresh.
+        """
+        if flag.item() == 0:
+            return
+        for p in self.buckets.params:
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        for attr in ("memory", "q_memory"):
+            store = getattr(self.compressor, attr, None)
+            if store is not None:
+                store.clear()
 
     def _gather_grads(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients into its flat buffer (zeros for a missing gradient)."""
@@ -216,6 +244,8 @@ class GradientEngine:
             bucket.flat.zero_()
         else:
             self._gather_grads(bucket)
+            if self._guard_finite:
+                self._nonfinite |= ~torch.isfinite(bucket.flat).all()
         i, nbytes = bucket.index, bucket.nbytes
         op, pre, post = self._scales()
         name = f"dp.bucket{i}"
@@ -295,6 +325,8 @@ class GradientEngine:
                 self._finish_sparse(*payload)
             elif kind == "used":
                 self._finish_used(payload.wait())
+            elif kind == "finite":
+                self._finish_finite(payload.wait())
         self._extra = []
         self._used = set()
         self._maybe_rebuild()
@@ -344,6 +376,7 @@ class GradientEngine:
             zeros = torch.zeros(len(self.buckets.params))
             self._extra.append(("used", allreduce(zeros, op=ReduceOp.SUM, group=self.group, async_op=True,
                                                   name="dp.used", inplace=True)))
+        self._launch_finite_flag()
         self._pending = True
         for b in self.buckets.buckets:
             b.handle[0].wait()
