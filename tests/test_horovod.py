@@ -162,3 +162,57 @@ def test_seed_002_script_runs_with_only_the_import_changed():
     losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if "Loss" in line]
     accuracy = float(proc.stdout.rsplit("test accuracy", 1)[1].split()[0])
     assert losses[-1] < losses[0] - 0.3 and accuracy > 0.6, (losses, accuracy)  # chance is 0.1
+
+
+# ---------------------------------------------------------------- join with uneven data
+
+def _join_data(steps):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps)]
+
+
+def _join_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _join_uneven():
+    r = hvd.rank()
+    out = {}
+    # (steps of rank 0, steps of rank 1): rank 1 runs out first; rank 1 has no data at all; equal data
+    for case, counts in {"uneven": (5, 3), "empty": (2, 0), "equal": (2, 2)}.items():
+        model = _join_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+        for x, y in _join_data(10)[r * 5:][: counts[r]]:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        last = hvd.join()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=last)  # the joined replica is stale
+        out[case] = (last, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def _join_reference(counts):
+    """One process: a step averages over both ranks, a joined rank counting as a zero gradient."""
+    model = _join_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = _join_data(10)
+    for i in range(max(counts)):
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(model(data[r * 5 + i][0]), data[r * 5 + i][1])
+                   for r in range(2) if i < counts[r]) / 2
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_join_with_uneven_data_answers_with_zeros_and_returns_the_last_rank():
+    results = distributed(_join_uneven, np=2, timeout=120)
+    for case, counts, last in (("uneven", (5, 3), 0), ("empty", (2, 0), 0), ("equal", (2, 2), 1)):
+        ref = _join_reference(counts)
+        for r in range(2):
+            got_last, params = results[r][case]
+            assert got_last == last, (case, r, got_last)
+            torch.testing.assert_close(params, ref, atol=1e-6, rtol=1e-5)

@@ -91,11 +91,14 @@ def join(device: int = -1) -> int:
     """Called by a rank that ran out of data; returns when every rank has joined.
 
     Until then this rank answers the others' gradient reductions with zeros
-    (through the last ``DistributedOptimizer`` created). Returns the last rank to join.
+    (through the last ``DistributedOptimizer`` created; see
+    ``phalanx.parallel.data_optimizer.DistributedOptimizer.join``). Returns the
+    rank that joined last, as Horovod does: broadcast its parameters afterwards
+    (a joined rank stops stepping, so its replica is stale). ``device`` is ignored.
     """
     if _last_optimizer is None:
         _c.barrier()
-        return _rt.size() - 1
+        return _rt.size() - 1  # nobody trained: every rank joined in the same step
     return _last_optimizer.join()
 
 

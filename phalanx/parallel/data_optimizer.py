@@ -115,6 +115,7 @@ class DistributedOptimizer:
         bucket_mb: float = 25.0,
         find_unused_parameters: bool = True,
         algorithm: str = "flat",
+        balance=None,
     ) -> None:
         from phalanx.parallel.data import GradientEngine
 
@@ -136,12 +137,22 @@ class DistributedOptimizer:
             in_opt = {id(p) for p in opt_params}
             named = [(n, p) for n, p in named if id(p) in in_opt]
         named = [(n, p) for n, p in named if p.requires_grad]
+        self.group = group
+        self._join_flag = None  # this step's "I still have data" allreduce (see join())
+        self._flag_device = named[0][1].device if named else torch.device("cpu")
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # Registered before the engine's hooks, so on every parameter it runs first.
+        self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
+                                for _, p in named] if world > 1 else []
         self._engine = GradientEngine(
             named, group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
         )
+        from phalanx.parallel.balance import attach
+
+        self.balancer = attach(self._engine, balance, group)  # docs/load_balancing.md
         self._skip = False
 
     # delegation -----------------------------------------------------------------
@@ -185,6 +196,51 @@ class DistributedOptimizer:
     def synchronize(self) -> None:
         """Wait for every launched reduction; afterwards ``p.grad`` holds the average."""
         self._engine.wait()
+        if self._join_flag is not None:
+            self._join_flag.wait()
+            self._join_flag = None
+
+    def _announce(self, _p) -> None:
+        # First gradient of a pass that communicates: one 4-byte SUM tells ranks that already
+        # joined that one more step is coming, before this step's first bucket is launched.
+        if self._join_flag is None and self._engine.sync_now():
+            flag = torch.ones(1, device=self._flag_device)
+            self._join_flag = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def join(self) -> int:
+        """Uneven data: call when this rank has no more batches; returns when every rank has.
+
+        Until then this rank answers each step of the others with zero gradients (the average
+        still divides by the whole group, as Horovod's join does). Every rank's step starts with
+        a one-element allreduce counting the ranks that still train (launched from the first
+        gradient hook of the step), so a joined rank knows whether to take part in one more
+        step or to leave::
+
+            training rank:  [flag=1][buckets…] [flag=1][buckets…] join: [flag=0] -> 0: done
+            joined rank:    join:   [flag=0] -> 1: [zeros…] [flag=0] -> 1: [zeros…] [flag=0] -> 0: done
+
+        Only the optimizer's gradient reductions are answered: other collectives the training
+        ranks make meanwhile must come after ``join()``. Returns the global rank that joined
+        last (the highest such rank when several joined in the same step).
+        """
+        self.synchronize()
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return dist.get_rank() if dist.is_initialized() else 0
+        answered = 0
+        while True:
+            flag = torch.zeros(1, device=self._flag_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
+            if flag.item() == 0:
+                break
+            self._engine.shadow()
+            answered += 1
+        every = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=self._flag_device)
+        every[dist.get_rank(self.group)] = answered  # steps each rank answered with zeros
+        dist.all_reduce(every, op=dist.ReduceOp.SUM, group=self.group)
+        every = every.tolist()
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(len(every)))
+        fewest = min(every)
+        return max(r for r, n in zip(ranks, every) if n == fewest)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
