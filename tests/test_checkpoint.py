@@ -93,7 +93,7 @@ def test_roundtrip_every_piece_bit_exact(tmp_path):
     assert results == [{"sync": True, "async": True}] * 2
     manifest = json.loads((tmp_path / "sync" / ckpt.MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["meta"] == {"step": 17}
-    assert len(manifest["ranks"]) == 2 and all(len(e["tensor_sha256"]) == 64 for e in manifest["ranks"])
+    assert len(manifest["ranks"]) == 2 and all(e["tensor_checksum"].startswith("crc32:") for e in manifest["ranks"])
     records = manifest["ranks"][1]["tensors"].values()
     shard = [rec for rec in records if rec["path"] == "shard"]
     assert shard == [{"path": "shard", "shape": [5], "dtype": "float32", "global_shape": [10], "offsets": [5]}]
@@ -152,11 +152,11 @@ def test_crash_between_shard_writes_and_corrupt_shard_fall_back(tmp_path):
     for r, out in enumerate(res):
         assert out["latest"].endswith("step-000000001") and out["step"] == 1  # every rank agrees
         assert torch.equal(out["w"], torch.full((4,), r + 1.0))
-    assert "sha256" in res[1]["direct"] and "corrupt" in res[1]["direct"]
+    assert "crc32 checksum" in res[1]["direct"] and "corrupt" in res[1]["direct"]
     assert res[0]["direct"] == "ok"  # rank 0 reads only its own intact file
     # a truncated file is caught the same way
     shard.write_bytes(bytes(data[:100]))
-    with pytest.raises(ckpt.CorruptCheckpointError, match="sha256"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match="checksum .* does not match"):
         sharded._Reader(str(shard.parent), ckpt.read_manifest(str(shard.parent))).tensors(1)
 
 
@@ -176,6 +176,39 @@ def test_files_are_standard_safetensors_and_complex_falls_back(tmp_path):
     ckpt.load(str(tmp_path / "y"), loaded)
     for k, v in state.items():
         assert torch.equal(loaded["s"][k], v) and loaded["s"][k].dtype == v.dtype
+
+
+@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+def test_every_kind_of_damage_is_detected_and_reads_go_straight_into_place(tmp_path, monkeypatch, algo):
+    from phalanx.checkpoint import io
+
+    monkeypatch.setenv("PHALANX_CHECKPOINT_CHECKSUM", algo)
+    src = {"a": torch.randn(1000, 300), "b": torch.arange(7, dtype=torch.int16), "c": torch.randn(3).bfloat16()}
+    path = str(tmp_path / "x.safetensors")
+    digest = io.write_tensors(path, src)
+    assert digest.startswith(algo + ":")
+    into = {"a": torch.empty(1000, 300), "c": torch.empty(2)}  # "c" has another shape: gets fresh memory
+    got = io.read_tensors(path, checksum=digest, into=into)
+    assert got["a"] is into["a"] and got["c"] is not into["c"]  # read in place, no intermediate copy
+    for k, v in src.items():
+        assert torch.equal(got[k], v) and got[k].dtype == v.dtype
+    good = open(path, "rb").read()
+    n_head = int.from_bytes(good[:8], "little")
+    # one flipped byte in the header size, the JSON header, the first/middle/last tensor byte; truncation
+    for where in (0, 8 + n_head // 2, 8 + n_head, len(good) // 2, len(good) - 1, "truncate"):
+        bad = bytearray(good)
+        if where == "truncate":
+            bad = bad[: len(bad) - 100]
+        else:
+            bad[where] ^= 0x01
+        open(path, "wb").write(bytes(bad))
+        with pytest.raises(ckpt.CorruptCheckpointError, match=f"{algo} checksum .* does not match"):
+            io.read_tensors(path, checksum=digest)
+    with pytest.raises(ckpt.CorruptCheckpointError, match="missing"):
+        io.read_tensors(str(tmp_path / "nope.safetensors"), checksum=digest)
+    monkeypatch.setenv("PHALANX_CHECKPOINT_CHECKSUM", "md4")
+    with pytest.raises(ValueError, match="PHALANX_CHECKPOINT_CHECKSUM='md4'"):
+        io.write_tensors(path, src)
 
 
 def test_async_error_surfaces_on_next_call_and_keep_last_k(tmp_path, monkeypatch):

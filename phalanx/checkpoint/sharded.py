@@ -7,11 +7,12 @@ Layout of one checkpoint directory (N = world size at save time)::
       rank00000.json          rank 0's skeleton: the tree structure, plain values, tensor records
       ...                     one pair per rank, written concurrently
       manifest.json           written by rank 0 only after every rank's pair exists: world size,
-                              format, sha256 of every file, shape/dtype/sharding of every tensor
+                              format, checksum of every file, shape/dtype/sharding of every tensor
 
 A checkpoint without ``manifest.json`` is incomplete and is never loaded, so a
 crash at any point of a save leaves the previous checkpoint as the newest
-loadable one. Loading checks every file it reads against the manifest's sha256.
+loadable one. Loading checks every file it reads against the manifest's checksum (CRC-32 by
+default, sha256 with ``PHALANX_CHECKPOINT_CHECKSUM=sha256``; see :mod:`phalanx.checkpoint.io`).
 
 Resharding: a tensor split across ranks is saved as a :class:`Shard` (local
 piece + global shape + offsets). A loader at another world size passes a state
@@ -46,7 +47,7 @@ __all__ = ["save", "load", "read_manifest", "wait", "RNGState", "MANIFEST"]
 log = get_logger(__name__)
 MANIFEST = "manifest.json"
 _staging: dict = {}  # CPU snapshot buffers of the last async save, reused by the next one
-_VERSION = 1
+_VERSION = 2  # 2: "algo:hex" checksums (1: bare sha256 hex, still read)
 
 
 def _world() -> tuple[int, int]:
@@ -116,7 +117,7 @@ def _write_rank(path: str, rank: int, world: int, nonce: str, skeleton, tensors,
     _test_hook("after_tensors", rank)
     io.write_json(os.path.join(path, mfile), {
         "nonce": nonce, "rank": rank, "world_size": world, "format": fmt, "tensor_file": tfile,
-        "tensor_sha256": digest, "records": records, "skeleton": skeleton, "meta": meta}, fsync=fsync)
+        "tensor_checksum": digest, "records": records, "skeleton": skeleton, "meta": meta}, fsync=fsync)
     if rank == 0:
         _write_manifest(path, world, nonce, fmt, meta, fsync)
 
@@ -140,8 +141,8 @@ def _write_manifest(path: str, world: int, nonce: str, fmt: str, meta: dict, fsy
                                    f"{_timeout_s():.0f}s (PHALANX_TIMEOUT); the manifest was not written, "
                                    "so the previous checkpoint stays the newest")
             time.sleep(0.005)
-        ranks.append({"tensor_file": info["tensor_file"], "tensor_sha256": info["tensor_sha256"], "meta_file": mfile,
-                      "meta_sha256": io.sha256_file(mpath), "tensors": info["records"]})
+        ranks.append({"tensor_file": info["tensor_file"], "tensor_checksum": info["tensor_checksum"],
+                      "meta_file": mfile, "meta_checksum": io.checksum_file(mpath), "tensors": info["records"]})
     _test_hook("before_manifest", 0)
     io.write_json(os.path.join(path, MANIFEST), {
         "version": _VERSION, "nonce": nonce, "world_size": world, "format": fmt,
@@ -252,14 +253,14 @@ def _template_shards(tree: Any, path: tuple = (), out: dict | None = None) -> di
 class _Reader:
     """Reads (and checksums) each rank file of one checkpoint at most once."""
 
-    def __init__(self, path: str, manifest: dict) -> None:
-        self.path, self.manifest, self.cache = path, manifest, {}
+    def __init__(self, path: str, manifest: dict, into: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+        self.path, self.manifest, self.cache, self.into = path, manifest, {}, into or {}
 
     def tensors(self, r: int) -> dict[str, torch.Tensor]:
         if r not in self.cache:
             entry = self.manifest["ranks"][r]
             self.cache[r] = io.read_tensors(os.path.join(self.path, entry["tensor_file"]),
-                                            sha256=entry["tensor_sha256"])
+                                            checksum=_checksum(entry, "tensor"), into=self.into.get(r))
         return self.cache[r]
 
     def pieces(self, pstr: str):
@@ -290,28 +291,70 @@ def _overlaps(a_shape, a_off, b_shape, b_off) -> bool:
     return all(max(ao, bo) < min(ao + an, bo + bn) for an, ao, bn, bo in zip(a_shape, a_off, b_shape, b_off))
 
 
+def _checksum(entry: dict, kind: str) -> str:
+    """``"algo:hex"`` of a manifest entry's tensor or meta file (version 1 stored bare sha256 hex)."""
+    if f"{kind}_checksum" in entry:
+        return entry[f"{kind}_checksum"]
+    return "sha256:" + entry[f"{kind}_sha256"]
+
+
 def read_manifest(path: str) -> dict:
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise io.CorruptCheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete "
                                         "(a save was interrupted) or not a phalanx checkpoint")
     manifest = io.read_json(mpath)
-    if manifest.get("version") != _VERSION:
+    if manifest.get("version") not in (1, _VERSION):
         raise io.CorruptCheckpointError(f"checkpoint {path}: manifest version {manifest.get('version')} "
                                         f"is not the supported {_VERSION}")
     return manifest
 
 
+def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Saved tensor name -> the live CPU tensor at the same tree path, same shape and dtype.
+
+    Module state dicts hold the parameters' own storage, so their bytes can be read
+    from the file straight into the model: one pass, no intermediate copy.
+    """
+    live: dict[str, torch.Tensor | None] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, torch.Tensor):
+            key = _path_str(path)
+            live[key] = None if key in live else node  # two nodes print the same path: ambiguous, skip
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, path + (k,))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, path + (i,))
+
+    walk(tree, ())
+    out = {}
+    for name, rec in records.items():
+        t = live.get(rec["path"])
+        if (t is not None and "offsets" not in rec and t.device.type == "cpu" and t.is_contiguous()
+                and list(t.shape) == rec["shape"] and str(t.dtype).replace("torch.", "") == rec["dtype"]):
+            out[name] = t
+    return out
+
+
 def _read(path: str, state: dict) -> dict:
-    """Read this rank's view of checkpoint ``path`` into a tree shaped like ``state`` (nothing applied)."""
+    """Read this rank's view of checkpoint ``path`` into a tree shaped like ``state``.
+
+    Plain tensors whose place in ``state`` holds a CPU tensor of the same shape and
+    dtype (model parameters and buffers) are read straight into it; everything else
+    is applied by :func:`_apply`. Every file is verified against the manifest.
+    """
     rank, world = _world()
     manifest = read_manifest(path)
     saved_world = manifest["world_size"]
     src = rank if rank < saved_world else 0
     entry = manifest["ranks"][src]
-    info = io.read_json(os.path.join(path, entry["meta_file"]), sha256=entry["meta_sha256"])
-    reader = _Reader(path, manifest)
-    template = _template_shards(_to_tree(state))
+    info = io.read_json(os.path.join(path, entry["meta_file"]), checksum=_checksum(entry, "meta"))
+    tree = _to_tree(state)
+    reader = _Reader(path, manifest, into={src: _destinations(tree, entry["tensors"])})
+    template = _template_shards(tree)
     dtype_of = {n: getattr(torch, rec["dtype"]) for n, rec in entry["tensors"].items()}
 
     def fetch(name: str, node: dict, path_: tuple):
@@ -346,7 +389,7 @@ def load(path: str, state: dict) -> dict:
     """Load checkpoint ``path`` into ``state`` in place (modules, optimizers, tensors) and return the tree.
 
     Plain values (``state["step"]``) are replaced in the dict. Every file read is
-    checked against the manifest's sha256; a mismatch raises
+    checked against the manifest's checksum; a mismatch raises
     :class:`~phalanx.checkpoint.io.CorruptCheckpointError`. Runs no code from the files.
     """
     wait()
