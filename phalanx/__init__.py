@@ -37,6 +37,7 @@ from phalanx.comm.collectives import (
 )
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
 from phalanx.memory import memory_report
+from phalanx.parallel import balance
 from phalanx.parallel.data import DataParallel
 from phalanx.parallel.data_optimizer import (
     DistributedOptimizer,
@@ -63,7 +64,8 @@ from phalanx.runtime import init as _runtime_init
 
 def init(backend=None, device=None, timeout=None) -> Topology:
     """Join the job (see :func:`phalanx.runtime.init`); also starts the timeline when
-    ``phalanx run --timeline FILE`` set PHALANX_TIMELINE. The runtime never imports the profiler.
+    ``phalanx run --timeline FILE`` set PHALANX_TIMELINE, and bucket autotuning when
+    ``phalanx run --autotune`` set PHALANX_AUTOTUNE. The runtime never imports these services.
 
     Example::
 
@@ -76,6 +78,10 @@ def init(backend=None, device=None, timeout=None) -> Topology:
         from phalanx.profiler.timeline import start_from_env
 
         start_from_env(topo.rank)
+    if os.environ.get("PHALANX_AUTOTUNE") or os.environ.get("HOROVOD_AUTOTUNE"):
+        from phalanx.planner.autotune import enable_from_env
+
+        enable_from_env()
     return topo
 
 
@@ -120,6 +126,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "zero",
     "memory_report",
+    "balance",
     # model parallel
     "DeviceMesh",
     "parallelize",

@@ -37,6 +37,15 @@ def register(subparsers) -> None:
                    help="parameter-server jobs: the first N ranks serve (exports PHALANX_NUM_SERVERS)")
     p.add_argument("--timeline", default=None, metavar="FILE",
                    help="write a Chrome-trace timeline of every rank to FILE (open in ui.perfetto.dev)")
+    p.add_argument("--autotune", action="store_true",
+                   help="tune the gradient bucket size (and hierarchical allreduce on several hosts) online "
+                        "during the first steps, keeping the fastest (exports PHALANX_AUTOTUNE=1)")
+    p.add_argument("--autotune-log-file", default=None, metavar="FILE",
+                   help="with --autotune: rank 0 writes the search (CSV) to FILE")
+    p.add_argument("--autotune-warmup-samples", type=int, default=None, metavar="N",
+                   help="with --autotune: steps to skip before timing (default 3)")
+    p.add_argument("--autotune-steps-per-sample", type=int, default=None, metavar="N",
+                   help="with --autotune: steps timed per candidate (default 5)")
     add_remote_arguments(p)
     add_elastic_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
@@ -81,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.timeline:
         env["PHALANX_TIMELINE"] = os.path.abspath(args.timeline)
+    env.update(autotune_env(args))
     spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env,
                       **elastic)
     code = launch(spec, command)
@@ -89,3 +99,24 @@ def main(args: argparse.Namespace) -> int:
 
         merge_parts(os.path.abspath(args.timeline))
     return code
+
+
+def autotune_env(args: argparse.Namespace) -> dict[str, str]:
+    """The variables ``--autotune`` and its knobs (horovodrun's spellings) export to every worker."""
+    knobs = (args.autotune_log_file, args.autotune_warmup_samples, args.autotune_steps_per_sample)
+    if not args.autotune:
+        if any(k is not None for k in knobs):
+            raise SystemExit("phalanx run: --autotune-* options need --autotune")
+        return {}
+    env = {"PHALANX_AUTOTUNE": "1"}
+    if args.autotune_log_file:
+        env["PHALANX_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+    for key, flag, value, least in (
+        ("PHALANX_AUTOTUNE_WARMUP_STEPS", "--autotune-warmup-samples", args.autotune_warmup_samples, 0),
+        ("PHALANX_AUTOTUNE_STEPS_PER_TRIAL", "--autotune-steps-per-sample", args.autotune_steps_per_sample, 1),
+    ):
+        if value is not None:
+            if value < least:
+                raise SystemExit(f"phalanx run: {flag} must be at least {least}, got {value}")
+            env[key] = str(value)
+    return env

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,9 +49,21 @@ from phalanx.comm.compression import CastCompressor, NoneCompressor, get_compres
 from phalanx.log import get_logger
 from phalanx.parallel.data_optimizer import broadcast_buffers_, broadcast_parameters, root_of
 
-__all__ = ["GradientEngine", "DataParallel"]
+__all__ = ["GradientEngine", "DataParallel", "register_engine_hook"]
 
 _log = get_logger(__name__)
+
+_engine_hooks: list[Callable[[GradientEngine], None]] = []
+
+
+def register_engine_hook(fn: Callable[[GradientEngine], None]) -> Callable[[], None]:
+    """Call ``fn(engine)`` for every :class:`GradientEngine` created from now on; returns a remover.
+
+    The seam through which services (autotune) attach to the engine without the engine
+    importing them. ``fn`` typically appends to ``engine.step_hooks``.
+    """
+    _engine_hooks.append(fn)
+    return lambda: _engine_hooks.remove(fn) if fn in _engine_hooks else None
 
 
 class GradientEngine:
@@ -101,6 +114,7 @@ class GradientEngine:
         self._guard_finite = not isinstance(self.compressor, (NoneCompressor, CastCompressor))
         self._nonfinite = torch.zeros((), dtype=torch.bool)
         self.sample_weight: float | None = None
+        self.balancer = None  # phalanx.balance.Balancer: sets sample_weight per step, times compute/wait
         self.bytes_sent = 0
         self.require_sync = True
         self.names = {id(p): n for n, p in named_params}
@@ -117,6 +131,12 @@ class GradientEngine:
         self._extra: list = []  # (kind, payload) launched after the buckets
         self._warned_unused = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params]
+        # Called with the seconds since the previous synchronised step ended, once per step,
+        # after the gradients are in place and nothing is in flight (settings may change here).
+        self.step_hooks: list[Callable[[float], None]] = []
+        self._last_step_end: float | None = None
+        for fn in list(_engine_hooks):
+            fn(self)
 
     # ------------------------------------------------------------------ backward
     def sync_now(self) -> bool:
@@ -128,6 +148,10 @@ class GradientEngine:
         if not self._queued:
             self._queued = True
             self._syncing = self.sync_now() and (self.world > 1 or self.find_unused)
+            if self.balancer is not None:
+                weight = self.balancer._backward_begins()
+                if self._syncing:
+                    self.sample_weight = weight
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self._syncing:
             bucket = self.buckets._bucket_of.get(id(p))
@@ -141,6 +165,8 @@ class GradientEngine:
         self._passes += 1
         if not sync or (self.world == 1 and not self.find_unused):
             return
+        if self.balancer is not None:
+            self.balancer._compute_ends()
         self._launch_rest()
         if self.wait_in_backward:
             self.wait()
@@ -318,6 +344,7 @@ class GradientEngine:
         if not self._pending:
             return
         self._pending = False
+        t_wait = time.perf_counter()
         for bucket in self.buckets.buckets:
             self._finish_bucket(bucket)
         for kind, payload in self._extra:
@@ -331,6 +358,14 @@ class GradientEngine:
         self._used = set()
         self._maybe_rebuild()
         self.buckets.reset()
+        if self.balancer is not None:
+            self.balancer._wait_ends(time.perf_counter() - t_wait)
+        if self.step_hooks:
+            if self._last_step_end is not None:
+                seconds = time.perf_counter() - self._last_step_end
+                for fn in self.step_hooks:
+                    fn(seconds)
+            self._last_step_end = time.perf_counter()
 
     def _finish_sparse(self, p, hi, hv) -> None:
         idx, val = hi.wait(), hv.wait()
@@ -441,6 +476,7 @@ class DataParallel(nn.Module):
         broadcast_buffers: bool = True,
         sparse_as_dense: bool = False,
         algorithm: str = "flat",
+        balance=None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -461,6 +497,9 @@ class DataParallel(nn.Module):
         self._all_params = list(module.parameters())
         self._trainable = tuple(p.requires_grad for p in self._all_params)
         self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
+        from phalanx.parallel.balance import attach
+
+        self.balancer = attach(self._engine, balance, group)  # docs/load_balancing.md
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -486,9 +525,12 @@ class DataParallel(nn.Module):
         self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
         self._engine._passes, self._engine.require_sync = old._passes, old.require_sync
         self._engine.sample_weight, self._engine.bytes_sent = old.sample_weight, old.bytes_sent
+        self._engine.balancer = old.balancer
 
     def forward(self, *args, **kwargs):
         self._follow_requires_grad()
+        if self.balancer is not None:
+            self.balancer._forward()
         if self._joining:
             allreduce(torch.ones(1), op=ReduceOp.SUM, group=self.group, name="dp.join")
         if self.broadcast_buffers and self._engine.world > 1:
@@ -522,6 +564,9 @@ class DataParallel(nn.Module):
         Gradients are still averaged over the whole group (joined ranks count as zeros), like
         DDP's default. Not supported together with ``no_sync()`` inside the block.
         """
+        if self.balancer is not None:
+            raise RuntimeError("join() cannot be combined with balance=: BalancedSampler gives every rank "
+                               "the same number of steps, so there are no uneven inputs to join")
         self._joining = True
         try:
             yield
