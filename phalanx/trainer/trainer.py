@@ -65,6 +65,7 @@ class Trainer:
         shuffle: bool = True,
         seed: int = 0,
         progress: bool = True,
+        balance=False,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
@@ -75,7 +76,10 @@ class Trainer:
         self.topology = rt.topology()
         if activation_checkpointing:
             _checkpoint_children(model)
-        self.model = DataParallel(model, topology=self.topology, compression=compression)
+        from phalanx.parallel import balance as _balance  # balance=True: docs/load_balancing.md
+
+        self.model = DataParallel(model, topology=self.topology, compression=compression,
+                                  balance=_balance.as_balancer(balance, batch_size * self.topology.size))
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.train_data, self.val_data = train_data, val_data
@@ -108,7 +112,8 @@ class Trainer:
     def _train_epoch(self, epoch: int) -> float:
         self.model.train()
         total, batches = 0.0, 0
-        micro = list(self._batches(self.train_data, epoch))
+        micro = list(self._batches(self.train_data, epoch)) if self.model.balancer is None else \
+            _balanced_batches(self, epoch)
         bar = self._progress_bar(len(micro), epoch)
         for i, (x, y) in enumerate(micro):
             last_micro = (i + 1) % self.grad_accum == 0 or i + 1 == len(micro)
@@ -206,6 +211,14 @@ class Trainer:
     def _call(self, hook: str) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self)
+
+
+def _balanced_batches(trainer: Trainer, epoch: int):
+    """This rank's share of each global batch as re-split by the balancer (a lazy, sized sequence)."""
+    from phalanx.parallel.balance import epoch_batches
+
+    return epoch_batches(trainer.model.balancer, trainer.train_data, epoch, trainer._fetch,
+                         shuffle=trainer.shuffle, seed=trainer.seed, accumulation=trainer.grad_accum)
 
 
 def _checkpoint_children(model: nn.Module) -> None:
