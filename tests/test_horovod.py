@@ -1,5 +1,10 @@
 """The Horovod facade on real ranks: every collective form, handles, names, process sets, errors."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -151,10 +156,6 @@ def test_distributed_optimizer_matches_full_batch_reference():
 
 
 def test_seed_002_script_runs_with_only_the_import_changed():
-    import os
-    import subprocess
-    import sys
-
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "horovod_seed_002.py")
     proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, script],
                           capture_output=True, text=True, timeout=300)
@@ -216,3 +217,114 @@ def test_join_with_uneven_data_answers_with_zeros_and_returns_the_last_rank():
             got_last, params = results[r][case]
             assert got_last == last, (case, r, got_last)
             torch.testing.assert_close(params, ref, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- hvd.elastic: a restart and a reset
+
+E_STEPS_PER_EPOCH, E_EPOCHS, E_COMMIT, E_B = 6, 2, 3, 4  # local batch E_B on 2 ranks: global 8
+ELASTIC_WORKER = textwrap.dedent(f"""
+    import os, signal, sys
+    import torch
+    import phalanx.horovod.torch as hvd
+
+    STEPS, EPOCHS, COMMIT, B = {E_STEPS_PER_EPOCH}, {E_EPOCHS}, {E_COMMIT}, {E_B}
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(STEPS * 2 * B, 5, generator=g, dtype=torch.float64)
+        return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+
+    def main(out):
+        hvd.init()
+        model = make()
+        if hvd.rank() == 1:  # a different start on purpose: sync() must give it rank 0's
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        dataset = data()
+        sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=B, sampler=sampler)
+        state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, step=0,
+                                       commit_dir=os.path.join(out, "commits"))
+
+        def log(text):
+            with open(os.path.join(out, "events.txt"), "a") as f:
+                f.write(f"{{text}} restart={{hvd.elastic.restart_count()}} rank={{hvd.rank()}}\\n")
+
+        def on_reset():
+            for group in opt.param_groups:
+                group["lr"] = 0.025 * hvd.size()  # Horovod's use: rescale to the new world size
+            log(f"reset step={{state.step}}")
+
+        state.register_reset_callbacks([on_reset])
+        interrupted = []
+
+        @hvd.elastic.run
+        def train(state):
+            log(f"start step={{state.step}}")
+            for state.epoch in range(state.epoch, EPOCHS):
+                for batch_idx, (x, y) in enumerate(loader):
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    state.sampler.record_batch(batch_idx, B)
+                    state.step += 1
+                    if hvd.elastic.restart_count() == 0 and state.step == 5 and hvd.rank() == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)  # a worker is lost
+                    if hvd.elastic.restart_count() == 1 and state.step == 8 and not interrupted:
+                        interrupted.append(1)  # every rank, same step: roll back to step 6
+                        raise hvd.elastic.HostsUpdatedInterrupt("hosts changed")
+                    if state.step % COMMIT == 0:
+                        state.commit()
+                state.sampler.set_epoch(state.epoch + 1)
+
+        train(state)
+        if hvd.rank() == 0:
+            torch.save([p.detach() for p in model.parameters()], os.path.join(out, "final.pt"))
+        log(f"end step={{state.step}} lr={{opt.param_groups[0]['lr']}}")
+        hvd.shutdown()
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+""")
+
+
+def test_elastic_run_restores_resets_and_resyncs_after_a_lost_worker(tmp_path):
+    script = tmp_path / "elastic_worker.py"
+    script.write_text(ELASTIC_WORKER)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--max-restarts", "1", "--timeout", "60",
+           sys.executable, str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = sorted((tmp_path / "events.txt").read_text().splitlines())
+    for r in (0, 1):
+        mine = [e.rsplit(" rank=", 1)[0] for e in events if e.endswith(f"rank={r}")]
+        # restart 0: rank 1 killed at step 5; restart 1 resumes from the commit at step 3, then the
+        # interrupt at step 8 rolls back to the commit at step 6; on_reset ran after each restore
+        assert sorted(mine) == sorted([
+            "start step=0 restart=0", "reset step=3 restart=1", "start step=3 restart=1",
+            "reset step=6 restart=1", "start step=6 restart=1",
+            f"end step={E_STEPS_PER_EPOCH * E_EPOCHS} lr=0.05 restart=1"]), mine
+    # reference: one process, rank 0's start, the same global batches, no interruption
+    ns = {}
+    exec(compile(ELASTIC_WORKER, "worker", "exec"), ns)
+    model = ns["make"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset = ns["data"]()
+    for epoch in range(E_EPOCHS):
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(1 + epoch))
+        for k in range(E_STEPS_PER_EPOCH):
+            x, y = dataset[order[k * 2 * E_B:(k + 1) * 2 * E_B]]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for got, want in zip(final, model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-9)

@@ -40,7 +40,7 @@ __all__ = [
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "Compression", "SyncBatchNorm",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "start_timeline", "stop_timeline",
+    "start_timeline", "stop_timeline", "elastic",
 ]
 
 _NO_COMPRESSION = NoneCompressor()
@@ -381,6 +381,7 @@ class Compression:
     bf16 = CastCompressor(torch.bfloat16, "bf16")
 
 
+from phalanx.horovod import elastic  # noqa: E402  (hvd.elastic.run, TorchState, ElasticSampler)
 from phalanx.horovod._training import (  # noqa: E402  (needs the names above)
     DistributedOptimizer,
     broadcast_optimizer_state,

@@ -1,0 +1,148 @@
+"""``hvd.elastic``: Horovod's elastic API (run, TorchState, ElasticSampler) on :mod:`phalanx.elastic`.
+
+Horovod keeps the last commit in the memory of the surviving workers and
+re-forms its ring in-process. phalanx runs on TorchElastic, whose agent
+restarts the whole worker group after a failure (``phalanx run --max-restarts
+N``, ``--min-np``/``--max-np``), so a commit is also a snapshot the restarted
+group loads. What a Horovod script sees is the same loop::
+
+    Horovod:  sync → train … worker lost → restore (memory) → reset → on_reset() → sync → train …
+    phalanx:  restore → sync → train … worker lost → agent restarts the group →
+              restore (snapshot) → on_reset() → sync → train …
+
+Differences, all documented in docs/horovod.md: ``check_host_updates()`` has
+nothing to check (host changes reach the job as a group restart), ``save()``
+also writes the snapshot, and the sampler drops the tail of an epoch that does
+not split evenly instead of padding it with repeated samples.
+
+Example (Horovod's elastic recipe, only the import changed)::
+
+    import phalanx.horovod.torch as hvd
+    hvd.init()
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
+    state.register_reset_callbacks([lambda: set_lr(base_lr * hvd.size())])
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for batch_idx, (x, y) in enumerate(loader):
+                ...
+                state.sampler.record_batch(batch_idx, 32)
+                if batch_idx % 10 == 0:
+                    state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+
+    train(state)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from phalanx import elastic as _elastic
+from phalanx.elastic import HostsUpdatedInterrupt, restart_count
+
+__all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError", "restart_count"]
+
+
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a failed collective. Under phalanx a failed collective ends the
+    process and the agent restarts the group, so this is never raised; it exists so that
+    ``except hvd.elastic.HorovodInternalError`` clauses keep working."""
+
+
+class TorchState(_elastic.TorchState):
+    """Model, optimizer and named extras as one elastic state (Horovod's ``TorchState``).
+
+    Extras become attributes (``state.epoch``, ``state.sampler``). ``commit()`` =
+    ``save()`` + ``check_host_updates()`` as in Horovod; ``register_reset_callbacks``
+    functions run after every reset (a group restart or a ``HostsUpdatedInterrupt``),
+    after the state is restored and before it is synced from rank 0. ``commit_dir``
+    and ``keep`` (phalanx's) choose where and how many snapshots are kept.
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, **kwargs)
+        object.__setattr__(self, "_reset_callbacks", [])
+        object.__setattr__(self, "_restores_in_run", None)  # counted while hvd.elastic.run drives us
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
+        """Functions to call after each reset, e.g. to rescale the learning rate to ``hvd.size()``."""
+        callbacks = list(callbacks)
+        bad = [c for c in callbacks if not callable(c)]
+        if bad:
+            raise TypeError(f"register_reset_callbacks takes a list of functions, got {bad!r}")
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def check_host_updates(self) -> None:
+        """Nothing to check: under phalanx a changed host set restarts the group (TorchElastic)."""
+
+    def save(self) -> None:
+        """Remember this point in memory and as a snapshot a restarted group loads."""
+        super().commit()
+
+    def commit(self) -> None:
+        self.save()
+        self.check_host_updates()
+
+    def restore(self) -> bool:
+        restored = super().restore()
+        count = self._restores_in_run
+        if count is not None:
+            object.__setattr__(self, "_restores_in_run", count + 1)
+            # The first restore of a run is a reset only in a restarted group; later ones
+            # (after HostsUpdatedInterrupt) always are.
+            if count > 0 or restart_count() > 0:
+                self.on_reset()
+        return restored
+
+    def _run_begins(self) -> None:
+        object.__setattr__(self, "_restores_in_run", 0)
+
+    def _run_ends(self) -> None:
+        object.__setattr__(self, "_restores_in_run", None)
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate ``func(state, ...)`` so it resumes from the last commit after a reset (Horovod's
+    ``hvd.elastic.run``); delegates to :func:`phalanx.elastic.run`."""
+    inner = _elastic.run(func)
+
+    @functools.wraps(func)
+    def wrapper(state, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, TorchState):
+            return inner(state, *args, **kwargs)
+        state._run_begins()
+        try:
+            return inner(state, *args, **kwargs)
+        finally:
+            state._run_ends()
+
+    return wrapper
+
+
+class ElasticSampler(_elastic.ElasticSampler):
+    """Horovod's ``ElasticSampler(dataset, shuffle=True, seed=0)``: shards the unprocessed rest of
+    the epoch over the current ranks and re-shards it after a reset.
+
+    ``record_batch(batch_idx, batch_size)`` counts one step of ``batch_size`` samples on every
+    rank; call ``set_epoch`` at the end of each epoch. Unlike Horovod, an epoch whose rest does
+    not split evenly drops its last few samples instead of repeating some.
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0) -> None:
+        if not hasattr(dataset, "__len__"):
+            raise TypeError(f"ElasticSampler needs a dataset with a length, got {type(dataset).__name__}")
+        self.dataset = dataset
+        super().__init__(len(dataset), shuffle=shuffle, seed=seed)
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:  # type: ignore[override]
+        super().record_batch(batch_size)
