@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx import trace
+
 __all__ = [
     "all_gather_flat",
     "reduce_scatter_flat",
@@ -155,7 +157,8 @@ def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, **ex
     h = _digest(signature)
     device = tensor.device if tensor is not None and tensor.device.type != "meta" else _default_device()
     probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    with trace.span("negotiate", "comm", call=kind, tensor=name):  # shown apart on the timeline
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     if int(probe[0]) == -int(probe[1]):
         return
     mine = {"call": kind, "name": name, "dtype": dtype, "shape": shape, **extra}

@@ -134,6 +134,7 @@ class GradientEngine:
         # Called with the seconds since the previous synchronised step ended, once per step,
         # after the gradients are in place and nothing is in flight (settings may change here).
         self.step_hooks: list[Callable[[float], None]] = []
+        self._backward_start: float | None = None  # set by DataParallel's traced forward
         self._last_step_end: float | None = None
         for fn in list(_engine_hooks):
             fn(self)
@@ -161,6 +162,9 @@ class GradientEngine:
 
     def _end_of_backward(self) -> None:
         self._queued = False
+        start, self._backward_start = self._backward_start, None
+        if start is not None:
+            trace.instant("backward", "compute", start, time.perf_counter())
         sync = self.sync_now()
         self._passes += 1
         if not sync or (self.world == 1 and not self.find_unused):
@@ -442,6 +446,14 @@ class GradientEngine:
         self._hooks = []
 
 
+def _tensors_of(out):
+    """The tensors of a forward's output (a tensor, or a flat tuple/list/dict of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
 def _sparse_param_ids(module: nn.Module) -> set[int]:
     return {id(m.weight) for m in module.modules()
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
@@ -528,6 +540,22 @@ class DataParallel(nn.Module):
         self._engine.balancer = old.balancer
 
     def forward(self, *args, **kwargs):
+        if trace.enabled():
+            return self._traced_forward(*args, **kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _traced_forward(self, *args, **kwargs):
+        """Forward as a span; backward from the moment the output's gradient arrives (timeline only)."""
+        with trace.span("forward", "compute"):
+            out = self._forward(*args, **kwargs)
+        engine = self._engine
+        for t in _tensors_of(out):
+            if t.requires_grad:
+                t.register_hook(lambda grad: setattr(engine, "_backward_start", time.perf_counter()))
+                break
+        return out
+
+    def _forward(self, *args, **kwargs):
         self._follow_requires_grad()
         if self.balancer is not None:
             self.balancer._forward()

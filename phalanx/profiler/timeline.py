@@ -74,12 +74,32 @@ class Timeline:
             self._spans.append(span)
 
     def install(self) -> Timeline:
+        """Become the trace recorder, and time every ``torch.optim`` step (global optimizer hooks)."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
         trace.set_recorder(self)
+        started: dict[int, float] = {}
+
+        def pre(opt, args, kwargs) -> None:
+            started[id(opt)] = time.perf_counter()
+
+        def post(opt, args, kwargs) -> None:
+            t0 = started.pop(id(opt), None)
+            if t0 is not None:
+                self.record("optimizer", "compute", t0, time.perf_counter(), {"optimizer": type(opt).__name__})
+
+        self._optim_hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
         return self
 
     def uninstall(self) -> list[dict[str, Any]]:
         if trace.get_recorder() is self:
             trace.set_recorder(None)
+        for h in getattr(self, "_optim_hooks", ()):
+            h.remove()
+        self._optim_hooks = []
         return self.events()
 
     def events(self) -> list[dict[str, Any]]:
