@@ -1,9 +1,11 @@
 """ZeRO stages 1-3 on real gloo ranks against one process training on the full global batch.
 
 Three spawned groups: np=2 (equivalence of every stage on an MLP and a small
-transformer, with accumulation and clipping; mixed precision; memory at N=2),
-np=4 (memory at N=4; train, save a sharded checkpoint, keep training) and np=2
-again (load the world-4 checkpoint, keep training, land on the same parameters).
+transformer, with accumulation and clipping; mixed precision; a layer only one
+rank uses; reduce launched inside backward; memory at N=2), np=4 (memory at
+N=4; train, save sharded and consolidated checkpoints, keep training) and np=2
+again (load the world-4 checkpoints, keep training, land on the same
+parameters); the consolidated state also drives a plain torch Adam.
 """
 
 import copy
@@ -64,9 +66,9 @@ def _loss(kind, model, x, y):
     return F.mse_loss(out, y) if kind == "mlp" else F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def _reference(kind, model, steps):
+def _reference(kind, model, steps, opt=None):
     """One process, full global batch, torch Adam, torch's clip_grad_norm_."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = opt or torch.optim.Adam(model.parameters(), lr=1e-2)
     clipped = 0
     for step in steps:
         x, y = _batch(kind, step)
@@ -130,7 +132,11 @@ def _equivalence_and_memory():
             init = copy.deepcopy(m.state_dict())
             clipped = _reference(kind, ref, range(STEPS))
             opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-            model, zopt = zero(m, opt, stage=stage, max_grad_norm=MAX_NORM, bucket_mb=0.002)
+            # MLP: stage 1 told the accumulation (one reduce per step); transformer: not told
+            # (it reduces every micro-batch and must still count each gradient once).
+            passes = ACCUM if kind == "mlp" else 1
+            model, zopt = zero(m, opt, stage=stage, max_grad_norm=MAX_NORM, bucket_mb=0.002,
+                               backward_passes_per_step=passes)
             _train(kind, model, zopt, range(STEPS))
             sd = model.state_dict()
             results[(kind, stage)] = (_max_diff(sd, ref.state_dict()), _max_diff(sd, init), clipped)
@@ -146,7 +152,78 @@ def _equivalence_and_memory():
         sd = model.state_dict()
         results[("mp", stage, mp)] = (_max_diff(sd, ref.state_dict()), str(next(iter(sd.values())).dtype))
     results["memory"] = _memory_checks()
+    results["unused"] = _unused_on_one_rank()
+    results["overlap"] = _reduced_during_backward()
     return results
+
+
+class Branchy(torch.nn.Module):
+    """An MLP with an extra layer that only rank 0 uses (data-dependent control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp()
+        self.aux = torch.nn.Linear(12, 3)
+
+    def forward(self, x, use_aux):
+        out = self.body(x)
+        return out, (self.aux(x).pow(2).mean() if use_aux else None)
+
+
+def _branchy_loss(model, x, y, use_aux):
+    out, extra = model(x, use_aux)
+    loss = F.mse_loss(out, y)
+    return loss + extra if extra is not None else loss
+
+
+def _unused_on_one_rank():
+    """Stages 1-2 when rank 1 never touches ``aux``: same as one process summing both ranks' losses."""
+    r, n = px.rank(), px.size()
+    out = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        m = Branchy()
+        ref = copy.deepcopy(m)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=stage, max_grad_norm=MAX_NORM,
+                          bucket_mb=0.002)
+        for step in range(STEPS):
+            x, y = _batch("mlp", step)
+            ref_opt.zero_grad()
+            for rr in range(n):
+                for xm, ym in zip(x.chunk(n)[rr].chunk(ACCUM), y.chunk(n)[rr].chunk(ACCUM)):
+                    (_branchy_loss(ref, xm, ym, rr == 0) / (ACCUM * n)).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            ref_opt.step()
+            opt.zero_grad()
+            for xm, ym in zip(x.chunk(n)[r].chunk(ACCUM), y.chunk(n)[r].chunk(ACCUM)):
+                (_branchy_loss(model, xm, ym, r == 0) / ACCUM).backward()
+            opt.step()
+        out[stage] = _max_diff(model.state_dict(), ref.state_dict())
+    return out
+
+
+def _reduced_during_backward():
+    """The reduce-scatter is launched inside backward (overlap), not deferred to step()."""
+    seen = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        m = _mlp()
+        model, opt = zero(m, torch.optim.Adam(m.parameters()), stage=stage, bucket_mb=0.002,
+                          backward_passes_per_step=2)
+        reducer = opt.engine.reducer
+        x, y = _batch("mlp", 0)
+        _loss("mlp", model, x, y).backward()
+        # Stage 1 allocates its grad shard when it launches the first reduce-scatter (async);
+        # stage 2 waits at the end of backward, so its shard already holds the result.
+        sent = (lambda s: s is not None) if stage == 1 else (lambda s: bool(s.abs().sum() > 0))
+        after_first = [sent(s) for s in reducer.grad_shards]
+        _loss("mlp", model, x, y).backward()
+        after_second = [sent(s) for s in reducer.grad_shards]
+        grads_kept = [p.grad is not None for p in m.parameters()]
+        opt.step()
+        seen[stage] = (after_first, after_second, grads_kept)
+    return seen
 
 
 def _check_memory(memory, n):
@@ -170,6 +247,12 @@ def test_stages_match_full_batch_single_process_and_paper_memory():
             assert diff < 0.15, (stage, mp, diff)  # 20 Adam steps at lr 1e-2 in bf16 compute drift ~0.1
             assert dtype == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[mp]
         _check_memory(res["memory"], 2)
+        for stage, diff in res["unused"].items():
+            assert diff < 1e-5, ("unused on one rank", stage, diff)
+        # stage 1 (k=2): nothing sent after the first micro-batch, reduced in the second backward,
+        # full gradients kept as views; stage 2: reduced in every backward, gradients freed.
+        assert res["overlap"][1] == ([False], [True], [True] * 6)
+        assert res["overlap"][2] == ([True], [True], [False] * 6)
 
 
 def _save_at_4(path):
@@ -178,17 +261,26 @@ def _save_at_4(path):
     model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=3, max_grad_norm=MAX_NORM)
     _train("mlp", model, opt, range(10))
     torch.save(opt.sharded_state_dict(), f"{path}/rank{px.rank()}.pt")
+    full = opt.full_state_dict()  # consolidated on rank 0, torch.optim format
+    at10 = copy.deepcopy(model.state_dict())
+    if px.rank() == 0:
+        torch.save(full, f"{path}/full.pt")
+    else:
+        assert full is None
     _train("mlp", model, opt, range(10, STEPS))
-    return model.state_dict(), _memory_checks()
+    return model.state_dict(), _memory_checks(), at10, full
 
 
 def _load_at_2(path):
     out = []
-    for stage in (3, 1):
+    for stage, how in ((3, "sharded"), (1, "sharded"), (2, "full")):
         torch.manual_seed(123)  # different start: everything must come from the checkpoint
         m = _mlp()
         model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=stage, max_grad_norm=MAX_NORM)
-        opt.load_sharded_state_dict([torch.load(f"{path}/rank{r}.pt") for r in range(4)])
+        if how == "full":
+            opt.load_full_state_dict(torch.load(f"{path}/full.pt"))
+        else:
+            opt.load_sharded_state_dict([torch.load(f"{path}/rank{r}.pt") for r in range(4)])
         _train("mlp", model, opt, range(10, STEPS))
         out.append(model.state_dict())
     return out
@@ -196,8 +288,15 @@ def _load_at_2(path):
 
 def test_sharded_checkpoint_saved_at_4_continues_identically_at_2_and_memory_at_4(tmp_path):
     at4 = distributed(_save_at_4, np=4, args=(str(tmp_path),), timeout=240)
-    final4, memory4 = at4[0]
+    final4, memory4, at10, full = at4[0]
     _check_memory(memory4, 4)
+    # The consolidated optimizer state drives a plain torch Adam on one process to the same place.
+    plain = _mlp()
+    plain.load_state_dict(at10)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    plain_opt.load_state_dict(full)
+    _reference("mlp", plain, range(10, STEPS), plain_opt)
+    assert _max_diff(plain.state_dict(), final4) < 1e-5
     at2 = distributed(_load_at_2, np=2, args=(str(tmp_path),), timeout=240)
     for per_rank in at2:
         for sd in per_rank:

@@ -12,7 +12,7 @@ N ranks::
 Data flow of one step (every stage; the stages differ in what stays whole)::
 
     forward/backward (full params: stages 1-2; gathered per module: 3)
-      → grads reduce-scattered: at step (1) / during backward (2, 3) → rank's grad shard
+      → grads reduce-scattered during backward (1: last micro-batch only; 2, 3: every one) → grad shard
       → global-norm clip (one allreduce of a scalar) → inner optimizer on the fp32 shard
       → params: allgather into the full flats (1, 2) / refresh the low-precision shard (3)
 
@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
@@ -43,9 +45,10 @@ __all__ = ["zero", "ZeroOptimizer"]
 _log = get_logger(__name__)
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMAT = "phalanx.zero/1"
+FULL_FORMAT = "phalanx.zero.full/1"
 
 
-def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm) -> None:
+def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes) -> None:
     if stage not in (1, 2, 3):
         raise ValueError(f"zero(stage={stage!r}): stage must be 1, 2 or 3")
     if not isinstance(model, torch.nn.Module):
@@ -60,6 +63,8 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
         raise ValueError(f"zero(bucket_mb={bucket_mb!r}): must be a positive number of MiB")
     if max_grad_norm is not None and max_grad_norm <= 0:
         raise ValueError(f"zero(max_grad_norm={max_grad_norm!r}): must be positive, or None to not clip")
+    if not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
 
 
 def zero(
@@ -72,6 +77,7 @@ def zero(
     bucket_mb: float = 25.0,
     mixed_precision: str | None = None,
     max_grad_norm: float | None = None,
+    backward_passes_per_step: int = 1,
 ):
     """Shard ``optimizer`` (and, by stage, gradients and parameters) over the ranks of ``group``.
 
@@ -80,18 +86,23 @@ def zero(
     Parameters start equal to rank 0's. ``mixed_precision="bf16"|"fp16"`` computes
     in that dtype with fp32 master weights in the shard (for fp16, backward on
     ``optimizer.scale_loss(loss)``). ``max_grad_norm`` clips by the global norm.
+    ``backward_passes_per_step=k``: micro-batches per step; stage 1 then
+    reduces once, during the k-th backward (stages 2 and 3 reduce every
+    backward, which is what frees their gradient memory). Any other number of
+    passes is still correct, only less overlapped.
 
     Example::
 
         model, opt = px.zero(model, torch.optim.Adam(model.parameters()), stage=3)
     """
-    _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm)
+    _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, backward_passes_per_step)
     if topology is None:
         import phalanx.runtime as runtime
 
         topology = runtime.init()
     group = group if group is not None else topology.world_group()
-    return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm)
+    return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
+                                backward_passes_per_step)
 
 
 def _cast(dtype):
@@ -104,7 +115,8 @@ def _cast(dtype):
 class ZeroOptimizer:
     """The inner optimizer, rebuilt over this rank's flat fp32 shard of each parameter group."""
 
-    def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm) -> None:
+    def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm,
+                 backward_passes_per_step: int = 1) -> None:
         self.model, self.stage, self.group = model, stage, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.max_grad_norm = max_grad_norm
@@ -125,11 +137,15 @@ class ZeroOptimizer:
         self.compute_dtype = compute_dtype or param_dtype
         master_dtype = torch.float32 if compute_dtype is not None else param_dtype
         self._check_layout(groups_named)
+        self._group_names = [[n for n, _ in named] for named in groups_named]
+        self._shapes = {n: tuple(p.shape) for named in groups_named for n, p in named}
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for _, p in model.named_parameters():  # everyone starts from rank 0's values
             dist.broadcast(p.data, src=src, group=group)
+        registration = {id(p): i for i, p in enumerate(model.parameters())}
         if stage == 3:
-            self.engine = Stage3(model, groups_named, master_dtype, self.compute_dtype, group, self.rank, self.world)
+            self.engine = Stage3(model, groups_named, master_dtype, self.compute_dtype, group, self.rank, self.world,
+                                 registration)
             self.masters = self.engine.masters
         else:
             bucket_numel = max(1, int(bucket_mb * 2**20 / torch.finfo(self.compute_dtype).bits * 8))
@@ -137,9 +153,11 @@ class ZeroOptimizer:
             units = [build_units(list(reversed(named)), self.world, bucket_numel) for named in groups_named]
             device = first.device if first is not None else torch.device("cpu")
             self.masters = [torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=device) for us in units]
-            self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank)
+            self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank,
+                                  backward_passes_per_step, registration)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
         self.inner = type(optimizer)([{"params": [m], **hp} for m, hp in zip(self.masters, hparams)], **optimizer.defaults)
+        model.register_forward_pre_hook(lambda m, args: self.engine.before_forward())
         if compute_dtype is not None:
             model.register_forward_pre_hook(lambda m, args, kw: tree_map(_cast(compute_dtype), (args, kw)), with_kwargs=True)
             model.register_forward_hook(lambda m, args, out: tree_map(_cast(torch.float32), out))
@@ -195,6 +213,7 @@ class ZeroOptimizer:
             self.loss_scale /= 2.0
             self._good_steps = 0
             _log.warning("zero: non-finite gradient norm; step skipped, loss scale now %g", self.loss_scale)
+            self.engine.after_step()
             return None
         if self.max_grad_norm is not None:
             coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
@@ -206,6 +225,7 @@ class ZeroOptimizer:
         for m in self.masters:
             m.grad = None
         self.engine.publish()
+        self.engine.after_step()
         if self.loss_scale != 1.0:
             self._good_steps += 1
             if self._good_steps % 2000 == 0:
@@ -266,7 +286,8 @@ class ZeroOptimizer:
                     if a >= b:
                         continue
                     dst, src = slice(off + a - start, off + b - start), slice(a - piece["start"], b - piece["start"])
-                    m[dst].copy_(piece["master"][src])
+                    if piece.get("master") is not None:
+                        m[dst].copy_(piece["master"][src])
                     for k in keys:
                         state[k][dst].copy_(piece["state"][k][src])
             for k, v in saved[0]["scalars"].items():
@@ -275,3 +296,93 @@ class ZeroOptimizer:
                 self.inner.state[m] = state
             self.inner.param_groups[g].update(saved[0]["hparams"])
         self.engine.publish()
+
+    def full_state_dict(self, rank: int | None = 0) -> dict | None:
+        """The consolidated optimizer state, in ``torch.optim``'s own format, on group rank ``rank``.
+
+        Collective: every rank must call it. ``state`` is keyed by parameter index
+        over the original ``param_groups`` and holds full-shape tensors, so a plain
+        ``torch.optim`` optimizer of the unwrapped model loads it; the extra key
+        ``"phalanx"`` holds the parameter names and the fp32 master weights. Returns
+        ``None`` on the other ranks (``rank=None``: the dict on every rank).
+
+        Example::
+
+            full = opt.full_state_dict()
+            if px.rank() == 0:
+                torch.save({"model": model.state_dict(), "optimizer": full}, "ckpt.pt")
+        """
+        mine = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, self.sharded_state_dict())
+        shards = [None] * self.world
+        if rank is None:
+            dist.all_gather_object(shards, mine, group=self.group)
+        else:
+            if not 0 <= rank < self.world:
+                raise ValueError(f"full_state_dict(rank={rank}): must be in [0, {self.world}) or None")
+            dst = dist.get_global_rank(self.group, rank) if self.group is not None else rank
+            dist.gather_object(mine, shards if self.rank == rank else None, dst=dst, group=self.group)
+            if self.rank != rank:
+                return None
+        return _consolidate(shards, self._group_names, self._shapes)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated dict (from :meth:`full_state_dict`, or a plain ``torch.optim``
+        one of the same model) on every rank; each rank keeps only what it owns.
+
+        Without ``"phalanx"`` master weights the current parameters stay the masters.
+        """
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self._group_names):
+            raise ValueError(
+                f"load_full_state_dict: expected {len(self._group_names)} param_groups, got "
+                f"{len(groups) if isinstance(groups, list) else groups!r}; save with full_state_dict()"
+            )
+        master = state_dict.get("phalanx", {}).get("master", {})
+        out = []
+        for g, (names, saved) in enumerate(zip(self._group_names, groups)):
+            if len(saved["params"]) != len(names):
+                raise ValueError(f"load_full_state_dict: param_groups[{g}] has {len(saved['params'])} parameters, "
+                                 f"this optimizer {len(names)}")
+            pieces, scalars = [], {}
+            for name, idx in zip(names, saved["params"]):
+                st = state_dict["state"].get(idx, {})
+                numel = math.prod(self._shapes[name])
+                flat = {k: v.reshape(-1) for k, v in st.items()
+                        if isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) == self._shapes[name]}
+                scalars.update({k: v for k, v in st.items() if k not in flat})
+                m = master.get(name)
+                pieces.append({"name": name, "start": 0, "numel": numel, "shape": self._shapes[name],
+                               "master": m.reshape(-1) if m is not None else None, "state": flat})
+            out.append({"pieces": pieces, "scalars": scalars,
+                        "hparams": {k: v for k, v in saved.items() if k != "params"}})
+        self.load_sharded_state_dict({"format": FORMAT, "stage": self.stage, "world_size": 1, "rank": 0, "groups": out})
+
+
+def _consolidate(shards: list[dict], group_names: list[list[str]], shapes: dict) -> dict:
+    """Every rank's sharded dict → one torch-format optimizer state dict with full tensors."""
+    state, param_groups, master, index = {}, [], {}, 0
+    for g, names in enumerate(group_names):
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        for s in shards:
+            for piece in s["groups"][g]["pieces"]:
+                n, sl = piece["name"], slice(piece["start"], piece["start"] + piece["numel"])
+                numel = math.prod(shapes[n])
+                if n not in master:
+                    master[n] = torch.zeros(numel, dtype=piece["master"].dtype)
+                    full[n] = {k: torch.zeros(numel, dtype=v.dtype) for k, v in piece["state"].items()}
+                master[n][sl] = piece["master"]
+                for k, v in piece["state"].items():
+                    full[n][k][sl] = v
+        saved = shards[0]["groups"][g]
+        ids = []
+        for n in names:
+            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved["scalars"].items()}
+            st.update({k: v.view(shapes[n]) for k, v in full.get(n, {}).items()})
+            if st:
+                state[index] = st
+            master[n] = master[n].view(shapes[n])
+            ids.append(index)
+            index += 1
+        param_groups.append({**saved["hparams"], "params": ids})
+    return {"state": state, "param_groups": param_groups,
+            "phalanx": {"format": FULL_FORMAT, "names": group_names, "master": master}}

@@ -42,7 +42,8 @@ def unit_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 class Stage3:
     """Sharded parameters with per-module gather/free hooks (see module docstring)."""
 
-    def __init__(self, model, groups_named, master_dtype, compute_dtype, group, rank: int, world: int) -> None:
+    def __init__(self, model, groups_named, master_dtype, compute_dtype, group, rank: int, world: int,
+                 registration: dict[int, int] | None = None) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.compute_dtype = compute_dtype
         group_of = {id(p): g for g, named in enumerate(groups_named) for _, p in named}
@@ -92,7 +93,8 @@ class Stage3:
         self._prefetch: dict[int, object] = {}
         self._order: list[int] = []  # forward order of module units, learned on the first pass
         self._order_done = False
-        self.reducer = GradReducer(self.units, self.grad_shards, group, self._free, self._backward_end)
+        self.reducer = GradReducer(self.units, self.grad_shards, group, on_unit_complete=self._free,
+                                   on_backward_end=self._backward_end, registration=registration)
         for i, (m, _) in enumerate(self.module_units):
             m.register_forward_pre_hook(self._make_pre(i))
             m.register_forward_hook(self._make_post(i))
@@ -179,12 +181,18 @@ class Stage3:
         self.free_all()
 
     # -- step ----------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        pass
+
     def grad_shards_for_step(self) -> list[torch.Tensor]:
+        self.reducer.flush()
         return self.grad_shards
 
+    def after_step(self) -> None:
+        self.reducer.after_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for s in self.grad_shards:
-            s.zero_()
+        self.reducer.zero()
 
     def publish(self) -> None:
         if self.shards is not self.masters:
@@ -198,4 +206,4 @@ class Stage3:
         return gathered + sum(s.numel() * s.element_size() for s in self.shards)
 
     def grad_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self.grad_shards)
+        return self.reducer.nbytes()
