@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import phalanx as px
+from phalanx.checkpoint import CheckpointManager, read_manifest
 from phalanx.demo import load_digits
 from phalanx.ps import ParameterServer, PSError, PSWorker, run_ps, shard_parameters
 from phalanx.testing import RankError, distributed
@@ -65,10 +66,19 @@ def _adam(params):
     return torch.optim.Adam(params, lr=3e-3)
 
 
+def _pull_only(worker):
+    worker.pull()
+    return [p.detach().clone() for p in worker.model.parameters()]
+
+
 def _ps_suite(ckpt_dir):
-    out = {"exact": run_ps(_mlp, _sgd, _exact_train, num_servers=2, mode="sync", checkpoint_dir=ckpt_dir)}
-    for mode, s in (("ssp", 2), ("async", 0)):
-        out[f"bound_{mode}"] = run_ps(_mlp, _sgd, _ssp_train, num_servers=2, mode=mode, staleness=s)
+    mgr = CheckpointManager(ckpt_dir, keep=1)
+    out = {"exact": run_ps(_mlp, _sgd, _exact_train, num_servers=2, mode="sync", checkpoint=mgr)}
+    # a second session resumes from the shards the first one saved (and has nothing new to save)
+    out["resumed"] = run_ps(_mlp, _sgd, _pull_only, num_servers=2, mode="async", checkpoint=mgr)
+    for mode, s, prefetch in (("ssp", 2, True), ("async", 0, False)):
+        out[f"bound_{mode}"] = run_ps(_mlp, _sgd, _ssp_train, num_servers=2, mode=mode, staleness=s,
+                                      prefetch=prefetch)
     model = lambda: _mlp(64)  # noqa: E731
     out["acc_sync"] = run_ps(model, _adam, _digits_train, num_servers=2, mode="sync")
     out["acc_async"] = run_ps(model, _adam, _digits_train, num_servers=2, mode="async", compression="fp16")
@@ -97,15 +107,17 @@ def test_ps_modes_on_four_ranks(tmp_path):
     for w in workers:
         for got, want in zip(w["exact"]["result"], ref):
             torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    # shards are balanced by size and each server checkpointed its own (weights_only-safe)
+    # shards are balanced by size; each server saved its own through phalanx.checkpoint, and a new
+    # session resumed from them: its workers pull exactly the trained parameters
     names = shard_parameters({n: p.numel() for n, p in _mlp().named_parameters()}, 2)
     assert sorted(sum(names, [])) == sorted(n for n, _ in _mlp().named_parameters())
-    ref_named = dict(zip([n for n, _ in _mlp().named_parameters()], ref))
-    for i in range(2):
-        state = torch.load(tmp_path / f"ps_shard{i}.pt", weights_only=True)
-        assert state["names"] == names[i] and state["version"] == STEPS
-        for n in names[i]:
-            torch.testing.assert_close(state["params"][n], ref_named[n], atol=2e-6, rtol=1e-5)
+    manifest = read_manifest(str(tmp_path / f"step-{STEPS:09d}"))
+    assert manifest["world_size"] == 4 and manifest["meta"] == {"step": STEPS}
+    for w in workers:
+        for got, want in zip(w["resumed"]["result"], ref):
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert [s["resumed"]["stats"]["version"] for s in servers] == [STEPS, STEPS]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{STEPS:09d}"]
     assert all(s["exact"]["stats"]["staleness"] == {0: STEPS * 2} for s in servers)
     # 2. SSP: no pull granted more than s=2 clocks ahead of the slowest; the bound is reached
     # (the slow worker makes it bind), while async with the same straggler drifts further.

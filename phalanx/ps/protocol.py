@@ -5,18 +5,26 @@ and a tag per message kind; there is no socket code here. A frame is::
 
     header  int64[6]   [op, clock, version, meta_len, n_tensors, arg]     tag REQ (to server) / REPLY
     meta    uint8[..]  pickled [(dtype, shape) per tensor] + compressor ctx tag DATA / REPLY_DATA
+                       (left out when it equals the last meta on this link: meta_len = 0)
     tensors ...        the compressor's payload (one or more tensors)     tag DATA / REPLY_DATA
 
 Tags keep request headers (which a server receives from *any* worker) apart
-from the payloads that follow them on the same pair of ranks. Every wait has a
-deadline: a peer that died or stopped answering raises :class:`PSTimeoutError`
-or :class:`PSPeerError` naming the rank and its role instead of hanging.
+from the payloads that follow them on the same pair of ranks. The meta of a
+link (one peer, one direction) rarely changes -- same shard, same compressor --
+so each side keeps the last one in a :class:`MetaCache` and a steady-state frame
+is two messages, header and payload. Each message costs a post, a wait and on
+a busy host a context switch, which is what bounds a server's request rate.
+
+Every wait has a deadline: a peer that died or stopped answering raises
+:class:`PSTimeoutError` or :class:`PSPeerError` naming the rank and its role
+instead of hanging.
 
 Example::
 
-    from phalanx.ps.protocol import Op, send_frame, recv_frame
-    send_frame(dst=0, op=Op.PUSH, clock=3, tensor=grad_flat, compressor=c, timeout_s=60)
-    header, flat, nbytes = recv_frame(src=1, compressor=c, timeout_s=60, reply=True)
+    from phalanx.ps.protocol import MetaCache, Op, send_frame, recv_frame
+    cache = MetaCache()
+    send_frame(dst=0, op=Op.PUSH, clock=3, tensor=grad_flat, compressor=c, cache=cache, timeout_s=60)
+    header, flat, nbytes = recv_frame(src=1, compressor=c, cache=cache, timeout_s=60, reply=True)
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import pickle
 
 import torch
 import torch.distributed as dist
+
+from phalanx.comm.error_feedback import ErrorFeedback
 
 __all__ = [
     "Op",
@@ -43,6 +53,8 @@ __all__ = [
     "recv_body",
     "recv_frame",
     "wait_work",
+    "MetaCache",
+    "pack",
 ]
 
 # Tags well above anything user code is likely to use on the same pairs.
@@ -57,7 +69,8 @@ class Op(enum.IntEnum):
     """What a frame asks for (worker -> server) or answers (server -> worker)."""
 
     PULL = 1  # worker wants the shard; clock = pushes it has done
-    PUSH = 2  # gradient for the shard; version = shard version it was computed on
+    PUSH = 2  # gradient for the shard; version = shard version it was computed on;
+    #           arg = 1: also a PULL at clock + 1 (saves the worker's next request)
     DONE = 3  # worker leaves; the server stops counting it for sync / SSP
     PARAMS = 4  # server's answer to PULL; version = shard version sent
 
@@ -102,8 +115,22 @@ def _post(fn, tensor: torch.Tensor, peer: int | None, tag: int, timeout_s: float
         raise _translate(err, timeout_s, what) from err
 
 
-def _pack(tensor: torch.Tensor, compressor) -> tuple[list[torch.Tensor], bytes]:
-    payload, ctx = compressor.compress(tensor)
+class MetaCache:
+    """The last meta sent to and received from each peer, so an unchanged one is not resent.
+
+    Both ends of a link must use one cache for the life of the link (one session).
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[int, bytes] = {}
+        self.received: dict[int, tuple] = {}
+
+
+def pack(tensor: torch.Tensor, compressor, key: str = "default") -> tuple[list[torch.Tensor], bytes]:
+    """Compress ``tensor`` into the payload tensors and the pickled meta of a frame."""
+    # error feedback keeps one residual per key: one per link, never shared by two shards
+    payload, ctx = (compressor.compress(tensor, key) if isinstance(compressor, ErrorFeedback)
+                    else compressor.compress(tensor))
     single = isinstance(payload, torch.Tensor)
     tensors = [payload] if single else list(payload)
     tensors = [t.contiguous() for t in tensors]
@@ -121,19 +148,28 @@ def send_frame(
     tensor: torch.Tensor | None = None,
     compressor=None,
     reply: bool = False,
+    cache: MetaCache | None = None,
+    packed: tuple[list[torch.Tensor], bytes] | None = None,
     timeout_s: float = 300.0,
     what: str = "send",
     wait: bool = True,
 ):
     """Send one frame; returns ``(works, bytes_sent)``. With ``wait=False`` the caller
-    keeps ``works`` (and so the buffers) alive and waits on them later."""
+    keeps ``works`` (and so the buffers) alive and waits on them later. ``packed`` is
+    the output of :func:`pack` when one payload goes to many peers (compressed once)."""
     tag_head, tag_data = (TAG_REPLY, TAG_REPLY_DATA) if reply else (TAG_REQ, TAG_DATA)
-    tensors, meta = ([], b"") if tensor is None else _pack(tensor, compressor)
+    if packed is None and tensor is not None:
+        packed = pack(tensor, compressor, f"{'reply' if reply else 'req'}{dst}")
+    tensors, meta = packed if packed is not None else ([], b"")
+    if cache is not None and tensors and cache.sent.get(dst) == meta:
+        meta = b""  # the receiver still has it
+    elif cache is not None and tensors:
+        cache.sent[dst] = meta
     header = torch.tensor([int(op), clock, version, len(meta), len(tensors), arg], dtype=torch.int64)
     bufs = [header]
-    if tensor is not None:
+    if meta:
         bufs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-        bufs.extend(tensors)
+    bufs.extend(tensors)
     works = []
     for i, buf in enumerate(bufs):
         work = _post(dist.isend, buf, dst, tag_head if i == 0 else tag_data, timeout_s, what)
@@ -154,27 +190,38 @@ def recv_header(src: int | None, *, reply: bool, timeout_s: float, what: str) ->
     return header.tolist(), sender
 
 
-def recv_body(src: int, header: list[int], compressor, *, reply: bool, timeout_s: float, what: str):
+def recv_body(src: int, header: list[int], compressor, *, reply: bool, timeout_s: float, what: str,
+              cache: MetaCache | None = None):
     """Receive the meta and tensors announced by ``header``; returns (tensor or None, bytes)."""
     meta_len, n_tensors = header[3], header[4]
     if n_tensors == 0:
         return None, HEADER_LEN * 8
     tag = TAG_REPLY_DATA if reply else TAG_DATA
-    meta_buf = torch.empty(meta_len, dtype=torch.uint8)
-    wait_work(_post(dist.irecv, meta_buf, src, tag, timeout_s, what), timeout_s, what)
-    single, specs, ctx = pickle.loads(meta_buf.numpy().tobytes())
+    if meta_len:
+        meta_buf = torch.empty(meta_len, dtype=torch.uint8)
+        wait_work(_post(dist.irecv, meta_buf, src, tag, timeout_s, what), timeout_s, what)
+        meta = pickle.loads(meta_buf.numpy().tobytes())
+        if cache is not None:
+            cache.received[src] = meta
+    elif cache is not None and src in cache.received:
+        meta = cache.received[src]
+    else:
+        raise PSError(f"{what}: rank {src} left out the frame's meta but none was received before "
+                      "(both ends of a link must use a MetaCache)")
+    single, specs, ctx = meta
     if len(specs) != n_tensors:
         raise PSError(f"{what}: header announced {n_tensors} tensors but meta lists {len(specs)}")
     tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in specs]
-    for t in tensors:
-        wait_work(_post(dist.irecv, t, src, tag, timeout_s, what), timeout_s, what)
+    works = [_post(dist.irecv, t, src, tag, timeout_s, what) for t in tensors]  # post all, then wait
+    for work in works:
+        wait_work(work, timeout_s, what)
     payload = tensors[0] if single else tuple(tensors)
     nbytes = HEADER_LEN * 8 + meta_len + sum(t.numel() * t.element_size() for t in tensors)
     return compressor.decompress(payload, ctx), nbytes
 
 
-def recv_frame(src: int, compressor, *, reply: bool, timeout_s: float, what: str):
+def recv_frame(src: int, compressor, *, reply: bool, timeout_s: float, what: str, cache: MetaCache | None = None):
     """Header and body from ``src`` in one call: ``(header, tensor or None, bytes)``."""
     header, _ = recv_header(src, reply=reply, timeout_s=timeout_s, what=what)
-    tensor, nbytes = recv_body(src, header, compressor, reply=reply, timeout_s=timeout_s, what=what)
+    tensor, nbytes = recv_body(src, header, compressor, reply=reply, timeout_s=timeout_s, what=what, cache=cache)
     return header, tensor, nbytes

@@ -35,15 +35,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import time
 
 import torch
 from torch import nn
 
 from phalanx.comm.compression import get_compressor
+from phalanx.comm.error_feedback import ErrorFeedback
 from phalanx.log import get_logger
-from phalanx.ps.protocol import Op, PSError, recv_body, recv_header, send_frame, wait_work
+from phalanx.ps.protocol import (
+    MetaCache,
+    Op,
+    PSError,
+    pack,
+    recv_body,
+    recv_header,
+    send_frame,
+    wait_work,
+)
 
 __all__ = ["ParameterServer", "ServerStats", "shard_parameters", "MODES"]
 
@@ -83,6 +92,7 @@ class ServerStats:
     busy_s: float = 0.0
     idle_s: float = 0.0
     held_pulls: int = 0
+    version: int = 0  # updates applied to the shard, over every session (restored from checkpoints)
     staleness: dict[int, int] = dataclasses.field(default_factory=dict)  # histogram
     clock_gap: dict[int, int] = dataclasses.field(default_factory=dict)  # c - min_clock at each grant
     max_gap: int = 0
@@ -102,13 +112,15 @@ class ParameterServer:
         staleness_lr: divide the learning rate by a push's staleness (async / ssp).
         compression: name or Compressor for pulls and pushes (``"fp16"``, ...).
         timeout_s: seconds without any message before the server gives up.
-        checkpoint_dir, checkpoint_every: save the shard every N updates and at the end.
+
+    Checkpoints: the server is a state piece (``state_dict`` / ``load_state_dict``);
+    :func:`~phalanx.ps.run_ps` saves and restores it with a ``phalanx.checkpoint``
+    manager when a session ends and starts.
     """
 
     def __init__(self, model: nn.Module, optimizer_fn, *, servers, workers, mode: str = "sync",
                  staleness: int = 0, staleness_lr: bool = False, compression=None,
-                 timeout_s: float = 300.0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 rank: int | None = None) -> None:
+                 timeout_s: float = 300.0, rank: int | None = None) -> None:
         import torch.distributed as dist
 
         if mode not in MODES:
@@ -127,8 +139,11 @@ class ParameterServer:
         self.optimizer = optimizer_fn(self.params) if self.params else None
         self.mode, self.staleness, self.staleness_lr = mode, staleness, staleness_lr
         self.compressor = get_compressor(compression)
+        # parameters are not gradients: no error-feedback residual on pulls, only the codec
+        self.pull_compressor = (self.compressor.inner if isinstance(self.compressor, ErrorFeedback)
+                                else self.compressor)
+        self.cache = MetaCache()
         self.timeout_s = timeout_s
-        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.version = 0
         self.clocks = {w: 0 for w in self.workers}
         self.active = set(self.workers)
@@ -137,7 +152,8 @@ class ParameterServer:
         self._contributions = 0
         self._round = 0  # sync rounds completed in this session (clocks restart at 0 on resume)
         self._held: list[tuple[int, int]] = []  # (worker, clock) pulls not yet granted
-        self._sends: dict[int, list] = collections.defaultdict(list)
+        self._sends: dict[int, list] = collections.defaultdict(list)  # replies in flight per worker
+        self._packed: tuple[int, tuple] | None = None  # (version, payload): compressed once per version
 
     # -- shard <-> flat --------------------------------------------------------------------
     def _flat(self) -> torch.Tensor:
@@ -148,7 +164,8 @@ class ParameterServer:
     def _set_grads(self, grad_flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
-            p.grad = grad_flat[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            # grad_flat is a fresh buffer per push (or the sync sum, dropped after the step): views suffice
+            p.grad = grad_flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
 
     def _apply(self, grad_flat: torch.Tensor, lr_scale: float = 1.0) -> None:
@@ -164,8 +181,7 @@ class ParameterServer:
                     g["lr"] = lr
         self.version += 1
         self.stats.updates += 1
-        if self.checkpoint_dir and self.checkpoint_every and self.version % self.checkpoint_every == 0:
-            self.save()
+        self.stats.version = self.version
 
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> ServerStats:
@@ -186,12 +202,11 @@ class ParameterServer:
                 raise PSError(f"server rank {self.rank}: worker rank {src} sent op {op} after DONE; "
                               "a new session began before this one ended (run_ps ends with a barrier)")
             if op == Op.PULL:
-                self.stats.pulls += 1
-                if not self._grantable(header[1]):
-                    self.stats.held_pulls += 1
-                self._held.append((src, header[1]))
+                self._on_pull(src, header[1])
             elif op == Op.PUSH:
                 self._on_push(src, header)
+                if header[5]:  # the worker's next pull rides on this push
+                    self._on_pull(src, header[1] + 1)
             elif op == Op.DONE:
                 self.active.discard(src)
                 self._maybe_step_sync()
@@ -200,13 +215,18 @@ class ParameterServer:
             self._grant_held()
             self.stats.busy_s += time.perf_counter() - t1
         for w in list(self._sends):
-            self._drain(w)
-        if self.checkpoint_dir:
-            self.save()
+            self._drain(w, block=True)
         return self.stats
+
+    def _on_pull(self, src: int, clock: int) -> None:
+        self.stats.pulls += 1
+        if not self._grantable(clock):
+            self.stats.held_pulls += 1
+        self._held.append((src, clock))
 
     def _on_push(self, src: int, header: list[int]) -> None:
         grad_flat, nbytes = recv_body(src, header, self.compressor, reply=False, timeout_s=self.timeout_s,
+                                      cache=self.cache,
                                       what=f"server rank {self.rank} receiving a push from worker rank {src}")
         self.stats.pushes += 1
         self.stats.bytes_in += nbytes
@@ -254,24 +274,33 @@ class ParameterServer:
             gap = max(0, clock - slowest)
             self.stats.clock_gap[gap] = self.stats.clock_gap.get(gap, 0) + 1
             self.stats.max_gap = max(self.stats.max_gap, gap)
-            self._drain(worker)  # the previous answer to this worker has surely been read
+            if self._packed is None or self._packed[0] != self.version:
+                self._packed = (self.version, pack(self._flat(), self.pull_compressor))
+            self._drain(worker, block=False)
             works, nbytes = send_frame(worker, Op.PARAMS, clock=clock, version=self.version,
-                                       tensor=self._flat(), compressor=self.compressor, reply=True,
-                                       wait=False)
-            self._sends[worker] = works
+                                       packed=self._packed[1], reply=True, cache=self.cache, wait=False)
+            self._sends[worker].extend(works)
             self.stats.bytes_out += nbytes
         self._held = still
 
-    def _drain(self, worker: int) -> None:
-        for work, _buf in self._sends.pop(worker, []):
-            wait_work(work, self.timeout_s, f"server rank {self.rank} sending parameters to worker rank {worker}")
+    def _drain(self, worker: int, block: bool) -> None:
+        """Forget replies to ``worker`` that completed; with ``block``, wait for all of them.
 
-    # -- checkpoint ------------------------------------------------------------------------
-    def _path(self, directory: str) -> str:
-        return os.path.join(directory, f"ps_shard{self.index}.pt")
+        Never blocks in the loop: with prefetched pulls a worker may have two replies
+        unread while it is itself blocked sending us a push.
+        """
+        pending = self._sends.pop(worker, [])
+        if block:
+            for work, _buf in pending:
+                wait_work(work, self.timeout_s, f"server rank {self.rank} sending parameters to worker rank {worker}")
+            return
+        still = [(w, b) for w, b in pending if not w.is_completed()]
+        if still:
+            self._sends[worker] = still
 
+    # -- checkpoint (through phalanx.checkpoint: run_ps hands this object to a CheckpointManager) --
     def state_dict(self) -> dict:
-        """Plain tensors, numbers and strings only (loads with ``weights_only=True``)."""
+        """This shard: parameters by name, optimizer state, version. Tensors and plain values only."""
         return {
             "names": list(self.names),
             "params": {n: p.detach().clone() for n, p in zip(self.names, self.params)},
@@ -289,21 +318,4 @@ class ParameterServer:
                 p.copy_(state["params"][n])
         if self.optimizer and state["optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
-
-    def save(self, directory: str | None = None) -> str:
-        """Write this shard to ``directory/ps_shard{i}.pt`` (atomically); returns the path."""
-        directory = directory or self.checkpoint_dir
-        if not directory:
-            raise ValueError("save(): give a directory or construct with checkpoint_dir=")
-        os.makedirs(directory, exist_ok=True)
-        path = self._path(directory)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
-        return path
-
-    def load(self, directory: str) -> None:
-        """Restore this shard from ``directory`` (written by :meth:`save`)."""
-        self.load_state_dict(torch.load(self._path(directory), weights_only=True))
-
+        self.version = self.stats.version = int(state["version"])

@@ -7,6 +7,12 @@ slowest worker); ``push()`` sends the gradient of each shard to its server.
     ranks:  [0 .. S-1] servers        [S .. N-1] workers
     worker loop:  pull() -> forward/backward -> push() -> ... -> close()
 
+With ``prefetch=True`` (the default) a push also asks for the next pull, so a
+steady-state step is one request per server instead of two; the server answers
+as soon as the mode allows, and ``pull()`` only waits for that answer. Turn it
+off when a worker does long work between ``push()`` and ``pull()`` in async mode
+and wants the parameters as of the pull rather than as of the push.
+
 Example::
 
     import phalanx as px, torch
@@ -36,7 +42,7 @@ import torch
 from torch import nn
 
 from phalanx.comm.compression import get_compressor
-from phalanx.ps.protocol import Op, PSError, recv_frame, send_frame
+from phalanx.ps.protocol import MetaCache, Op, PSError, recv_frame, send_frame, wait_work
 from phalanx.ps.server import MODES, ParameterServer, shard_parameters
 
 __all__ = ["PSWorker", "WorkerStats", "run_ps", "roles"]
@@ -68,7 +74,7 @@ class PSWorker:
     """
 
     def __init__(self, model: nn.Module, *, servers, workers, compression=None, timeout_s: float = 300.0,
-                 rank: int | None = None) -> None:
+                 prefetch: bool = True, rank: int | None = None) -> None:
         import torch.distributed as dist
 
         self.rank = dist.get_rank() if rank is None else rank
@@ -82,8 +88,12 @@ class PSWorker:
                        for names in shard_parameters({n: p.numel() for n, p in named.items()}, len(self.servers))]
         self.compressor = get_compressor(compression)
         self.timeout_s = timeout_s
+        self.prefetch = prefetch
+        self.cache = MetaCache()
         self.clock = 0
         self._versions = [0] * len(self.servers)
+        self._asked = [0] * len(self.servers)  # pulls asked of each server whose answer is not read yet
+        self._push_works: list = []  # push sends in flight; their buffers live as long as they do
         self._closed = False
         self.stats = WorkerStats(worker=self.index)
 
@@ -93,26 +103,36 @@ class PSWorker:
     def pull(self) -> None:
         """Copy the servers' current parameters into the model (may wait for sync / SSP)."""
         t0 = time.perf_counter()
-        for s in self.servers:  # ask every server first, so they work in parallel
-            send_frame(s, Op.PULL, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "asking"))
+        for i, s in enumerate(self.servers):  # ask every server first, so they work in parallel
+            if not self._asked[i]:
+                send_frame(s, Op.PULL, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "asking"))
+                self._asked[i] = 1
         for i, (s, params) in enumerate(zip(self.servers, self.shards)):
-            header, flat, nbytes = recv_frame(s, self.compressor, reply=True, timeout_s=self.timeout_s,
-                                              what=self._what(s, "waiting for parameters from"))
-            if header[0] != Op.PARAMS:
-                raise PSError(f"{self._what(s, 'got op ' + str(header[0]) + ' from')}, expected PARAMS")
-            drift = header[2] - self._versions[i] - 1
-            if self.clock:  # how many other updates landed since our last pull (async drift)
-                self.stats.staleness[max(drift, 0)] = self.stats.staleness.get(max(drift, 0), 0) + 1
-            self._versions[i] = header[2]
-            self.stats.pull_bytes += nbytes
-            if flat is None:
-                continue
-            offset = 0
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            for _ in range(self._asked[i]):  # more than one if push() ran twice since the last pull()
+                self._receive(i, s, params)
+            self._asked[i] = 0
+        for work, _buf, s in self._push_works:  # answered, so received: completes at once
+            wait_work(work, self.timeout_s, self._what(s, "pushing to"))
+        self._push_works.clear()
         self.stats.pull_s += time.perf_counter() - t0
+
+    def _receive(self, i: int, s: int, params: list[nn.Parameter]) -> None:
+        header, flat, nbytes = recv_frame(s, self.compressor, reply=True, timeout_s=self.timeout_s,
+                                          cache=self.cache, what=self._what(s, "waiting for parameters from"))
+        if header[0] != Op.PARAMS:
+            raise PSError(f"{self._what(s, 'got op ' + str(header[0]) + ' from')}, expected PARAMS")
+        drift = max(header[2] - self._versions[i] - 1, 0)
+        if self.clock:  # how many other updates landed since our last pull (async drift)
+            self.stats.staleness[drift] = self.stats.staleness.get(drift, 0) + 1
+        self._versions[i] = header[2]
+        self.stats.pull_bytes += nbytes
+        if flat is None:
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def push(self, grads: list[torch.Tensor] | None = None) -> None:
         """Send gradients (default: each parameter's ``.grad``) to the servers; advances the clock."""
@@ -131,19 +151,24 @@ class PSWorker:
         for i, (s, params) in enumerate(zip(self.servers, self.shards)):
             flat = (torch.cat([by_param[id(p)].detach().reshape(-1) for p in params])
                     if params else None)
-            _, nbytes = send_frame(s, Op.PUSH, clock=self.clock, version=self._versions[i], tensor=flat,
-                                   compressor=self.compressor, timeout_s=self.timeout_s,
-                                   what=self._what(s, "pushing to"))
+            works, nbytes = send_frame(s, Op.PUSH, clock=self.clock, version=self._versions[i], tensor=flat,
+                                       arg=int(self.prefetch), compressor=self.compressor, cache=self.cache,
+                                       timeout_s=self.timeout_s, wait=False, what=self._what(s, "pushing to"))
+            self._push_works.extend((work, buf, s) for work, buf in works)
+            self._asked[i] += int(self.prefetch)
             self.stats.push_bytes += nbytes
         self.clock += 1
         self.stats.steps += 1
         self.stats.push_s += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Tell the servers this worker is done (they stop waiting for it)."""
+        """Read any prefetched answer (the model ends with the latest parameters), then tell
+        the servers this worker is done (they stop waiting for it)."""
         if self._closed:
             return
         self._closed = True
+        if any(self._asked) or self._push_works:
+            self.pull()
         for s in self.servers:
             send_frame(s, Op.DONE, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "leaving"))
 
@@ -157,19 +182,34 @@ def roles(world_size: int, num_servers: int) -> tuple[list[int], list[int]]:
 
 
 def run_ps(model_fn, optimizer_fn, train_fn, *, num_servers: int | None = None, mode: str = "sync",
-           staleness: int = 0, staleness_lr: bool = False, compression=None, timeout: float | None = None,
-           checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume_from: str | None = None) -> dict:
+           staleness: int = 0, staleness_lr: bool = False, compression=None, prefetch: bool = True,
+           timeout: float | None = None, checkpoint=None) -> dict:
     """Run this rank's role (``phalanx.init()`` done). Returns ``{"role", "stats", "result"}``.
 
     ``model_fn()`` must build the same model on every rank (seed it); ``train_fn(worker)``
     runs on workers and its return value is ``result``. ``num_servers`` defaults to
     PHALANX_NUM_SERVERS (set by ``phalanx run --servers N``), else 1.
+
+    ``checkpoint``: a ``phalanx.checkpoint.CheckpointManager`` (anything with
+    ``load_latest(state)`` and ``save(step, state)``). The session starts from its
+    newest intact checkpoint, if any, and every rank saves into it when the session
+    ends: each server writes its shard (parameters, optimizer state, version), as one
+    rank of a sharded checkpoint whose step is server 0's version. A session is the
+    unit of checkpointing: to save every N steps, run ``run_ps`` once per N steps.
+
+    Example::
+
+        mgr = phalanx.checkpoint.CheckpointManager("ckpt", keep=2)
+        for epoch in range(10):          # one session per epoch: resumes, trains, saves
+            run_ps(make_model, make_opt, train_one_epoch, mode="ssp", staleness=2, checkpoint=mgr)
     """
     import phalanx
 
     topo = phalanx.topology()
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
+    if checkpoint is not None and not (hasattr(checkpoint, "save") and hasattr(checkpoint, "load_latest")):
+        raise TypeError(f"checkpoint= must be a phalanx.checkpoint.CheckpointManager, got {type(checkpoint).__name__}")
     if num_servers is None:
         num_servers = int(os.environ.get("PHALANX_NUM_SERVERS", "1"))
     servers, workers = roles(topo.size, num_servers)
@@ -178,17 +218,30 @@ def run_ps(model_fn, optimizer_fn, train_fn, *, num_servers: int | None = None, 
     if topo.rank in servers:
         server = ParameterServer(model, optimizer_fn, servers=servers, workers=workers, mode=mode,
                                  staleness=staleness, staleness_lr=staleness_lr, compression=compression,
-                                 timeout_s=timeout_s, checkpoint_dir=checkpoint_dir,
-                                 checkpoint_every=checkpoint_every)
-        if resume_from:
-            server.load(resume_from)
+                                 timeout_s=timeout_s)
+        state = {"ps_shard": server}
+        # collective: workers take part with an empty state
+        resumed = checkpoint.load_latest(state) if checkpoint is not None else None
+        start = server.version
         stats = server.serve().as_dict()
-        phalanx.barrier()  # a later session's messages must not reach this server loop
+        _end_session(checkpoint, state, resumed, (start, server.version))
         return {"role": "server", "stats": stats, "result": None}
-    worker = PSWorker(model, servers=servers, workers=workers, compression=compression, timeout_s=timeout_s)
+    resumed = checkpoint.load_latest({}) if checkpoint is not None else None
+    worker = PSWorker(model, servers=servers, workers=workers, compression=compression, timeout_s=timeout_s,
+                      prefetch=prefetch)
     try:
         result = train_fn(worker)
     finally:
         worker.close()
-    phalanx.barrier()
+    _end_session(checkpoint, {}, resumed, (0, 0))
     return {"role": "worker", "stats": worker.stats.as_dict(), "result": result}
+
+
+def _end_session(checkpoint, state: dict, resumed: str | None, versions: tuple[int, int]) -> None:
+    import phalanx
+
+    if checkpoint is not None:  # rank 0 is always a server: its version names the step
+        start, step = phalanx.broadcast_object(versions, root_rank=0)
+        if resumed is None or step != start:  # else nothing changed since the checkpoint we loaded
+            checkpoint.save(step, state)  # a synchronous save ends with a barrier
+    phalanx.barrier()  # a later session's messages must not reach this session's server loop
