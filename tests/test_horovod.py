@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import phalanx.horovod as hvd
 from phalanx.testing import distributed
 
 
-def _facade_collectives():
+def _facade_collectives(tmp):
     r, n = hvd.rank(), hvd.size()
     out = {"sizes": (hvd.size(), hvd.local_size(), hvd.cross_size(), hvd.local_rank(), hvd.cross_rank(),
                      hvd.is_homogeneous())}
@@ -72,13 +73,61 @@ def _facade_collectives():
         hvd.allreduce(torch.ones(1), process_set=sets[1 - r])
     except ValueError as e:
         out["ps_error"] = str(e)
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64), name="dtypes")
+    except Exception as e:
+        out["dtype_error"] = str(e)
+    both = hvd.add_process_set(hvd.ProcessSet([1, 0]))
+    out["ps_objects"] = (hvd.broadcast_object(f"r{r}", root_rank=1, process_set=both),
+                         hvd.allgather_object(r, process_set=both), both.rank(), hvd.remove_process_set(both))
+    hvd.barrier(process_set=both)
+    with torch.no_grad():
+        lin = torch.nn.Linear(2, 2)
+        lin.weight.fill_(r)
+    hvd.broadcast_parameters(lin.state_dict(), root_rank=1, process_set=both)
+    out["ps_params"] = lin.weight.detach().clone()
+    out["bf16"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.bf16)
+    # every async form: launch all, then synchronize in reverse order
+    ins = torch.tensor([1.0, 2.0]) * (r + 1)
+    pending = {
+        "allreduce_async_": hvd.allreduce_async_(ins.clone(), op=hvd.Sum),
+        "allgather_async": hvd.allgather_async(torch.tensor([r])),
+        "broadcast_async": hvd.broadcast_async(torch.tensor([float(r)]), root_rank=1),
+        "broadcast_async_": hvd.broadcast_async_(torch.tensor([float(r)]), root_rank=0),
+        "alltoall_async": hvd.alltoall_async(torch.arange(float(n)) + 10 * r),
+        "reducescatter_async": hvd.reducescatter_async(torch.ones(2) * (r + 1), op=hvd.Sum),
+        "grouped_allreduce_async": hvd.grouped_allreduce_async([ins, ins * 10], op=hvd.Sum),
+        "grouped_allreduce_async_": hvd.grouped_allreduce_async_([ins.clone(), ins * 10], op=hvd.Sum),
+        "grouped_allgather_async": hvd.grouped_allgather_async([torch.tensor([r]), torch.tensor([r, r])]),
+        "grouped_reducescatter_async": hvd.grouped_reducescatter_async([torch.ones(2), torch.ones(4)], op=hvd.Sum),
+    }
+    out["async_forms"] = {k: hvd.synchronize(h) for k, h in reversed(pending.items())}
+    # a handle polled before it can complete: rank 1 contributes only after rank 0 has polled
+    from phalanx.comm.collectives import set_mismatch_check
+
+    hvd.barrier()
+    set_mismatch_check(False)  # the pre-send probe would make rank 0 wait for rank 1 inside the launch
+    polled = os.path.join(tmp, "polled")
+    if r == 0:
+        late = hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name="late")
+        out["poll_before"] = hvd.poll(late)
+        open(polled, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(polled) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late = hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name="late")
+        out["poll_before"] = False
+    out["late"] = hvd.synchronize(late)
+    out["poll_after"] = hvd.poll(late)
+    set_mismatch_check(True)
     hvd.barrier()
     out["builds"] = (hvd.gloo_built(), hvd.mpi_built(), hvd.nccl_built() == torch.cuda.is_available())
     return out
 
 
-def test_facade_collectives_on_two_ranks():
-    results = distributed(_facade_collectives, np=2)
+def test_facade_collectives_on_two_ranks(tmp_path):
+    results = distributed(_facade_collectives, np=2, args=(str(tmp_path),))
     for r, o in enumerate(results):
         assert o["sizes"] == (2, 2, 1, r, 0, True)
         torch.testing.assert_close(o["avg"], torch.tensor([1.5, 3.0]))
@@ -107,6 +156,22 @@ def test_facade_collectives_on_two_ranks():
         assert o["ps"] == (True, 1, 0, 5.0 + r)
         assert "not in ProcessSet" in o["ps_error"]
         assert o["builds"] == (True, False, True)
+        assert "dtype" in o["dtype_error"] and "float64" in o["dtype_error"]  # raised on both ranks
+        assert o["ps_objects"] == ("r1", [0, 1], r, True)
+        assert o["ps_params"].eq(1.0).all()
+        torch.testing.assert_close(o["bf16"], torch.tensor([3.0, 6.0]))
+        a = o["async_forms"]
+        torch.testing.assert_close(a["allreduce_async_"], torch.tensor([3.0, 6.0]))
+        assert a["allgather_async"].tolist() == [0, 1]
+        assert a["broadcast_async"].tolist() == [1.0] and a["broadcast_async_"].tolist() == [0.0]
+        assert a["alltoall_async"][0].tolist() == [float(r), float(r + 10)]
+        assert a["reducescatter_async"].tolist() == [3.0]
+        for k in ("grouped_allreduce_async", "grouped_allreduce_async_"):
+            assert [t.tolist() for t in a[k]] == [[3.0, 6.0], [30.0, 60.0]], k
+        assert [t.tolist() for t in a["grouped_allgather_async"]] == [[0, 1], [0, 0, 1, 1]]
+        assert [t.tolist() for t in a["grouped_reducescatter_async"]] == [[2.0], [2.0, 2.0]]
+        assert o["poll_before"] is False and o["poll_after"] is True
+        assert o["late"].tolist() == [2.0, 2.0, 2.0]
 
 
 def test_facade_runtime_in_a_world_of_one():
@@ -120,26 +185,60 @@ def test_facade_runtime_in_a_world_of_one():
         hvd.shutdown()
 
 
-def _facade_optimizer():
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _facade_optimizer(trace_path):
     torch.manual_seed(hvd.rank())  # different starts: broadcast_parameters must align them
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)  # still empty: must not hang or fail
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=hvd.Compression.fp16, num_groups=2)
+                                   compression=hvd.Compression.fp16, num_groups=2, gradient_predivide_factor=2.0)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
     r = hvd.rank()
+    hvd.start_timeline(trace_path)
     for _ in range(5):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x[r * 4:(r + 1) * 4]), y[r * 4:(r + 1) * 4]).backward()
         opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    hvd.stop_timeline()
+    out = {"adam": _flat(model)}
+    # non-empty optimizer state: rank 1's is spoiled, the broadcast restores rank 0's
+    if r == 1:
+        for st in opt.state.values():
+            st["exp_avg"].add_(5.0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out["exp_avg"] = torch.cat([st["exp_avg"].reshape(-1) for st in opt.state.values()])
+    # backward_passes_per_step=2 and op=Sum: two local passes accumulate, then one summed reduction
+    torch.manual_seed(0)
+    model2 = torch.nn.Linear(4, 1)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.05),
+                                    named_parameters=model2.named_parameters(), backward_passes_per_step=2,
+                                    op=hvd.Sum)
+    for _ in range(3):
+        opt2.zero_grad()
+        for half in range(2):
+            rows = slice(r * 4 + half * 2, r * 4 + half * 2 + 2)
+            torch.nn.functional.mse_loss(model2(x[rows]), y[rows]).backward()
+        opt2.step()
+    out["sum_k2"] = _flat(model2)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    except ValueError as e:
+        out["predivide_error"] = str(e)
+    return out
 
 
-def test_distributed_optimizer_matches_full_batch_reference():
-    results = distributed(_facade_optimizer, np=2)
+def test_distributed_optimizer_matches_full_batch_reference(tmp_path):
+    import json
+
+    trace_path = tmp_path / "timeline.json"
+    results = distributed(_facade_optimizer, np=2, args=(str(trace_path),))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -149,10 +248,29 @@ def test_distributed_optimizer_matches_full_batch_reference():
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    for params in results:  # fp16 on the wire: agree to fp16 precision
-        torch.testing.assert_close(params, ref, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(results[0], results[1])
+    ref = _flat(model)
+    for out in results:  # fp16 on the wire: agree to fp16 precision
+        torch.testing.assert_close(out["adam"], ref, atol=2e-3, rtol=2e-3)
+        assert "op=hvd.Average" in out["predivide_error"]
+    torch.testing.assert_close(results[0]["adam"], results[1]["adam"])
+    torch.testing.assert_close(results[0]["exp_avg"], results[1]["exp_avg"], rtol=0, atol=0)
+    # reference for backward_passes_per_step=2, op=Sum: the sum of the four pair-losses' gradients
+    torch.manual_seed(0)
+    model2 = torch.nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    for _ in range(3):
+        opt2.zero_grad()
+        sum(torch.nn.functional.mse_loss(model2(x[i:i + 2]), y[i:i + 2]) for i in range(0, 8, 2)).backward()
+        opt2.step()
+    for out in results:
+        torch.testing.assert_close(out["sum_k2"], _flat(model2), atol=1e-6, rtol=1e-5)
+    # the timeline: one Chrome-trace JSON file with the spans of both ranks
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"allreduce_launch", "allreduce_wait", "optimizer_step"} <= names, names
 
 
 def test_seed_002_script_runs_with_only_the_import_changed():

@@ -48,6 +48,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
 
     if op == Adasum:
         raise NotImplementedError("Adasum is not supported by phalanx; use op=hvd.Average or hvd.Sum")
+    if gradient_predivide_factor != 1.0 and _c.ReduceOp(op) is not _c.ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging "
+                         "into a division before and after the sum), as in Horovod")
     process_set = process_set or global_process_set
     named_parameters = list(named_parameters) if named_parameters is not None else None
     params = [p for _, p in (named_parameters or [])] or [
