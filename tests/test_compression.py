@@ -49,13 +49,28 @@ def test_stochastic_rounding_is_unbiased():
 
 def test_sign_packs_eight_per_byte_and_keeps_mean_magnitude():
     x = torch.tensor([0.5, -2.0, 1.5, 0.0, -1.0, 3.0, -0.5, 2.0, 1.0])
-    c = SignCompressor(chunk=4)
+    c = SignCompressor(chunk=4, two_level=False)  # EF-SignSGD: one scale, the mean magnitude
     payload, ctx = c.compress(x)
     assert payload.numel() == 2 + 3 * 4  # 9 bits -> 2 bytes, 3 fp32 scales
     assert payload[:2].tolist() == [0b10101101, 1]
     y = c.decompress(payload, ctx)
     assert torch.equal(torch.sign(y), torch.where(x >= 0, 1.0, -1.0))
     torch.testing.assert_close(y.abs(), torch.tensor([1.0] * 4 + [1.625] * 4 + [1.0]))
+
+
+def test_sign_two_level_keeps_each_chunk_sum():
+    x = torch.tensor([0.5, -2.0, 1.5, 0.0, -1.0, 3.0, -0.5, 2.0, 1.0])
+    c = SignCompressor(chunk=4)  # 1-bit SGD: mean of the non-negative / of the negative entries
+    payload, ctx = c.compress(x)
+    assert payload.numel() == c.payload_nbytes(9) == 2 + 3 * 2 * 4 and payload[:2].tolist() == [0b10101101, 1]
+    y = c.decompress(payload, ctx)
+    torch.testing.assert_close(y, torch.tensor([2 / 3, -2.0, 2 / 3, 2 / 3, -0.75, 2.5, -0.75, 2.5, 1.0]))
+    torch.testing.assert_close(y.view(-1)[:8].view(2, 4).sum(1), x[:8].view(2, 4).sum(1))
+    z = torch.randn(1000, generator=torch.Generator().manual_seed(4))  # padded last chunk, odd size
+    c64 = SignCompressor(chunk=64)
+    zz = c64.decompress(*c64.compress(z))
+    torch.testing.assert_close(zz.view(-1)[:960].view(15, 64).sum(1), z[:960].view(15, 64).sum(1))
+    torch.testing.assert_close(zz[960:].sum(), z[960:].sum())
 
 
 def test_topk_and_threshold_keep_exactly_the_right_entries():

@@ -9,8 +9,9 @@ tensor::
 
     [ indices: k * int32 ][ values: k * fp32 ]        8 bytes per kept entry
 
-Top-k at ratio 0.01 is 50x smaller than fp32. Sums of sparse payloads are not
-sparse payloads, so they are reduced by ``allreduce_compressed`` (an allgather of
+Top-k at the default ratio 0.02 is 25x smaller than fp32 (0.01: 50x; on the
+digits test 0.01 ended up to 2 points below uncompressed, 0.02 within 1.1).
+Sums of sparse payloads are not sparse payloads, so they are reduced by ``allreduce_compressed`` (an allgather of
 pairs, or two-phase).
 
 Example::
@@ -52,7 +53,7 @@ class TopKCompressor:
     summable = False
     fixed_size = True
 
-    def __init__(self, ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float = 0.02) -> None:
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
         self.ratio = float(ratio)
