@@ -304,6 +304,9 @@ def attach(engine, balance, group) -> Balancer | None:
     if bal.group is not group:
         raise ValueError("balance=: the Balancer was built for a different process group than the model; "
                          "pass Balancer(..., group=<the same group>)")
+    if bal.world_size != engine.world:
+        raise ValueError(f"balance=: the Balancer was built for {bal.world_size} rank(s) but the group has "
+                         f"{engine.world}; build it after phalanx.init()")
     if engine.sparse:
         raise ValueError("balance= needs dense gradients (sparse ones are averaged unweighted); "
                          "pass sparse_as_dense=True")
