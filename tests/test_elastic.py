@@ -103,6 +103,46 @@ def test_commit_restore_sync_and_retry(tmp_path):
         torch.testing.assert_close(out["momentum"], mom3, rtol=0, atol=0)
 
 
+def _resize_segment(root, global_batch):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+    state = elastic.TorchState(model, opt, sched=sched, batch=0, step=0, commit_dir=root)
+    calls = []
+    state.on_world_change(lambda old, new: calls.append((old, new)))
+    state.on_world_change(elastic.scale_lr(opt, sched))
+    state.on_world_change(elastic.keep_global_batch(state, "batch", global_batch))
+    start_batch = state.batch  # set at registration for the current size
+
+    @elastic.run
+    def train(state):
+        state.step += 1
+        state.commit()
+
+    train(state)
+    return {"calls": calls, "lr": opt.param_groups[0]["lr"], "initial_lr": opt.param_groups[0]["initial_lr"],
+            "base_lrs": sched.base_lrs, "batch": state.batch, "start_batch": start_batch, "step": state.step}
+
+
+def test_world_size_change_runs_lr_and_batch_rescaling_hooks(tmp_path):
+    root = str(tmp_path / "commits")
+    first = distributed(_resize_segment, np=4, args=(root, 12))
+    assert all(r["calls"] == [] and r["batch"] == 3 and r["lr"] == 0.1 for r in first)  # fresh start: no hook
+    second = distributed(_resize_segment, np=2, args=(root, 12))  # resumes the commit made by 4 ranks
+    for r in second:
+        assert r["calls"] == [(4, 2)] and r["step"] == 2
+        assert r["lr"] == pytest.approx(0.05) and r["initial_lr"] == pytest.approx(0.05)  # linear scaling rule
+        assert r["base_lrs"] == [pytest.approx(0.05)] and r["batch"] == 6 and r["start_batch"] == 6
+    third = distributed(_resize_segment, np=3, args=(root, 12))
+    for r in third:
+        assert r["calls"] == [(2, 3)] and r["step"] == 3 and r["lr"] == pytest.approx(0.075) and r["batch"] == 4
+    holder = argparse.Namespace()
+    hook = elastic.keep_global_batch(holder, "batch", 9)  # set now for this process's world of one
+    assert holder.batch == 9
+    with pytest.raises(ValueError, match="does not split over 2 workers"):
+        hook(1, 2)
+
+
 def test_launch_options_validate_and_export(tmp_path):
     p = argparse.ArgumentParser()
     add_elastic_arguments(p)

@@ -18,6 +18,7 @@ Example::
     state.commit()             # every few steps
     state.restore()            # roll back to the last commit (memory, else snapshot)
     state.sync()               # rank 0's state to every rank; re-deal the sampler
+    state.on_world_change(elastic.scale_lr(optimizer))   # runs in sync() after a resize
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class TorchState:
         object.__setattr__(self, "_memory", None)
         object.__setattr__(self, "commits", 0)
         object.__setattr__(self, "restored_from", None)
+        object.__setattr__(self, "_world", None)  # world size of the state held (None: not synced yet)
+        object.__setattr__(self, "_world_hooks", [])
 
     def __getattr__(self, name: str) -> Any:
         pieces = object.__getattribute__(self, "_pieces")
@@ -89,11 +92,22 @@ class TorchState:
 
     def pieces(self) -> dict[str, Any]:
         """The live name -> piece dict (what a checkpoint of this state holds), plus the commit counter."""
-        return {**self._pieces, "_commits": self.commits}
+        return {**self._pieces, "_commits": self.commits, "_world": self._world}
+
+    def on_world_change(self, hook) -> None:
+        """Call ``hook(old_size, new_size)`` in :meth:`sync` when the state was committed at another
+        world size (after a restart with fewer or more workers). See :mod:`phalanx.elastic.scaling`."""
+        if not callable(hook):
+            raise TypeError(f"on_world_change takes a function hook(old_size, new_size), got {hook!r}")
+        self._world_hooks.append(hook)
 
     def commit(self) -> None:
         """Remember this point: in memory, and as a snapshot a restarted group can load."""
         object.__setattr__(self, "commits", self.commits + 1)
+        if self._world is None:  # committed without a sync(): record the size this state belongs to
+            from phalanx import runtime
+
+            object.__setattr__(self, "_world", runtime.size() if runtime.is_initialized() else 1)
         snapshot = {k: copy.deepcopy(v.state_dict() if _is_stateful(v) else v)
                     for k, v in self._pieces.items()}
         object.__setattr__(self, "_memory", snapshot)
@@ -116,6 +130,7 @@ class TorchState:
         if path is None:
             return False
         object.__setattr__(self, "commits", live.pop("_commits"))
+        object.__setattr__(self, "_world", live.pop("_world"))
         self._pieces.update({k: v for k, v in live.items() if not _is_stateful(v)})
         object.__setattr__(self, "restored_from", path)
         log.info("restored commit %d from %s", self.commits, path)
@@ -128,6 +143,7 @@ class TorchState:
 
         if not runtime.is_initialized() or runtime.size() == 1:
             self._reset_samplers()
+            self._world_changed(1)
             return
         for k, v in self._pieces.items():
             if isinstance(v, torch.nn.Module):
@@ -140,8 +156,20 @@ class TorchState:
                 broadcast(v, root_rank=0, inplace=True, name=f"sync.{k}")
             else:
                 self._pieces[k] = broadcast_object(v, root_rank=0)
-        object.__setattr__(self, "commits", broadcast_object(self.commits, root_rank=0))
+        commits, world = broadcast_object((self.commits, self._world), root_rank=0)
+        object.__setattr__(self, "commits", commits)
+        object.__setattr__(self, "_world", world)
         self._reset_samplers()
+        self._world_changed(runtime.size())
+
+    def _world_changed(self, size: int) -> None:
+        old = self._world
+        object.__setattr__(self, "_world", size)
+        if old is not None and old != size:
+            log.warning("world size changed %d -> %d: running %d rescaling hook(s)", old, size,
+                        len(self._world_hooks))
+            for hook in self._world_hooks:
+                hook(old, size)
 
     def _reset_samplers(self) -> None:
         for v in self._pieces.values():
