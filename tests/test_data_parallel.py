@@ -43,7 +43,8 @@ def _opt(kind, params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def _equivalence(make, kind, *, chunks_ref=False, k=1, dp_kwargs=None, shape=(8,), loss_of=None, make_ref=None):
+def _equivalence(make, kind, *, chunks_ref=False, k=1, dp_kwargs=None, shape=(8,), loss_of=None, make_ref=None,
+                 set_to_none=True):
     """Train DataParallel(make()) and a reference for STEPS steps; return max parameter difference."""
     r, n = px.rank(), px.size()
     loss_fn = nn.CrossEntropyLoss()
@@ -61,7 +62,7 @@ def _equivalence(make, kind, *, chunks_ref=False, k=1, dp_kwargs=None, shape=(8,
             loss = loss_of(ref, x, y, step, None)
         loss.backward()
         opt_ref.step()
-        opt_dp.zero_grad()
+        opt_dp.zero_grad(set_to_none=set_to_none)
         for j in range(k):  # micro-batches j of this rank: rows of the global batch owned by rank r
             lo = (j * n + r) * B
             xs, ys = x[lo:lo + B], y[lo:lo + B]
@@ -79,6 +80,15 @@ def _mlp_family():
     for kind in ("sgd", "adam"):
         out[f"mlp_{kind}"] = _equivalence(_mlp, kind)
         out[f"mlp_{kind}_accum4"] = _equivalence(_mlp, kind, k=4)
+        # zero_grad(set_to_none=False): backward accumulates straight into the bucket views
+        out[f"mlp_{kind}_accum2_in_bucket"] = _equivalence(_mlp, kind, k=2, set_to_none=False)
+    viewed = DataParallel(_mlp())
+    for _ in range(2):
+        viewed.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(viewed(torch.randn(4, 8)), torch.randint(0, 5, (4,))).backward()
+    flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.nbytes) for b in viewed._engine.buckets.buckets]
+    out["grads_in_buckets"] = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in flats)
+                                  for p in viewed.parameters())
 
     # unused branch: rank r takes head b when (step + r) % 3 == 0, so head b is used on some ranks,
     # on no rank in other steps (its grad must stay None: momentum/Adam must not move it)
@@ -194,7 +204,7 @@ def test_mlp_family_equivalence():
     for r, out in enumerate(distributed(_mlp_family, np=2, timeout=150)):
         for key, value in out.items():
             if key in ("bytes", "state_keys_plain", "unused_error", "fp16_grad_diff", "int8_grad_diff",
-                       "int8_bytes", "nan_everywhere", "residuals_cleared", "finite_after"):
+                       "int8_bytes", "nan_everywhere", "residuals_cleared", "finite_after", "grads_in_buckets"):
                 continue
             assert value < TOL, f"rank {r} {key}: max |param - reference| = {value}"
         assert out["fp16_grad_diff"] < 1e-2
@@ -204,6 +214,7 @@ def test_mlp_family_equivalence():
         assert full > 0 and half * 2 == full, out["bytes"]
         assert out["state_keys_plain"]
         assert out["nan_everywhere"] and out["residuals_cleared"] and out["finite_after"], out
+        assert out["grads_in_buckets"]
         assert "find_unused_parameters=True" in out["unused_error"] and "b.weight" in out["unused_error"]
 
 

@@ -89,6 +89,7 @@ class GradientEngine:
         algorithm: str = "flat",
         backward_passes_per_step: int = 1,
         wait_in_backward: bool = True,
+        gradient_as_bucket_view: bool = True,
     ) -> None:
         self.op = ReduceOp(op)
         if self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
@@ -108,6 +109,7 @@ class GradientEngine:
         self.algorithm = algorithm
         self.k = backward_passes_per_step
         self.wait_in_backward = wait_in_backward
+        self.grad_as_view = gradient_as_bucket_view
         self.compressor = get_compressor(compression)
         # Sums carry inf/NaN to every rank by themselves; lossy codecs may drop or clip them
         # (a threshold never selects NaN), so the ranks then agree through one 4-byte MAX.
@@ -229,6 +231,8 @@ class GradientEngine:
             if g is None:
                 view.zero_()
                 continue
+            if g.layout is torch.strided and g.data_ptr() == view.data_ptr():
+                continue  # already the bucket's view (gradient_as_bucket_view): nothing to copy
             if g.layout is not torch.strided:
                 if not self.sparse_as_dense:
                     raise RuntimeError(
@@ -337,8 +341,13 @@ class GradientEngine:
             bucket.flat.mul_(scale)
         grads, views = [], []
         for p, view in zip(bucket.params, bucket.views):
-            if p.grad is not None:
-                grads.append(p.grad)
+            g = p.grad
+            if g is None or g.data_ptr() == view.data_ptr():
+                continue
+            if self.grad_as_view:
+                p.grad = view  # later backward passes accumulate straight into the bucket
+            else:
+                grads.append(g)
                 views.append(view)
         if grads:
             torch._foreach_copy_(grads, views)
@@ -466,6 +475,11 @@ class DataParallel(nn.Module):
     ``broadcast_buffers=True`` buffers (BatchNorm statistics) are re-broadcast before
     every forward, as DDP does. See ``docs/data_parallel.md`` for every knob and its cost.
 
+    ``gradient_as_bucket_view=True`` (default) leaves each ``p.grad`` as a view into its
+    bucket after the first reduction, so later backward passes accumulate in place and
+    the reduced gradient needs no copy back (DDP's option of the same name); a ``p.grad``
+    kept across steps is then overwritten by the next reduction. ``False`` copies.
+
     Example::
 
         model = px.DataParallel(net, bucket_mb=25, compression="fp16")
@@ -489,6 +503,7 @@ class DataParallel(nn.Module):
         sparse_as_dense: bool = False,
         algorithm: str = "flat",
         balance=None,
+        gradient_as_bucket_view: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -504,7 +519,7 @@ class DataParallel(nn.Module):
             group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             sparse_as_dense=sparse_as_dense, sparse_ids=_sparse_param_ids(module), algorithm=algorithm,
-            wait_in_backward=True,
+            wait_in_backward=True, gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self._all_params = list(module.parameters())
         self._trainable = tuple(p.requires_grad for p in self._all_params)
