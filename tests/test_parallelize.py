@@ -24,6 +24,16 @@ def test_mesh_groups_and_order():
     assert every == sorted(list(range(8)) * 3)  # each rank in exactly one group per dim
 
 
+def test_parallelize_rejects_bad_data_parallel_choices():
+    from phalanx.parallel.parallelize import parallelize
+
+    mesh = DeviceMesh(world_size=1)
+    with pytest.raises(ValueError, match="data_parallel='zero4'"):
+        parallelize(_gpt(), mesh, loss_fn=F.cross_entropy, data_parallel="zero4")
+    with pytest.raises(ValueError, match="pass optimizer="):
+        parallelize(_gpt(), mesh, loss_fn=F.cross_entropy, data_parallel="zero1")
+
+
 def test_mesh_error_names_every_factor():
     with pytest.raises(MeshError, match=r"dp=2 × pp=3 × tp=2 = 12, but the world size is 8"):
         DeviceMesh(dp=2, pp=3, tp=2, world_size=8)
@@ -57,8 +67,8 @@ def _combos(combos):
 
         pm = parallelize(model, mesh, loss_fn=loss_fn, tp_plan=gpt_tp_plan(model) if tp > 1 else None,
                          num_microbatches=m, schedule=schedule, partition_method="uniform",
-                         data_parallel=dp_impl)
-        opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+                         data_parallel=dp_impl, optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+        opt = pm.optimizer
         d = mesh.coord[0]
         losses = []
         for step in range(STEPS):
@@ -86,9 +96,11 @@ def _reference():
 
 
 def test_dp_pp_tp_combinations_on_4_ranks_match_one_process():
-    # (dp, pp, tp, micro-batches, schedule, data-parallel implementation)
+    # (dp, pp, tp, micro-batches, schedule, data-parallel implementation); ZeRO 1/2/3 on the dp axis
+    # of pp and tp meshes (the 3D combination with ZeRO)
     combos = [(1, 2, 2, 4, "1f1b", "auto"), (2, 2, 1, 2, "gpipe", "auto"), (2, 1, 2, 2, "1f1b", "auto"),
-              (1, 4, 1, 4, "gpipe", "auto"), (4, 1, 1, 1, "1f1b", "auto"), (2, 2, 1, 4, "1f1b", "allreduce")]
+              (1, 4, 1, 4, "gpipe", "auto"), (4, 1, 1, 1, "1f1b", "auto"), (2, 2, 1, 4, "1f1b", "allreduce"),
+              (2, 2, 1, 4, "1f1b", "zero1"), (2, 1, 2, 2, "1f1b", "zero2"), (2, 2, 1, 4, "1f1b", "zero3")]
     results = distributed(_combos, np=4, args=(combos,), timeout=240)
     ref_losses, ref_params = _reference()
     for combo in combos:

@@ -1,4 +1,4 @@
-"""``parallelize(model, mesh, …)``: tensor, then pipeline, then data parallel, in that fixed order.
+"""``parallelize(model, mesh, …)``: tensor, then pipeline, then data parallel or ZeRO, in that fixed order.
 
 Why this order (torchtitan's rule: each step must see the model the previous one left):
 
@@ -8,9 +8,12 @@ Why this order (torchtitan's rule: each step must see the model the previous one
    pipeline split because the plan names sub-modules by their path in the full
    model (``block3.mlp.fc``), and the cut layers' shapes are what a stage sends.
 3. **Pipeline**: keep only this rank's stage (a slice of the ``nn.Sequential``).
-4. **Data parallel** last: it averages the gradients of exactly the parameters
-   this rank ends up holding (a TP shard of a PP stage), over the ranks holding
-   the same shard — the dp group of the mesh.
+4. **Data parallel or ZeRO** last: it averages the gradients of exactly the
+   parameters this rank ends up holding (a TP shard of a PP stage), over the
+   ranks holding the same shard — the dp group of the mesh. ZeRO
+   (``data_parallel="zero1"|"zero2"|"zero3"``) also shards the optimizer state
+   (and gradients, parameters) of that piece over the same dp group, so it
+   needs the optimizer: pass ``optimizer=lambda params: torch.optim.AdamW(params)``.
 
 Data flow of one step on rank (d, s, t)::
 
@@ -18,6 +21,7 @@ Data flow of one step on rank (d, s, t)::
                    ─▶ p2p to (d, s+1, t) … loss on the last stage
                    ◀─ grads back through the stages (1F1B / GPipe)
     then  grads all-reduced (average) over the dp group {(·, s, t)}
+          (ZeRO: reduce-scattered to their owners in that group, at step or in backward)
 
 Example::
 
@@ -26,12 +30,17 @@ Example::
                      loss_fn=lambda out, y: vocab_parallel_cross_entropy(out, y, mesh.tp_group))
     opt = torch.optim.AdamW(pm.parameters())
     loss = pm.step(x, y); opt.step(); opt.zero_grad()
+
+    # 3D with ZeRO-1 on the data-parallel axis (here dp=2, pp=2 on 4 ranks):
+    pm = parallelize(GPT(cfg), DeviceMesh(dp=2, pp=2), loss_fn=F.cross_entropy, num_microbatches=4,
+                     data_parallel="zero1", optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+    loss = pm.step(x, y); pm.optimizer.step(); pm.optimizer.zero_grad()
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,26 +52,28 @@ from phalanx.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["parallelize", "ParallelModel"]
 
+_DATA_PARALLEL = ("auto", "allreduce", "zero1", "zero2", "zero3")
+
 
 class ParallelModel(nn.Module):
     """This rank's piece of the model and the step that trains it.
 
     ``step(inputs, targets)`` runs forward and backward of the local batch
     (``inputs`` are used on the first stage, ``targets`` on the last), leaves
-    dp-averaged gradients in ``.grad`` and returns the batch loss, averaged over
-    the dp group, on every rank.
+    dp-averaged gradients in ``.grad`` (ZeRO: in its shards, reduced by
+    ``optimizer.step()``) and returns the batch loss, averaged over the dp
+    group, on every rank. ``optimizer`` is the one built from ``optimizer=``
+    (a ``ZeroOptimizer`` under ZeRO), else ``None``.
     """
 
     def __init__(self, stage: PipelineStage, mesh: DeviceMesh, num_microbatches: int, schedule,
                  bounds: tuple[int, ...]) -> None:
         super().__init__()
         self.module = stage.module  # the plain stage (parameter names as in the full model)
-        self.stage = stage
-        self.mesh = mesh
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
-        self.bounds = bounds
-        self._dp = None
+        self.stage, self.mesh, self.bounds = stage, mesh, bounds
+        self.num_microbatches, self.schedule = num_microbatches, schedule
+        self.optimizer = None
+        self._grads_reduced = mesh.dp == 1  # True when DataParallel or ZeRO owns the dp reduction
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a ParallelModel trains with .step(inputs, targets); its stage's module is .module")
@@ -71,22 +82,15 @@ class ParallelModel(nn.Module):
         loss = self.stage.step(inputs if self.stage.is_first else None,
                                targets if self.stage.is_last else None,
                                num_microbatches=self.num_microbatches, schedule=self.schedule)
-        self._sync_grads()
-        # Every rank reports the loss: the last stage broadcasts it along the pipeline,
-        # then the dp replicas average theirs (equal local batches -> the global mean).
-        if loss is None:
-            loss = torch.zeros((), device=self.stage._device())
-        loss = broadcast(loss, root_rank=self.mesh.pp_ranks[-1], group=self.mesh.pp_group, name="pp.loss")
+        if not self._grads_reduced:
+            # Plain fallback: average each gradient over the dp group once per step (not overlapped).
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    allreduce(p.grad, op=Average, group=self.mesh.dp_group, inplace=True, name="dp.grad")
+        # Every rank reports the loss: the pipeline shares its last stage's, then the dp
+        # replicas average theirs (equal local batches -> the global mean).
+        loss = self.stage.share_loss(loss)
         return allreduce(loss, op=Average, group=self.mesh.dp_group, name="dp.loss")
-
-    def _sync_grads(self) -> None:
-        if self.mesh.dp == 1 or self._dp is not None:
-            return  # DataParallel already averaged the gradients inside the last backward
-        # Fallback when phalanx.parallel.data is missing: average each gradient over the
-        # dp group once per step with the plain collective (correct, not overlapped).
-        for p in self.module.parameters():
-            if p.grad is not None:
-                allreduce(p.grad, op=Average, group=self.mesh.dp_group, inplace=True, name="dp.grad")
 
 
 def parallelize(
@@ -102,15 +106,27 @@ def parallelize(
     checkpoint: bool = False,
     sync_init: bool = True,
     data_parallel: str = "auto",
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> ParallelModel:
     """Cut ``model`` (an ``nn.Sequential`` of blocks, same weights on every rank) over ``mesh``.
 
-    ``data_parallel="auto"`` uses ``phalanx.parallel.data.DataParallel`` when it is
-    installed; ``"allreduce"`` averages each gradient once per step with a plain
-    collective instead (no buckets, no overlap).
+    ``data_parallel`` picks what runs on the dp axis: ``"auto"`` uses
+    ``phalanx.parallel.data.DataParallel`` when it is installed; ``"allreduce"``
+    averages each gradient once per step with a plain collective (no buckets, no
+    overlap); ``"zero1"`` / ``"zero2"`` / ``"zero3"`` shard optimizer state /
+    + gradients / + parameters over the dp group with :func:`phalanx.parallel.zero.zero`
+    and need ``optimizer`` (a function from parameters to a torch optimizer).
+    With ``optimizer`` given, ``pm.optimizer`` is the optimizer to step.
     """
-    if data_parallel not in ("auto", "allreduce"):
-        raise ValueError(f"data_parallel={data_parallel!r}: use 'auto' or 'allreduce'")
+    if data_parallel not in _DATA_PARALLEL:
+        raise ValueError(f"data_parallel={data_parallel!r}: use one of {', '.join(map(repr, _DATA_PARALLEL))}")
+    zero_stage = int(data_parallel[-1]) if data_parallel.startswith("zero") else 0
+    if zero_stage and optimizer is None:
+        raise ValueError(f"data_parallel={data_parallel!r} shards the optimizer, so it must build it: "
+                         "pass optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError("optimizer= must be a function from parameters to an optimizer, "
+                        "e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)")
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"parallelize needs an nn.Sequential of blocks, got {type(model).__name__}")
     if mesh.tp > 1 and not tp_plan:
@@ -131,11 +147,22 @@ def parallelize(
     stage_module = nn.Sequential(OrderedDict(children[bounds[s] : bounds[s + 1]]))
     stage = PipelineStage(stage_module, s, mesh.pp, ranks=mesh.pp_ranks, group=mesh.pp_group,
                           loss_fn=loss_fn if s == mesh.pp - 1 else None, checkpoint=checkpoint)
-
-    # 4. Data parallel: replicas of the same (stage, shard) start equal and average gradients.
-    #    DataParallel (bucketed, overlapped with the last micro-batch's backward) when it is
-    #    installed; its no_sync() keeps the other micro-batches' backwards local.
     pm = ParallelModel(stage, mesh, num_microbatches, schedule, bounds)
+
+    # 4. Data parallel or ZeRO over the ranks holding the same (stage, TP shard). Last,
+    #    because it must see exactly the parameters this rank keeps after steps 2 and 3.
+    if zero_stage and mesh.dp > 1:
+        from phalanx.parallel.zero import zero
+
+        # ZeRO starts every replica from the dp group's first rank and reduces the gradients
+        # itself; each micro-batch is one backward pass, so a step is m passes (stage 1 then
+        # reduces once per step, in the last micro-batch's backward).
+        _, pm.optimizer = zero(stage_module, optimizer(stage_module.parameters()), stage=zero_stage,
+                               group=mesh.dp_group, backward_passes_per_step=num_microbatches)
+        pm._grads_reduced = True
+        return pm
+    if optimizer is not None:
+        pm.optimizer = optimizer(stage_module.parameters())
     if mesh.dp > 1:
         DataParallel = None
         if data_parallel == "auto":
@@ -144,9 +171,12 @@ def parallelize(
             except ImportError:
                 pass
         if DataParallel is not None:
-            # It broadcasts the parameters from the dp group's first rank when it wraps.
-            pm._dp = DataParallel(stage_module, group=mesh.dp_group, broadcast_buffers=False)
-            stage.module, stage.no_sync = pm._dp, pm._dp.no_sync
+            # Bucketed and overlapped with the last micro-batch's backward; its no_sync()
+            # keeps the other micro-batches' backwards local. It broadcasts the parameters
+            # from the dp group's first rank when it wraps.
+            dp = DataParallel(stage_module, group=mesh.dp_group, broadcast_buffers=False)
+            stage.module, stage.no_sync = dp, dp.no_sync
+            pm._grads_reduced = True
         elif sync_init:
             for p in stage_module.parameters():
                 broadcast(p.data, root_rank=mesh.dp_ranks[0], group=mesh.dp_group, inplace=True, name="dp.init")

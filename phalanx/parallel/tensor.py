@@ -258,14 +258,20 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group) -> nn.M
 
 
 def gather_tp_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict: each sharded parameter is all-gathered along its ``tp_dim``."""
+    """The full (unsharded) parameters: each sharded one is all-gathered along its ``tp_dim``.
+
+    Values come from ``model.state_dict()``, so a wrapper that keeps parameters
+    elsewhere (ZeRO-3 frees them between uses) materialises them first.
+    """
+    values = model.state_dict()
     out = {}
     for name, p in model.named_parameters():
         dim = getattr(p, "tp_dim", None)
+        value = values[name].detach()
         if dim is None or _size(group) == 1:
-            out[name] = p.detach().clone()
+            out[name] = value.clone()
             continue
-        parts = [torch.empty_like(p) for _ in range(_size(group))]
-        dist.all_gather(parts, p.detach().contiguous(), group=group)
+        parts = [torch.empty_like(value) for _ in range(_size(group))]
+        dist.all_gather(parts, value.contiguous(), group=group)
         out[name] = torch.cat(parts, dim=dim)
     return out

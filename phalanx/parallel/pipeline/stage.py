@@ -10,8 +10,12 @@ Data flow for stage s of p (activations right, gradients left)::
   micro-batch of every step must have the same shape (keep the batch size
   fixed; drop or pad a short last batch). Gradients have the shape of the
   activation they answer, so they need no header.
-* Sends are ``isend`` and are waited on at the end of the step, so a stage
-  never blocks on a send; receives block (under the process group timeout).
+* Sends are ``isend``, reaped as they complete (so a sent activation is not
+  kept alive past its backward) and all waited on at the end of the step; a
+  stage never blocks on a send. The receive each action needs is posted
+  (``irecv``) one action ahead, while the current action computes, so the
+  transfer overlaps compute instead of starting when the stage asks for it;
+  waits are bounded by the process group timeout.
 * The last stage applies ``loss_fn(output, target) / m`` to each micro-batch;
   backward accumulates into ``.grad`` across the m micro-batches, so after
   ``step`` the gradients equal those of the mean loss over the whole batch.
@@ -20,6 +24,10 @@ Data flow for stage s of p (activations right, gradients left)::
   its input, at about one extra forward.
 * ``no_sync`` (a data-parallel wrapper's context manager): all backwards but the
   step's last run inside it, so gradients are reduced once per step.
+* Each forward, backward and receive wait is a :mod:`phalanx.trace` span
+  (``pp.forward`` / ``pp.backward`` / ``pp.recv``, with ``mb`` = micro-batch), so
+  ``phalanx run --timeline`` draws every stage's schedule; ``last_timeline``
+  keeps the last step's compute spans for bubble measurements.
 
 Example::
 
@@ -35,18 +43,83 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from phalanx import trace
+from phalanx.comm.collectives import broadcast
 from phalanx.parallel.pipeline.schedules import Schedule, get_schedule
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineStage", "StageLink", "Span"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 10  # ndim, dtype code, up to 8 dims
+
+
+class Span(NamedTuple):
+    """One compute action of a step: ``kind`` "F" or "B", micro-batch ``mb``, perf_counter seconds."""
+
+    kind: str
+    mb: int
+    start_s: float
+    end_s: float
+
+
+class StageLink:
+    """Point-to-point plumbing between stage ``index`` and its neighbours ``ranks[index ± 1]``.
+
+    Activations go to the next stage, gradients to the previous one. The first
+    activation sent is preceded by its shape header; every receive is an
+    ``irecv`` whose :meth:`wait` the executor calls when it needs the tensor.
+
+    Example::
+
+        link = StageLink(ranks=[0, 1], index=0, group=None)
+        link.send_activation(y, pending)          # to rank 1
+    """
+
+    def __init__(self, ranks: Sequence[int], index: int, group=None) -> None:
+        self.ranks, self.index, self.group = list(ranks), index, group
+        self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self._sent_header = False
+
+    def _peer(self, offset: int) -> int:
+        return self.ranks[self.index + offset]
+
+    def send_activation(self, y: torch.Tensor, pending: list) -> None:
+        if not self._sent_header:
+            if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
+                raise ValueError(f"stage {self.index}: cannot send an activation of shape {tuple(y.shape)} and dtype "
+                                 f"{y.dtype} (at most {_HEADER - 2} dims, dtype in {_DTYPES})")
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
+            header[2 : 2 + y.dim()] = torch.tensor(y.shape)
+            pending.append(dist.isend(header.to(y.device), dst=self._peer(1), group=self.group))
+            self._sent_header = True
+        pending.append(dist.isend(y, dst=self._peer(1), group=self.group))
+
+    def send_gradient(self, grad: torch.Tensor, pending: list) -> None:
+        pending.append(dist.isend(grad, dst=self._peer(-1), group=self.group))
+
+    def post_activation(self, device: torch.device) -> tuple[torch.Tensor, object]:
+        """``(buffer, work)`` of the next activation from the previous stage."""
+        if self._recv_header is None:  # once: the shape header (blocking, it is tiny)
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            dist.recv(header, src=self._peer(-1), group=self.group)
+            ndim, code = int(header[0]), int(header[1])
+            self._recv_header = (_DTYPES[code], tuple(int(d) for d in header[2 : 2 + ndim]))
+        dtype, shape = self._recv_header
+        x = torch.empty(shape, dtype=dtype, device=device)
+        return x, dist.irecv(x, src=self._peer(-1), group=self.group)
+
+    def post_gradient(self, like: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
+        """``(buffer, work)`` of the next gradient from the next stage, shaped like the activations sent."""
+        grad = torch.empty(like.shape, dtype=like.dtype, device=device)
+        return grad, dist.irecv(grad, src=self._peer(1), group=self.group)
 
 
 class PipelineStage:
@@ -85,9 +158,9 @@ class PipelineStage:
         # A data-parallel wrapper's no_sync(): every backward but the step's last runs inside
         # it, so gradients are reduced once per step, not once per micro-batch.
         self.no_sync = no_sync
-        self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
-        self._sent_header = False
-        self.busy_s = 0.0  # compute seconds in the last step (for bubble measurements)
+        self.link = StageLink(ranks, stage_index, group)
+        self.busy_s = 0.0  # compute seconds in the last step
+        self.last_timeline: list[Span] = []  # the last step's forwards and backwards, in order
 
     @property
     def is_first(self) -> bool:
@@ -97,35 +170,6 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    # -- point to point -------------------------------------------------------------------
-    def _peer(self, offset: int) -> int:
-        return self.ranks[self.stage_index + offset]
-
-    def _send_activation(self, y: torch.Tensor, pending: list) -> None:
-        y = y.detach().contiguous()
-        if not self._sent_header:
-            if y.dim() > _HEADER - 2 or y.dtype not in _DTYPES:
-                raise ValueError(f"stage {self.stage_index}: cannot send an activation of shape "
-                                 f"{tuple(y.shape)} and dtype {y.dtype} (at most {_HEADER - 2} dims, dtype in {_DTYPES})")
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
-            header[2 : 2 + y.dim()] = torch.tensor(y.shape)
-            pending.append(dist.isend(header.to(y.device), dst=self._peer(1), group=self.group))
-            self._sent_header = True
-        pending.append(dist.isend(y, dst=self._peer(1), group=self.group))
-
-    def _recv_activation(self, device: torch.device) -> torch.Tensor:
-        if self._recv_header is None:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            dist.recv(header, src=self._peer(-1), group=self.group)
-            ndim, code = int(header[0]), int(header[1])
-            self._recv_header = (_DTYPES[code], tuple(int(d) for d in header[2 : 2 + ndim]))
-        dtype, shape = self._recv_header
-        x = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(x, src=self._peer(-1), group=self.group)
-        return x
-
-    # -- the step ---------------------------------------------------------------------
     def _device(self) -> torch.device:
         p = next(self.module.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
@@ -134,6 +178,9 @@ class PipelineStage:
         if self.checkpoint:
             return _checkpoint(self.module, x, use_reentrant=False)
         return self.module(x)
+
+    def _needs_recv(self, kind: str) -> bool:
+        return (kind == "F" and not self.is_first) or (kind == "B" and not self.is_last)
 
     def step(
         self,
@@ -153,51 +200,89 @@ class PipelineStage:
         xs = self._chunks(inputs, m, "inputs") if self.is_first else None
         ts = self._chunks(targets, m, "targets") if self.is_last else None
         device = self._device()
-        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        pending: list = []
-        loss_sum = torch.zeros((), device=device)
-        self.busy_s = 0.0
         actions = get_schedule(schedule).actions(self.stage_index, self.num_stages, m)
+        for kind, _ in actions:
+            if kind not in ("F", "B"):
+                raise ValueError(f"unknown schedule action {kind!r}; use 'F' or 'B'")
         last_backward = max(k for k, (kind, _) in enumerate(actions) if kind == "B")
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        posted: dict[int, tuple[torch.Tensor, object]] = {}  # action index -> (buffer, irecv work)
+        pending: list = []
+        sent_like: list[torch.Tensor] = []  # an empty tensor shaped like what we send: the gradients' shape
+        loss_sum = torch.zeros((), device=device)
+        timeline: list[Span] = []
+
+        def post(at: int) -> None:
+            # Post the receive action ``at`` needs, if it needs one and is not posted yet.
+            # A gradient buffer takes the shape of a sent activation, so it waits for the first send.
+            if at >= len(actions) or at in posted or not self._needs_recv(actions[at][0]):
+                return
+            if actions[at][0] == "F":
+                posted[at] = self.link.post_activation(device)
+            elif sent_like:
+                posted[at] = self.link.post_gradient(sent_like[0], device)
+
+        def received(at: int) -> torch.Tensor:
+            post(at)
+            buf, work = posted.pop(at)
+            with trace.span("pp.recv", "comm", mb=actions[at][1], kind=actions[at][0]):
+                work.wait()
+            return buf
+
         for at, (kind, i) in enumerate(actions):
+            pending[:] = [w for w in pending if not w.is_completed()]  # drop finished sends' buffers
             if kind == "F":
                 if self.is_first:
                     x = xs[i]
                 else:
-                    x = self._recv_activation(device)
+                    x = received(at)
                     x.requires_grad_(x.is_floating_point())
+                post(at + 1)  # the next action's input travels while this one computes
                 t0 = time.perf_counter()
-                y = self._forward(x)
-                if self.is_last:
-                    y = self.loss_fn(y, ts[i]) / m
-                    loss_sum += y.detach()
-                self.busy_s += time.perf_counter() - t0
+                with trace.span("pp.forward", "compute", mb=i, stage=self.stage_index):
+                    y = self._forward(x)
+                    if self.is_last:
+                        y = self.loss_fn(y, ts[i]) / m
+                        loss_sum += y.detach()
+                timeline.append(Span("F", i, t0, time.perf_counter()))
                 if not self.is_last:
-                    self._send_activation(y, pending)
+                    out = y.detach().contiguous()
+                    self.link.send_activation(out, pending)
+                    if not sent_like:
+                        sent_like.append(out.new_empty(out.shape, device="meta"))
                 saved[i] = (x, y)
-            elif kind == "B":
+            else:
                 x, y = saved.pop(i)
-                grad = None
-                if not self.is_last:
-                    grad = torch.empty_like(y)
-                    dist.recv(grad, src=self._peer(1), group=self.group)
+                grad = None if self.is_last else received(at)
+                post(at + 1)
                 t0 = time.perf_counter()
                 quiet = self.no_sync is not None and at != last_backward
-                with self.no_sync() if quiet else contextlib.nullcontext():
-                    torch.autograd.backward(y, grad_tensors=grad)
-                self.busy_s += time.perf_counter() - t0
+                with trace.span("pp.backward", "compute", mb=i, stage=self.stage_index):
+                    with self.no_sync() if quiet else contextlib.nullcontext():
+                        torch.autograd.backward(y, grad_tensors=grad)
+                timeline.append(Span("B", i, t0, time.perf_counter()))
                 if not self.is_first:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.stage_index}: the input received no gradient; "
                                            "does the stage's output depend on its input?")
-                    pending.append(dist.isend(x.grad.contiguous(), dst=self._peer(-1), group=self.group))
-            else:
-                raise ValueError(f"unknown schedule action {kind!r}; use 'F' or 'B'")
+                    self.link.send_gradient(x.grad.contiguous(), pending)
+            post(at + 1)  # when it had to wait for this action's send (a gradient's shape)
         if saved:
             raise RuntimeError(f"schedule left micro-batches {sorted(saved)} without a backward")
         for work in pending:
             work.wait()
+        self.last_timeline = timeline
+        self.busy_s = sum(s.end_s - s.start_s for s in timeline)
         return loss_sum if self.is_last else None
+
+    def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss (what :meth:`step` returned there) on every stage, by one broadcast.
+
+        Collective over the pipeline: every stage calls it with what its ``step`` returned.
+        """
+        if loss is None:
+            loss = torch.zeros((), device=self._device())
+        return broadcast(loss, root_rank=self.ranks[-1], group=self.group, name="pp.loss")
 
     @staticmethod
     def _chunks(batch: torch.Tensor | None, m: int, field: str) -> list[torch.Tensor]:
