@@ -12,6 +12,9 @@ from phalanx.testing import distributed
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 SIZES = (1, 3, 7, 1001, 70001)  # odd; 1 and 3 are smaller than the world and the host
+# (chunk_bytes, numel) for the pipelined hierarchical: one element per shard, chunks of
+# 2 elements with empty shards at the end, an uneven last chunk, ~18 chunks of 1000 elements
+PIPELINE_CASES = ((4, 1), (4, 7), (24, 1001), (4000, 70001))
 
 
 def _value(numel, dtype, rank):
@@ -39,6 +42,19 @@ def _every_algorithm():
         hs = [allreduce(_value(999 + i, torch.float32, r), algo, topology=topo, async_op=True) for i in range(3)]
         polled = all(isinstance(h.is_completed(), bool) for h in hs)
         out[(algo, "async")] = [h.wait() for h in hs] + [polled and all(h.is_completed() for h in hs)]
+    # hierarchical pipelined over many chunks, some smaller than the host (empty shards)
+    for chunk, numel in PIPELINE_CASES:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            t = _value(numel, dtype, r)
+            out[("pipe", chunk, str(dtype), numel)] = allreduce(t, "hierarchical", topology=topo, chunk_bytes=chunk)
+    out["pipe_max"] = allreduce(_value(1001, torch.float32, r), "hierarchical", topology=topo, op=px.Max,
+                                chunk_bytes=400)
+    out["pipe_async"] = allreduce(_value(70001, torch.float32, r), "hierarchical", topology=topo,
+                                  async_op=True, chunk_bytes=4000).wait()
+    try:
+        allreduce(torch.ones(4), "hierarchical", topology=topo, chunk_bytes=0)
+    except ValueError as e:
+        out["bad_chunk"] = str(e)
     # the ring on a sub-group of 3 ranks (odd ring), and the errors
     if r in (0, 1, 3):
         g = topo.group([0, 1, 3])
@@ -78,6 +94,17 @@ def test_every_algorithm_exact_on_two_simulated_hosts():
             assert done
             for i, t in enumerate(tensors):
                 torch.testing.assert_close(t, sum(_value(999 + i, torch.float32, r) for r in range(n)))
+    for chunk, numel in PIPELINE_CASES:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            want = sum(_value(numel, dtype, r).double() for r in range(n)).to(dtype)
+            for r, out in enumerate(results):
+                assert torch.equal(out[("pipe", chunk, str(dtype), numel)], want), \
+                    f"pipelined chunk_bytes={chunk} {dtype} numel={numel} rank {r}"
+    ref_max_pipe = torch.stack([_value(1001, torch.float32, r) for r in range(n)]).max(0).values
+    for out in results:
+        assert torch.equal(out["pipe_max"], ref_max_pipe)
+        assert torch.equal(out["pipe_async"], sum(_value(70001, torch.float32, r) for r in range(n)))
+        assert "chunk_bytes" in out["bad_chunk"]
     ref_sub = sum(_value(1001, torch.float32, r) for r in (0, 1, 3))
     for r in (0, 1, 3):
         assert torch.equal(results[r]["ring_sub"], ref_sub)
