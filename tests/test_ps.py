@@ -3,6 +3,9 @@
 One 4-rank group (2 servers, 2 workers) runs every mode; one 2-rank group checks failures.
 """
 
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,8 +15,8 @@ from torch import nn
 import phalanx as px
 from phalanx.checkpoint import CheckpointManager, read_manifest
 from phalanx.demo import load_digits
-from phalanx.ps import ParameterServer, PSError, PSWorker, run_ps, shard_parameters
-from phalanx.testing import RankError, distributed
+from phalanx.ps import ParameterServer, PSError, PSTimeoutError, PSWorker, run_ps, shard_parameters
+from phalanx.testing import distributed
 
 STEPS, BATCH = 8, 32
 
@@ -40,7 +43,7 @@ def _exact_train(worker):
     return [p.detach().clone() for p in worker.model.parameters()]
 
 
-def _digits_train(worker, epochs=12, global_batch=64, slow_s=0.0):
+def _digits_train(worker, epochs=5, global_batch=64, slow_s=0.0):
     x, y, xt, yt = load_digits()
     local = global_batch // worker.num_workers
     for epoch in range(epochs):
@@ -138,33 +141,28 @@ def test_ps_modes_on_four_ranks(tmp_path):
     assert all(s["acc_sync"]["stats"]["pushes"] == steps for s in servers)
 
 
-def _silent_worker():
-    if px.rank() == 0:  # waits for a worker that never speaks: must raise, naming it
-        ParameterServer(_mlp(), _sgd, servers=[0], workers=[1], timeout_s=1.5).serve()
-    time.sleep(3)
-
-
-def _dead_server():
+def _silent_then_dead():
     out = {}
     try:
         run_ps(_mlp, _sgd, _exact_train, num_servers=2)
     except ValueError as err:
         out["bad_servers"] = str(err)
-    if px.rank() == 0:
-        return out  # the server leaves without serving
-    time.sleep(1)
-    try:
+    if px.rank() == 0:  # 1. waits for a worker that never speaks: must raise, naming it
+        with pytest.raises(PSTimeoutError) as err:
+            ParameterServer(_mlp(), _sgd, servers=[0], workers=[1], timeout_s=1.5).serve()
+        out["silent_worker"] = str(err.value)
+        return out  # 2. the server leaves without serving
+    time.sleep(3)
+    with pytest.raises(PSError) as err:
         PSWorker(_mlp(), servers=[0], workers=[1], timeout_s=3).pull()
-    except PSError as err:
-        out["dead_server"] = str(err)
+    out["dead_server"] = str(err.value)
     return out
 
 
 def test_dead_or_silent_peer_is_reported():
-    with pytest.raises(RankError, match=r"server rank 0 waiting for workers \[1\].*no answer within 1.5s"):
-        distributed(_silent_worker, np=2, timeout=60)
-    server, worker = distributed(_dead_server, np=2, timeout=60)
+    server, worker = distributed(_silent_then_dead, np=2, timeout=60)
     assert "num_servers=2" in server["bad_servers"]
+    assert re.search(r"server rank 0 waiting for workers \[1\].*no answer within 1.5s", server["silent_worker"])
     assert "worker rank 1" in worker["dead_server"] and "server rank 0" in worker["dead_server"]
 
 
@@ -172,3 +170,46 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="num_servers"):
         shard_parameters({"w": 1}, 0)
     assert shard_parameters({"w": 100, "b": 10, "v": 90}, 2) == [["w"], ["b", "v"]]
+
+
+_CLI_SCRIPT = """
+import torch, phalanx as px
+from torch import nn
+from phalanx.ps import run_ps
+
+def model():
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)
+
+def train(worker):
+    for _ in range(3):
+        worker.pull()
+        worker.model.zero_grad()
+        worker.model(torch.ones(1, 4)).sum().backward()
+        worker.push()
+    worker.pull()
+    return round(worker.model.bias.sum().item(), 6)
+
+px.init()
+out = run_ps(model, lambda ps: torch.optim.SGD(ps, lr=0.5), train, mode="sync")
+print("ROLE", out["role"], out["stats"].get("pushes"), out["result"])
+px.shutdown()
+"""
+
+
+def test_phalanx_run_servers_flag(tmp_path):
+    script = tmp_path / "ps_job.py"
+    script.write_text(_CLI_SCRIPT)
+    cli = [sys.executable, "-m", "phalanx", "run"]
+    proc = subprocess.run(cli + ["-np", "3", "--servers", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    roles = sorted(line.split("ROLE ", 1)[1] for line in proc.stdout.splitlines() if "ROLE " in line)
+    # two servers (the weight and the bias go to different ones), each saw the worker's 3 pushes;
+    # the worker's bias after 3 sync steps of lr 0.5 on d(sum)/d(bias) = 1: 0 + 2 * (-1.5)
+    torch.manual_seed(0)
+    bias = round(nn.Linear(4, 2).bias.sum().item() - 3.0, 6)
+    assert roles == ["server 3 None", "server 3 None", f"worker None {bias}"], proc.stdout
+    proc = subprocess.run(cli + ["-np", "2", "--servers", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--servers 2 must be between 1 and -np minus 1 (1)" in proc.stderr
