@@ -212,6 +212,8 @@ def _train_body():
         "sum": lambda: px.DataParallel(_mlp(), op=px.Sum, balance=16),
         "type": lambda: px.DataParallel(_mlp(), balance="yes"),
         "join": lambda: px.DataParallel(_mlp(), balance=16).join().__enter__(),
+        "opt_join": lambda: px.DistributedOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1),
+                                                    balance=16).join(),
     }.items():
         try:
             make()
@@ -236,7 +238,7 @@ def test_balanced_update_equals_uniform_batch_and_covers_epoch():
         assert sum(out["trainer_sizes"]) == 32, where
         assert "op=Sum" in out["errors"]["sum"], where
         assert "Balancer" in out["errors"]["type"], where
-        assert "join()" in out["errors"]["join"], where
+        assert "join()" in out["errors"]["join"] and "join()" in out["errors"]["opt_join"], where
 
 
 def _convergence_body():

@@ -223,6 +223,9 @@ class DistributedOptimizer:
         ranks make meanwhile must come after ``join()``. Returns the global rank that joined
         last (the highest such rank when several joined in the same step).
         """
+        if self.balancer is not None:
+            raise RuntimeError("join() cannot be combined with balance=: BalancedSampler gives every rank "
+                               "the same number of steps, so there are no uneven inputs to join")
         self.synchronize()
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return dist.get_rank() if dist.is_initialized() else 0
