@@ -1,17 +1,35 @@
-"""Sync DP vs async PS vs SSP vs local SGD with one worker made 3x slower (injected sleep).
+"""Sync DP vs async PS vs SSP vs local SGD when workers are slow: samples/s and accuracy after a fixed time.
 
 Run:  python benchmarks/async_vs_sync.py --seconds 5 --repeats 3
 
 Every method trains the same MLP on digits for a fixed wall time with 3 workers;
 the parameter-server runs add one server rank. A worker's "compute" is its real
-forward/backward plus a sleep of --step-ms (3x that on worker 0). Prints samples/s
-(all workers together) and test accuracy after the time is up; the median over
-interleaved repeats.
+forward/backward plus an injected sleep of --step-ms, three times longer when the
+worker straggles. Two straggler patterns, each in its own table:
+
+  fixed   worker 0 is 3x slower at every step (the persistent straggler)
+  random  at every step each worker is 3x slower with probability 1/3 (transient)
+
+Prints samples/s (all workers together), the ratio to synchronous data parallel
+(phalanx's DataParallel engine), test accuracy when the time is up, and for the
+parameter server the fraction of the time its loop was busy. Each configuration
+runs once per repeat, interleaved; the table holds medians. Every method does one
+warm-up step before its clock starts (first-call imports, gloo connections).
+
+What to expect from the sleeps alone (compute and messages are extra):
+
+                     fixed straggler                 random stragglers
+  sync DP            all at the slowest: 3/60ms      max of 3 per step: E = 48 ms
+  async PS           each at its own pace: 2.33x     each at its mean 33 ms: 1.44x
+  SSP (s=3)          the fast ones wait: ~1.0x       slack absorbs most jitter: <= 1.44x
+  local SGD (H=8)    waits every 8 steps: ~1.0x      slowest sum of 8 steps: ~1.23x
+                     (plus what it saves on messages, in both columns)
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -22,7 +40,7 @@ import phalanx as px
 from phalanx.demo import load_digits
 from phalanx.ps import LocalSGD, run_ps
 
-WORKERS, LOCAL_BATCH = 3, 32
+WORKERS, LOCAL_BATCH, SYNC_EVERY, STALENESS = 3, 32, 8, 3
 
 
 def _model():
@@ -34,125 +52,145 @@ def _adam(params):
     return torch.optim.Adam(params, lr=2e-3)
 
 
-def _batches(index, seed=0):
-    x, y, _, _ = load_digits()  # loaded here, before the clock starts (sklearn import is slow)
-    g = torch.Generator().manual_seed(seed * 100 + index)
-    yield None
-    while True:
-        idx = torch.randint(len(x), (LOCAL_BATCH,), generator=g)
-        yield x[idx], y[idx]
+class _Worker:
+    """Batches and the injected per-step sleep of worker ``index``."""
+
+    def __init__(self, index: int, straggler: str, step_ms: float) -> None:
+        x, y, self.xt, self.yt = load_digits()  # before the clock starts (the sklearn import is slow)
+        self.x, self.y, self.index, self.straggler, self.step_s = x, y, index, straggler, step_ms / 1000
+        self.gen = torch.Generator().manual_seed(index)
+        self.rng = random.Random(1000 + index)
+
+    def batch(self):
+        idx = torch.randint(len(self.x), (LOCAL_BATCH,), generator=self.gen)
+        return self.x[idx], self.y[idx]
+
+    def sleep(self) -> None:
+        slow = self.index == 0 if self.straggler == "fixed" else self.rng.random() < 1 / WORKERS
+        time.sleep(self.step_s * (3 if slow else 1))
+
+    def accuracy(self, model) -> float:
+        with torch.no_grad():
+            return (model(self.xt).argmax(1) == self.yt).float().mean().item()
 
 
-_TEST = []
+def _step(model, opt, w: _Worker) -> None:
+    x, y = w.batch()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    w.sleep()
+    opt.step()
 
 
-def _accuracy(model):
-    if not _TEST:
-        _TEST.extend(load_digits()[2:])
-    xt, yt = _TEST
-    with torch.no_grad():
-        return (model(xt).argmax(1) == yt).float().mean().item()
+def _time_up(start: float, seconds: float) -> bool:
+    """Every rank decides together (one tiny allreduce), so collectives stay matched."""
+    return bool(px.allreduce(torch.tensor([float(time.perf_counter() - start > seconds)]), op=px.Max).item())
 
 
-def _sleep(index, step_ms):
-    time.sleep(step_ms / 1000 * (3 if index == 0 else 1))
-
-
-def _sync_dp(seconds, step_ms):
-    model, r = _model(), px.rank()
-    opt, data, steps = _adam(model.parameters()), _batches(r), 0
-    next(data)
+def _sync_dp(seconds, straggler, step_ms):
+    w = _Worker(px.rank(), straggler, step_ms)
+    model = px.DataParallel(_model())
+    opt = _adam(model.parameters())
+    _step(model, opt, w)  # warm-up
     px.barrier()
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     while True:
-        x, y = next(data)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        _sleep(r, step_ms)
-        for p in model.parameters():
-            px.allreduce(p.grad, op=px.Average, inplace=True)
-        opt.step()
+        _step(model, opt, w)
         steps += 1
-        stop = torch.tensor([float(time.perf_counter() - start > seconds)])
-        if px.allreduce(stop, op=px.Max).item():
+        if steps % SYNC_EVERY == 0 and _time_up(start, seconds):  # same stop check as local SGD
             break
-    return steps * LOCAL_BATCH, time.perf_counter() - start, _accuracy(model)
+    return steps * LOCAL_BATCH, time.perf_counter() - start, w.accuracy(model), None
 
 
-def _local_sgd(seconds, step_ms, sync_every=8):
-    model, r = _model(), px.rank()
-    opt = LocalSGD(_adam(model.parameters()), model, sync_every=sync_every)
-    data, steps = _batches(r), 0
-    next(data)
+def _local_sgd(seconds, straggler, step_ms):
+    w = _Worker(px.rank(), straggler, step_ms)
+    model = _model()
+    opt = LocalSGD(_adam(model.parameters()), model, sync_every=SYNC_EVERY)
+    for _ in range(SYNC_EVERY):  # warm-up: one full round, ending with an average
+        _step(model, opt, w)
     px.barrier()
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     while True:
-        x, y = next(data)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        _sleep(r, step_ms)
-        opt.step()
+        _step(model, opt, w)
         steps += 1
-        if steps % sync_every == 0:  # decide together, at a sync point
-            stop = torch.tensor([float(time.perf_counter() - start > seconds)])
-            if px.allreduce(stop, op=px.Max).item():
-                break
-    return steps * LOCAL_BATCH, time.perf_counter() - start, _accuracy(model)
+        if steps % SYNC_EVERY == 0 and _time_up(start, seconds):  # at a sync point: replicas equal
+            break
+    return steps * LOCAL_BATCH, time.perf_counter() - start, w.accuracy(model), None
 
 
-def _ps(seconds, step_ms, mode, staleness):
+def _ps(seconds, straggler, step_ms, mode):
     def train(worker):
-        data, steps = _batches(worker.index), 0
-        next(data)
-        _accuracy(worker.model)  # warm the data cache before the clock starts
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        w = _Worker(worker.index, straggler, step_ms)
+        model = worker.model
+
+        def step():
             worker.pull()
-            x, y = next(data)
-            worker.model.zero_grad()
-            nn.functional.cross_entropy(worker.model(x), y).backward()
-            _sleep(worker.index, step_ms)
+            x, y = w.batch()
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            w.sleep()
             worker.push()
+
+        step()  # warm-up (the server's start-up is in here, off the clock)
+        start, steps = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            step()
             steps += 1
         worker.pull()
-        return steps * LOCAL_BATCH, time.perf_counter() - start, _accuracy(worker.model)
+        return steps * LOCAL_BATCH, time.perf_counter() - start, w.accuracy(model)
 
     px.barrier()
-    out = run_ps(_model, _adam, train, num_servers=1, mode=mode, staleness=staleness)
-    return out["result"]
+    out = run_ps(_model, _adam, train, num_servers=1, mode=mode, staleness=STALENESS)
+    if out["role"] == "server":
+        st = out["stats"]
+        return st["busy_s"] / max(st["busy_s"] + st["idle_s"], 1e-9)
+    return out["result"] + (None,)
 
 
 def _gather(fn, np, *args):
-    results = [r for r in px.run(fn, np=np, args=args, timeout=300, threads=1) if r is not None]
-    samples = sum(r[0] for r in results)
-    wall = max(r[1] for r in results)
-    return samples / wall, results[0][2]
+    results = px.run(fn, np=np, args=args, timeout=300, threads=1)
+    busy = results[0] if not isinstance(results[0], tuple) else None
+    rows = [r for r in results if isinstance(r, tuple)]
+    samples = sum(r[0] for r in rows)
+    wall = max(r[1] for r in rows)
+    return samples / wall, rows[0][2], busy
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--step-ms", type=float, default=20.0, help="sleep per step of a fast worker")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=5.0, help="training wall time per run")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="sleep per step of a worker that is not slow")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stragglers", default="fixed,random", help="comma list of: fixed, random")
     args = ap.parse_args()
+    patterns = args.stragglers.split(",")
+    for p in patterns:
+        if p not in ("fixed", "random"):
+            raise SystemExit(f"--stragglers: unknown pattern {p!r}; use fixed and/or random")
     methods = {
-        "sync DP (allreduce)": lambda: _gather(_sync_dp, WORKERS, args.seconds, args.step_ms),
-        "async PS": lambda: _gather(_ps, WORKERS + 1, args.seconds, args.step_ms, "async", 0),
-        "SSP PS (s=3)": lambda: _gather(_ps, WORKERS + 1, args.seconds, args.step_ms, "ssp", 3),
-        "local SGD (H=8)": lambda: _gather(_local_sgd, WORKERS, args.seconds, args.step_ms),
+        "sync DP (DataParallel)": lambda s: _gather(_sync_dp, WORKERS, args.seconds, s, args.step_ms),
+        "async PS": lambda s: _gather(_ps, WORKERS + 1, args.seconds, s, args.step_ms, "async"),
+        f"SSP PS (s={STALENESS})": lambda s: _gather(_ps, WORKERS + 1, args.seconds, s, args.step_ms, "ssp"),
+        f"local SGD (H={SYNC_EVERY})": lambda s: _gather(_local_sgd, WORKERS, args.seconds, s, args.step_ms),
     }
-    runs = {m: [] for m in methods}
-    for _ in range(args.repeats):  # interleaved: each repeat runs every method once
-        for name, fn in methods.items():
-            runs[name].append(fn())
-    base = statistics.median(r[0] for r in runs["sync DP (allreduce)"])
-    print(f"{WORKERS} workers, worker 0 3x slower ({args.step_ms:g} ms vs {3 * args.step_ms:g} ms sleep/step), "
-          f"{args.seconds:g} s wall each, median of {args.repeats}")
-    print(f"{'method':<22}{'samples/s':>10}{'vs sync':>9}{'test acc':>10}")
-    for name, rs in runs.items():
-        sps = statistics.median(r[0] for r in rs)
-        acc = statistics.median(r[1] for r in rs)
-        print(f"{name:<22}{sps:>10.0f}{sps / base:>8.2f}x{acc:>10.4f}")
+    runs = {(p, m): [] for p in patterns for m in methods}
+    for _ in range(args.repeats):  # interleaved: each repeat runs every configuration once
+        for p in patterns:
+            for name, fn in methods.items():
+                runs[(p, name)].append(fn(p))
+    for p in patterns:
+        what = "worker 0 is 3x slower at every step" if p == "fixed" else "each worker 3x slower w.p. 1/3 per step"
+        print(f"\n{WORKERS} workers, {what} ({args.step_ms:g} vs {3 * args.step_ms:g} ms sleep), "
+              f"{args.seconds:g} s each, median of {args.repeats}")
+        print(f"{'method':<24}{'samples/s':>10}{'vs sync':>9}{'test acc':>10}{'server busy':>13}")
+        base = statistics.median(r[0] for r in runs[(p, "sync DP (DataParallel)")])
+        for name in methods:
+            rs = runs[(p, name)]
+            sps = statistics.median(r[0] for r in rs)
+            acc = statistics.median(r[1] for r in rs)
+            busy = [r[2] for r in rs if r[2] is not None]
+            busy_s = f"{statistics.median(busy):.0%}" if busy else "-"
+            print(f"{name:<24}{sps:>10.0f}{sps / base:>8.2f}x{acc:>10.4f}{busy_s:>13}")
 
 
 if __name__ == "__main__":
