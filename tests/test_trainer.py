@@ -7,7 +7,7 @@ from torch import nn
 import phalanx as px
 from phalanx.demo import load_digits
 from phalanx.testing import distributed
-from phalanx.trainer import Callback, EarlyStopping, LRWarmup, Trainer
+from phalanx.trainer import Callback, Checkpoint, EarlyStopping, LRSchedule, LRWarmup, Trainer
 
 
 def _model():
@@ -91,3 +91,83 @@ def _early_stop():
 def test_early_stopping_stops_every_rank_at_the_same_epoch():
     # lr=0 means no improvement: patience 2 stops after epoch 3 (1 best + 2 bad)
     assert distributed(_early_stop, np=2) == [3, 3]
+
+
+# ---------------------------------------------------------------- resume, accumulation, clipping, recompute
+
+class _Counting(nn.Module):
+    """A child that counts its forward calls (activation checkpointing runs it again in backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.calls = nn.Linear(64, 64), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
+def _feature_model(dropout=0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(_Counting(), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 10))
+
+
+def _features_fit(data, epochs, callbacks=(), dropout=0.0, **kw):
+    model = _feature_model(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), data, callbacks=[cb(opt) if callable(cb) else cb
+                                                                         for cb in callbacks],
+                      progress=False, **{"batch_size": 32, **kw})
+    history = trainer.fit(epochs)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), history, trainer, model
+
+
+def _trainer_features(root):
+    x, y, _, _ = load_digits()
+    data = (x[:640], y[:640])  # 10 global batches of 64: accumulation splits them evenly
+    out = {}
+    # auto-resume: 2 epochs, stop, a new trainer continues to 4 == 4 epochs in one go
+    sched = lambda opt: LRSchedule(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))  # noqa: E731
+    full = _features_fit(data, 4, [sched, Checkpoint(f"{root}/full")], dropout=0.2)
+    _features_fit(data, 2, [sched, Checkpoint(f"{root}/cut")], dropout=0.2)
+    resumed = _features_fit(data, 4, [sched, Checkpoint(f"{root}/cut")], dropout=0.2)
+    out["resume"] = (full[0], resumed[0], full[1], resumed[1], resumed[2].callbacks[-1].resumed_from,
+                     resumed[2].optimizer.param_groups[0]["lr"])
+    # gradient accumulation: 2 x 16 per rank == 32 per rank
+    out["accum"] = (_features_fit(data, 1, batch_size=16, grad_accum=2)[0], _features_fit(data, 1)[0])
+    # clipping and activation checkpointing
+    out["clip"] = _features_fit(data, 1, max_grad_norm=0.05)[0]
+    plain, _, _, m_plain = _features_fit(data, 1)
+    ckpt, _, _, m_ckpt = _features_fit(data, 1, activation_checkpointing=True)
+    out["recompute"] = (plain, ckpt, m_plain[0].calls, m_ckpt[0].calls)
+    return out
+
+
+def test_trainer_resume_accumulation_clipping_and_activation_checkpointing(tmp_path):
+    results = distributed(_trainer_features, np=2, args=(str(tmp_path),), timeout=240)
+    for out in results:
+        full, resumed, h_full, h_resumed, resumed_from, lr = out["resume"]
+        assert resumed_from is not None and resumed_from.endswith("step-000000001")
+        torch.testing.assert_close(resumed, full, rtol=0, atol=1e-6)  # model, momentum, RNG, scheduler
+        assert [h["epoch"] for h in h_resumed] == [0, 1, 2, 3] and h_resumed == h_full
+        assert abs(lr - 0.05 * 0.5 ** 4) < 1e-12
+        torch.testing.assert_close(out["accum"][0], out["accum"][1], rtol=1e-5, atol=1e-6)
+        plain, ckpt, calls_plain, calls_ckpt = out["recompute"]
+        torch.testing.assert_close(ckpt, plain, rtol=0, atol=1e-6)
+        assert calls_ckpt == 2 * calls_plain == 20  # each of the 10 steps recomputed its forward in backward
+    torch.testing.assert_close(results[0]["clip"], results[1]["clip"], rtol=0, atol=0)
+    # clipping reference: one process, the same global batches of 64, clip the averaged gradient
+    x, y, _, _ = load_digits()
+    x, y = x[:640], y[:640]
+    model = _feature_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    order = torch.randperm(640, generator=torch.Generator().manual_seed(0))
+    for start in range(0, 640, 64):
+        idx = order[start:start + 64]
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x[idx]), y[idx]).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(results[0]["clip"], ref, rtol=1e-5, atol=1e-6)
+    assert (results[0]["clip"] - results[0]["recompute"][0]).abs().max() > 1e-3  # clipping did bite

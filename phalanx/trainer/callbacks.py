@@ -83,10 +83,12 @@ class LRWarmup(Callback):
         self.base_lrs: list[float] = []
 
     def on_train_begin(self, trainer) -> None:
-        self.base_lrs = [g["lr"] for g in trainer.optimizer.param_groups]
+        # The unscaled rate is kept in the param group, so a resumed run (whose optimizer state
+        # holds the warmed-up rate) still knows where the ramp started.
+        self.base_lrs = [g.setdefault("warmup_base_lr", g["lr"]) for g in trainer.optimizer.param_groups]
         if self.steps_per_epoch is None:
             self.steps_per_epoch = max(1, len(list(trainer._batches(trainer.train_data, 0))) // trainer.grad_accum)
-        self._apply(trainer, 0)
+        self._apply(trainer, trainer.state.step)
 
     def lr_at(self, base_lr: float, step: int, size: int) -> float:
         target = base_lr * (size if self.scale_by_size else 1)
@@ -127,6 +129,13 @@ class LRSchedule(Callback):
         if self.every == "epoch":
             self.scheduler.step()
 
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
 
 class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
@@ -151,38 +160,98 @@ class EarlyStopping(Callback):
             self.bad_epochs += 1
             trainer.state.stop = self.bad_epochs >= self.patience
 
+    def state_dict(self) -> dict:
+        return {"best": self.best, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.bad_epochs = float(state["best"]), int(state["bad_epochs"])
+
 
 class Checkpoint(Callback):
-    """Save model, optimizer, scaler and trainer position every ``every`` epochs.
+    """Save the whole training state every ``every`` epochs; resume from the newest one at train begin.
 
-    Uses phalanx.checkpoint (atomic, sharded, optionally async) when available; resumes
-    from the newest intact checkpoint in ``directory`` at train begin when ``resume``.
+    The state is the model, the optimizer, the GradScaler, every process's RNG streams, the
+    trainer's position (epoch, step, history) and the state of callbacks that have one
+    (LR schedules, early stopping), written with :class:`phalanx.checkpoint.CheckpointManager`
+    (sharded, atomic, checksummed; ``async_=True`` returns after the CPU copy; the newest
+    ``keep`` are kept). With ``resume`` (default) ``fit`` first loads the newest intact
+    checkpoint under ``$PHALANX_RESUME_FROM`` (``phalanx run --resume-from DIR``) or else
+    ``directory``, and continues with the next epoch; a fresh directory starts from scratch.
+    The trainer runs this callback's ``on_train_begin`` after the others', so the loaded state
+    wins over what they set up (a new scheduler, the warm-up's first rate).
+
+    Example::
+
+        Trainer(..., callbacks=[Checkpoint("ckpt/", every=1, keep=3)]).fit(epochs=20)
+        # killed at epoch 7? the same command continues from the end of epoch 6
     """
 
-    def __init__(self, directory: str, every: int = 1, async_: bool = False, keep: int = 3, resume: bool = True):
-        self.directory, self.every, self.async_, self.keep, self.resume = directory, every, async_, keep, resume
+    def __init__(self, directory: str, every: int = 1, async_: bool = False, keep: int = 3,
+                 resume: bool = True) -> None:
+        from phalanx.checkpoint import CheckpointManager
+
+        if every < 1:
+            raise ValueError(f"Checkpoint(every={every}): save every 1 or more epochs")
+        self.directory, self.every, self.async_, self.resume = directory, every, async_, resume
+        self.manager = CheckpointManager(directory, keep=keep)
+        self.resumed_from: str | None = None
 
     def _state(self, trainer) -> dict:
+        from phalanx.checkpoint import RNGState
+
         return {"model": trainer.model.module, "optimizer": trainer.optimizer, "scaler": trainer.scaler,
-                "extras": {"epoch": trainer.state.epoch, "step": trainer.state.step}}
+                "rng": RNGState(), "trainer": _TrainerPosition(trainer)}
 
     def on_train_begin(self, trainer) -> None:
         if not self.resume:
             return
-        from phalanx import checkpoint
+        import os
 
-        state = self._state(trainer)
-        if checkpoint.load_latest(self.directory, state) is not None:
-            trainer.state.epoch = int(state["extras"]["epoch"]) + 1
-            trainer.state.step = int(state["extras"]["step"])
+        from phalanx.checkpoint import load_latest
+
+        root = os.environ.get("PHALANX_RESUME_FROM") or self.directory
+        self.resumed_from = load_latest(root, self._state(trainer))
+        if self.resumed_from is not None and trainer.topology.rank == 0:
+            from phalanx.log import get_logger
+
+            get_logger(__name__).warning("resumed from %s: continuing with epoch %d",
+                                         self.resumed_from, trainer.state.epoch)
 
     def on_epoch_end(self, trainer) -> None:
         if (trainer.state.epoch + 1) % self.every:
             return
-        from phalanx import checkpoint
+        self.manager.save(trainer.state.epoch, self._state(trainer), async_=self.async_)
 
-        path = f"{self.directory}/epoch-{trainer.state.epoch:05d}"
-        checkpoint.save(path, self._state(trainer), async_=self.async_, keep=self.keep)
+    def on_train_end(self, trainer) -> None:
+        if self.async_:
+            from phalanx.checkpoint import wait
+
+            wait()  # the last save is on disk before fit() returns
+
+
+class _TrainerPosition:
+    """The trainer's place and the callbacks' own state, as one checkpoint piece."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def _stateful_callbacks(self) -> dict:
+        return {f"{i}.{type(cb).__name__}": cb for i, cb in enumerate(self.trainer.callbacks)
+                if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")}
+
+    def state_dict(self) -> dict:
+        st = self.trainer.state
+        history = st.history + [{"epoch": st.epoch, **st.metrics}]  # on_epoch_end runs before the append
+        return {"epoch": st.epoch, "step": st.step, "skipped_steps": st.skipped_steps, "history": history,
+                "callbacks": {k: cb.state_dict() for k, cb in self._stateful_callbacks().items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        st = self.trainer.state
+        st.epoch, st.step = int(sd["epoch"]) + 1, int(sd["step"])
+        st.skipped_steps, st.history = int(sd["skipped_steps"]), [dict(h) for h in sd["history"]]
+        for key, cb in self._stateful_callbacks().items():
+            if key in sd["callbacks"]:
+                cb.load_state_dict(sd["callbacks"][key])
 
 
 class TensorBoard(Callback):

@@ -27,7 +27,7 @@ from torch import nn
 
 import phalanx.runtime as rt
 from phalanx.comm import collectives as c
-from phalanx.trainer.callbacks import Callback, MetricAverage
+from phalanx.trainer.callbacks import Callback, Checkpoint, MetricAverage
 
 __all__ = ["Trainer", "TrainerState"]
 
@@ -90,6 +90,9 @@ class Trainer:
         self.callbacks = list(callbacks)
         if not any(isinstance(cb, MetricAverage) for cb in self.callbacks):
             self.callbacks.append(MetricAverage())
+        # Checkpoint callbacks run last: a resume at train begin overrides what the others set
+        # up (a fresh LR scheduler, the warm-up's first rate); at epoch end they see averaged metrics.
+        self.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
         self.shuffle, self.seed, self.progress = shuffle, seed, progress
         self.state = TrainerState()
 
