@@ -46,6 +46,7 @@ from phalanx.parallel.data_optimizer import (
 )
 from phalanx.parallel.mesh import DeviceMesh
 from phalanx.parallel.parallelize import parallelize
+from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 from phalanx.parallel.zero import zero
 from phalanx.runtime import (
     Topology,
@@ -60,6 +61,7 @@ from phalanx.runtime import (
     topology,
 )
 from phalanx.runtime import init as _runtime_init
+from phalanx.trainer import Trainer
 
 
 def init(backend=None, device=None, timeout=None) -> Topology:
@@ -127,6 +129,9 @@ __all__ = [
     "zero",
     "memory_report",
     "balance",
+    "SyncBatchNorm",
+    # training loop
+    "Trainer",
     # model parallel
     "DeviceMesh",
     "parallelize",
