@@ -9,7 +9,7 @@ from phalanx.demo import load_digits
 from phalanx.ps import DiLoCo, LocalSGD
 from phalanx.testing import distributed
 
-STEPS, BATCH = 6, 32
+STEPS, BATCH, EPOCHS = 6, 32, 5
 
 
 def _mlp(hidden=32):
@@ -63,7 +63,7 @@ def _suite():
                      ("post", {"sync_every": 8, "warmup_steps": 40})):
         model = _mlp(64)
         opt = LocalSGD(torch.optim.Adam(model.parameters(), lr=3e-3), model, **kw)
-        _train(model, opt, 0, 64, epochs=10)
+        _train(model, opt, 0, 64, epochs=EPOCHS)
         opt.synchronize()
         out[f"acc_{name}"] = _train(model, opt, 0, 64, epochs=0)
         out[f"stats_{name}"] = opt.stats
