@@ -100,6 +100,8 @@ def _facade_collectives(tmp):
         "grouped_allreduce_async_": hvd.grouped_allreduce_async_([ins.clone(), ins * 10], op=hvd.Sum),
         "grouped_allgather_async": hvd.grouped_allgather_async([torch.tensor([r]), torch.tensor([r, r])]),
         "grouped_reducescatter_async": hvd.grouped_reducescatter_async([torch.ones(2), torch.ones(4)], op=hvd.Sum),
+        "sparse_allreduce_async": hvd.sparse_allreduce_async(
+            torch.sparse_coo_tensor([[r, 3]], torch.ones(2, 2) * (r + 1), (4, 2)), name="sp", op=hvd.Sum),
     }
     out["async_forms"] = {k: hvd.synchronize(h) for k, h in reversed(pending.items())}
     # a handle polled before it can complete: rank 1 contributes only after rank 0 has polled
@@ -170,6 +172,7 @@ def test_facade_collectives_on_two_ranks(tmp_path):
             assert [t.tolist() for t in a[k]] == [[3.0, 6.0], [30.0, 60.0]], k
         assert [t.tolist() for t in a["grouped_allgather_async"]] == [[0, 1], [0, 0, 1, 1]]
         assert [t.tolist() for t in a["grouped_reducescatter_async"]] == [[2.0], [2.0, 2.0]]
+        assert a["sparse_allreduce_async"].to_dense()[:, 0].tolist() == [1.0, 2.0, 0.0, 3.0]
         assert o["poll_before"] is False and o["poll_after"] is True
         assert o["late"].tolist() == [2.0, 2.0, 2.0]
 

@@ -35,7 +35,7 @@ __all__ = [
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
     "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
     "poll", "synchronize", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "Compression", "SyncBatchNorm",
@@ -172,6 +172,17 @@ def _track(name: str | None, handle: _c.Handle) -> _c.Handle:
     return handle
 
 
+class _Composite(_c.Handle):
+    """A handle over inner handles: ``poll`` is true only once all of them are (never blocks)."""
+
+    def __init__(self, inner, finish):
+        super().__init__(None, inner, finish)
+        self._inner = list(inner) if isinstance(inner, (list, tuple)) else [inner]
+
+    def is_completed(self) -> bool:
+        return self._done or all(h.is_completed() for h in self._inner)
+
+
 def poll(handle: _c.Handle) -> bool:
     """True when the asynchronous operation has finished (never blocks)."""
     return handle.is_completed()
@@ -296,7 +307,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
-    return _track(name, _c.Handle(None, handles, lambda hs: [synchronize(h) for h in hs]))
+    return _track(name, _Composite(handles, lambda hs: [synchronize(h) for h in hs]))
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -335,7 +346,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     scaled = tensor * prescale_factor if prescale_factor != 1.0 else tensor
     finish = (lambda t: t.mul_(postscale_factor)) if postscale_factor != 1.0 else None
     inner = _c.reducescatter(scaled, _op(None, op), group=_group(process_set), async_op=True, name=name)
-    return _track(name, _c.Handle(None, inner, lambda h: finish(h.wait()) if finish else h.wait()))
+    return _track(name, _Composite(inner, lambda h: finish(h.wait()) if finish else h.wait()))
 
 
 def reducescatter(tensor, name=None, compression=_NO_COMPRESSION, op=Average, process_set=global_process_set,
@@ -348,12 +359,33 @@ def reducescatter(tensor, name=None, compression=_NO_COMPRESSION, op=Average, pr
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set):
     handles = [reducescatter_async(t, None if name is None else f"{name}.{i}", op, process_set)
                for i, t in enumerate(tensors)]
-    return _track(name, _c.Handle(None, handles, lambda hs: [synchronize(h) for h in hs]))
+    return _track(name, _Composite(handles, lambda hs: [synchronize(h) for h in hs]))
 
 
 def grouped_reducescatter(tensors, name=None, compression=_NO_COMPRESSION, op=Average,
                           process_set=global_process_set):
     return synchronize(grouped_reducescatter_async(tensors, name, op, process_set))
+
+
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
+    """Reduce a sparse COO tensor by allgathering its indices and values (as Horovod does);
+    ``synchronize`` returns the coalesced sparse result. ``op`` is Average or Sum."""
+    if not tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce_async needs a sparse COO tensor, got layout {tensor.layout}; "
+                        "use allreduce_async for dense tensors")
+    op = _op(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op}")
+    t = tensor.coalesce()
+    parts = [allgather_async(t.indices().t().contiguous(), None if name is None else f"{name}.indices", process_set),
+             allgather_async(t.values(), None if name is None else f"{name}.values", process_set)]
+    scale = 1.0 / process_set.size() if op is Average else 1.0
+
+    def finish(hs):
+        indices, values = (synchronize(h) for h in hs)
+        return torch.sparse_coo_tensor(indices.t(), values * scale, tensor.shape).coalesce()
+
+    return _track(name, _Composite(parts, finish))
 
 
 def barrier(process_set=global_process_set):
