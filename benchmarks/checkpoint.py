@@ -9,10 +9,17 @@ directory with fsync on both sides) interleaves phalanx and DCP each repeat and 
   * blocked by async save phalanx save(async_=True) return  vs dcp.async_save return
     (the time the training loop is stopped; the write finishes in the background)
 Part 2: `phalanx run -np 4 --max-restarts 1` of a small training job whose rank 1 SIGKILLs itself
-at step 12 (commit every 5 steps); recovery = time from the kill to the next completed step.
+at step 12 (commit every 5 steps); recovery = time from the kill to the next completed step, split
+into: agent notices, stops the group, re-rendezvous, spawns (until the new rank 0 runs Python) ->
+import torch and phalanx -> px.init (waits for all 4 ranks) -> restore the commit + sync -> first step.
 """
 
+# ruff: noqa: E402  (the process start time is taken before the imports)
 from __future__ import annotations
+
+import time
+
+_BOOT = time.time()  # when this process started running Python (recovery breakdown); before torch
 
 import argparse
 import os
@@ -21,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -91,7 +97,9 @@ KILL_STEP, COMMIT_EVERY, STEPS = 12, 5, 20
 def _recovery_worker(out: str) -> None:
     from phalanx import elastic
 
+    imported = time.time()
     px.init()
+    inited = time.time()
     r = px.rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
@@ -103,8 +111,15 @@ def _recovery_worker(out: str) -> None:
         with open(os.path.join(out, "events.txt"), "a") as f:
             f.write(f"{what} {state.step} {restart} {time.time():.4f}\n")
 
+    if r == 0 and restart == 1:
+        with open(os.path.join(out, "events.txt"), "a") as f:
+            f.write(f"boot {state.step} {restart} {_BOOT:.4f}\nimported {state.step} {restart} {imported:.4f}\n"
+                    f"inited {state.step} {restart} {inited:.4f}\n")
+
     @elastic.run
     def train(state):
+        if r == 0:
+            event("resumed")
         while state.step < STEPS:
             x = torch.randn(32, 64)
             loss = model(x).pow(2).mean()
@@ -125,7 +140,7 @@ def _recovery_worker(out: str) -> None:
     train(state)
 
 
-def _recovery_once() -> tuple[float, int]:
+def _recovery_once() -> tuple[float, int, dict]:
     out = tempfile.mkdtemp(prefix="phalanx-recovery-")
     try:
         cmd = [sys.executable, "-m", "phalanx", "run", "-np", "4", "--max-restarts", "1",
@@ -137,7 +152,11 @@ def _recovery_once() -> tuple[float, int]:
         kill_t = next(float(e[3]) for e in events if e[0] == "kill")
         after = [e for e in events if e[0] == "done" and int(e[2]) == 1]
         lost = KILL_STEP - (int(after[0][1]) - 1)
-        return float(after[0][3]) - kill_t, lost
+        at = {e[0]: float(e[3]) for e in events if int(e[2]) == 1 and e[0] in ("boot", "imported", "inited", "resumed")}
+        phases = {"agent stop+rendezvous+spawn": at["boot"] - kill_t, "import torch+phalanx": at["imported"] - at["boot"],
+                  "init (all 4 ranks)": at["inited"] - at["imported"], "restore+sync": at["resumed"] - at["inited"],
+                  "first step": float(after[0][3]) - at["resumed"]}
+        return float(after[0][3]) - kill_t, lost, phases
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -175,10 +194,12 @@ def main() -> None:
         print(f"{name:32s} {a:10.1f} {b:10.1f} {a / b:12.2f}")
     if args.recovery_repeats:
         rec = [_recovery_once() for _ in range(args.recovery_repeats)]
-        times = [t for t, _ in rec]
+        times = [t for t, _, _ in rec]
         print(f"recovery after SIGKILL of 1 of 4 workers (kill -> next completed step): median "
               f"{statistics.median(times):.2f} s over {len(times)} runs {[round(t, 2) for t in times]}; "
-              f"steps lost {[s for _, s in rec]} (commit every {COMMIT_EVERY})")
+              f"steps lost {[s for _, s, _ in rec]} (commit every {COMMIT_EVERY})")
+        print("  median split: " + ", ".join(f"{k} {statistics.median(p[k] for _, _, p in rec):.2f} s"
+                                             for k in rec[0][2]))
 
 
 if __name__ == "__main__":
