@@ -276,3 +276,109 @@ def test_soak_kill_three_workers_same_final_params(tmp_path):
     exec(compile(WORKER, "worker", "exec"), ns)
     init = [p.detach() for p in ns["make"]()[0].parameters()]
     assert max((a - b).abs().max() for a, b in zip(reference, init)) > 1e-2  # training moved: not vacuous
+
+
+# ---------------------------------------------------------------- host discovery: grow 2 -> 3 at a commit
+
+
+DISCOVERY_WORKER = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import phalanx as px
+    from phalanx import elastic
+
+    TOTAL, COMMIT, G, N_DATA, GROW_AT = 24, 4, 12, 96, 6
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(N_DATA, 8, generator=g, dtype=torch.float64)
+        return x, torch.sin(3 * x[:, :1]) + x[:, 1:2] ** 2
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(model, opt, sampler, x, y, n, batch):
+        if sampler.processed >= N_DATA - N_DATA % G:
+            sampler.set_epoch(sampler.epoch + 1)
+        idx = sampler.indices[:batch]
+        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        if n > 1:
+            for p in model.parameters():
+                px.allreduce(p.grad, op=px.Average, inplace=True)
+        opt.step()
+        sampler.record_batch(batch)
+        sampler.reset()
+
+    def main(out, hosts_file):
+        px.init()
+        r, n = px.rank(), px.size()
+        x, y = data()
+        model, opt = make()
+        state = elastic.TorchState(model, opt, sampler=elastic.ElasticSampler(N_DATA, seed=1), step=0,
+                                   batch=0, commit_dir=os.path.join(out, "commits"))
+        changes = []
+        state.on_world_change(lambda old, new: changes.append((old, new)))
+        state.on_world_change(elastic.keep_global_batch(state, "batch", G))
+
+        @elastic.run
+        def train(state):
+            if r == 0:
+                with open(os.path.join(out, "events.txt"), "a") as f:
+                    f.write(f"start {state.step} {n} {state.batch} {changes}\\n")
+            while state.step < TOTAL:
+                step(model, opt, state.sampler, x, y, n, state.batch)
+                state.step += 1
+                if r == 0 and n == 2 and state.step == GROW_AT:
+                    with open(hosts_file, "w") as f:
+                        f.write("localhost:3\\n")        # a third slot appears
+                    deadline = time.time() + 60            # wait until the launcher has seen it
+                    while open(os.environ["PHALANX_RESIZE_FILE"]).read().strip() != "3":
+                        assert time.time() < deadline, "the launcher never polled the discovery script"
+                        time.sleep(0.05)
+                if state.step % COMMIT == 0:
+                    state.commit()
+
+        train(state)
+        if r == 0:
+            torch.save([p.detach() for p in model.parameters()], os.path.join(out, "final.pt"))
+        px.shutdown()
+
+    if __name__ == "__main__":
+        main(sys.argv[1], sys.argv[2])
+""")
+
+
+def test_discovery_script_grows_the_job_at_the_next_commit(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    worker = tmp_path / "worker.py"
+    worker.write_text(DISCOVERY_WORKER)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--min-np", "1", "--max-np", "4",
+           "--host-discovery-script", str(script), "--discovery-interval", "0.2", "--timeout", "60",
+           sys.executable, str(worker), str(tmp_path), str(hosts)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resizing from 2 to 3 workers" in proc.stdout
+    starts = [line.split(maxsplit=4) for line in (tmp_path / "events.txt").read_text().splitlines()]
+    # first group: 2 workers, 6 samples each; second: 3 workers from the commit at step 8 (GROW_AT 6 ->
+    # next commit), 4 samples each, after the hook saw 2 -> 3; no step lost or repeated
+    assert [s[1:4] for s in starts] == [["0", "2", "6"], ["8", "3", "4"]], starts
+    assert starts[1][4] == "[(2, 3)]"
+    ns = {}
+    exec(compile(DISCOVERY_WORKER, "worker", "exec"), ns)
+    model, opt = ns["make"]()
+    x, y = ns["data"]()
+    sampler = elastic.ElasticSampler(ns["N_DATA"], seed=1, rank=0, world_size=1)
+    for _ in range(ns["TOTAL"]):
+        ns["step"](model, opt, sampler, x, y, 1, ns["G"])
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for got, want in zip(final, model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)

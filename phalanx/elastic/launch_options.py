@@ -13,7 +13,7 @@ import argparse
 import math
 import os
 
-__all__ = ["add_elastic_arguments", "elastic_launch_options"]
+__all__ = ["add_elastic_arguments", "elastic_launch_options", "discovery_options"]
 
 
 def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,10 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-np", type=int, default=None, help="elastic: fewest workers to run with")
     g.add_argument("--max-np", type=int, default=None, help="elastic: most workers to admit")
     g.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
-                   help="elastic (horovodrun's flag): executable printing 'host:slots' lines")
+                   help="elastic (horovodrun's flag): executable printing 'host:slots' lines; polled, and "
+                        "the job resizes to this machine's slots (within --min-np..--max-np) at the next commit")
+    g.add_argument("--discovery-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between runs of the host discovery script (default 1)")
     g.add_argument("--resume-from", default=None, metavar="DIR",
                    help="resume from the newest intact checkpoint under DIR (exported to the "
                         "workers as PHALANX_RESUME_FROM)")
@@ -43,6 +46,8 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
         raise ValueError(f"--min-np {min_np} is larger than -np {np}; lower --min-np or raise -np")
     if max_np is not None and max_np < np:
         raise ValueError(f"--max-np {max_np} is smaller than -np {np}; raise --max-np or lower -np")
+    if args.discovery_interval <= 0:
+        raise ValueError(f"--discovery-interval must be positive, got {args.discovery_interval}")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.host_discovery_script is not None:
@@ -57,8 +62,17 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
     if restarts is not None:
         out["max_restarts"] = restarts
         env["PHALANX_MAX_RESTARTS"] = str(restarts)
-    if elastic:
-        # TorchElastic counts nodes (agents), each running -np workers here.
+    if elastic and args.host_discovery_script is None:
+        # TorchElastic counts nodes (agents), each running -np workers here. (With a discovery
+        # script the launcher itself resizes the group: see discovery_options.)
         out["min_nodes"] = max(1, math.ceil((min_np or np) / np))
         out["max_nodes"] = max(out["min_nodes"], math.ceil((max_np or np) / np))
     return out
+
+
+def discovery_options(args: argparse.Namespace, np: int) -> dict | None:
+    """``launch_with_discovery`` keywords when ``--host-discovery-script`` is given, else None."""
+    if args.host_discovery_script is None:
+        return None
+    return {"script": os.path.abspath(args.host_discovery_script), "min_np": args.min_np or 1,
+            "max_np": args.max_np or np, "interval_s": args.discovery_interval}

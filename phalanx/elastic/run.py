@@ -11,8 +11,10 @@ with ``--min-np``..``--max-np`` workers). So the loop is split in two::
                                     on a collective error: log where, exit non-zero → agent restarts
 
 Inside one process the loop still retries on :class:`HostsUpdatedInterrupt`
-(raised by a user or a discovery hook at a commit to re-sync a changed state)
-after rolling back to the last commit.
+(raised by a user at a commit to re-sync a changed state) after rolling back to
+the last commit. Under ``--host-discovery-script`` a commit may raise
+:class:`~phalanx.elastic.discovery.ResizeRequested`: the workers then exit 0 and
+the launcher starts a group of the new size from that commit (see discovery.py).
 
 Example::
 
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from phalanx.elastic.discovery import ResizeRequested
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
 
@@ -66,6 +69,14 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:
                 return func(state, *args, **kwargs)
+            except ResizeRequested as req:
+                # The launcher restarts the group at the new size; it resumes from this very commit.
+                log.warning("%s: the commit is saved; ending this worker group", req)
+                from phalanx import runtime
+
+                if runtime.is_initialized():
+                    runtime.shutdown()
+                raise SystemExit(0) from None
             except HostsUpdatedInterrupt:
                 log.warning("hosts updated: rolling back to the last commit and re-syncing")
                 state.restore()

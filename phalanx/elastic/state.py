@@ -112,6 +112,25 @@ class TorchState:
                     for k, v in self._pieces.items()}
         object.__setattr__(self, "_memory", snapshot)
         self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
+        self._check_resize()
+
+    def _check_resize(self) -> None:
+        """Under ``--host-discovery-script``: raise ResizeRequested on every rank if the launcher wants
+        another worker count (rank 0 reads the request; one small broadcast per commit)."""
+        from phalanx.elastic.discovery import RESIZE_ENV, ResizeRequested, resize_requested
+
+        if not os.environ.get(RESIZE_ENV):
+            return
+        from phalanx import runtime
+
+        size = runtime.size() if runtime.is_initialized() else 1
+        wanted = resize_requested() if size == 1 or runtime.rank() == 0 else None
+        if size > 1:
+            from phalanx.comm.collectives import broadcast_object
+
+            wanted = broadcast_object(wanted, root_rank=0)
+        if wanted is not None and wanted != size:
+            raise ResizeRequested(size, wanted)
 
     def restore(self) -> bool:
         """Roll back to the last commit: from memory if this process made it, else from the snapshot."""

@@ -12,7 +12,11 @@ import argparse
 import os
 import sys
 
-from phalanx.elastic.launch_options import add_elastic_arguments, elastic_launch_options
+from phalanx.elastic.launch_options import (
+    add_elastic_arguments,
+    discovery_options,
+    elastic_launch_options,
+)
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
 from phalanx.launcher.local import LaunchSpec, launch
 from phalanx.launcher.remote import add_remote_arguments
@@ -93,7 +97,13 @@ def main(args: argparse.Namespace) -> int:
     env.update(autotune_env(args))
     spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env,
                       **elastic)
-    code = launch(spec, command)
+    discovery = discovery_options(args, np)
+    if discovery:
+        from phalanx.elastic.discovery import launch_with_discovery
+
+        code = launch_with_discovery(launch, spec, command, **discovery)
+    else:
+        code = launch(spec, command)
     if args.timeline:
         from phalanx.profiler.timeline import merge_parts
 
