@@ -60,7 +60,7 @@ class TorchState(_elastic.TorchState):
 
     Extras become attributes (``state.epoch``, ``state.sampler``). ``commit()`` =
     ``save()`` + ``check_host_updates()`` as in Horovod; ``register_reset_callbacks``
-    functions run after every reset (a group restart or a ``HostsUpdatedInterrupt``),
+    functions run after every reset (a group restart or resize, or a ``HostsUpdatedInterrupt``),
     after the state is restored and before it is synced from rank 0. ``commit_dir``
     and ``keep`` (phalanx's) choose where and how many snapshots are kept.
     """
@@ -94,13 +94,15 @@ class TorchState(_elastic.TorchState):
         self.check_host_updates()
 
     def restore(self) -> bool:
+        from_memory = self._memory is not None
         restored = super().restore()
         count = self._restores_in_run
         if count is not None:
             object.__setattr__(self, "_restores_in_run", count + 1)
-            # The first restore of a run is a reset only in a restarted group; later ones
-            # (after HostsUpdatedInterrupt) always are.
-            if count > 0 or restart_count() > 0:
+            # The first restore of a run is a reset when this group was restarted or resized
+            # (it loaded a snapshot an earlier group committed); later ones, after a
+            # HostsUpdatedInterrupt, always are.
+            if count > 0 or restart_count() > 0 or (restored and not from_memory):
                 self.on_reset()
         return restored
 
