@@ -1,4 +1,7 @@
-"""Local SGD on real ranks: H=1 == synchronous DP, post-local warm-up, DiLoCo, digits accuracy."""
+"""Local SGD on real ranks: H=1 == synchronous DP, post-local warm-up, DiLoCo, time-based periods,
+digits accuracy."""
+
+import time
 
 import pytest
 import torch
@@ -58,6 +61,20 @@ def _suite():
     _train(plain, plain_opt, 2, BATCH)  # the same two local steps, without averaging
     local = [px.allreduce(p.detach().clone(), op=px.Average) for p in plain.parameters()]
     out["diloco"] = [(p.detach().clone(), s - 0.7 * (s - avg)) for p, s, avg in zip(model.parameters(), start, local)]
+    # time-based periods: rank 1's steps (60 ms) outlast the 40 ms period, rank 0's (5 ms) do not;
+    # both average exactly 4 times, after different numbers of local steps, and end equal
+    model = _mlp()
+    opt = LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, sync_every_s=0.04)
+    x, y, _, _ = load_digits()
+    synced_at = []
+    while opt.stats.syncs < 4:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+        time.sleep(0.005 if px.rank() == 0 else 0.06)
+        opt.step()
+        if opt.synced:
+            synced_at.append(opt.stats.steps)
+    out["timed"] = (synced_at, [p.detach().clone() for p in model.parameters()])
     # convergence on digits: sync DP (H=1, no momentum difference) vs local SGD H=8 vs DiLoCo
     for name, kw in (("sync", {"sync_every": 1, "warmup_steps": 10**9}), ("local", {"sync_every": 8}),
                      ("post", {"sync_every": 8, "warmup_steps": 40})):
@@ -94,6 +111,10 @@ def test_local_sgd_on_two_ranks():
         assert (st.steps, st.grad_syncs, st.syncs) == (STEPS + 7, STEPS, 7 // 3)
         for got, want in out["diloco"]:
             torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    (fast_at, fast_params), (slow_at, slow_params) = results[0]["timed"], results[1]["timed"]
+    assert slow_at == [1, 2, 3, 4] and len(fast_at) == 4 and fast_at[-1] > 4, (fast_at, slow_at)
+    for a, b in zip(fast_params, slow_params):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
     for r in (1,):  # every replica ends equal after synchronize()
         assert results[r]["acc_local"] == results[0]["acc_local"]
     acc = {m: results[0][f"acc_{m}"] for m in ("sync", "local", "post")}
@@ -111,3 +132,7 @@ def test_bad_arguments():
         LocalSGD(opt, model, sync_every=0)
     with pytest.raises(ValueError, match="warmup_steps"):
         LocalSGD(opt, model, warmup_steps=-1)
+    with pytest.raises(ValueError, match="not both"):
+        LocalSGD(opt, model, sync_every=4, sync_every_s=1.0)
+    with pytest.raises(ValueError, match="sync_every_s must be > 0"):
+        LocalSGD(opt, model, sync_every_s=0)

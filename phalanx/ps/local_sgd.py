@@ -17,6 +17,18 @@ Compared with synchronous data parallel this sends one parameter-sized allreduce
 every H steps instead of one gradient-sized allreduce per step, and a slow
 worker holds the others back only at the H-step boundaries, not at every step.
 
+A worker that is *always* slower still holds the others back at every average:
+with H steps each, the round takes as long as its H steps. ``sync_every_s=T``
+averages every T seconds of local training instead, so each worker takes as many
+local steps as its speed allows (the fast ones more). Averaging after unequal
+numbers of local steps is unbiased only when every worker draws from the same data
+distribution (the usual data-parallel case); with non-IID shards it tilts the
+objective toward the fast workers (Wang et al., "Tackling the Objective
+Inconsistency Problem in Heterogeneous Federated Optimization", NeurIPS 2020).
+Every rank still averages exactly once per period, so the collectives stay
+matched; the training loop must stop at a sync point (``opt.synced``) by a
+decision every rank shares, not after a per-rank number of steps.
+
 Example::
 
     opt = LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, sync_every=8, warmup_steps=50)
@@ -28,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 from torch import nn
@@ -61,21 +74,32 @@ class LocalSGD:
     Args:
         optimizer: the inner (local) optimizer; kept and delegated to.
         model: the module whose parameters (and floating buffers) are averaged.
-        sync_every: H, local steps between averages (1 = average every step).
+        sync_every: H, local steps between averages (1 = average every step); default 8.
+        sync_every_s: average every this many seconds of local steps instead of every H
+            steps (for workers of different speed; see the module docstring).
         warmup_steps: steps of gradient allreduce first (post-local SGD).
         outer: a :class:`DiLoCo` to step an outer optimizer on the averaged delta.
         group: process group to average over (default: the world).
         compression: a summable compressor name (``"fp16"``/``"bf16"``) for the averages.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, sync_every: int = 8,
-                 warmup_steps: int = 0, outer: DiLoCo | None = None, group=None, compression=None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, sync_every: int | None = None,
+                 sync_every_s: float | None = None, warmup_steps: int = 0, outer: DiLoCo | None = None,
+                 group=None, compression=None) -> None:
+        if sync_every is not None and sync_every_s is not None:
+            raise ValueError("give sync_every (local steps) or sync_every_s (seconds), not both")
+        if sync_every_s is not None and not sync_every_s > 0:
+            raise ValueError(f"sync_every_s must be > 0 seconds, got {sync_every_s}")
+        sync_every = 8 if sync_every is None else sync_every
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1 local steps, got {sync_every}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.optimizer, self.model = optimizer, model
         self.sync_every, self.warmup_steps, self.group = sync_every, warmup_steps, group
+        self.sync_every_s = sync_every_s
+        self.synced = False  # whether the last step() ended with an average
+        self._period_start = time.perf_counter()
         self.compressor = get_compressor(compression)
         if not self.compressor.summable:
             raise ValueError(f"compression={self.compressor.name!r} cannot be summed by an allreduce; "
@@ -128,9 +152,15 @@ class LocalSGD:
                 self.stats.grad_syncs += 1
         loss = self.optimizer.step(closure)
         self.stats.steps += 1
+        self.synced = False
         if warm:
-            if self.stats.steps == self.warmup_steps and self._outer is not None:
-                self._reset_anchor()
+            if self.stats.steps == self.warmup_steps:
+                self._period_start = time.perf_counter()
+                if self._outer is not None:
+                    self._reset_anchor()
+        elif self.sync_every_s is not None:
+            if time.perf_counter() - self._period_start >= self.sync_every_s:
+                self.synchronize()
         elif (self.stats.steps - self.warmup_steps) % self.sync_every == 0:
             self.synchronize()
         return loss
@@ -147,6 +177,8 @@ class LocalSGD:
         if buffers:
             self._average(buffers)
         self.stats.syncs += 1
+        self.synced = True
+        self._period_start = time.perf_counter()  # every rank leaves the average together
         if self._outer is None:
             return
         with torch.no_grad():
