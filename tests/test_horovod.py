@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import phalanx as px
 import phalanx.horovod as hvd
 from phalanx.testing import distributed
 
@@ -87,6 +88,8 @@ def _facade_collectives(tmp):
     hvd.broadcast_parameters(lin.state_dict(), root_rank=1, process_set=both)
     out["ps_params"] = lin.weight.detach().clone()
     out["bf16"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.bf16)
+    out["min_product_none"] = (hvd.allreduce(x, op=hvd.Min), hvd.allreduce(x, op=hvd.Product),
+                               hvd.allreduce(x, compression=hvd.Compression.none))
     # every async form: launch all, then synchronize in reverse order
     ins = torch.tensor([1.0, 2.0]) * (r + 1)
     pending = {
@@ -162,6 +165,8 @@ def test_facade_collectives_on_two_ranks(tmp_path):
         assert o["ps_objects"] == ("r1", [0, 1], r, True)
         assert o["ps_params"].eq(1.0).all()
         torch.testing.assert_close(o["bf16"], torch.tensor([3.0, 6.0]))
+        mn, prod, plain = o["min_product_none"]
+        assert mn.tolist() == [1.0, 2.0] and prod.tolist() == [2.0, 8.0] and plain.tolist() == [1.5, 3.0]
         a = o["async_forms"]
         torch.testing.assert_close(a["allreduce_async_"], torch.tensor([3.0, 6.0]))
         assert a["allgather_async"].tolist() == [0, 1]
@@ -184,6 +189,10 @@ def test_facade_runtime_in_a_world_of_one():
         with pytest.raises(ValueError, match="MPI"):
             hvd.init(comm=object())
         assert not hvd.mpi_enabled() and not hvd.mpi_threads_supported()
+        assert not hvd.ddl_built() and not hvd.ccl_built() and hvd.gloo_enabled()
+        assert hvd.cuda_built() == torch.cuda.is_available() and hvd.rocm_built() == (torch.version.hip is not None)
+        assert hvd.SyncBatchNorm is px.SyncBatchNorm  # tested against full-batch BN in test_sync_batchnorm.py
+        assert hvd.allreduce(torch.tensor([2.0])).tolist() == [2.0]  # a world of one returns at once
     finally:
         hvd.shutdown()
 
