@@ -1,6 +1,6 @@
-"""Pipeline: optimal partitions on constructed costs, schedule invariants, and GPipe / 1F1B on
-real ranks (p = 2 and 4, m = 1, 4, 8) against one process: same loss per step and same
-parameters after 10 SGD steps."""
+"""Pipeline: optimal partitions on constructed costs, schedule invariants and their ideal-network
+replay (bubble = the formula), and GPipe / 1F1B / interleaved 1F1B on real ranks (p = 2 and 4,
+m = 1, 4, 8) against one process: same loss per step and same parameters after 10 SGD steps."""
 
 import itertools
 import random
@@ -10,10 +10,14 @@ import torch
 from torch import nn
 
 from phalanx.parallel.pipeline import (
+    Interleaved1F1B,
     PipelineStage,
+    bubble_fraction,
+    draw,
     get_schedule,
     min_bottleneck_split,
     partition,
+    replay,
     uniform_split,
 )
 from phalanx.testing import distributed
@@ -69,28 +73,42 @@ def test_partition_methods_report_costs_and_beat_uniform_on_a_heavy_block():
         partition(model, 2, method="bogus")
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_schedule_invariants(name):
     sched = get_schedule(name)
-    for p, m in [(1, 1), (2, 1), (2, 4), (4, 3), (4, 8)]:
+    v = getattr(sched, "chunks", 1)
+    for p, m in [(1, 1), (2, 2), (2, 4), (4, 4), (4, 8)] + ([(2, 1), (4, 3)] if v == 1 else []):
         for s in range(p):
-            acts = sched.actions(s, p, m)
-            assert sorted(acts) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            acts = [a if len(a) == 3 else (*a, 0) for a in sched.actions(s, p, m)]
+            every = [(k, i, c) for k in "FB" for i in range(m) for c in range(v)]
+            assert sorted(acts) == sorted(every)
             in_flight, peak = 0, 0
-            for kind, i in acts:
-                assert kind == "F" or ("F", i) in acts[: acts.index((kind, i))]
+            for at, (kind, i, c) in enumerate(acts):
+                assert kind == "F" or ("F", i, c) in acts[:at]
                 in_flight += 1 if kind == "F" else -1
                 peak = max(peak, in_flight)
             if name == "1f1b":
                 assert peak <= min(p - s, m)  # the point of 1F1B: at most p - s micro-batches alive
+        # On an ideal network with equal costs (B = 2F) the schedule deadlocks nowhere and idles
+        # exactly the formula's fraction (p-1)/(v·m+p-1).
+        acts = [sched.actions(s, p, m) for s in range(p)]
+        lines = replay(acts, v, duration=lambda s, k, acts=acts: (1.0 if acts[s][k][0] == "F" else 2.0) / v)
+        span = max(t[-1][4] for t in lines)
+        busy = sum(end - start for t in lines for *_, start, end in t) / p
+        assert abs((1 - busy / span) - bubble_fraction(p, m, v)) < 1e-9, (p, m)
+    assert draw(name, 2, 2).startswith("stage 0 | F0")
     with pytest.raises(ValueError, match="known schedules"):
         get_schedule("zigzag")
+    with pytest.raises(ValueError, match="multiple of 2"):
+        Interleaved1F1B(2).actions(0, 2, 3)
+    with pytest.raises(RuntimeError, match="cycle"):
+        replay([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
 
 
 # -- real ranks ---------------------------------------------------------------------------
 def _model(p):
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(p)],
+    torch.manual_seed(0)  # 2p + 1 blocks: enough for two chunks per stage
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(2 * p)],
                          nn.Linear(WIDTH, 2))
 
 
@@ -110,9 +128,13 @@ def _pipeline_runs(cases):
     results = {}
     for schedule, m, ckpt in cases:
         model = _model(p)
-        stage_mod = partition(model, p, method="uniform").split(model)[s]
-        stage = PipelineStage(stage_mod, s, p, loss_fn=_loss if s == p - 1 else None, checkpoint=ckpt)
-        opt = torch.optim.SGD(stage_mod.parameters(), lr=0.1)
+        v = getattr(get_schedule(schedule), "chunks", 1)
+        pieces = partition(model, p * v, method="uniform").split(model)
+        chunks = pieces[s::p]  # virtual stage c·p + s
+        params = [t for ch in chunks for t in ch.parameters()]
+        stage = PipelineStage(chunks if v > 1 else chunks[0], s, p, loss_fn=_loss if s == p - 1 else None,
+                              checkpoint=ckpt)
+        opt = torch.optim.SGD(params, lr=0.1)
         losses = []
         for step in range(STEPS):
             x, y = _batch(step)
@@ -120,7 +142,8 @@ def _pipeline_runs(cases):
             opt.step()
             opt.zero_grad()
             losses.append(None if loss is None else loss.item())
-        results[(schedule, m, ckpt)] = (losses, {k: v.clone() for k, v in stage_mod.state_dict().items()})
+        named = {k: t.clone() for ch in chunks for k, t in ch.state_dict().items()}  # keys keep block names
+        results[(schedule, m, ckpt)] = (losses, named)
     return results
 
 
@@ -141,6 +164,7 @@ def _reference(p):
 @pytest.mark.parametrize("np", [2, 4])
 def test_gpipe_and_1f1b_match_one_process(np):
     cases = [(sched, m, False) for sched in ("gpipe", "1f1b") for m in (1, 4, 8)] + [("1f1b", 4, True)]
+    cases += [("interleaved_1f1b", m, False) for m in (np, 8)] + [("interleaved_1f1b", 4, True)]
     results = distributed(_pipeline_runs, np=np, args=(cases,), timeout=180)
     ref_losses, ref_params = _reference(np)
     for case in cases:

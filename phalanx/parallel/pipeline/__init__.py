@@ -1,7 +1,7 @@
 """Pipeline parallelism: split a model by layers across ranks and stream micro-batches through.
 
 * :mod:`.partition` — balanced split (uniform / parameters / time / flops, exact min-bottleneck)
-* :mod:`.schedules` — GPipe and 1F1B, with their timelines drawn
+* :mod:`.schedules` — GPipe, 1F1B and interleaved 1F1B, with their timelines drawn; ideal-network replay
 * :mod:`.stage` — one stage's executor (p2p activations/gradients, loss, accumulation)
 
 Example::
@@ -21,12 +21,15 @@ from phalanx.parallel.pipeline.partition import (
 from phalanx.parallel.pipeline.schedules import (
     SCHEDULES,
     GPipe,
+    Interleaved1F1B,
     OneFOneB,
     Schedule,
     bubble_fraction,
+    draw,
     get_schedule,
+    replay,
 )
-from phalanx.parallel.pipeline.stage import PipelineStage
+from phalanx.parallel.pipeline.stage import PipelineStage, Span, StageLink
 
 __all__ = [
     "Partition",
@@ -36,9 +39,14 @@ __all__ = [
     "uniform_split",
     "SCHEDULES",
     "GPipe",
+    "Interleaved1F1B",
     "OneFOneB",
     "Schedule",
     "bubble_fraction",
+    "draw",
     "get_schedule",
+    "replay",
     "PipelineStage",
+    "Span",
+    "StageLink",
 ]

@@ -61,20 +61,25 @@ _HEADER = 10  # ndim, dtype code, up to 8 dims
 
 
 class Span(NamedTuple):
-    """One compute action of a step: ``kind`` "F" or "B", micro-batch ``mb``, perf_counter seconds."""
+    """One compute action of a step: ``kind`` "F" or "B", micro-batch ``mb``, perf_counter seconds, ``chunk``."""
 
     kind: str
     mb: int
     start_s: float
     end_s: float
+    chunk: int = 0
 
 
 class StageLink:
-    """Point-to-point plumbing between stage ``index`` and its neighbours ``ranks[index ± 1]``.
+    """Point-to-point plumbing between (virtual) stage ``index`` and its neighbours ``index ± 1``.
 
-    Activations go to the next stage, gradients to the previous one. The first
-    activation sent is preceded by its shape header; every receive is an
-    ``irecv`` whose :meth:`wait` the executor calls when it needs the tensor.
+    Virtual stage k runs on ``ranks[k % p]`` (p = len(ranks)); without
+    interleaving k is the stage. Activations go to the next stage, gradients to
+    the previous one. The first activation sent is preceded by its shape header;
+    every receive is an ``irecv`` the executor waits on when it needs the tensor.
+    With ``tagged=True`` (interleaved schedules, where two streams can join the
+    same pair of ranks) messages to virtual stage k carry tag 2k (activations)
+    or 2k+1 (gradients), so each stream matches its own receives.
 
     Example::
 
@@ -82,13 +87,21 @@ class StageLink:
         link.send_activation(y, pending)          # to rank 1
     """
 
-    def __init__(self, ranks: Sequence[int], index: int, group=None) -> None:
-        self.ranks, self.index, self.group = list(ranks), index, group
+    def __init__(self, ranks: Sequence[int], index: int, group=None, *, tagged: bool = False) -> None:
+        self.ranks, self.index, self.group, self.tagged = list(ranks), index, group, tagged
         self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._sent_header = False
 
+    @property
+    def knows_shape(self) -> bool:
+        """Whether the previous stage's shape header has arrived (receives can be posted ahead)."""
+        return self._recv_header is not None
+
     def _peer(self, offset: int) -> int:
-        return self.ranks[self.index + offset]
+        return self.ranks[(self.index + offset) % len(self.ranks)]
+
+    def _tag(self, to: int, gradient: bool) -> int:
+        return 2 * to + int(gradient) if self.tagged else 0
 
     def send_activation(self, y: torch.Tensor, pending: list) -> None:
         if not self._sent_header:
@@ -98,40 +111,43 @@ class StageLink:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0], header[1] = y.dim(), _DTYPES.index(y.dtype)
             header[2 : 2 + y.dim()] = torch.tensor(y.shape)
-            pending.append(dist.isend(header.to(y.device), dst=self._peer(1), group=self.group))
+            pending.append(dist.isend(header.to(y.device), dst=self._peer(1), group=self.group,
+                                      tag=self._tag(self.index + 1, False)))
             self._sent_header = True
-        pending.append(dist.isend(y, dst=self._peer(1), group=self.group))
+        pending.append(dist.isend(y, dst=self._peer(1), group=self.group, tag=self._tag(self.index + 1, False)))
 
     def send_gradient(self, grad: torch.Tensor, pending: list) -> None:
-        pending.append(dist.isend(grad, dst=self._peer(-1), group=self.group))
+        pending.append(dist.isend(grad, dst=self._peer(-1), group=self.group, tag=self._tag(self.index - 1, True)))
 
     def post_activation(self, device: torch.device) -> tuple[torch.Tensor, object]:
         """``(buffer, work)`` of the next activation from the previous stage."""
         if self._recv_header is None:  # once: the shape header (blocking, it is tiny)
             header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            dist.recv(header, src=self._peer(-1), group=self.group)
+            dist.recv(header, src=self._peer(-1), group=self.group, tag=self._tag(self.index, False))
             ndim, code = int(header[0]), int(header[1])
             self._recv_header = (_DTYPES[code], tuple(int(d) for d in header[2 : 2 + ndim]))
         dtype, shape = self._recv_header
         x = torch.empty(shape, dtype=dtype, device=device)
-        return x, dist.irecv(x, src=self._peer(-1), group=self.group)
+        return x, dist.irecv(x, src=self._peer(-1), group=self.group, tag=self._tag(self.index, False))
 
     def post_gradient(self, like: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
         """``(buffer, work)`` of the next gradient from the next stage, shaped like the activations sent."""
         grad = torch.empty(like.shape, dtype=like.dtype, device=device)
-        return grad, dist.irecv(grad, src=self._peer(1), group=self.group)
+        return grad, dist.irecv(grad, src=self._peer(1), group=self.group, tag=self._tag(self.index, True))
 
 
 class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``; ``ranks[s]`` is the global rank running stage s.
 
+    ``module`` is this stage's layers, or a list of v chunks for an interleaved
+    schedule (chunk c is virtual stage ``c·p + stage_index`` of the v·p pieces).
     ``ranks`` defaults to ``range(num_stages)`` (a world that is one pipeline).
     ``group`` is the pipeline's process group (``None``: the world).
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         stage_index: int,
         num_stages: int,
         *,
@@ -148,7 +164,10 @@ class PipelineStage:
             raise ValueError(f"stage_index={stage_index} must be in [0, num_stages={num_stages})")
         if stage_index == num_stages - 1 and loss_fn is None:
             raise ValueError("the last stage computes the loss: pass loss_fn=(output, target) -> scalar")
-        self.module = module
+        self.chunks = [module] if isinstance(module, nn.Module) else list(module)
+        if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
+            raise TypeError("module must be an nn.Module or a non-empty list of nn.Module chunks")
+        self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.ranks = ranks
@@ -158,7 +177,8 @@ class PipelineStage:
         # A data-parallel wrapper's no_sync(): every backward but the step's last runs inside
         # it, so gradients are reduced once per step, not once per micro-batch.
         self.no_sync = no_sync
-        self.link = StageLink(ranks, stage_index, group)
+        v = len(self.chunks)
+        self.links = [StageLink(ranks, c * num_stages + stage_index, group, tagged=v > 1) for c in range(v)]
         self.busy_s = 0.0  # compute seconds in the last step
         self.last_timeline: list[Span] = []  # the last step's forwards and backwards, in order
 
@@ -174,13 +194,26 @@ class PipelineStage:
         p = next(self.module.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        module = self.module if len(self.chunks) == 1 else self.chunks[chunk]  # .module may be a DP wrapper
         if self.checkpoint:
-            return _checkpoint(self.module, x, use_reentrant=False)
-        return self.module(x)
+            return _checkpoint(module, x, use_reentrant=False)
+        return module(x)
 
-    def _needs_recv(self, kind: str) -> bool:
-        return (kind == "F" and not self.is_first) or (kind == "B" and not self.is_last)
+    def _actions(self, schedule: str | Schedule, m: int) -> list[tuple[str, int, int]]:
+        sched = get_schedule(schedule)
+        v = getattr(sched, "chunks", 1)
+        if v != len(self.chunks):
+            raise ValueError(f"schedule {sched.name!r} runs {v} model chunk(s) per stage but this stage holds "
+                             f"{len(self.chunks)}; pass module=[chunk_0, …, chunk_{v - 1}] (or pick a matching "
+                             "schedule)")
+        actions = []
+        for a in sched.actions(self.stage_index, self.num_stages, m):
+            kind, i, c = a[0], a[1], (a[2] if len(a) > 2 else 0)
+            if kind not in ("F", "B"):
+                raise ValueError(f"unknown schedule action {kind!r}; use 'F' or 'B'")
+            actions.append((kind, i, c))
+        return actions
 
     def step(
         self,
@@ -200,73 +233,75 @@ class PipelineStage:
         xs = self._chunks(inputs, m, "inputs") if self.is_first else None
         ts = self._chunks(targets, m, "targets") if self.is_last else None
         device = self._device()
-        actions = get_schedule(schedule).actions(self.stage_index, self.num_stages, m)
-        for kind, _ in actions:
-            if kind not in ("F", "B"):
-                raise ValueError(f"unknown schedule action {kind!r}; use 'F' or 'B'")
-        last_backward = max(k for k, (kind, _) in enumerate(actions) if kind == "B")
-        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        actions = self._actions(schedule, m)
+        last_virtual = len(self.chunks) * self.num_stages - 1
+        last_backward = max(k for k, a in enumerate(actions) if a[0] == "B")
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         posted: dict[int, tuple[torch.Tensor, object]] = {}  # action index -> (buffer, irecv work)
         pending: list = []
-        sent_like: list[torch.Tensor] = []  # an empty tensor shaped like what we send: the gradients' shape
+        sent_like: dict[int, torch.Tensor] = {}  # chunk -> empty tensor shaped like what it sends
         loss_sum = torch.zeros((), device=device)
         timeline: list[Span] = []
 
-        def post(at: int) -> None:
-            # Post the receive action ``at`` needs, if it needs one and is not posted yet.
-            # A gradient buffer takes the shape of a sent activation, so it waits for the first send.
-            if at >= len(actions) or at in posted or not self._needs_recv(actions[at][0]):
+        def virtual(c: int) -> int:
+            return c * self.num_stages + self.stage_index
+
+        def post(at: int, now: bool = False) -> None:
+            # Post the receive action ``at`` needs, if it needs one and is not posted yet. Ahead of
+            # time only when it cannot block: the activation's shape header has arrived, and a
+            # gradient's shape (that of an activation this chunk sent) is known.
+            if at >= len(actions) or at in posted:
                 return
-            if actions[at][0] == "F":
-                posted[at] = self.link.post_activation(device)
-            elif sent_like:
-                posted[at] = self.link.post_gradient(sent_like[0], device)
+            kind, _, c = actions[at]
+            if kind == "F" and virtual(c) > 0 and (now or self.links[c].knows_shape):
+                posted[at] = self.links[c].post_activation(device)
+            elif kind == "B" and virtual(c) < last_virtual and c in sent_like:
+                posted[at] = self.links[c].post_gradient(sent_like[c], device)
 
         def received(at: int) -> torch.Tensor:
-            post(at)
+            post(at, now=True)
             buf, work = posted.pop(at)
-            with trace.span("pp.recv", "comm", mb=actions[at][1], kind=actions[at][0]):
+            with trace.span("pp.recv", "comm", mb=actions[at][1], kind=actions[at][0], chunk=actions[at][2]):
                 work.wait()
             return buf
 
-        for at, (kind, i) in enumerate(actions):
+        for at, (kind, i, c) in enumerate(actions):
             pending[:] = [w for w in pending if not w.is_completed()]  # drop finished sends' buffers
             if kind == "F":
-                if self.is_first:
+                if virtual(c) == 0:
                     x = xs[i]
                 else:
                     x = received(at)
                     x.requires_grad_(x.is_floating_point())
                 post(at + 1)  # the next action's input travels while this one computes
                 t0 = time.perf_counter()
-                with trace.span("pp.forward", "compute", mb=i, stage=self.stage_index):
-                    y = self._forward(x)
-                    if self.is_last:
+                with trace.span("pp.forward", "compute", mb=i, stage=self.stage_index, chunk=c):
+                    y = self._forward(x, c)
+                    if virtual(c) == last_virtual:
                         y = self.loss_fn(y, ts[i]) / m
                         loss_sum += y.detach()
-                timeline.append(Span("F", i, t0, time.perf_counter()))
-                if not self.is_last:
+                timeline.append(Span("F", i, t0, time.perf_counter(), c))
+                if virtual(c) < last_virtual:
                     out = y.detach().contiguous()
-                    self.link.send_activation(out, pending)
-                    if not sent_like:
-                        sent_like.append(out.new_empty(out.shape, device="meta"))
-                saved[i] = (x, y)
+                    self.links[c].send_activation(out, pending)
+                    sent_like.setdefault(c, out.new_empty(out.shape, device="meta"))
+                saved[(i, c)] = (x, y)
             else:
-                x, y = saved.pop(i)
-                grad = None if self.is_last else received(at)
+                x, y = saved.pop((i, c))
+                grad = None if virtual(c) == last_virtual else received(at)
                 post(at + 1)
                 t0 = time.perf_counter()
                 quiet = self.no_sync is not None and at != last_backward
-                with trace.span("pp.backward", "compute", mb=i, stage=self.stage_index):
+                with trace.span("pp.backward", "compute", mb=i, stage=self.stage_index, chunk=c):
                     with self.no_sync() if quiet else contextlib.nullcontext():
                         torch.autograd.backward(y, grad_tensors=grad)
-                timeline.append(Span("B", i, t0, time.perf_counter()))
-                if not self.is_first:
+                timeline.append(Span("B", i, t0, time.perf_counter(), c))
+                if virtual(c) > 0:
                     if x.grad is None:
-                        raise RuntimeError(f"stage {self.stage_index}: the input received no gradient; "
-                                           "does the stage's output depend on its input?")
-                    self.link.send_gradient(x.grad.contiguous(), pending)
-            post(at + 1)  # when it had to wait for this action's send (a gradient's shape)
+                        raise RuntimeError(f"stage {self.stage_index} (chunk {c}): the input received no "
+                                           "gradient; does the stage's output depend on its input?")
+                    self.links[c].send_gradient(x.grad.contiguous(), pending)
+            post(at + 1)  # when it had to wait for this action (a header, a gradient's shape)
         if saved:
             raise RuntimeError(f"schedule left micro-batches {sorted(saved)} without a backward")
         for work in pending:
