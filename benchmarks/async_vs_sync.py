@@ -23,7 +23,10 @@ What to expect from the sleeps alone (compute and messages are extra):
   async PS           each at its own pace: 2.33x     each at its mean 33 ms: 1.44x
   SSP (s=3)          the fast ones wait: ~1.0x       slack absorbs most jitter: <= 1.44x
   local SGD (H=8)    waits every 8 steps: ~1.0x      slowest sum of 8 steps: ~1.23x
-                     (plus what it saves on messages, in both columns)
+  local SGD (160 ms) each at its own pace, but the    each at its own pace: < 1.44x
+                     fast ones wait up to one slow
+                     step per average: < 2.33x
+  (local SGD: plus what it saves on messages, in both columns)
 """
 
 from __future__ import annotations
@@ -102,18 +105,20 @@ def _sync_dp(seconds, straggler, step_ms):
     return steps * LOCAL_BATCH, time.perf_counter() - start, w.accuracy(model), None
 
 
-def _local_sgd(seconds, straggler, step_ms):
+def _local_sgd(seconds, straggler, step_ms, timed):
     w = _Worker(px.rank(), straggler, step_ms)
     model = _model()
-    opt = LocalSGD(_adam(model.parameters()), model, sync_every=SYNC_EVERY)
-    for _ in range(SYNC_EVERY):  # warm-up: one full round, ending with an average
+    every = {"sync_every_s": SYNC_EVERY * step_ms / 1000} if timed else {"sync_every": SYNC_EVERY}
+    opt = LocalSGD(_adam(model.parameters()), model, **every)
+    _step(model, opt, w)
+    while not opt.synced:  # warm-up: one full round, ending with an average
         _step(model, opt, w)
     px.barrier()
     start, steps = time.perf_counter(), 0
     while True:
         _step(model, opt, w)
         steps += 1
-        if steps % SYNC_EVERY == 0 and _time_up(start, seconds):  # at a sync point: replicas equal
+        if opt.synced and _time_up(start, seconds):  # at a sync point: replicas equal
             break
     return steps * LOCAL_BATCH, time.perf_counter() - start, w.accuracy(model), None
 
@@ -171,7 +176,9 @@ def main() -> None:
         "sync DP (DataParallel)": lambda s: _gather(_sync_dp, WORKERS, args.seconds, s, args.step_ms),
         "async PS": lambda s: _gather(_ps, WORKERS + 1, args.seconds, s, args.step_ms, "async"),
         f"SSP PS (s={STALENESS})": lambda s: _gather(_ps, WORKERS + 1, args.seconds, s, args.step_ms, "ssp"),
-        f"local SGD (H={SYNC_EVERY})": lambda s: _gather(_local_sgd, WORKERS, args.seconds, s, args.step_ms),
+        f"local SGD (H={SYNC_EVERY})": lambda s: _gather(_local_sgd, WORKERS, args.seconds, s, args.step_ms, False),
+        f"local SGD ({SYNC_EVERY * args.step_ms:g} ms)": lambda s: _gather(_local_sgd, WORKERS, args.seconds, s,
+                                                                         args.step_ms, True),
     }
     runs = {(p, m): [] for p in patterns for m in methods}
     for _ in range(args.repeats):  # interleaved: each repeat runs every configuration once
@@ -182,7 +189,7 @@ def main() -> None:
         what = "worker 0 is 3x slower at every step" if p == "fixed" else "each worker 3x slower w.p. 1/3 per step"
         print(f"\n{WORKERS} workers, {what} ({args.step_ms:g} vs {3 * args.step_ms:g} ms sleep), "
               f"{args.seconds:g} s each, median of {args.repeats}")
-        print(f"{'method':<24}{'samples/s':>10}{'vs sync':>9}{'test acc':>10}{'server busy':>13}")
+        print(f"{'method':<26}{'samples/s':>10}{'vs sync':>9}{'test acc':>10}{'server busy':>13}")
         base = statistics.median(r[0] for r in runs[(p, "sync DP (DataParallel)")])
         for name in methods:
             rs = runs[(p, name)]
@@ -190,7 +197,7 @@ def main() -> None:
             acc = statistics.median(r[1] for r in rs)
             busy = [r[2] for r in rs if r[2] is not None]
             busy_s = f"{statistics.median(busy):.0%}" if busy else "-"
-            print(f"{name:<24}{sps:>10.0f}{sps / base:>8.2f}x{acc:>10.4f}{busy_s:>13}")
+            print(f"{name:<26}{sps:>10.0f}{sps / base:>8.2f}x{acc:>10.4f}{busy_s:>13}")
 
 
 if __name__ == "__main__":
