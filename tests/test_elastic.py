@@ -150,7 +150,7 @@ def test_launch_options_validate_and_export(tmp_path):
     out = elastic_launch_options(p.parse_args(["--max-restarts", "2", "--resume-from", str(tmp_path)]), 4, env)
     assert out == {"max_restarts": 2} and env["PHALANX_RESUME_FROM"] == str(tmp_path)
     out = elastic_launch_options(p.parse_args(["--min-np", "2", "--max-np", "8"]), 4, {})
-    assert out == {"max_restarts": 3, "min_nodes": 1, "max_nodes": 2}
+    assert out == {"max_restarts": 3, "min_nodes": 1, "max_nodes": 2, "rdzv_extra": {"last_call_timeout": 2}}
     with pytest.raises(ValueError, match="--min-np 5 is larger than -np 4"):
         elastic_launch_options(p.parse_args(["--min-np", "5"]), 4, {})
     with pytest.raises(ValueError, match="--max-np 2 is smaller"):

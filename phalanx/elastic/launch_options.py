@@ -67,6 +67,10 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
         # script the launcher itself resizes the group: see discovery_options.)
         out["min_nodes"] = max(1, math.ceil((min_np or np) / np))
         out["max_nodes"] = max(out["min_nodes"], math.ceil((max_np or np) / np))
+        if out["max_nodes"] > out["min_nodes"]:
+            # TorchElastic waits 30 s (last call) for more nodes once min_nodes joined, at every
+            # (re)start; late nodes are admitted at the next restart anyway, so wait 2 s
+            out["rdzv_extra"] = {"last_call_timeout": 2}
     return out
 
 
