@@ -1,15 +1,30 @@
-"""Pipeline benchmark: bubble vs the formula, phalanx 1F1B vs torch.distributed.pipelining, and the
-cost-balanced split vs the uniform one — all in one run on p = 2 CPU ranks (gloo, 1 thread each).
+"""Pipeline benchmark: bubble vs the formula (and where the excess goes), phalanx 1F1B vs
+torch.distributed.pipelining, and the cost-balanced split vs the uniform one — all in one run on
+p = 2 CPU ranks (gloo, 1 thread each).
 
-Run:  python benchmarks/pipeline.py [--width 512] [--micro-rows 32] [--repeats 10]
+Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 10]
 
-1. Bubble: for m = 1, 2, 4, 8, each stage times its own compute (forward + backward)
-   inside a phalanx 1F1B step; measured bubble = 1 - compute / step time (median over
-   repeats, mean over stages), next to (p-1)/(m+p-1). Communication counts as bubble.
+1. Bubble, m = 1, 2, 4, 8, phalanx 1F1B. Every stage keeps the start and end of each
+   forward and backward (``PipelineStage.last_timeline``; one host, so the
+   perf_counter clocks are the same clock). Per step:
+
+     span      first compute start on any stage -> last compute end on any stage
+     measured  1 - mean(stage busy time) / span                    (the formula's definition)
+     replay    the same, with each action's measured duration replayed through the
+               schedule's dependencies with zero communication time
+               (phalanx.parallel.pipeline.replay): the bubble these exact compute
+               times would give on a perfect network. replay - formula is what unequal
+               or noisy compute costs (a stage slowed by another process makes its
+               neighbour wait); measured - replay is what the transfers and the
+               wake-ups of waiting ranks cost.
+
+   (p-1)/(v·m+p-1) assumes every forward costs the same and every backward too, on every
+   stage. Interleaved 1F1B (v = 2 chunks per rank) is measured the same way.
 2. Throughput at m = 8 on the same stages (same weights): phalanx 1F1B vs
-   torch.distributed.pipelining.Schedule1F1B, repeats interleaved, medians.
-3. A model with one block 6× heavier than the others: the "time"-measured
-   min-bottleneck split vs the uniform split, phalanx 1F1B step time, interleaved.
+   torch.distributed.pipelining.Schedule1F1B (and phalanx interleaved 1F1B), repeats
+   interleaved, medians.
+3. A model with one block 6x heavier than the others: the min-bottleneck split on
+   measured time and on FLOPs vs the uniform split, phalanx 1F1B step time, interleaved.
 """
 
 import argparse
@@ -21,9 +36,11 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.parallel.pipeline import PipelineStage, bubble_fraction, partition
+from phalanx.parallel.pipeline import PipelineStage, bubble_fraction, partition, replay
 
 P = 2
+MS = (1, 2, 4, 8)
+CASES = [("1f1b", m) for m in MS] + [("interleaved_1f1b", m) for m in (2, 4, 8)]  # interleaved: 2 chunks
 
 
 def _blocks(width, n, heavy=0):
@@ -46,6 +63,16 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
+def _bubble_parts(timelines, chunks=1):
+    """(measured, replay) bubble of one step from every stage's compute timeline (module docstring)."""
+    span = max(t[-1].end_s for t in timelines) - min(t[0].start_s for t in timelines)
+    busy = statistics.mean(sum(a.end_s - a.start_s for a in t) for t in timelines)
+    acts = [[(a.kind, a.mb, a.chunk) for a in t] for t in timelines]
+    ideal = replay(acts, chunks, duration=lambda s, k: timelines[s][k].end_s - timelines[s][k].start_s)
+    ideal_span = max(t[-1][4] for t in ideal)
+    return 1.0 - busy / span, 1.0 - busy / ideal_span
+
+
 def _rank_body(width, micro_rows, repeats):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
@@ -57,26 +84,29 @@ def _rank_body(width, micro_rows, repeats):
     model = _blocks(width, 8)
     stage_mod = partition(model, P, method="uniform").split(model)[r]
     px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
-    out = {"bubble": {}, "px": [], "torch": [], "uniform": [], "balanced": []}
+    # interleaved: the same 8 blocks in 2P pieces; this rank runs pieces r and r + P
+    chunks = partition(model, 2 * P, method="uniform").split(model)[r::P]
+    stages = {"1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None)}
+    out = {"timelines": {}, "px": [], "torch": [], "interleaved": [], "uniform": [], "time": [], "flops": []}
 
     def batch(m):
         g = torch.Generator().manual_seed(m)
         return torch.randn(m * micro_rows, width, generator=g), torch.randn(m * micro_rows, width, generator=g)
 
-    # 1. bubble
-    for m in (1, 2, 4, 8):
-        x, y = batch(m)
-        fracs = []
-        for rep in range(repeats + 1):
-            step_s = _timed(lambda x=x, y=y, m=m: px_stage.step(x, y, num_microbatches=m, schedule="1f1b"))
-            stage_mod.zero_grad()
-            if rep:  # the first is a warm-up
-                fracs.append(1.0 - px_stage.busy_s / step_s)
-        out["bubble"][m] = statistics.median(fracs)
+    # 1. bubble: keep each step's compute timeline; the parent lines the stages up
+    batches = {m: batch(m) for m in MS}
+    for rep in range(repeats + 1):
+        for name, m in CASES:  # interleaved, so a burst of load on the machine hits every case alike
+            x, y = batches[m]
+            px.barrier()
+            stages[name].step(x, y, num_microbatches=m, schedule=name)
+            model.zero_grad()
+            if rep:  # the first round is a warm-up
+                out["timelines"].setdefault((name, m), []).append(stages[name].last_timeline)
 
     # 2. phalanx vs torch.distributed.pipelining on the same stage weights
     m = 8
-    x, y = batch(m)
+    x, y = batches[m]
     torch_mod = copy.deepcopy(stage_mod)
     t_stage = TorchStage(torch_mod, r, P, torch.device("cpu"), group=dist.group.WORLD)
     t_sched = Schedule1F1B(t_stage, m, loss_fn=_loss)
@@ -92,17 +122,23 @@ def _rank_body(width, micro_rows, repeats):
         px_stage.step(x, y, num_microbatches=m, schedule="1f1b")
         stage_mod.zero_grad()
 
+    def interleaved_step():
+        stages["interleaved_1f1b"].step(x, y, num_microbatches=m, schedule="interleaved_1f1b")
+        model.zero_grad()
+
     torch_step()
     px_step()
+    interleaved_step()
     for _ in range(repeats):
         out["px"].append(_timed(px_step))
         out["torch"].append(_timed(torch_step))
+        out["interleaved"].append(_timed(interleaved_step))
 
-    # 3. one heavy block: measured-cost split vs uniform split
+    # 3. one heavy block: measured-time and FLOP-count splits vs the uniform split
     heavy = _blocks(width, 8, heavy=6)
     sample = torch.randn(micro_rows, width)
     splits = {}
-    for method in ("uniform", "time"):
+    for method in ("uniform", "time", "flops"):
         bounds = px.broadcast_object(partition(heavy, P, method=method, sample=sample).bounds, root_rank=0)
         mod = nn.Sequential(*list(heavy.children())[bounds[r] : bounds[r + 1]])
         splits[method] = (bounds, PipelineStage(mod, r, P, loss_fn=_loss if last else None), mod)
@@ -113,48 +149,55 @@ def _rank_body(width, micro_rows, repeats):
         st.step(x, y, num_microbatches=m, schedule="1f1b")
         mod.zero_grad()
 
-    heavy_step("uniform")
-    heavy_step("time")
+    for method in splits:
+        heavy_step(method)
     for _ in range(repeats):
-        out["uniform"].append(_timed(lambda: heavy_step("uniform")))
-        out["balanced"].append(_timed(lambda: heavy_step("time")))
+        for method in splits:
+            out[method].append(_timed(lambda method=method: heavy_step(method)))
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--micro-rows", type=int, default=32)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--micro-rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
-    res = px.run(_rank_body, np=P, args=(a.width, a.micro_rows, a.repeats), timeout=900)
+    res = px.run(_rank_body, np=P, args=(a.width, a.micro_rows, a.repeats), timeout=1800)
 
     print(f"p={P} stages, 8 blocks of Linear({a.width},{a.width})+ReLU, {a.micro_rows} rows per micro-batch, "
           f"{a.repeats} repeats (median)\n")
-    print("| m | measured bubble (mean of stages) | formula (p-1)/(m+p-1) | measured / formula |")
-    print("|---|---|---|---|")
-    for m in (1, 2, 4, 8):
-        measured = statistics.mean(r["bubble"][m] for r in res)
-        formula = bubble_fraction(P, m)
-        print(f"| {m} | {measured:.3f} | {formula:.3f} | {measured / formula:.2f} |")
+    print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
+          "| replay (zero comm) | replay / formula |")
+    print("|---|---|---|---|---|---|---|")
+    for name, m in CASES:
+        v = 2 if name.startswith("interleaved") else 1
+        parts = [_bubble_parts([res[s]["timelines"][(name, m)][i] for s in range(P)], v) for i in range(a.repeats)]
+        measured, ideal = (statistics.median(p[k] for p in parts) for k in range(2))
+        formula = bubble_fraction(P, m, v)
+        print(f"| {name} | {m} | {formula:.3f} | {measured:.3f} | {measured / formula:.2f} | {ideal:.3f} "
+              f"| {ideal / formula:.2f} |")
 
     def med(key):  # a step ends when its slowest rank ends
         return statistics.median(max(r[key][i] for r in res) for i in range(a.repeats))
 
-    px_s, torch_s = med("px"), med("torch")
+    px_s, torch_s, il_s = med("px"), med("torch"), med("interleaved")
     rows = 8 * a.micro_rows
-    print("\n| 1F1B, m=8 | step (ms) | samples/s |")
+    print("\n| m=8 | step (ms) | samples/s |")
     print("|---|---|---|")
-    print(f"| phalanx | {px_s * 1e3:.1f} | {rows / px_s:,.0f} |")
-    print(f"| torch.distributed.pipelining | {torch_s * 1e3:.1f} | {rows / torch_s:,.0f} |")
-    print(f"\nphalanx / torch throughput ratio: {torch_s / px_s:.2f}x")
+    print(f"| phalanx 1F1B | {px_s * 1e3:.1f} | {rows / px_s:,.0f} |")
+    print(f"| torch.distributed.pipelining Schedule1F1B | {torch_s * 1e3:.1f} | {rows / torch_s:,.0f} |")
+    print(f"| phalanx interleaved 1F1B, 2 chunks | {il_s * 1e3:.1f} | {rows / il_s:,.0f} |")
+    print(f"\nphalanx / torch throughput ratio (1F1B): {torch_s / px_s:.2f}x; "
+          f"interleaved / 1F1B: {px_s / il_s:.2f}x")
 
-    uni, bal = med("uniform"), med("balanced")
     b = res[0]["bounds"]
-    print("\n| heavy first block, m=8 | bounds | step (ms) |\n|---|---|---|")
-    print(f"| uniform split | {b['uniform']} | {uni * 1e3:.1f} |")
-    print(f"| measured-time min-bottleneck split | {b['time']} | {bal * 1e3:.1f} |")
-    print(f"\nbalanced / uniform speedup: {uni / bal:.2f}x")
+    uni = med("uniform")
+    print("\n| heavy first block, m=8 | bounds | step (ms) | speedup vs uniform |\n|---|---|---|---|")
+    print(f"| uniform split | {b['uniform']} | {uni * 1e3:.1f} | 1.00x |")
+    for method in ("time", "flops"):
+        t = med(method)
+        print(f"| min-bottleneck split on {method} | {b[method]} | {t * 1e3:.1f} | {uni / t:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ def test_parallelize_rejects_bad_data_parallel_choices():
         parallelize(_gpt(), mesh, loss_fn=F.cross_entropy, data_parallel="zero4")
     with pytest.raises(ValueError, match="pass optimizer="):
         parallelize(_gpt(), mesh, loss_fn=F.cross_entropy, data_parallel="zero1")
+    with pytest.raises(ValueError, match="interleaved schedule"):
+        parallelize(_gpt(), DeviceMesh(dp=2, world_size=2, rank=0), loss_fn=F.cross_entropy,
+                    schedule="interleaved_1f1b", data_parallel="zero1", optimizer=torch.optim.SGD)
 
 
 def test_mesh_error_names_every_factor():
@@ -100,7 +103,8 @@ def test_dp_pp_tp_combinations_on_4_ranks_match_one_process():
     # of pp and tp meshes (the 3D combination with ZeRO)
     combos = [(1, 2, 2, 4, "1f1b", "auto"), (2, 2, 1, 2, "gpipe", "auto"), (2, 1, 2, 2, "1f1b", "auto"),
               (1, 4, 1, 4, "gpipe", "auto"), (4, 1, 1, 1, "1f1b", "auto"), (2, 2, 1, 4, "1f1b", "allreduce"),
-              (2, 2, 1, 4, "1f1b", "zero1"), (2, 1, 2, 2, "1f1b", "zero2"), (2, 2, 1, 4, "1f1b", "zero3")]
+              (2, 2, 1, 4, "1f1b", "zero1"), (2, 1, 2, 2, "1f1b", "zero2"), (2, 2, 1, 4, "1f1b", "zero3"),
+              (1, 2, 2, 4, "interleaved_1f1b", "auto"), (2, 2, 1, 2, "interleaved_1f1b", "auto")]
     results = distributed(_combos, np=4, args=(combos,), timeout=240)
     ref_losses, ref_params = _reference()
     for combo in combos:

@@ -7,7 +7,9 @@ Why this order (torchtitan's rule: each step must see the model the previous one
 2. **Tensor parallel** rewrites layers inside blocks. It must come before the
    pipeline split because the plan names sub-modules by their path in the full
    model (``block3.mlp.fc``), and the cut layers' shapes are what a stage sends.
-3. **Pipeline**: keep only this rank's stage (a slice of the ``nn.Sequential``).
+3. **Pipeline**: keep only this rank's stage (a slice of the ``nn.Sequential``;
+   with ``schedule="interleaved_1f1b"`` the model is cut in 2·pp pieces and the
+   rank keeps pieces s and s + pp, its virtual stages).
 4. **Data parallel or ZeRO** last: it averages the gradients of exactly the
    parameters this rank ends up holding (a TP shard of a PP stage), over the
    ranks holding the same shard — the dp group of the mesh. ZeRO
@@ -47,7 +49,7 @@ from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce, broadcast, broadcast_object
 from phalanx.parallel.mesh import DeviceMesh
-from phalanx.parallel.pipeline import PipelineStage, partition
+from phalanx.parallel.pipeline import PipelineStage, Schedule, get_schedule, partition
 from phalanx.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["parallelize", "ParallelModel"]
@@ -66,10 +68,10 @@ class ParallelModel(nn.Module):
     (a ``ZeroOptimizer`` under ZeRO), else ``None``.
     """
 
-    def __init__(self, stage: PipelineStage, mesh: DeviceMesh, num_microbatches: int, schedule,
+    def __init__(self, module: nn.Module, stage: PipelineStage, mesh: DeviceMesh, num_microbatches: int, schedule,
                  bounds: tuple[int, ...]) -> None:
         super().__init__()
-        self.module = stage.module  # the plain stage (parameter names as in the full model)
+        self.module = module  # this rank's blocks, unwrapped, named as in the full model
         self.stage, self.mesh, self.bounds = stage, mesh, bounds
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.optimizer = None
@@ -100,7 +102,7 @@ def parallelize(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     tp_plan: dict[str, str] | None = None,
     num_microbatches: int = 1,
-    schedule: str = "1f1b",
+    schedule: str | Schedule = "1f1b",
     partition_method: str = "parameters",
     sample: torch.Tensor | None = None,
     checkpoint: bool = False,
@@ -117,6 +119,9 @@ def parallelize(
     + gradients / + parameters over the dp group with :func:`phalanx.parallel.zero.zero`
     and need ``optimizer`` (a function from parameters to a torch optimizer).
     With ``optimizer`` given, ``pm.optimizer`` is the optimizer to step.
+    An interleaved schedule (several chunks per stage) averages gradients with
+    the plain all-reduce under ``"auto"``: the bucketed engine reduces in the
+    step's last backward, which touches only one chunk; ZeRO is refused there.
     """
     if data_parallel not in _DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}: use one of {', '.join(map(repr, _DATA_PARALLEL))}")
@@ -132,22 +137,30 @@ def parallelize(
     if mesh.tp > 1 and not tp_plan:
         raise ValueError(f"mesh has tp={mesh.tp} but tp_plan is empty: pass tp_plan={{name: 'colwise'|'rowwise'|'vocab'}}")
     d, s, t = mesh.coord
+    chunks = getattr(get_schedule(schedule), "chunks", 1)
+    if chunks > 1 and zero_stage and mesh.dp > 1:
+        raise ValueError(f"data_parallel={data_parallel!r} with an interleaved schedule ({chunks} chunks per stage) "
+                         "is not supported: ZeRO reduces in the step's last backward, which reaches one chunk only; "
+                         "use data_parallel='allreduce' or schedule='1f1b'")
 
     # 1. Decide the split on the whole model; rank 0's choice wins, since measured costs
     #    ("time") differ from rank to rank and every rank must cut at the same place.
-    bounds = partition(model, mesh.pp, method=partition_method, sample=sample).bounds
+    bounds = partition(model, mesh.pp * chunks, method=partition_method, sample=sample).bounds
     bounds = tuple(broadcast_object(bounds, root_rank=0))
 
     # 2. Tensor parallel on the full model: plan names are full-model paths.
     if tp_plan and mesh.tp > 1:
         apply_tensor_parallel(model, tp_plan, mesh.tp_group)
 
-    # 3. Pipeline: keep this rank's slice of the blocks.
+    # 3. Pipeline: keep this rank's slice of the blocks (its virtual stages s, s + pp, …
+    #    when interleaved). stage_module holds them all under their full-model names.
     children = list(model.named_children())
-    stage_module = nn.Sequential(OrderedDict(children[bounds[s] : bounds[s + 1]]))
-    stage = PipelineStage(stage_module, s, mesh.pp, ranks=mesh.pp_ranks, group=mesh.pp_group,
-                          loss_fn=loss_fn if s == mesh.pp - 1 else None, checkpoint=checkpoint)
-    pm = ParallelModel(stage, mesh, num_microbatches, schedule, bounds)
+    pieces = [OrderedDict(children[bounds[k] : bounds[k + 1]]) for k in range(s, len(bounds) - 1, mesh.pp)]
+    stage_module = nn.Sequential(OrderedDict(kv for piece in pieces for kv in piece.items()))
+    stage = PipelineStage(stage_module if chunks == 1 else [nn.Sequential(piece) for piece in pieces], s, mesh.pp,
+                          ranks=mesh.pp_ranks, group=mesh.pp_group, loss_fn=loss_fn if s == mesh.pp - 1 else None,
+                          checkpoint=checkpoint)
+    pm = ParallelModel(stage_module, stage, mesh, num_microbatches, schedule, bounds)
 
     # 4. Data parallel or ZeRO over the ranks holding the same (stage, TP shard). Last,
     #    because it must see exactly the parameters this rank keeps after steps 2 and 3.
@@ -165,7 +178,7 @@ def parallelize(
         pm.optimizer = optimizer(stage_module.parameters())
     if mesh.dp > 1:
         DataParallel = None
-        if data_parallel == "auto":
+        if data_parallel == "auto" and chunks == 1:
             try:
                 from phalanx.parallel.data import DataParallel
             except ImportError:
