@@ -40,6 +40,11 @@ def _model(layers, width):
 def _bench(config, layers, width, batch, steps):
     import torch.distributed as dist
 
+    # Connections and gloo's threads are set up by the first collectives; pay that before
+    # the baseline so "peak" is what the strategy itself adds (the same for every config).
+    dist.barrier()
+    dist.all_gather_object([None] * dist.get_world_size(), config)
+    dist.broadcast(torch.zeros(4), src=0)
     base = _rss()
     model = _model(layers, width)
     report = None

@@ -46,6 +46,13 @@ _log = get_logger(__name__)
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMAT = "phalanx.zero/1"
 FULL_FORMAT = "phalanx.zero.full/1"
+# The inner optimizer steps the flat shard in views of this many elements: its temporaries
+# (Adam: two of a parameter's size) then stay this small instead of the whole shard's size.
+CHUNK_NUMEL = 1 << 20
+
+
+def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)] or [flat]
 
 
 def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes) -> None:
@@ -156,7 +163,8 @@ class ZeroOptimizer:
             self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank,
                                   backward_passes_per_step, registration)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
-        self.inner = type(optimizer)([{"params": [m], **hp} for m, hp in zip(self.masters, hparams)], **optimizer.defaults)
+        self.chunks = [_chunks(m) for m in self.masters]
+        self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)], **optimizer.defaults)
         model.register_forward_pre_hook(lambda m, args: self.engine.before_forward())
         if compute_dtype is not None:
             model.register_forward_pre_hook(lambda m, args, kw: tree_map(_cast(compute_dtype), (args, kw)), with_kwargs=True)
@@ -197,19 +205,23 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce gradients to their owners, clip, step the shard, republish the parameters."""
+        """Reduce gradients to their owners, clip, step the shard, republish the parameters.
+
+        Returns the global gradient norm when it was computed (clipping or fp16), else ``None``.
+        """
         if closure is not None:
             raise ValueError("ZeroOptimizer.step(closure=…) is not supported; compute the loss before step()")
         grads = [g.float() if g.dtype != m.dtype else g for g, m in zip(self.engine.grad_shards_for_step(), self.masters)]
         if self.loss_scale != 1.0:
             for g in grads:
                 g.div_(self.loss_scale)
-        sq = torch.zeros(1, dtype=torch.float32, device=self.masters[0].device)
-        for g in grads:
-            sq += g.float().pow(2).sum()
-        dist.all_reduce(sq, group=self.group)
-        total_norm = sq.sqrt()
-        if not torch.isfinite(total_norm).item():
+        total_norm = None
+        if self.max_grad_norm is not None or self.loss_scale != 1.0:  # else no norm is needed: skip its pass
+            sq = sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads)
+            sq = sq.reshape(1) if isinstance(sq, torch.Tensor) else torch.zeros(1, device=self.masters[0].device)
+            dist.all_reduce(sq, group=self.group)
+            total_norm = sq.sqrt()
+        if total_norm is not None and not torch.isfinite(total_norm).item():
             self.loss_scale /= 2.0
             self._good_steps = 0
             _log.warning("zero: non-finite gradient norm; step skipped, loss scale now %g", self.loss_scale)
@@ -219,11 +231,13 @@ class ZeroOptimizer:
             coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
-        for m, g in zip(self.masters, grads):
-            m.grad = g
+        for cs, g in zip(self.chunks, grads):
+            for c, gc in zip(cs, _chunks(g)):
+                c.grad = gc
         self.inner.step()
-        for m in self.masters:
-            m.grad = None
+        for cs in self.chunks:
+            for c in cs:
+                c.grad = None
         self.engine.publish()
         self.engine.after_step()
         if self.loss_scale != 1.0:
@@ -233,6 +247,15 @@ class ZeroOptimizer:
         return total_norm
 
     # -- checkpoints -----------------------------------------------------------------------
+    def _flat_state(self, g: int) -> dict:
+        """Group ``g``'s optimizer state as one flat tensor per key (chunks joined), scalars as they are."""
+        cs = self.chunks[g]
+        per_chunk = [self.inner.state.get(c, {}) for c in cs]
+        if not per_chunk[0]:
+            return {}
+        return {k: torch.cat([st[k] for st in per_chunk]) if isinstance(v, torch.Tensor) and v.shape == cs[0].shape
+                else v for k, v in per_chunk[0].items()}
+
     def sharded_state_dict(self) -> dict:
         """This rank's pieces of master weights and optimizer state, addressed by parameter name.
 
@@ -241,7 +264,7 @@ class ZeroOptimizer:
         """
         groups = []
         for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
-            st = self.inner.state.get(m, {})
+            st = self._flat_state(g)
             flat_keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == m.shape]
             pieces = []
             for name, start, n, off in segments(us, self.rank):
@@ -293,7 +316,11 @@ class ZeroOptimizer:
             for k, v in saved[0]["scalars"].items():
                 state[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if state:
-                self.inner.state[m] = state
+                for i, c in enumerate(self.chunks[g]):
+                    lo = i * CHUNK_NUMEL
+                    self.inner.state[c] = {k: (v[lo : lo + c.numel()] if k in keys else
+                                               (v.clone() if isinstance(v, torch.Tensor) else v))
+                                           for k, v in state.items()}
             self.inner.param_groups[g].update(saved[0]["hparams"])
         self.engine.publish()
 

@@ -25,8 +25,11 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Unit", "build_units", "segments"]
+from phalanx.comm.collectives import all_gather_flat
+
+__all__ = ["Unit", "build_units", "segments", "gather_into", "reduces_in_place"]
 
 
 @dataclasses.dataclass
@@ -127,3 +130,41 @@ def segments(units: Sequence[Unit], rank: int) -> list[tuple[str, int, int, int]
             if a < b:
                 out.append((name, a - off, b - a, u.shard_offset + a - lo))
     return out
+
+
+def reduces_in_place(group) -> bool:
+    """True on gloo, where ``reduce_scatter_tensor`` clones its input and allreduces the clone.
+
+    ZeRO then allreduces its own (disposable) gradient buffer in place and reads
+    the owned chunk: the same traffic as gloo's reduce-scatter without a
+    full-size temporary. NCCL gets a true reduce-scatter.
+    """
+    return dist.get_backend(group) == "gloo"
+
+
+class _AllDone:
+    def __init__(self, works) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def gather_into(flat: torch.Tensor, mine: torch.Tensor, group, rank: int, world: int):
+    """Allgather every rank's ``mine`` into ``flat`` (rank r's chunk at ``[r*s, (r+1)*s)``), async.
+
+    On gloo, ``all_gather_into_tensor`` stages the whole output in a temporary of
+    ``flat``'s size and copies it back, so this writes the rank's own chunk in
+    place and broadcasts each chunk from its owner instead (the same bytes on
+    the wire, no temporary; torch's ZeroRedundancyOptimizer does the same).
+    """
+    if not reduces_in_place(group):
+        return all_gather_flat(flat, mine.to(flat.dtype), group=group, async_op=True)
+    s = mine.numel()
+    flat[rank * s : (rank + 1) * s].copy_(mine)
+    return _AllDone([
+        dist.broadcast(flat[r * s : (r + 1) * s], src=dist.get_global_rank(group, r) if group is not None else r,
+                       group=group, async_op=True)
+        for r in range(world)
+    ])

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.collectives import all_gather_flat, reduce_scatter_flat
-from phalanx.parallel.zero_shard import Unit
+from phalanx.comm.collectives import reduce_scatter_flat
+from phalanx.parallel.zero_shard import Unit, gather_into, reduces_in_place
 
 __all__ = ["GradReducer", "Stage12"]
 
@@ -75,7 +75,8 @@ class GradReducer:
         registration: dict[int, int] | None = None,
     ) -> None:
         self.group = group
-        self.world = dist.get_world_size(group)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.in_place = reduces_in_place(group)
         self.grad_shards = grad_shards
         self.keep_full = keep_full
         self.passes_per_reduce = passes_per_reduce
@@ -185,9 +186,14 @@ class GradReducer:
         shard = self.grad_shards[g]
         if shard is None:  # stage 1: the shard exists only between the reduce and step()
             shard = self.grad_shards[g] = torch.zeros(self._shard_numel(g), dtype=src.dtype, device=src.device)
-        view = shard[u.shard_offset : u.shard_offset + u.shard_numel]
-        out = view if self._fresh[i] else torch.empty_like(view)
-        work = reduce_scatter_flat(out, src, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.in_place:  # gloo (see reduces_in_place); stage 1's .grad then hold the rank sum
+            lo, hi = u.owned(self.rank)
+            out = src[lo:hi]
+            work = dist.all_reduce(src, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:
+            view = shard[u.shard_offset : u.shard_offset + u.shard_numel]
+            out = view if self._fresh[i] else torch.empty_like(view)
+            work = reduce_scatter_flat(out, src, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._pending.append((i, out, buf, work))
         self._count[i] = 0
 
@@ -198,11 +204,14 @@ class GradReducer:
         i, out, buf, work = entry
         work.wait()
         g, u = self.order[i]
-        if self._fresh[i]:
-            out.div_(self.world)
-            self._fresh[i] = False
+        view = self.grad_shards[g][u.shard_offset : u.shard_offset + u.shard_numel]
+        if self._fresh[i] and out.data_ptr() == view.data_ptr():
+            view.div_(self.world)
+        elif self._fresh[i]:
+            torch.div(out, self.world, out=view)
         else:
-            self.grad_shards[g][u.shard_offset : u.shard_offset + u.shard_numel].add_(out, alpha=1.0 / self.world)
+            view.add_(out, alpha=1.0 / self.world)
+        self._fresh[i] = False
         if buf is not None:  # back to the pool at full capacity
             self._pool.append(buf._base if buf._base is not None else buf)
 
@@ -215,6 +224,7 @@ class GradReducer:
         self.passes += 1
         if not self.keep_full:
             self.wait()
+            self._pool.clear()  # nothing of the full gradient outlives backward (stages 2, 3)
         if self.on_backward_end is not None:
             self.on_backward_end()
 
@@ -317,8 +327,8 @@ class Stage12:
         works = []
         for g, group_units in enumerate(self.units):
             for u in group_units:
-                mine = self.masters[g][u.shard_offset : u.shard_offset + u.shard_numel].to(self.compute_dtype)
-                works.append(all_gather_flat(self.flats[id(u)], mine, group=self.group, async_op=True))
+                mine = self.masters[g][u.shard_offset : u.shard_offset + u.shard_numel]
+                works.append(gather_into(self.flats[id(u)], mine, self.group, self.rank, self.world))
         for w in works:
             w.wait()
 

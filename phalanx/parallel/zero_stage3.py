@@ -21,8 +21,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from phalanx.comm.collectives import all_gather_flat
-from phalanx.parallel.zero_shard import Unit, assign_shard_offsets, build_units
+from phalanx.parallel.zero_shard import Unit, assign_shard_offsets, build_units, gather_into
 from phalanx.parallel.zero_stage12 import GradReducer
 
 __all__ = ["Stage3", "unit_modules"]
@@ -117,7 +116,7 @@ class Stage3:
         flat = self.flats[id(u)]
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         mine = self.shards[g][u.shard_offset : u.shard_offset + u.shard_numel]
-        return all_gather_flat(flat, mine, group=self.group, async_op=True)
+        return gather_into(flat, mine, self.group, self.rank, self.world)
 
     def _gather_module(self, i: int) -> None:
         works = []
