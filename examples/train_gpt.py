@@ -3,6 +3,8 @@
 Run:
     phalanx run -np 4 python examples/train_gpt.py --dp 1 --pp 2 --tp 2
     phalanx run -np 4 python examples/train_gpt.py --dp 2 --pp 2 --tp 1 --schedule gpipe
+    phalanx run -np 4 python examples/train_gpt.py --dp 2 --pp 2 --zero 1      # ZeRO-1 on the dp axis
+    phalanx run -np 2 python examples/train_gpt.py --pp 2 --schedule interleaved_1f1b
     python examples/train_gpt.py                     # one process, same code
 
 The corpus is every ``*.py`` file under the directory of ``os.py`` (sorted, read
@@ -46,7 +48,9 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved_1f1b"])
+    ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="ZeRO stage on the data-parallel axis (0: plain data parallel)")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16, help="sequences per data-parallel replica per step")
     ap.add_argument("--seq", type=int, default=64)
@@ -73,8 +77,13 @@ def main() -> None:
         return vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
 
     pm = parallelize(model, mesh, loss_fn=loss_fn, tp_plan=plan, num_microbatches=args.microbatches,
-                     schedule=args.schedule, checkpoint=args.checkpoint)
-    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+                     schedule=args.schedule, checkpoint=args.checkpoint,
+                     data_parallel=f"zero{args.zero}" if args.zero else "auto",
+                     # AdamW spelled as Adam(decoupled_weight_decay=True): ZeRO rebuilds the optimizer
+                     # from type(opt)(**opt.defaults), which torch's AdamW class refuses.
+                     optimizer=lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=0.01,
+                                                               decoupled_weight_decay=True))
+    opt = pm.optimizer
     if px.rank() == 0:
         n_local = sum(p.numel() for p in pm.parameters())
         print(f"{mesh} corpus={len(text) / 1e6:.1f}M chars, stage bounds {pm.bounds}, "
