@@ -1,6 +1,7 @@
 """ZeRO stages vs torch's peers, same model, one run: peak memory per rank and samples/s.
 
 Run:  python benchmarks/zero.py [--np 2] [--layers 8] [--width 1024] [--batch 64] [--steps 8] [--repeats 3]
+      MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/zero.py ...   (RSS close to live bytes, see below)
 
 Peers: stage 1 vs DDP + ``ZeroRedundancyOptimizer``; stage 3 vs FSDP2 ``fully_shard``
 (each Linear, then the root); stage 2 and plain DDP + Adam are shown for scale.
@@ -8,13 +9,17 @@ Every configuration runs in fresh ranks (CPU, gloo), configurations interleaved
 within each repeat; medians are reported. "peak" is the rise of the process's
 peak resident set over its resident set just before the model was built
 (max over ranks), so it includes activations, communication buffers and
-allocator slack; "model bytes" is ``memory_report``'s params + grads + optimizer
-state (phalanx only).
+allocator slack. glibc's default malloc keeps freed multi-MB blocks in its
+heaps (its mmap threshold grows after each large free), so peak RSS also
+depends on each config's allocation history; a fixed ``MALLOC_MMAP_THRESHOLD_``
+returns large blocks at once and makes RSS follow live bytes. "model bytes"
+is ``memory_report``'s params + grads + optimizer state (phalanx only).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -107,7 +112,8 @@ def main() -> None:
     a = ap.parse_args()
     psi = a.layers * (a.width * a.width + a.width)
     print(f"model: {a.layers} x Linear({a.width},{a.width}), {psi / 1e6:.1f}M params, Adam fp32, np={a.np}, "
-          f"global batch {a.batch * a.np}, {a.steps} timed steps, {a.repeats} repeats (interleaved)")
+          f"global batch {a.batch * a.np}, {a.steps} timed steps, {a.repeats} repeats (interleaved), "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}")
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     for rep in range(a.repeats):
         order = CONFIGS if rep % 2 == 0 else CONFIGS[::-1]

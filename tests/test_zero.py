@@ -154,7 +154,34 @@ def _equivalence_and_memory():
     results["memory"] = _memory_checks()
     results["unused"] = _unused_on_one_rank()
     results["overlap"] = _reduced_during_backward()
+    results["fp16_inf"] = _fp16_overflow_on_one_rank()
     return results
+
+
+def _fp16_overflow_on_one_rank():
+    """fp16: an inf gradient on rank 1 only skips the step on every rank and halves the loss scale."""
+    out = {}
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        m = _mlp()
+        model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=stage, mixed_precision="fp16")
+        x, y = _batch("mlp", 0)
+        opt.zero_grad()
+        opt.scale_loss(_loss("mlp", model, x, y)).backward()
+        first = opt.step()
+        before, scale = copy.deepcopy(model.state_dict()), opt.loss_scale
+        opt.zero_grad()
+        loss = _loss("mlp", model, x, y)
+        opt.scale_loss(loss * float("inf") if px.rank() == 1 else loss).backward()
+        skipped = opt.step()
+        unchanged = _max_diff(model.state_dict(), before)
+        opt.zero_grad()
+        opt.scale_loss(_loss("mlp", model, x, y)).backward()
+        again = opt.step()
+        out[stage] = (first is not None and bool(torch.isfinite(first)), skipped, unchanged,
+                      _max_diff(model.state_dict(), before), scale, opt.loss_scale,
+                      again is not None and bool(torch.isfinite(again)))
+    return out
 
 
 class Branchy(torch.nn.Module):
@@ -253,6 +280,10 @@ def test_stages_match_full_batch_single_process_and_paper_memory():
         # full gradients kept as views; stage 2: reduced in every backward, gradients freed.
         assert res["overlap"][1] == ([False], [True], [True] * 6)
         assert res["overlap"][2] == ([True], [True], [False] * 6)
+        for stage, (first_ok, skipped, unchanged, moved_after, scale, new_scale, again_ok) in res["fp16_inf"].items():
+            assert first_ok and skipped is None and new_scale == scale / 2 and again_ok, (stage, res["fp16_inf"])
+            assert unchanged == 0.0, (stage, "a skipped step must not touch the parameters")
+            assert moved_after > 0, (stage, "the step after the skipped one must train again")
 
 
 def _save_at_4(path):
