@@ -16,6 +16,9 @@ Data flow for stage s of p (activations right, gradients left)::
   (``irecv``) one action ahead, while the current action computes, so the
   transfer overlaps compute instead of starting when the stage asks for it;
   waits are bounded by the process group timeout.
+* Interleaved schedules: ``module`` is a list of v chunks, chunk c being virtual
+  stage ``c·p + s``; a micro-batch leaving rank p-1's chunk c enters rank 0's
+  chunk c+1. Each chunk has its own link, its messages tagged by stream.
 * The last stage applies ``loss_fn(output, target) / m`` to each micro-batch;
   backward accumulates into ``.grad`` across the m micro-batches, so after
   ``step`` the gradients equal those of the mean loss over the whole batch.
