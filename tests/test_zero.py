@@ -151,6 +151,16 @@ def _equivalence_and_memory():
         _train("mlp", model, zopt, range(STEPS), scale=mp == "fp16")
         sd = model.state_dict()
         results[("mp", stage, mp)] = (_max_diff(sd, ref.state_dict()), str(next(iter(sd.values())).dtype))
+    # fp32 training, gradients sent as bf16 (a summable compressor), stages 1 and 3.
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        m = _mlp()
+        ref = copy.deepcopy(m)
+        _reference("mlp", ref, range(STEPS))
+        model, zopt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=stage, max_grad_norm=MAX_NORM,
+                           compression="bf16")
+        _train("mlp", model, zopt, range(STEPS))
+        results[("bf16 wire", stage)] = _max_diff(model.state_dict(), ref.state_dict())
     results["memory"] = _memory_checks()
     results["unused"] = _unused_on_one_rank()
     results["overlap"] = _reduced_during_backward()
@@ -274,6 +284,8 @@ def test_stages_match_full_batch_single_process_and_paper_memory():
             assert diff < 0.15, (stage, mp, diff)  # 20 Adam steps at lr 1e-2 in bf16 compute drift ~0.1
             assert dtype == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[mp]
         _check_memory(res["memory"], 2)
+        for stage in (1, 3):
+            assert 0 < res[("bf16 wire", stage)] < 0.05, (stage, res[("bf16 wire", stage)])
         for stage, diff in res["unused"].items():
             assert diff < 1e-5, ("unused on one rank", stage, diff)
         # stage 1 (k=2): nothing sent after the first micro-batch, reduced in the second backward,
@@ -349,6 +361,10 @@ def test_bad_arguments_name_the_field():
         zero(m, opt, stage=2, max_grad_norm=-1.0)
     with pytest.raises(TypeError, match="optimizer"):
         zero(m, "adam", stage=2)
+    with pytest.raises(ValueError, match="summable"):
+        zero(m, opt, stage=2, compression="topk")
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        zero(m, opt, stage=1, backward_passes_per_step=0)
     assert math.isclose(_expected_bytes(3, 100, 4, "bf16")["optimizer_state"], 300.0)
 
 

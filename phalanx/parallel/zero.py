@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from phalanx.comm.compression import get_compressor
 from phalanx.log import get_logger
 from phalanx.parallel.zero_shard import assign_shard_offsets, build_units, segments
 from phalanx.parallel.zero_stage3 import Stage3
@@ -55,7 +56,7 @@ def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
     return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)] or [flat]
 
 
-def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes) -> None:
+def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes, compression):
     if stage not in (1, 2, 3):
         raise ValueError(f"zero(stage={stage!r}): stage must be 1, 2 or 3")
     if not isinstance(model, torch.nn.Module):
@@ -72,6 +73,14 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
         raise ValueError(f"zero(max_grad_norm={max_grad_norm!r}): must be positive, or None to not clip")
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
+    compressor = get_compressor(compression)
+    if not compressor.summable:
+        raise ValueError(
+            f"zero(compression={compression!r}): ZeRO reduce-scatters gradients, which sums the payloads on "
+            "the wire, so only summable compressors work ('fp16', 'bf16'); for int8/top-k/sign/PowerSGD use "
+            "px.DataParallel"
+        )
+    return compressor
 
 
 def zero(
@@ -85,6 +94,7 @@ def zero(
     mixed_precision: str | None = None,
     max_grad_norm: float | None = None,
     backward_passes_per_step: int = 1,
+    compression=None,
 ):
     """Shard ``optimizer`` (and, by stage, gradients and parameters) over the ranks of ``group``.
 
@@ -96,20 +106,22 @@ def zero(
     ``backward_passes_per_step=k``: micro-batches per step; stage 1 then
     reduces once, during the k-th backward (stages 2 and 3 reduce every
     backward, which is what frees their gradient memory). Any other number of
-    passes is still correct, only less overlapped.
+    passes is still correct, only less overlapped. ``compression="fp16"|"bf16"``
+    sends gradients in that dtype (summed in it too); the shard stays in the compute dtype.
 
     Example::
 
         model, opt = px.zero(model, torch.optim.Adam(model.parameters()), stage=3)
     """
-    _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, backward_passes_per_step)
+    compressor = _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm,
+                             backward_passes_per_step, compression)
     if topology is None:
         import phalanx.runtime as runtime
 
         topology = runtime.init()
     group = group if group is not None else topology.world_group()
     return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
-                                backward_passes_per_step)
+                                backward_passes_per_step, compressor)
 
 
 def _cast(dtype):
@@ -123,7 +135,7 @@ class ZeroOptimizer:
     """The inner optimizer, rebuilt over this rank's flat fp32 shard of each parameter group."""
 
     def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm,
-                 backward_passes_per_step: int = 1) -> None:
+                 backward_passes_per_step: int = 1, compressor=None) -> None:
         self.model, self.stage, self.group = model, stage, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.max_grad_norm = max_grad_norm
@@ -152,7 +164,7 @@ class ZeroOptimizer:
         registration = {id(p): i for i, p in enumerate(model.parameters())}
         if stage == 3:
             self.engine = Stage3(model, groups_named, master_dtype, self.compute_dtype, group, self.rank, self.world,
-                                 registration)
+                                 registration, compressor)
             self.masters = self.engine.masters
         else:
             bucket_numel = max(1, int(bucket_mb * 2**20 / torch.finfo(self.compute_dtype).bits * 8))
@@ -161,7 +173,7 @@ class ZeroOptimizer:
             device = first.device if first is not None else torch.device("cpu")
             self.masters = [torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=device) for us in units]
             self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank,
-                                  backward_passes_per_step, registration)
+                                  backward_passes_per_step, registration, compressor)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
         self.chunks = [_chunks(m) for m in self.masters]
         self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)], **optimizer.defaults)

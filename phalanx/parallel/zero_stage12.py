@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.collectives import reduce_scatter_flat
+from phalanx.comm.compression import NoneCompressor
 from phalanx.parallel.zero_shard import Unit, gather_into, reduces_in_place
 
 __all__ = ["GradReducer", "Stage12"]
@@ -52,7 +53,8 @@ class GradReducer:
     pooled buffers and freed (stages 2, 3). ``on_unit_complete(unit)`` runs once
     every gradient of a unit is in (stage 3 frees the unit's parameters there);
     ``on_backward_end()`` runs last. ``registration`` maps ``id(param)`` to its
-    index in ``model.parameters()`` and fixes the launch order.
+    index in ``model.parameters()`` and fixes the launch order. ``compressor``: a
+    summable one (``fp16``/``bf16`` casts) applied to what goes on the wire.
 
     Example::
 
@@ -73,8 +75,10 @@ class GradReducer:
         on_unit_complete: Callable[[Unit], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
         registration: dict[int, int] | None = None,
+        compressor=None,
     ) -> None:
         self.group = group
+        self.compressor = compressor if compressor is not None else NoneCompressor()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.in_place = reduces_in_place(group)
         self.grad_shards = grad_shards
@@ -186,23 +190,26 @@ class GradReducer:
         shard = self.grad_shards[g]
         if shard is None:  # stage 1: the shard exists only between the reduce and step()
             shard = self.grad_shards[g] = torch.zeros(self._shard_numel(g), dtype=src.dtype, device=src.device)
+        payload, ctx = self.compressor.compress(src)  # no compression: src itself
         if self.in_place:  # gloo (see reduces_in_place); stage 1's .grad then hold the rank sum
             lo, hi = u.owned(self.rank)
-            out = src[lo:hi]
-            work = dist.all_reduce(src, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            out = payload[lo:hi]
+            work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         else:
             view = shard[u.shard_offset : u.shard_offset + u.shard_numel]
-            out = view if self._fresh[i] else torch.empty_like(view)
-            work = reduce_scatter_flat(out, src, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._pending.append((i, out, buf, work))
+            direct = self._fresh[i] and payload.dtype == view.dtype
+            out = view if direct else torch.empty(u.shard_numel, dtype=payload.dtype, device=payload.device)
+            work = reduce_scatter_flat(out, payload, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._pending.append((i, out, ctx, payload, buf, work))
         self._count[i] = 0
 
     def _shard_numel(self, g: int) -> int:
         return sum(u.shard_numel for gg, u in self.order if gg == g)
 
     def _complete(self, entry) -> None:
-        i, out, buf, work = entry
+        i, out, ctx, _payload, buf, work = entry
         work.wait()
+        out = self.compressor.decompress(out, ctx)
         g, u = self.order[i]
         view = self.grad_shards[g][u.shard_offset : u.shard_offset + u.shard_numel]
         if self._fresh[i] and out.data_ptr() == view.data_ptr():
@@ -280,7 +287,7 @@ class Stage12:
     """Parameters as views into per-unit flats; gradients reduce-scattered in backward."""
 
     def __init__(self, stage: int, units, masters, compute_dtype, group, rank: int,
-                 passes_per_reduce: int = 1, registration: dict[int, int] | None = None) -> None:
+                 passes_per_reduce: int = 1, registration: dict[int, int] | None = None, compressor=None) -> None:
         self.stage = stage
         self.units = units
         self.masters = masters
@@ -304,7 +311,8 @@ class Stage12:
         else:
             self.grad_shards = [None] * len(masters)
         self.reducer = GradReducer(units, self.grad_shards, group, keep_full=stage == 1,
-                                   passes_per_reduce=passes_per_reduce, registration=registration)
+                                   passes_per_reduce=passes_per_reduce, registration=registration,
+                                   compressor=compressor)
 
     def before_forward(self) -> None:
         self.reducer.before_forward()

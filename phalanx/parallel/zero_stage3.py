@@ -42,7 +42,7 @@ class Stage3:
     """Sharded parameters with per-module gather/free hooks (see module docstring)."""
 
     def __init__(self, model, groups_named, master_dtype, compute_dtype, group, rank: int, world: int,
-                 registration: dict[int, int] | None = None) -> None:
+                 registration: dict[int, int] | None = None, compressor=None) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.compute_dtype = compute_dtype
         group_of = {id(p): g for g, named in enumerate(groups_named) for _, p in named}
@@ -93,7 +93,8 @@ class Stage3:
         self._order: list[int] = []  # forward order of module units, learned on the first pass
         self._order_done = False
         self.reducer = GradReducer(self.units, self.grad_shards, group, on_unit_complete=self._free,
-                                   on_backward_end=self._backward_end, registration=registration)
+                                   on_backward_end=self._backward_end, registration=registration,
+                                   compressor=compressor)
         for i, (m, _) in enumerate(self.module_units):
             m.register_forward_pre_hook(self._make_pre(i))
             m.register_forward_hook(self._make_post(i))
