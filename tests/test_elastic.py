@@ -126,16 +126,14 @@ def _resize_segment(root, global_batch):
 
 def test_world_size_change_runs_lr_and_batch_rescaling_hooks(tmp_path):
     root = str(tmp_path / "commits")
-    first = distributed(_resize_segment, np=4, args=(root, 12))
-    assert all(r["calls"] == [] and r["batch"] == 3 and r["lr"] == 0.1 for r in first)  # fresh start: no hook
-    second = distributed(_resize_segment, np=2, args=(root, 12))  # resumes the commit made by 4 ranks
+    first = _resize_segment(root, 12)  # this process, a world of one: commits at size 1
+    assert first["calls"] == [] and first["batch"] == 12 and first["lr"] == 0.1  # fresh start: no hook
+    second = distributed(_resize_segment, np=2, args=(root, 12))  # resumes the commit made at size 1
     for r in second:
-        assert r["calls"] == [(4, 2)] and r["step"] == 2
-        assert r["lr"] == pytest.approx(0.05) and r["initial_lr"] == pytest.approx(0.05)  # linear scaling rule
-        assert r["base_lrs"] == [pytest.approx(0.05)] and r["batch"] == 6 and r["start_batch"] == 6
-    third = distributed(_resize_segment, np=3, args=(root, 12))
-    for r in third:
-        assert r["calls"] == [(2, 3)] and r["step"] == 3 and r["lr"] == pytest.approx(0.075) and r["batch"] == 4
+        assert r["calls"] == [(1, 2)] and r["step"] == 2
+        assert r["lr"] == pytest.approx(0.2) and r["initial_lr"] == pytest.approx(0.2)  # linear scaling rule
+        assert r["base_lrs"] == [pytest.approx(0.2)] and r["batch"] == 6 and r["start_batch"] == 6
+    # (2 -> 3 with keep_global_batch, end to end: test_discovery_script_grows_the_job_at_the_next_commit)
     holder = argparse.Namespace()
     hook = elastic.keep_global_batch(holder, "batch", 9)  # set now for this process's world of one
     assert holder.batch == 9
