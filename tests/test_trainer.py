@@ -1,13 +1,22 @@
 """Trainer on real ranks: same result as one rank with the same global batch, warm-up values,
 bf16 on CPU, and a forced inf that every rank skips."""
 
+import pytest
 import torch
 from torch import nn
 
 import phalanx as px
 from phalanx.demo import load_digits
 from phalanx.testing import distributed
-from phalanx.trainer import Callback, Checkpoint, EarlyStopping, LRSchedule, LRWarmup, Trainer
+from phalanx.trainer import (
+    Callback,
+    Checkpoint,
+    EarlyStopping,
+    LRSchedule,
+    LRWarmup,
+    TensorBoard,
+    Trainer,
+)
 
 
 def _model():
@@ -80,17 +89,26 @@ def test_trainer_on_two_ranks_matches_one_rank_with_the_same_global_batch():
     assert results[0][0][0] == results[1][0][0]
 
 
-def _early_stop():
+def _early_stop(log_dir):
     x, y, xt, yt = load_digits()
     model = _model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(), (x, y), (xt, yt),
-                      batch_size=64, callbacks=[EarlyStopping("val_loss", patience=2)], progress=False)
-    return len(trainer.fit(epochs=10))
+                      batch_size=64, callbacks=[EarlyStopping("val_loss", patience=2), TensorBoard(log_dir)],
+                      progress=False)
+    return len(trainer.fit(epochs=10)), trainer.state.history
 
 
-def test_early_stopping_stops_every_rank_at_the_same_epoch():
+def test_early_stopping_stops_every_rank_at_the_same_epoch_and_rank_0_logs_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     # lr=0 means no improvement: patience 2 stops after epoch 3 (1 best + 2 bad)
-    assert distributed(_early_stop, np=2) == [3, 3]
+    results = distributed(_early_stop, np=2, args=(str(tmp_path / "tb"),))
+    assert [n for n, _ in results] == [3, 3]
+    files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 1  # rank 0 only
+    events = EventAccumulator(str(files[0])).Reload()
+    logged = [e.value for e in events.Scalars("val_loss")]
+    assert logged == pytest.approx([h["val_loss"] for h in results[0][1]], rel=1e-6)
 
 
 # ---------------------------------------------------------------- resume, accumulation, clipping, recompute
