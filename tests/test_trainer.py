@@ -9,6 +9,7 @@ import phalanx as px
 from phalanx.demo import load_digits
 from phalanx.testing import distributed
 from phalanx.trainer import (
+    BroadcastInitialState,
     Callback,
     Checkpoint,
     EarlyStopping,
@@ -130,9 +131,9 @@ def _feature_model(dropout=0.0):
     return nn.Sequential(_Counting(), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 10))
 
 
-def _features_fit(data, epochs, callbacks=(), dropout=0.0, **kw):
+def _features_fit(data, epochs, callbacks=(), dropout=0.0, lr=0.05, **kw):
     model = _feature_model(dropout)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     trainer = Trainer(model, opt, nn.CrossEntropyLoss(), data, callbacks=[cb(opt) if callable(cb) else cb
                                                                          for cb in callbacks],
                       progress=False, **{"batch_size": 32, **kw})
@@ -158,6 +159,8 @@ def _trainer_features(root):
     plain, _, _, m_plain = _features_fit(data, 1)
     ckpt, _, _, m_ckpt = _features_fit(data, 1, activation_checkpointing=True)
     out["recompute"] = (plain, ckpt, m_plain[0].calls, m_ckpt[0].calls)
+    # BroadcastInitialState: rank 1 starts with another learning rate; rank 0's wins
+    out["broadcast"] = _features_fit(data, 1, [BroadcastInitialState(0)], lr=0.05 * (1 + 9 * px.rank()))[0]
     return out
 
 
@@ -172,6 +175,7 @@ def test_trainer_resume_accumulation_clipping_and_activation_checkpointing(tmp_p
         torch.testing.assert_close(out["accum"][0], out["accum"][1], rtol=1e-5, atol=1e-6)
         plain, ckpt, calls_plain, calls_ckpt = out["recompute"]
         torch.testing.assert_close(ckpt, plain, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out["broadcast"], plain, rtol=0, atol=1e-6)
         assert calls_ckpt == 2 * calls_plain == 20  # each of the 10 steps recomputed its forward in backward
     torch.testing.assert_close(results[0]["clip"], results[1]["clip"], rtol=0, atol=0)
     # clipping reference: one process, the same global batches of 64, clip the averaged gradient
