@@ -62,6 +62,12 @@ def _timeout_s() -> float:
     return float(os.environ.get("PHALANX_TIMEOUT", "300"))
 
 
+def _is_gathered(v: Any) -> bool:
+    """A piece whose state is split across ranks in its own format (ZeRO's optimizer): it saves
+    ``sharded_state_dict()`` per rank and loads from every saved rank's at once, at any world size."""
+    return hasattr(v, "sharded_state_dict") and hasattr(v, "load_sharded_state_dict")
+
+
 def _is_stateful(v: Any) -> bool:
     return hasattr(v, "state_dict") and hasattr(v, "load_state_dict") and not isinstance(v, torch.Tensor)
 
@@ -69,7 +75,8 @@ def _is_stateful(v: Any) -> bool:
 def _to_tree(state: dict) -> dict:
     if not isinstance(state, dict):
         raise TypeError(f"checkpoint state must be a dict of name -> piece, got {type(state).__name__}")
-    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+    return {k: (v.sharded_state_dict() if _is_gathered(v) else v.state_dict() if _is_stateful(v) else v)
+            for k, v in state.items()}
 
 
 class RNGState:
@@ -334,7 +341,9 @@ def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, torch.Tensor
     for name, rec in records.items():
         t = live.get(rec["path"])
         if (t is not None and "offsets" not in rec and t.device.type == "cpu" and t.is_contiguous()
-                and list(t.shape) == rec["shape"] and str(t.dtype).replace("torch.", "") == rec["dtype"]):
+                and list(t.shape) == rec["shape"] and str(t.dtype).replace("torch.", "") == rec["dtype"]
+                # the storage really holds the tensor (ZeRO-3 frees parameter storage between uses)
+                and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()):
             out[name] = t
     return out
 
@@ -368,7 +377,21 @@ def _read(path: str, state: dict) -> dict:
             return reader.assemble(pstr, shape, [0] * len(shape), dtype_of[name])
         return reader.tensors(src)[name]
 
-    return decode(info["skeleton"], fetch)
+    out = decode(info["skeleton"], fetch)
+    for k, v in state.items():
+        if _is_gathered(v) and k in out:  # every saved rank's piece: the object reshards itself
+            out[k] = [_piece_of_rank(path, manifest, reader, r, k) for r in range(saved_world)]
+    return out
+
+
+def _piece_of_rank(path: str, manifest: dict, reader: _Reader, r: int, key: str):
+    """Saved rank ``r``'s subtree ``key`` (its own tensors only)."""
+    entry = manifest["ranks"][r]
+    info = io.read_json(os.path.join(path, entry["meta_file"]), checksum=_checksum(entry, "meta"))
+    for k, v in info["skeleton"]["__d__"]:
+        if decode(k, None) == key:
+            return decode(v, lambda name, node, p: reader.tensors(r)[name], (key,))
+    raise io.CorruptCheckpointError(f"checkpoint {path}: rank {r}'s file has no piece '{key}'")
 
 
 def _apply(state: dict, tree: dict) -> None:
@@ -376,7 +399,9 @@ def _apply(state: dict, tree: dict) -> None:
         if k not in tree:
             raise KeyError(f"checkpoint has no piece '{k}' (it has {sorted(map(str, tree))}); "
                            "remove it from the state or load a checkpoint that has it")
-        if _is_stateful(v):
+        if _is_gathered(v):
+            v.load_sharded_state_dict(tree[k])
+        elif _is_stateful(v):
             v.load_state_dict(tree[k])
         elif isinstance(v, torch.Tensor):
             with torch.no_grad():

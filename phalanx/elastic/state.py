@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from phalanx.checkpoint.manager import CheckpointManager
-from phalanx.checkpoint.sharded import _is_stateful
+from phalanx.checkpoint.sharded import _is_gathered, _is_stateful
 from phalanx.log import get_logger
 
 __all__ = ["State", "TorchState", "default_commit_dir"]
@@ -108,7 +108,8 @@ class TorchState:
             from phalanx import runtime
 
             object.__setattr__(self, "_world", runtime.size() if runtime.is_initialized() else 1)
-        snapshot = {k: copy.deepcopy(v.state_dict() if _is_stateful(v) else v)
+        snapshot = {k: copy.deepcopy(v.sharded_state_dict() if _is_gathered(v) else
+                                     v.state_dict() if _is_stateful(v) else v)
                     for k, v in self._pieces.items()}
         object.__setattr__(self, "_memory", snapshot)
         self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
@@ -136,7 +137,9 @@ class TorchState:
         """Roll back to the last commit: from memory if this process made it, else from the snapshot."""
         if self._memory is not None:
             for k, v in self._pieces.items():
-                if _is_stateful(v):
+                if _is_gathered(v):  # ZeRO: each rank kept its own shard; load from all of them
+                    v.load_sharded_state_dict(_all_ranks(copy.deepcopy(self._memory[k])))
+                elif _is_stateful(v):
                     v.load_state_dict(copy.deepcopy(self._memory[k]))
                 elif isinstance(v, torch.Tensor):
                     with torch.no_grad():
@@ -165,6 +168,8 @@ class TorchState:
             self._world_changed(1)
             return
         for k, v in self._pieces.items():
+            if _is_gathered(v):
+                continue  # sharded (ZeRO): every rank holds its own part, restored from every rank's
             if isinstance(v, torch.nn.Module):
                 for t in list(v.parameters()) + list(v.buffers()):
                     broadcast(t.data, root_rank=0, inplace=True, name=f"sync.{k}")
@@ -194,3 +199,13 @@ class TorchState:
         for v in self._pieces.values():
             if hasattr(v, "reset") and hasattr(v, "record_batch"):
                 v.reset()
+
+
+def _all_ranks(mine: Any) -> list:
+    from phalanx import runtime
+
+    if not runtime.is_initialized() or runtime.size() == 1:
+        return [mine]
+    from phalanx.comm.collectives import allgather_object
+
+    return allgather_object(mine)
