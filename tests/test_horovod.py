@@ -238,6 +238,12 @@ def _facade_optimizer(trace_path):
             torch.nn.functional.mse_loss(model2(x[rows]), y[rows]).backward()
         opt2.step()
     out["sum_k2"] = _flat(model2)
+    # broadcast_parameters also takes model.parameters() (a plain list), as Horovod's does
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(r)
+    hvd.broadcast_parameters(model2.parameters(), root_rank=1)
+    out["bcast_list"] = _flat(model2)
     try:
         hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1), op=hvd.Sum,
                                  gradient_predivide_factor=2.0)
@@ -276,6 +282,7 @@ def test_distributed_optimizer_matches_full_batch_reference(tmp_path):
         opt2.step()
     for out in results:
         torch.testing.assert_close(out["sum_k2"], _flat(model2), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out["bcast_list"], results[1]["sum_k2"] + 1, atol=1e-6, rtol=0)
     # the timeline: one Chrome-trace JSON file with the spans of both ranks
     events = json.loads(trace_path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

@@ -76,9 +76,19 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
 
 
 def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
-    """Copy parameters (a state_dict or named_parameters) from ``root_rank`` to every rank, in place."""
+    """Copy parameters (a state_dict, named_parameters() or parameters()) from ``root_rank``, in place."""
+    from collections.abc import Mapping
+
+    import torch
+
     from phalanx.parallel.data_optimizer import broadcast_parameters as _bp
 
+    if not isinstance(params, (Mapping, torch.nn.Module)):
+        params = list(params)
+        if not all(isinstance(p, (tuple, torch.Tensor)) for p in params):
+            raise ValueError("broadcast_parameters takes a state_dict, model.named_parameters() or "
+                             f"model.parameters(); got items of type {type(params[0]).__name__}")
+        params = [p if isinstance(p, tuple) else (f"param.{i:06d}", p) for i, p in enumerate(params)]
     _bp(params, root_rank=root_rank, **({"group": process_set.group} if process_set is not None else {}))
 
 
