@@ -65,13 +65,14 @@ def _two_rank_checks():
     bf16 = _fit(32, precision="bf16")
     inf = _fit(32, inf=True)
     warm = _fit(32, warmup=True)
-    return plain, bf16, inf, warm
+    inf16 = _fit(32, precision="fp16", inf=True)  # GradScaler on: both ranks skip and back off alike
+    return plain, bf16, inf, warm, inf16
 
 
 def test_trainer_on_two_ranks_matches_one_rank_with_the_same_global_batch():
     results = distributed(_two_rank_checks, np=2, timeout=240)
     single = distributed(_fit, np=1, args=(64,))[0]
-    (m1, p1, _, _, _), (mb, pb, _, _, _), (mi, pi, skipped, _, steps_inf), (_, _, _, lrs, steps) = results[0]
+    (m1, p1, _, _, _), (mb, pb, _, _, _), (mi, pi, skipped, _, steps_inf), (_, _, _, lrs, steps), _ = results[0]
     # same global batch, same updates: the parameters agree with the one-rank run
     torch.testing.assert_close(p1, single[1], atol=1e-4, rtol=1e-4)
     assert abs(m1["val_accuracy"] - single[0]["val_accuracy"]) < 0.01
@@ -81,6 +82,8 @@ def test_trainer_on_two_ranks_matches_one_rank_with_the_same_global_batch():
     # a forced inf on rank 1 made every rank skip exactly one step, and they stayed identical
     assert [r[2][2] for r in results] == [1, 1]
     torch.testing.assert_close(results[0][2][1], results[1][2][1])
+    assert [r[4][2] for r in results] == [1, 1] and results[0][4][0]["val_accuracy"] > 0.85  # fp16 + GradScaler
+    torch.testing.assert_close(results[0][4][1], results[1][4][1], rtol=0, atol=0)
     # warm-up: lr rises linearly per step from 0.05 to 0.05 * 2 ranks over the first epoch
     steps_per_epoch = steps // 2
     assert abs(lrs[0] - 0.05) < 1e-12
