@@ -1,6 +1,7 @@
 """Sync DP vs async PS vs SSP vs local SGD when workers are slow: samples/s and accuracy after a fixed time.
 
 Run:  python benchmarks/async_vs_sync.py --seconds 5 --repeats 3
+      python benchmarks/async_vs_sync.py --protocol-ab 0ca3a52^ --repeats 3   (PS protocol A/B)
 
 Every method trains the same MLP on digits for a fixed wall time with 3 workers;
 the parameter-server runs add one server rank. A worker's "compute" is its real
@@ -32,8 +33,12 @@ What to expect from the sleeps alone (compute and messages are extra):
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -161,13 +166,70 @@ def _gather(fn, np, *args):
     return samples / wall, rows[0][2], busy
 
 
+def _message_bound(which, ab_dir, mode, seconds):
+    """No sleeps: steps/s of 3 workers against 1 server, with this tree's PS or an older one."""
+    if which == "old":
+        sys.path.insert(0, ab_dir)
+        from ps_old import run_ps as run
+    else:
+        run = run_ps
+    x, y = torch.randn(LOCAL_BATCH, 64), torch.randint(10, (LOCAL_BATCH,))
+
+    def train(worker):
+        def step():
+            worker.pull()
+            worker.model.zero_grad()
+            nn.functional.cross_entropy(worker.model(x), y).backward()
+            worker.push()
+
+        step()  # warm-up, off the clock
+        start, steps = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            step()
+            steps += 1
+        worker.pull()
+        return steps, time.perf_counter() - start
+
+    px.barrier()
+    out = run(_model, _adam, train, num_servers=1, mode=mode, staleness=STALENESS)
+    return out["result"]
+
+
+def protocol_ab(rev: str, repeats: int, seconds: float) -> None:
+    """The PS of git revision ``rev`` (copied to a temp dir as ``ps_old``) vs this tree's, interleaved."""
+    ab_dir = tempfile.mkdtemp(prefix="phalanx-ps-ab-")
+    os.makedirs(os.path.join(ab_dir, "ps_old"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("__init__", "protocol", "server", "worker", "local_sgd"):
+        text = subprocess.run(["git", "show", f"{rev}:phalanx/ps/{name}.py"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        with open(os.path.join(ab_dir, "ps_old", f"{name}.py"), "w") as f:
+            f.write(text.replace("phalanx.ps.", "ps_old."))
+    rates: dict = {}
+    for _ in range(repeats):
+        for mode in ("async", "sync"):
+            for which in ("old", "new"):
+                rows = [r for r in px.run(_message_bound, np=WORKERS + 1, args=(which, ab_dir, mode, seconds),
+                                          timeout=300, threads=1) if r is not None]
+                rates.setdefault((mode, which), []).append(sum(r[0] for r in rows) / max(r[1] for r in rows))
+    print(f"PS protocol, 1 server + {WORKERS} workers, no sleeps, {seconds:g} s each, median of {repeats}")
+    print(f"{'mode':<8}{rev + ' steps/s':>22}{'this tree steps/s':>20}{'ratio':>8}")
+    for mode in ("async", "sync"):
+        old, new = (statistics.median(rates[(mode, w)]) for w in ("old", "new"))
+        print(f"{mode:<8}{old:>22.0f}{new:>20.0f}{new / old:>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0, help="training wall time per run")
     ap.add_argument("--step-ms", type=float, default=20.0, help="sleep per step of a worker that is not slow")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stragglers", default="fixed,random", help="comma list of: fixed, random")
+    ap.add_argument("--protocol-ab", default=None, metavar="REV",
+                    help="instead: message-bound steps/s of the PS at git revision REV vs this tree's")
     args = ap.parse_args()
+    if args.protocol_ab:
+        return protocol_ab(args.protocol_ab, args.repeats, min(args.seconds, 2.0))
     patterns = args.stragglers.split(",")
     for p in patterns:
         if p not in ("fixed", "random"):
