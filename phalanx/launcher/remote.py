@@ -18,6 +18,8 @@
   a grace period are killed.
 * The secret reaches agents on stdin and workers through a 0600 file
   (``PHALANX_SECRET_FILE``); it is never on a command line.
+* ``--timeline FILE``: every worker writes ``FILE.rank<N>`` on its own host; after
+  the job the launcher collects the parts from each host over SSH and merges them.
 
 The agent side is ``python -m phalanx.launcher.remote agent …`` (see :func:`agent_main`).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import shlex
@@ -227,13 +230,71 @@ def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str]) 
     """``phalanx run`` with remote hosts: validate, then :func:`launch_remote`."""
     np = args.np or sum(h.slots for h in hosts)
     env = {"PHALANX_TIMEOUT": str(args.timeout)} if args.timeout is not None else {}
+    timeline = os.path.abspath(args.timeline) if getattr(args, "timeline", None) else None
+    if timeline:
+        env["PHALANX_TIMELINE"] = timeline  # the workers write PATH.rank<N> on their own host
     ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
     try:
-        return launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,
+        code = launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,
                              start_timeout=args.start_timeout, env=env, port=args.rdzv_port)
     except (UnreachableHost, ValueError) as err:
         print(f"phalanx run: {err}", file=sys.stderr, flush=True)
         return 255 if isinstance(err, UnreachableHost) else 2
+    if timeline:
+        used, left = [], np
+        for h in hosts:
+            if left > 0:
+                used.append(h.name)
+                left -= h.slots
+        _gather_timeline(timeline, used, ssh)
+    return code
+
+
+def _gather_timeline(path: str, hosts: list[str], ssh: SSHOptions, timeout_s: float = 60.0) -> None:
+    """Bring every host's ``PATH.rank<N>`` parts here and merge them into ``PATH``.
+
+    Each host hands over (and removes) the parts it holds, all hosts are read before
+    anything is written here, so a filesystem shared by the hosts (NFS, or the
+    simulated cluster) and separate disks both end with one merged file and no parts.
+    """
+    from phalanx.profiler.timeline import merge_parts
+
+    python = sys.executable
+    parts: dict[str, str] = {}
+    for host in dict.fromkeys(hosts):
+        remote = f"exec {shlex.join([python, '-m', 'phalanx.launcher.remote', 'timeline-parts', path])}"
+        try:
+            res = subprocess.run(ssh.command(host, remote), stdin=subprocess.DEVNULL, capture_output=True,
+                                 text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("timeline: host %s did not hand over its parts within %.0fs", host, timeout_s)
+            continue
+        if res.returncode:
+            log.warning("timeline: could not read the parts on host %s: %s", host, res.stderr.strip()[-500:])
+            continue
+        parts.update(json.loads(res.stdout or "{}"))
+    for name, text in parts.items():
+        if os.path.dirname(name) == os.path.dirname(path) and os.path.basename(name).startswith(
+                os.path.basename(path) + ".rank"):  # never write outside the timeline's own name
+            with open(name, "w") as f:
+                f.write(text)
+    merge_parts(path)
+
+
+def _timeline_parts_main(path: str) -> int:
+    """``python -m phalanx.launcher.remote timeline-parts PATH``: print this host's parts as JSON, remove them."""
+    import glob
+
+    found = {}
+    for name in sorted(glob.glob(glob.escape(path) + ".rank*")):
+        with open(name) as f:
+            found[name] = f.read()
+    print(json.dumps(found))
+    sys.stdout.flush()
+    for name in found:
+        with contextlib.suppress(OSError):
+            os.remove(name)
+    return 0
 
 
 # -- the agent, one per host --------------------------------------------------
@@ -283,4 +344,6 @@ def agent_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["timeline-parts"] and len(sys.argv) == 3:
+        sys.exit(_timeline_parts_main(sys.argv[2]))
     sys.exit(agent_main())
