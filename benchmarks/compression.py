@@ -10,7 +10,7 @@ phalanx runs through ``DataParallel(compression=name)`` at the registry defaults
 the peers are torch DDP, DDP + ``fp16_compress_hook`` and DDP + ``powerSGD_hook``
 (rank 4, like phalanx's default). Reported per configuration: bytes this rank
 sent per step (phalanx: counted by the engine; DDP: the fp32 / fp16 / P+Q sizes a
-ring allreduce sends), median step time (forward + backward with its gradient
+ring allreduce sends; ``local``: no communication, the compute floor), median step time (forward + backward with its gradient
 reduction + optimizer step; configurations interleaved inside every repeat),
 final test accuracy. On loopback the wire is nearly free; the simulated 1 Gbit/s
 link (``phalanx.testing.cluster``, tc tbf) is where compression must pay off.
@@ -31,6 +31,7 @@ import phalanx as px
 
 PHALANX = ["none", "fp16", "bf16", "int8", "int4", "2bit", "sign", "topk", "threshold", "powersgd"]
 DDP = ["ddp", "ddp+fp16_hook", "ddp+powersgd_hook"]
+FLOOR = ["local"]  # no gradient communication at all: the compute floor of a step
 SETTINGS = {"threshold": {"threshold": 0.01}}  # no model-independent default (see docs/compression.md)
 PSGD_RANK = 4
 
@@ -66,7 +67,9 @@ def _one(config, hidden, epochs, skip):
     xtr, ytr, xte, yte = load_digits()
     net = _model(hidden)
     params = list(net.parameters())
-    if config in DDP:
+    if config == "local":
+        model = net
+    elif config in DDP:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024)
@@ -96,10 +99,12 @@ def _one(config, hidden, epochs, skip):
             opt.step()
             times.append(time.perf_counter() - t0)
             sched.step()
-            if config not in DDP:
+            if config in PHALANX:
                 sent.append(model.bytes_sent - before)
     if config in DDP:
         sent = [_ddp_bytes(config, params, n)]
+    elif config == "local":
+        sent = [0]
     else:
         model._engine.remove_hooks()
     with torch.no_grad():
@@ -141,15 +146,15 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--configs", default=",".join(PHALANX + DDP), help="comma-separated subset")
+    ap.add_argument("--configs", default=",".join(PHALANX + DDP + FLOOR), help="comma-separated subset")
     ap.add_argument("--cluster", type=int, default=0, help="simulated hosts (root), one rank each")
     ap.add_argument("--rate", default="1gbit", help="simulated link rate")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
-    unknown = [c for c in a.configs if c not in PHALANX + DDP]
+    unknown = [c for c in a.configs if c not in PHALANX + DDP + FLOOR]
     if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; choose from {PHALANX + DDP}")
+        raise SystemExit(f"unknown config(s) {unknown}; choose from {PHALANX + DDP + FLOOR}")
     if a.worker:  # under `phalanx run` on the simulated cluster
         px.init()
         res = _bench(a.hidden, a.epochs, a.repeats, a.configs)
@@ -171,8 +176,9 @@ def main():
         step = statistics.median(r["step_s"] for r in runs)
         nbytes = statistics.median(r["bytes"] for r in runs)
         acc = statistics.median(r["acc"] for r in runs)
-        print(f"{key:<20}{nbytes:>12.0f}{runs[0]['dense'] / nbytes:>9.1f}{step * 1e3:>10.2f}"
-              f"{base / step:>9.2f}x{acc:>10.4f}")
+        fewer = f"{runs[0]['dense'] / nbytes:>9.1f}" if nbytes else f"{'-':>9}"
+        print(f"{key:<20}{nbytes:>12.0f}{fewer}{step * 1e3:>10.2f}{base / step:>9.2f}x{acc:>10.4f}"
+              f"   (wall {statistics.median(r['wall_s'] for r in runs):.0f} s)")
 
 
 if __name__ == "__main__":

@@ -233,10 +233,25 @@ def _train_onebit_adam(epochs=8, hidden=64):
     return out
 
 
+def _onebit_adam_under_zero():
+    """px.zero(model, OneBitAdam) must fail with a clear error, not silently mix shards."""
+    from phalanx.optim import OneBitAdam
+
+    model = _digits_model()
+    model, opt = px.zero(model, OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2), stage=1)
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
+    try:
+        opt.step()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def _convergence_body():
     out = {name: _train_digits(name) for name in CONVERGENCE}
     out["onebit_adam"] = _train_onebit_adam()
     out["resume"] = {c: _dp_checkpoint(c) for c in ("sign", "topk", "powersgd")}
+    out["onebit_zero"] = _onebit_adam_under_zero()
     return out
 
 
@@ -263,3 +278,5 @@ def test_convergence_on_digits_every_compressor():
     assert ob["onebit"] >= ob["adam"] - 0.015, (ob["onebit"], ob["adam"])
     assert torch.equal(ob["onebit_params"], results[1]["onebit_adam"]["onebit_params"])
     assert "onebit_adam.group0" in ob["residual_keys"]
+    for r in results:
+        assert r["onebit_zero"] and "do not wrap it in px.zero" in r["onebit_zero"], r["onebit_zero"]

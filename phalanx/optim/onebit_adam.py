@@ -19,13 +19,19 @@ The optimizer communicates itself: call ``loss.backward(); opt.step()`` with the
 step with bitwise the same momentum and parameters. ``state_dict()`` holds the
 compressor's residuals, so a checkpoint resumes the compression stage exactly.
 
-ZeRO stage 1: DeepSpeed's 1-bit Adam does not compose with ZeRO. Here the
-structure would allow it — the two-phase compressed allreduce is a compressed
-reduce-scatter followed by an allgather, and rank j could update only its shard
-``j`` with a sharded ``v`` before the allgather — but that shard-update mode is
-NOT implemented yet: this optimizer keeps full ``m`` and ``v`` on every rank, and
-wrapping it in ``phalanx.parallel.zero`` stage 1 is unsupported (it would average
-gradients before 1-bit Adam sees them and shard a state it assumes is whole).
+ZeRO stage 1: not supported, and refused with a clear error. ``px.zero``
+reduce-scatters *gradients* uncompressed and hands each rank's inner optimizer
+a different shard; 1-bit Adam's saving is to send *momentum* compressed instead
+of gradients, and its own averaging over a shard would mix different
+coordinates of different ranks. A real composition needs the compression stage
+to be sharded too: rank j receives the compressed momentum chunks j (phase 1 of
+the two-phase scheme), updates shard j and allgathers parameters. That breaks on
+the preconditioning this implementation needs (below): every rank compresses
+``m / (sqrt(v_frozen) + eps)`` over the *whole* vector, so it needs the whole
+frozen ``v`` — exactly the state ZeRO-1 shards. Allgathering ``v`` once at the
+freeze would give back most of ZeRO-1's saving (m and v are the sharded state).
+The first ``step()`` checks that every rank holds the same parameters (one
+small allreduce); under ``px.zero`` they hold different shards, and it raises.
 
 Example::
 
@@ -78,6 +84,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.compressor = get_compressor("sign", two_level=False) if compression is None else get_compressor(compression)
         self.process_group = group
         self.step_count = 0
+        self._checked = False
 
     @property
     def compressing(self) -> bool:
@@ -86,12 +93,32 @@ class OneBitAdam(torch.optim.Optimizer):
     def _world(self) -> int:
         return dist.get_world_size(self.process_group) if dist.is_initialized() else 1
 
+    def _check_replicated(self) -> None:
+        """Every rank must hold the same parameters (it averages full gradients and momenta itself)."""
+        self._checked = True
+        if self._world() == 1:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        s = sum((p.detach().double().sum() for p in params), torch.zeros((), dtype=torch.float64))
+        n = float(sum(p.numel() for p in params))
+        probe = torch.tensor([s.item(), n, -s.item(), -n], dtype=torch.float64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.process_group)
+        if probe[0] != -probe[2] or probe[1] != -probe[3]:
+            raise ValueError(
+                "OneBitAdam: the ranks hold different parameters (sizes or values) at the first step. "
+                "OneBitAdam averages gradients and compressed momenta itself, so every rank needs the whole, "
+                "identical model: do not wrap it in px.zero (ZeRO hands each rank a different shard), and "
+                "broadcast the initial parameters (px.broadcast_parameters) before training."
+            )
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._checked:
+            self._check_replicated()
         self.step_count += 1
         t = self.step_count
         for gi, group in enumerate(self.param_groups):
