@@ -201,6 +201,11 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _embedding_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(6, 3, sparse=True), torch.nn.Linear(3, 1))
+
+
 def _facade_optimizer(trace_path):
     torch.manual_seed(hvd.rank())  # different starts: broadcast_parameters must align them
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -238,6 +243,17 @@ def _facade_optimizer(trace_path):
             torch.nn.functional.mse_loss(model2(x[rows]), y[rows]).backward()
         opt2.step()
     out["sum_k2"] = _flat(model2)
+    # sparse gradients reduced densely (sparse_as_dense), explicit groups
+    emb_model = _embedding_model()
+    opt3 = hvd.DistributedOptimizer(torch.optim.SGD(emb_model.parameters(), lr=0.5),
+                                    named_parameters=emb_model.named_parameters(), sparse_as_dense=True,
+                                    groups=[[emb_model[0].weight], [emb_model[1].weight, emb_model[1].bias]])
+    tokens = torch.arange(8).reshape(4, 2) % 6
+    for _ in range(2):
+        opt3.zero_grad()
+        emb_model(tokens[r * 2:(r + 1) * 2]).pow(2).mean().backward()
+        opt3.step()
+    out["sparse_as_dense"] = _flat(emb_model)
     # broadcast_parameters also takes model.parameters() (a plain list), as Horovod's does
     with torch.no_grad():
         for p in model2.parameters():
@@ -283,6 +299,15 @@ def test_distributed_optimizer_matches_full_batch_reference(tmp_path):
     for out in results:
         torch.testing.assert_close(out["sum_k2"], _flat(model2), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(out["bcast_list"], results[1]["sum_k2"] + 1, atol=1e-6, rtol=0)
+    emb_model = _embedding_model()
+    opt3 = torch.optim.SGD(emb_model.parameters(), lr=0.5)
+    tokens = torch.arange(8).reshape(4, 2) % 6
+    for _ in range(2):
+        opt3.zero_grad()
+        (emb_model(tokens[:2]).pow(2).mean() + emb_model(tokens[2:]).pow(2).mean()).div(2).backward()
+        opt3.step()
+    for out in results:
+        torch.testing.assert_close(out["sparse_as_dense"], _flat(emb_model), atol=1e-6, rtol=1e-5)
     # the timeline: one Chrome-trace JSON file with the spans of both ranks
     events = json.loads(trace_path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
