@@ -260,6 +260,14 @@ def _reduced_during_backward():
         grads_kept = [p.grad is not None for p in m.parameters()]
         opt.step()
         seen[stage] = (after_first, after_second, grads_kept)
+    # Stage 1: a second backward over already-reduced gradients is refused, not double counted.
+    m = _mlp()
+    model, opt = zero(m, torch.optim.Adam(m.parameters()), stage=1)
+    loss = _loss("mlp", model, *_batch("mlp", 0))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    opt.engine.reducer.wait()
     return seen
 
 

@@ -102,7 +102,7 @@ class GradReducer:
         self._count = [0] * len(self.order)
         self._next = 0  # next unit (index into order) to launch in this pass
         self._fresh = [True] * len(self.order)  # shard slice not yet written since zero()
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None, object]] = []
+        self._pending: list[tuple] = []  # (unit index, out, ctx, payload, pooled buffer, work)
         self._queued = False
         self.passes = 0  # backward passes since the last zero()/step
         self.reduced = False  # stage 1: the flats' contents are already in the shard
@@ -134,6 +134,12 @@ class GradReducer:
         i, off = self._where[id(p)]
         u = self.order[i][1]
         if self.keep_full:
+            if self.reduced:
+                raise RuntimeError(
+                    "zero(stage=1): a second backward reached gradients that were already reduced, with no "
+                    "forward through the wrapped model in between; sum the losses and call backward once, "
+                    "or run a new forward per backward"
+                )
             view = self.full[i][off : off + p.numel()]
             if p.grad.data_ptr() != view.data_ptr():  # someone replaced .grad (or create_graph=True)
                 view.copy_(p.grad.reshape(-1))

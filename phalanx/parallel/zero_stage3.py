@@ -8,7 +8,7 @@ pointing at the same storage, which is refilled before backward::
 
     forward:   pre-hook(u_i): wait gather(u_i) · prefetch gather(u_i+1) → run u_i → free(u_i)
     backward:  grad of u_i's output: wait gather(u_i) · prefetch gather(u_i-1)
-               grads accumulated → copy into flat buffer → reduce_scatter(async) → free(u_i)
+               grads in → copy into a pooled send buffer → free(u_i) → reduce_scatter(async, fixed order)
     step():    inner optimizer on the fp32 shard → refresh the compute-dtype shard
 
 The model's code is untouched: only forward pre/post hooks, a multi-grad hook on
