@@ -2,7 +2,8 @@
 
 Reads real tensor sizes, so users see what each ZeRO stage saves::
 
-    stage 1: params 2Ψ  grads 2Ψ   optimizer KΨ/N        (mixed precision, K = 12 for Adam)
+    stage 1: params 2Ψ  grads 2Ψ   optimizer KΨ/N        (mixed precision, K = 12 for Adam;
+                                                           + a 2Ψ/N grad shard between the reduce and step)
     stage 2: params 2Ψ  grads 2Ψ/N optimizer KΨ/N
     stage 3: params 2Ψ/N grads 2Ψ/N optimizer KΨ/N       (+ one gathered unit while it runs)
 
