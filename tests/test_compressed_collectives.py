@@ -117,8 +117,9 @@ def test_compressed_allreduce_matches_simulation(np):
 # DataParallel(compression=...). The recipe is the usual one: SGD with momentum and a cosine
 # learning-rate decay. Measured with this loop over model seeds 0-5 (docs/compression.md):
 # sign (two-level, chunk 256) -0.8..+0.8 points from uncompressed, topk (0.02) -0.6..+1.1,
-# powersgd (rank 4, seeds 0-2) -0.6..+1.1. With a constant lr the final-epoch accuracy swings
-# by 3 points between epochs even uncompressed, and sign/top-k/PowerSGD ended 1-6 points low.
+# powersgd (rank 4) -0.6..+1.1; sign with one scale per chunk -2.2..+0.3, top-k 0.01 -2.0..0.
+# With a constant lr the final-epoch accuracy swings by 3 points between epochs even
+# uncompressed, and sign/top-k/PowerSGD ended 1-6 points low.
 CONVERGENCE = ["none", "fp16", "bf16", "int8", "int4", "2bit", "sign", "topk", "threshold", "powersgd"]
 # A magnitude threshold has no model-independent default (the default 1e-3 keeps ~46% of this
 # model's entries: 1.1x fewer bytes); 0.01 keeps ~12% here.
