@@ -38,6 +38,20 @@ def test_quantize_error_bound_and_size(bits):
     assert x.numel() * 4 / payload.numel() > {8: 3.8, 4: 7.0, 2: 12.0}[bits]
 
 
+def test_none_and_casts_round_trip():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(6)) * 100
+    none = get_compressor("none")
+    assert torch.equal(none.decompress(*none.compress(x)), x) and none.summable
+    for name, rel in (("fp16", 2.0**-11), ("bf16", 2.0**-8)):  # round to nearest: half an ulp
+        c = get_compressor(name)
+        payload, ctx = c.compress(x)
+        assert c.summable and payload.element_size() == 2
+        y = c.decompress(payload, ctx)
+        assert y.dtype == x.dtype and ((y - x).abs() <= rel * x.abs() + 1e-30).all(), name
+    ints = torch.arange(5)
+    assert torch.equal(get_compressor("fp16").compress(ints)[0], ints)  # integer tensors pass through
+
+
 def test_stochastic_rounding_is_unbiased():
     x = torch.linspace(-1, 1, 64)
     q = QuantizeCompressor(bits=2, chunk=64, stochastic=True, seed=0)  # only -1, 0, +1 levels
