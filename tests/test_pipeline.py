@@ -105,6 +105,18 @@ def test_schedule_invariants(name):
         replay([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
 
 
+def test_stage_rejects_a_schedule_that_does_not_fit_its_chunks():
+    two = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match="holds 2"):
+        PipelineStage(two, 0, 2).step(torch.zeros(4, 2), num_microbatches=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="holds 1"):
+        PipelineStage(two[0], 0, 2).step(torch.zeros(4, 2), num_microbatches=2, schedule="interleaved_1f1b")
+    with pytest.raises(ValueError, match="loss_fn"):
+        PipelineStage(two[0], 1, 2)
+    with pytest.raises(ValueError, match="does not split"):
+        PipelineStage(two[0], 0, 2).step(torch.zeros(5, 2), num_microbatches=2)
+
+
 # -- real ranks ---------------------------------------------------------------------------
 def _model(p):
     torch.manual_seed(0)  # 2p + 1 blocks: enough for two chunks per stage
