@@ -77,6 +77,8 @@ def _pull_only(worker):
 def _ps_suite(ckpt_dir):
     mgr = CheckpointManager(ckpt_dir, keep=1)
     out = {"exact": run_ps(_mlp, _sgd, _exact_train, num_servers=2, mode="sync", checkpoint=mgr)}
+    # lossy int8 (error feedback on pushes, one residual per server link; plain codec on pulls)
+    out["int8"] = run_ps(_mlp, _sgd, _exact_train, num_servers=2, mode="sync", compression="int8")
     # a second session resumes from the shards the first one saved (and has nothing new to save)
     out["resumed"] = run_ps(_mlp, _sgd, _pull_only, num_servers=2, mode="async", checkpoint=mgr)
     for mode, s, prefetch in (("ssp", 2, True), ("async", 0, False)):
@@ -122,6 +124,12 @@ def test_ps_modes_on_four_ranks(tmp_path):
     assert [s["resumed"]["stats"]["version"] for s in servers] == [STEPS, STEPS]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{STEPS:09d}"]
     assert all(s["exact"]["stats"]["staleness"] == {0: STEPS * 2} for s in servers)
+    # int8 pushes and pulls: about 4x fewer bytes, parameters still close to exact sync SGD
+    w8, w32 = workers[0]["int8"], workers[0]["exact"]
+    assert w8["stats"]["push_bytes"] < 0.35 * w32["stats"]["push_bytes"], (w8["stats"], w32["stats"])
+    assert w8["stats"]["pull_bytes"] < 0.35 * w32["stats"]["pull_bytes"]
+    for got, want in zip(w8["result"], ref):
+        assert 0 < (got - want).abs().max() < 0.02
     # 2. SSP: no pull granted more than s=2 clocks ahead of the slowest; the bound is reached
     # (the slow worker makes it bind), while async with the same straggler drifts further.
     for s in servers:
