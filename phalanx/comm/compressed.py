@@ -198,17 +198,20 @@ def _gather_bytes(payload: torch.Tensor, group, n: int, known: list[int] | None)
 
 def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, dense):
     correct, update, inner = _parts(compressor)
+    me = dist.get_rank(group)
     corrected = correct(name, flat)
     payload, ctx = inner.compress(corrected)
-    update(name, corrected, inner.decompress(payload, ctx))
+    mine = inner.decompress(payload, ctx)  # for the residual, and this rank's term of the sum
+    update(name, corrected, mine)
     known = [payload.numel()] * n if getattr(inner, "fixed_size", False) else None
     work, out, counts, width = _gather_bytes(payload, group, n, known)
     wire.add((n - 1) * width, dense)
 
     def finish(buf):
         total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-        for r in range(n):
-            total += inner.decompress(buf[r * width : r * width + counts[r]], ctx).reshape(-1).float()
+        for r in range(n):  # in rank order on every rank: bitwise the same sum everywhere
+            part = mine if r == me else inner.decompress(buf[r * width : r * width + counts[r]], ctx)
+            total += part.reshape(-1).float()
         if average:
             total /= n
         return total.to(tensor.dtype).reshape(tensor.shape)
