@@ -88,11 +88,12 @@ class SignCompressor:
         n, dtype, shape = ctx
         nbits = math.ceil(n / 8)
         chunks = math.ceil(n / self.chunk)
-        signs = per_chunk(unpack_bits(payload[:nbits], 1, n), self.chunk).bool()
+        signs = per_chunk(unpack_bits(payload[:nbits], 1, n), self.chunk).float()  # 1: up, 0: down
         if self.two_level:
             both = from_bytes(payload[nbits:], torch.float32, 2 * chunks)
-            out = torch.where(signs, both[:chunks].view(-1, 1), -both[chunks:].view(-1, 1))
+            up, down = both[:chunks].view(-1, 1), -both[chunks:].view(-1, 1)
         else:
-            scale = from_bytes(payload[nbits:], torch.float32, chunks).view(-1, 1)
-            out = torch.where(signs, scale, -scale)
+            up = from_bytes(payload[nbits:], torch.float32, chunks).view(-1, 1)
+            down = -up
+        out = torch.addcmul(down, signs, up - down)  # a broadcast torch.where is 4x slower on CPU
         return out.view(-1)[:n].to(dtype).reshape(shape)
