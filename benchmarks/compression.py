@@ -5,7 +5,8 @@
 
 Every configuration trains the same MLP on digits (64 -> hidden -> hidden -> 10; at
 the default hidden 2048 that is 4.3M parameters, 17 MB of fp32 gradients per step,
-one bucket) with SGD + momentum and a cosine learning-rate decay, global batch 64.
+one bucket) with SGD + momentum and a cosine learning-rate decay, global batch 64
+(``--batch``).
 phalanx runs through ``DataParallel(compression=name)`` at the registry defaults;
 the peers are torch DDP, DDP + ``fp16_compress_hook`` and DDP + ``powerSGD_hook``
 (rank 4, like phalanx's default). Reported per configuration: bytes this rank
@@ -58,7 +59,7 @@ def _ddp_bytes(config, params, n):
     return ring * total
 
 
-def _one(config, hidden, epochs, skip):
+def _one(config, hidden, epochs, skip, batch=64):
     from phalanx.comm.compression import get_compressor
     from phalanx.demo import load_digits
 
@@ -83,7 +84,7 @@ def _one(config, hidden, epochs, skip):
         comp = get_compressor(config, **SETTINGS.get(config, {}))
         model = px.DataParallel(net, compression=comp, bucket_mb=1024)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    batch, local = 64, 64 // n
+    local = batch // n
     steps = len(xtr) // batch
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * steps)
     times, sent = [], []
@@ -114,12 +115,12 @@ def _one(config, hidden, epochs, skip):
             "dense": _ddp_bytes("ddp", params, n), "wall_s": time.perf_counter() - wall0}
 
 
-def _bench(hidden, epochs, repeats, configs):
+def _bench(hidden, epochs, repeats, configs, batch=64):
     torch.set_num_threads(1)  # one core per rank on the 2-core machine
     out = {}
     for _ in range(repeats):
         for c in configs:  # interleaved: each repeat runs every configuration once
-            out.setdefault(c, []).append(_one(c, hidden, epochs, skip=3))
+            out.setdefault(c, []).append(_one(c, hidden, epochs, skip=3, batch=batch))
     return out
 
 
@@ -132,7 +133,7 @@ def _on_cluster(args) -> dict:
         cmd = [sys.executable, "-m", "phalanx", "run", "-np", str(args.cluster), "-H", c.host_spec(1),
                "--ssh-config", c.ssh_config, "--network-interface", IFNAME, "--", sys.executable,
                os.path.abspath(__file__), "--worker", "--hidden", str(args.hidden), "--epochs", str(args.epochs),
-               "--repeats", str(args.repeats), "--configs", ",".join(args.configs)]
+               "--repeats", str(args.repeats), "--configs", ",".join(args.configs), "--batch", str(args.batch)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if "RESULT " in ln), None)
     if line is None:
@@ -146,6 +147,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64, help="global batch (smaller: more bandwidth-bound)")
     ap.add_argument("--configs", default=",".join(PHALANX + DDP + FLOOR), help="comma-separated subset")
     ap.add_argument("--cluster", type=int, default=0, help="simulated hosts (root), one rank each")
     ap.add_argument("--rate", default="1gbit", help="simulated link rate")
@@ -157,7 +159,7 @@ def main():
         raise SystemExit(f"unknown config(s) {unknown}; choose from {PHALANX + DDP + FLOOR}")
     if a.worker:  # under `phalanx run` on the simulated cluster
         px.init()
-        res = _bench(a.hidden, a.epochs, a.repeats, a.configs)
+        res = _bench(a.hidden, a.epochs, a.repeats, a.configs, a.batch)
         if px.rank() == 0:
             print("RESULT", json.dumps(res), flush=True)
         px.shutdown()
@@ -166,11 +168,12 @@ def main():
         res = _on_cluster(a)
         where = f"{a.cluster} simulated hosts, {a.rate} links, 1 rank each"
     else:
-        res = px.run(_bench, np=a.np, args=(a.hidden, a.epochs, a.repeats, a.configs), timeout=3600)[0]
+        res = px.run(_bench, np=a.np, args=(a.hidden, a.epochs, a.repeats, a.configs, a.batch), timeout=3600)[0]
         where = f"{a.np} ranks, gloo loopback"
     base_key = "ddp" if "ddp" in res else next(iter(res))
     base = statistics.median(r["step_s"] for r in res[base_key])
-    print(f"{where}, MLP hidden {a.hidden}, {a.epochs} epochs, median of {a.repeats} interleaved repeats")
+    print(f"{where}, MLP hidden {a.hidden}, global batch {a.batch}, {a.epochs} epochs, "
+          f"median of {a.repeats} interleaved repeats")
     print(f"{'config':<20}{'bytes/step':>12}{'x fewer':>9}{'step ms':>10}{'vs ' + base_key:>10}{'test acc':>10}")
     for key, runs in res.items():
         step = statistics.median(r["step_s"] for r in runs)
