@@ -11,7 +11,8 @@ directory with fsync on both sides) interleaves phalanx and DCP each repeat and 
 Part 2: `phalanx run -np 4 --max-restarts 1` of a small training job whose rank 1 SIGKILLs itself
 at step 12 (commit every 5 steps); recovery = time from the kill to the next completed step, split
 into: agent notices, stops the group, re-rendezvous, spawns (until the new rank 0 runs Python) ->
-import torch and phalanx -> px.init (waits for all 4 ranks) -> restore the commit + sync -> first step.
+import torch and phalanx -> px.init (waits for all 4 ranks) -> build model and optimizer (the first
+torch optimizer imports torch._dynamo) -> restore the commit + sync -> first step.
 """
 
 # ruff: noqa: E402  (the process start time is taken before the imports)
@@ -103,7 +104,8 @@ def _recovery_worker(out: str) -> None:
     r = px.rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the first optimizer imports torch._dynamo
+    built = time.time()
     state = elastic.TorchState(model, opt, step=0, commit_dir=os.path.join(out, "commits"))
     restart = elastic.restart_count()
 
@@ -114,7 +116,7 @@ def _recovery_worker(out: str) -> None:
     if r == 0 and restart == 1:
         with open(os.path.join(out, "events.txt"), "a") as f:
             f.write(f"boot {state.step} {restart} {_BOOT:.4f}\nimported {state.step} {restart} {imported:.4f}\n"
-                    f"inited {state.step} {restart} {inited:.4f}\n")
+                    f"inited {state.step} {restart} {inited:.4f}\nbuilt {state.step} {restart} {built:.4f}\n")
 
     @elastic.run
     def train(state):
@@ -152,27 +154,18 @@ def _recovery_once() -> tuple[float, int, dict]:
         kill_t = next(float(e[3]) for e in events if e[0] == "kill")
         after = [e for e in events if e[0] == "done" and int(e[2]) == 1]
         lost = KILL_STEP - (int(after[0][1]) - 1)
-        at = {e[0]: float(e[3]) for e in events if int(e[2]) == 1 and e[0] in ("boot", "imported", "inited", "resumed")}
+        at = {e[0]: float(e[3]) for e in events if int(e[2]) == 1 and e[0] in ("boot", "imported", "inited", "built", "resumed")}
         phases = {"agent stop+rendezvous+spawn": at["boot"] - kill_t, "import torch+phalanx": at["imported"] - at["boot"],
-                  "init (all 4 ranks)": at["inited"] - at["imported"], "restore+sync": at["resumed"] - at["inited"],
+                  "init (all 4 ranks)": at["inited"] - at["imported"],
+                  "model+optimizer (imports torch._dynamo)": at["built"] - at["inited"],
+                  "restore+sync": at["resumed"] - at["built"],
                   "first step": float(after[0][3]) - at["resumed"]}
         return float(after[0][3]) - kill_t, lost, phases
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=64, help="MiB of state per rank")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--np", type=int, default=2)
-    ap.add_argument("--recovery-repeats", type=int, default=2)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
-    ap.add_argument("--recovery-worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.recovery_worker:
-        return _recovery_worker(args.recovery_worker)
-
+def _io_part(args) -> None:
     root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
     try:
         results = px.run(_bench_rank, np=args.np, args=(args.mb, args.repeats, root), timeout=1800)
@@ -192,6 +185,22 @@ def main() -> None:
     print(f"{'metric':32s} {'phalanx':>10s} {'DCP':>10s} {'phalanx/DCP':>12s}")
     for name, a, b in rows:
         print(f"{name:32s} {a:10.1f} {b:10.1f} {a / b:12.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=64, help="MiB of state per rank")
+    ap.add_argument("--repeats", type=int, default=3, help="part 1 repeats (0: skip part 1)")
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--recovery-repeats", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
+    ap.add_argument("--recovery-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.recovery_worker:
+        return _recovery_worker(args.recovery_worker)
+
+    if args.repeats:
+        _io_part(args)
     if args.recovery_repeats:
         rec = [_recovery_once() for _ in range(args.recovery_repeats)]
         times = [t for t, _, _ in rec]
