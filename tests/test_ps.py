@@ -149,7 +149,7 @@ def test_ps_modes_on_four_ranks(tmp_path):
     assert all(s["acc_sync"]["stats"]["pushes"] == steps for s in servers)
 
 
-def _silent_then_dead():
+def _silent_then_dead(flag_dir):
     out = {}
     try:
         run_ps(_mlp, _sgd, _exact_train, num_servers=2)
@@ -159,16 +159,20 @@ def _silent_then_dead():
         with pytest.raises(PSTimeoutError) as err:
             ParameterServer(_mlp(), _sgd, servers=[0], workers=[1], timeout_s=1.5).serve()
         out["silent_worker"] = str(err.value)
+        (flag_dir / "gave_up").touch()  # (a timed-out gloo pair is closed: no barrier after it)
         return out  # 2. the server leaves without serving
-    time.sleep(3)
+    deadline = time.monotonic() + 50
+    while not (flag_dir / "gave_up").exists():  # silent until the server has given up on us
+        assert time.monotonic() < deadline, "rank 0 never timed out"
+        time.sleep(0.05)
     with pytest.raises(PSError) as err:
         PSWorker(_mlp(), servers=[0], workers=[1], timeout_s=3).pull()
     out["dead_server"] = str(err.value)
     return out
 
 
-def test_dead_or_silent_peer_is_reported():
-    server, worker = distributed(_silent_then_dead, np=2, timeout=60)
+def test_dead_or_silent_peer_is_reported(tmp_path):
+    server, worker = distributed(_silent_then_dead, np=2, args=(tmp_path,), timeout=60)
     assert "num_servers=2" in server["bad_servers"]
     assert re.search(r"server rank 0 waiting for workers \[1\].*no answer within 1.5s", server["silent_worker"])
     assert "worker rank 1" in worker["dead_server"] and "server rank 0" in worker["dead_server"]
