@@ -5,9 +5,20 @@ Run:  flock /tmp/phalanx-bench.lock python benchmarks/balance.py --repeats 3
 2 ranks train the digits MLP (hidden --hidden) with a fixed global batch of
 --batch samples for --epochs epochs, every arm on the same permutations. Rank 1
 gets an injected delay proportional to its batch: a sleep of k seconds per
-sample, where k is one sample's forward+backward time measured here before the
-runs (so at the uniform split rank 1 takes 2x as long as rank 0). Arms, run
-interleaved (each repeat runs every arm once, fresh ranks each time):
+sample, where k is one sample's forward+backward time at the uniform local
+batch on one thread, measured here before each repeat and used by all arms of
+that repeat (so at the uniform split rank 1 takes about 2x as long as rank 0;
+the load on a shared machine moves this, and the printed "slowdown" is the
+ratio actually measured in the uniform arm).
+
+--device-us T switches to simulated devices: both ranks sleep T us per sample
+(rank 1: 2T) on top of the real MLP compute. Use it to see the balancing
+mechanism on independent devices: the 2 CPU ranks of a small shared machine
+contend for the CPU, so with real compute a rank runs faster while the other
+sleeps (the uniform arm) than when both compute at once (the balanced arm).
+
+Arms, run interleaved (each repeat runs every arm once, fresh ranks each time,
+the order rotated per repeat so a load trend does not favour one arm):
 
   uniform     phalanx DataParallel, equal split (Balancer(adjust=False): measures only)
   balanced    phalanx DataParallel + Balancer (speed-proportional split, every --every steps)
@@ -49,7 +60,7 @@ class _Delayed(nn.Module):
         return self.net(x)
 
 
-def _calibrate(hidden: int, rows: int, reps: int = 30) -> float:
+def _calibrate(hidden: int, rows: int, reps: int = 40) -> float:
     """Seconds of forward+backward per sample at ``rows`` rows, one thread (as the ranks run)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -67,7 +78,11 @@ def _calibrate(hidden: int, rows: int, reps: int = 30) -> float:
 def _arm(kind: str, args, per_sample_s: float) -> dict:
     rank = px.rank()
     x_train, y_train, x_test, y_test = load_digits()
-    delayed = _Delayed(make_model(args.hidden), per_sample_s if rank == 1 else 0.0)
+    if args.device_us:  # simulated independent devices: T and 2T per sample
+        per_sample_s = args.device_us * 1e-6 * (2 if rank == 1 else 1)
+    elif rank == 0:
+        per_sample_s = 0.0
+    delayed = _Delayed(make_model(args.hidden), per_sample_s)
     bal = px.balance.Balancer(args.batch, every=args.every, adjust=kind == "balanced")
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -94,7 +109,8 @@ def _arm(kind: str, args, per_sample_s: float) -> dict:
     steps = [b - a for a, b in zip([start] + ends, ends)]
     with torch.no_grad():
         acc = (delayed.net(x_test).argmax(1) == y_test).float().mean().item()
-    out = {"samples_per_s": total / wall, "step_ms": statistics.median(steps) * 1e3, "acc": acc}
+    out = {"samples_per_s": total / wall, "step_ms": statistics.median(steps) * 1e3, "acc": acc,
+           "delay_us": per_sample_s * 1e6}
     if kind != "ddp":
         steady = list(bal.history)[len(bal.history) // 2:]
         out["wait_ms"] = [statistics.mean(r.wait_s[i] for r in steady) * 1e3 for i in range(2)]
@@ -113,19 +129,27 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--every", type=int, default=5, help="steps between timing exchanges")
+    ap.add_argument("--device-us", type=float, default=0.0,
+                    help="simulated device time per sample on rank 0 (rank 1: 2x); 0 = real compute + delay")
     args = ap.parse_args()
-    per_sample_s = _calibrate(args.hidden, args.batch // 2)
     arms = {"uniform": "uniform", "balanced": "balanced", "torch DDP": "ddp"}
     runs: dict[str, list[dict]] = {a: [] for a in arms}
-    for _ in range(args.repeats):  # interleaved: each repeat runs every arm once
-        for name, kind in arms.items():
-            runs[name].append(px.run(_arm, np=2, args=(kind, args, per_sample_s), timeout=600, threads=1)[0])
+    names = list(arms)
+    for i in range(args.repeats):  # interleaved: each repeat runs every arm once, order rotated
+        per_sample_s = _calibrate(args.hidden, args.batch // 2)
+        for name in names[i % 3:] + names[:i % 3]:
+            runs[name].append(px.run(_arm, np=2, args=(arms[name], args, per_sample_s), timeout=600,
+                                     threads=1)[0])
 
     def med(name, key, i=None):
         vals = [r[key] if i is None else r[key][i] for r in runs[name] if key in r]
         return statistics.median(vals) if vals else float("nan")
 
-    print(f"2 ranks, rank 1 delayed {per_sample_s * 1e6:.0f} us/sample (2x its compute), MLP hidden {args.hidden}, "
+    slowdown = med("uniform", "compute_ms", 1) / med("uniform", "compute_ms", 0)
+    what = (f"simulated devices {args.device_us:g}/{2 * args.device_us:g} us/sample" if args.device_us else
+            f"rank 1 delayed {med('uniform', 'delay_us'):.0f} us/sample")
+    print(f"2 ranks, {what} (median; measured slowdown at the "
+          f"uniform split {slowdown:.2f}x), MLP hidden {args.hidden}, "
           f"global batch {args.batch}, {args.epochs} epochs of digits, median of {args.repeats} interleaved repeats")
     print(f"{'arm':<11}{'step ms':>9}{'samples/s':>11}{'wait ms r0/r1':>16}{'compute ms r0/r1':>19}"
           f"{'sigma ms':>10}{'window σ':>10}{'sizes':>11}{'test acc':>10}")
