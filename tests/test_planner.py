@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.comm import algorithms
 from phalanx.planner import autotune, cost, plan
 from phalanx.testing import distributed
 
@@ -33,7 +34,13 @@ def test_collective_formulas_by_hand():
     assert cost.hierarchical_allreduce(100e6, 4, 2, intra, inter) == pytest.approx(want)
     cl = cost.Cluster(hosts=2, ranks_per_host=4, intra=intra, inter=inter)
     assert cost.allreduce(100e6, cl) == pytest.approx(14e-4 + 2 * 7 / 8 * 0.8)  # flat ring on the slow link
-    assert cost.allreduce(100e6, cl, hierarchical=True) == pytest.approx(want)
+    # pipelined over 2 MiB chunks (as phalanx runs it): K = ceil(1e8 / 2097152) = 48 chunks of c = 1e8/48;
+    # per chunk rs = ag = 3e-5 + 0.75*c*1e-10, cross = 2e-4 + c/4*8e-9 (the slowest): rs + ag + 48 * cross
+    c = 100e6 / 48
+    want_pipe = 2 * (3e-5 + 0.75 * c * 1e-10) + 48 * (2e-4 + c / 4 * 8e-9)
+    assert cost.hierarchical_allreduce(100e6, 4, 2, intra, inter, chunk_bytes=2 << 20) == pytest.approx(want_pipe)
+    assert cost.allreduce(100e6, cl, hierarchical=True) == pytest.approx(want_pipe)
+    assert cost.HIERARCHICAL_CHUNK_BYTES == algorithms.PIPELINE_CHUNK_BYTES
     assert cost.compressed_allreduce(100e6, cl, 0.5, codec_s_per_byte=1e-9) == pytest.approx(
         cost.allreduce(50e6, cl) + 0.1)
     assert cost.zero_comm(100e6, 3, cl) == pytest.approx(1.5 * cost.zero_comm(100e6, 1, cl))

@@ -9,7 +9,8 @@ for ``N`` ranks and a gradient of ``M`` bytes:
         r0 ─M/N→ r1 ─M/N→ r2 ─M/N→ r3 ─M/N→ r0   (x 2(N-1))
     reduce-scatter / allgather                (N-1) alpha + (N-1)/N * M beta
     hierarchical (local L ranks, H hosts)     reduce-scatter on the intra link,
-        ring allreduce of M/L across hosts on the inter link, allgather intra
+        ring allreduce of M/L across hosts on the inter link, allgather intra;
+        pipelined over chunks: first chunk's three steps + (K-1) x the slowest step
     compressed                                allreduce of M * ratio + codec time
     the seeds' rule of thumb                  M / bandwidth + latency * messages
 
@@ -102,10 +103,26 @@ def reducescatter(nbytes: float, n: int, link: Link) -> float:
 allgather = reducescatter
 
 
-def hierarchical_allreduce(nbytes: float, local: int, hosts: int, intra: Link, inter: Link) -> float:
-    """Reduce-scatter inside each host, ring allreduce of a shard across hosts, allgather inside."""
-    return (2 * reducescatter(nbytes, local, intra)
-            + ring_allreduce(nbytes / max(local, 1), hosts, inter))
+HIERARCHICAL_CHUNK_BYTES = 2 << 20
+"""The pipeline chunk of phalanx's hierarchical allreduce (``comm.algorithms.PIPELINE_CHUNK_BYTES``)."""
+
+
+def hierarchical_allreduce(nbytes: float, local: int, hosts: int, intra: Link, inter: Link,
+                           chunk_bytes: float | None = None) -> float:
+    """Reduce-scatter inside each host, ring allreduce of a shard across hosts, allgather inside.
+
+    ``chunk_bytes=None``: the three steps one after the other. With ``chunk_bytes`` the
+    steps are pipelined over ``K = ceil(nbytes / chunk_bytes)`` chunks, as
+    phalanx.comm.algorithms runs them: the first chunk goes through all three steps,
+    and each further chunk adds the slowest step::
+
+        t = rs(c) + x(c) + ag(c) + (K-1) * max(rs(c), x(c), ag(c)),   c = nbytes / K
+    """
+    chunks = 1 if not chunk_bytes or nbytes <= 0 else max(1, math.ceil(nbytes / chunk_bytes))
+    c = nbytes / chunks
+    rs = ag = reducescatter(c, local, intra)
+    cross = ring_allreduce(c / max(local, 1), hosts, inter)
+    return rs + cross + ag + (chunks - 1) * max(rs, cross, ag)
 
 
 def allreduce(nbytes: float, cluster: Cluster, hierarchical: bool = False) -> float:
@@ -113,7 +130,8 @@ def allreduce(nbytes: float, cluster: Cluster, hierarchical: bool = False) -> fl
     if cluster.hosts == 1:
         return ring_allreduce(nbytes, cluster.ranks_per_host, cluster.intra)
     if hierarchical:
-        return hierarchical_allreduce(nbytes, cluster.ranks_per_host, cluster.hosts, cluster.intra, cluster.inter)
+        return hierarchical_allreduce(nbytes, cluster.ranks_per_host, cluster.hosts, cluster.intra, cluster.inter,
+                                      HIERARCHICAL_CHUNK_BYTES)
     return ring_allreduce(nbytes, cluster.size, cluster.inter)
 
 
