@@ -78,8 +78,12 @@ def _context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        # The server imports torch once; every rank is then a cheap fork of it.
-        _ctx.set_forkserver_preload(["torch", "torch.distributed", "phalanx"])
+        # The server imports torch once; every rank is then a cheap fork of it. torch._dynamo is
+        # what the first optimizer step imports (~1 s a rank otherwise); PHALANX_SPAWN_PRELOAD
+        # (comma list) adds more, e.g. the test suite's sklearn.datasets.
+        extra = [m for m in os.environ.get("PHALANX_SPAWN_PRELOAD", "").split(",") if m.strip()]
+        _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "phalanx",
+                                     *(m.strip() for m in extra)])
     return _ctx
 
 
