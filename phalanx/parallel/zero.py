@@ -29,15 +29,19 @@ Example::
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from phalanx.comm.compression import get_compressor
 from phalanx.log import get_logger
-from phalanx.parallel.zero_shard import assign_shard_offsets, build_units, segments
+from phalanx.parallel.zero_shard import (
+    assign_shard_offsets,
+    build_units,
+    consolidate,
+    full_as_shard_groups,
+    segments,
+)
 from phalanx.parallel.zero_stage3 import Stage3
 from phalanx.parallel.zero_stage12 import Stage12
 
@@ -362,7 +366,7 @@ class ZeroOptimizer:
             dist.gather_object(mine, shards if self.rank == rank else None, dst=dst, group=self.group)
             if self.rank != rank:
                 return None
-        return _consolidate(shards, self._group_names, self._shapes)
+        return consolidate(shards, self._group_names, self._shapes, FULL_FORMAT)
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated dict (from :meth:`full_state_dict`, or a plain ``torch.optim``
@@ -376,52 +380,5 @@ class ZeroOptimizer:
                 f"load_full_state_dict: expected {len(self._group_names)} param_groups, got "
                 f"{len(groups) if isinstance(groups, list) else groups!r}; save with full_state_dict()"
             )
-        master = state_dict.get("phalanx", {}).get("master", {})
-        out = []
-        for g, (names, saved) in enumerate(zip(self._group_names, groups)):
-            if len(saved["params"]) != len(names):
-                raise ValueError(f"load_full_state_dict: param_groups[{g}] has {len(saved['params'])} parameters, "
-                                 f"this optimizer {len(names)}")
-            pieces, scalars = [], {}
-            for name, idx in zip(names, saved["params"]):
-                st = state_dict["state"].get(idx, {})
-                numel = math.prod(self._shapes[name])
-                flat = {k: v.reshape(-1) for k, v in st.items()
-                        if isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) == self._shapes[name]}
-                scalars.update({k: v for k, v in st.items() if k not in flat})
-                m = master.get(name)
-                pieces.append({"name": name, "start": 0, "numel": numel, "shape": self._shapes[name],
-                               "master": m.reshape(-1) if m is not None else None, "state": flat})
-            out.append({"pieces": pieces, "scalars": scalars,
-                        "hparams": {k: v for k, v in saved.items() if k != "params"}})
+        out = full_as_shard_groups(state_dict, self._group_names, self._shapes)
         self.load_sharded_state_dict({"format": FORMAT, "stage": self.stage, "world_size": 1, "rank": 0, "groups": out})
-
-
-def _consolidate(shards: list[dict], group_names: list[list[str]], shapes: dict) -> dict:
-    """Every rank's sharded dict → one torch-format optimizer state dict with full tensors."""
-    state, param_groups, master, index = {}, [], {}, 0
-    for g, names in enumerate(group_names):
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        for s in shards:
-            for piece in s["groups"][g]["pieces"]:
-                n, sl = piece["name"], slice(piece["start"], piece["start"] + piece["numel"])
-                numel = math.prod(shapes[n])
-                if n not in master:
-                    master[n] = torch.zeros(numel, dtype=piece["master"].dtype)
-                    full[n] = {k: torch.zeros(numel, dtype=v.dtype) for k, v in piece["state"].items()}
-                master[n][sl] = piece["master"]
-                for k, v in piece["state"].items():
-                    full[n][k][sl] = v
-        saved = shards[0]["groups"][g]
-        ids = []
-        for n in names:
-            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved["scalars"].items()}
-            st.update({k: v.view(shapes[n]) for k, v in full.get(n, {}).items()})
-            if st:
-                state[index] = st
-            master[n] = master[n].view(shapes[n])
-            ids.append(index)
-            index += 1
-        param_groups.append({**saved["hparams"], "params": ids})
-    return {"state": state, "param_groups": param_groups,
-            "phalanx": {"format": FULL_FORMAT, "names": group_names, "master": master}}
