@@ -88,6 +88,16 @@ def _facade_collectives(tmp):
     hvd.broadcast_parameters(lin.state_dict(), root_rank=1, process_set=both)
     out["ps_params"] = lin.weight.detach().clone()
     out["bf16"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.bf16)
+    # differentiable allreduce / allgather / broadcast (Horovod's backward rules)
+    w = torch.tensor([1.0, 3.0]) * (r + 1)
+    xs = [torch.tensor([1.0, 2.0], requires_grad=True) for _ in range(3)]
+    (hvd.allreduce(xs[0], op=hvd.Sum) * w).sum().backward()
+    (hvd.allreduce(xs[1]) * w).sum().backward()
+    g = torch.full((r + 1,), 1.0, requires_grad=True)
+    (hvd.allgather(g) * (torch.arange(3.0) + 1) * (r + 1)).sum().backward()
+    b = torch.tensor([5.0], requires_grad=True)
+    (hvd.broadcast(b, root_rank=0) * (r + 1)).sum().backward()
+    out["grads"] = (xs[0].grad, xs[1].grad, g.grad, b.grad)
     out["min_product_none"] = (hvd.allreduce(x, op=hvd.Min), hvd.allreduce(x, op=hvd.Product),
                                hvd.allreduce(x, compression=hvd.Compression.none))
     # every async form: launch all, then synchronize in reverse order
@@ -165,6 +175,10 @@ def test_facade_collectives_on_two_ranks(tmp_path):
         assert o["ps_objects"] == ("r1", [0, 1], r, True)
         assert o["ps_params"].eq(1.0).all()
         torch.testing.assert_close(o["bf16"], torch.tensor([3.0, 6.0]))
+        g_sum, g_avg, g_gather, g_bcast = o["grads"]
+        assert g_sum.tolist() == [3.0, 9.0] and g_avg.tolist() == [1.5, 4.5]
+        assert g_gather.tolist() == ([1.5] if r == 0 else [3.0, 4.5])
+        assert g_bcast.tolist() == ([1.5] if r == 0 else [0.0])
         mn, prod, plain = o["min_product_none"]
         assert mn.tolist() == [1.0, 2.0] and prod.tolist() == [2.0, 8.0] and plain.tolist() == [1.5, 3.0]
         a = o["async_forms"]

@@ -220,11 +220,75 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     return allreduce_async_(tensor.clone(), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
+def _differentiable(tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
+class _AllreduceFn(torch.autograd.Function):
+    """Backward of a Sum/Average allreduce is the same allreduce of the gradient (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor.detach(), None, name, op, prescale_factor, postscale_factor,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post, process_set = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(f"phalanx.horovod: no gradient for an allreduce with op={op}; "
+                                      "use Sum or Average on tensors that require grad")
+        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, op, pre, post, process_set))
+        return reduced, None, None, None, None, None
+
+
+class _AllgatherFn(torch.autograd.Function):
+    """Backward: average the gradient over the ranks, keep this rank's rows (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        return synchronize(allgather_async(tensor.detach(), name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        ps = ctx.process_set
+        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, Average, 1.0, 1.0, ps))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], device=grad.device), None, ps))
+        offset = int(rows[: ps.rank()].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
+
+
+class _BroadcastFn(torch.autograd.Function):
+    """Backward: the averaged gradient on the root, zeros elsewhere (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor.detach(), root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = synchronize(allreduce_async(grad.contiguous(), None, None, Average, 1.0, 1.0, ctx.process_set))
+        if _rt.rank() != ctx.root_rank:
+            reduced.zero_()
+        return reduced, None, None, None
+
+
 def allreduce(tensor, average=None, name=None, compression=_NO_COMPRESSION, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """Reduce ``tensor`` over the process set; returns a new tensor (Average by default)."""
+    """Reduce ``tensor`` over the process set; returns a new tensor (Average by default).
+
+    Differentiable like Horovod's: when ``tensor`` requires grad, backward allreduces the
+    gradient with the same op and scale factors.
+    """
     payload, ctx = compression.compress(tensor)
-    out = synchronize(allreduce_async(payload, average, name, op, prescale_factor, postscale_factor, process_set))
+    if _differentiable(payload):
+        out = _AllreduceFn.apply(payload, _op(average, op), name, prescale_factor, postscale_factor, process_set)
+    else:
+        out = synchronize(allreduce_async(payload, average, name, op, prescale_factor, postscale_factor,
+                                          process_set))
     return compression.decompress(out, ctx)
 
 
@@ -301,7 +365,9 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
-    """Concatenate every rank's tensor along dim 0 (first dimensions may differ)."""
+    """Concatenate every rank's tensor along dim 0 (first dimensions may differ); differentiable."""
+    if _differentiable(tensor):
+        return _AllgatherFn.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set))
 
 
@@ -324,6 +390,9 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """``root_rank``'s tensor on every rank (a new tensor); differentiable."""
+    if _differentiable(tensor):
+        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
