@@ -97,7 +97,10 @@ def _facade_collectives(tmp):
     (hvd.allgather(g) * (torch.arange(3.0) + 1) * (r + 1)).sum().backward()
     b = torch.tensor([5.0], requires_grad=True)
     (hvd.broadcast(b, root_rank=0) * (r + 1)).sum().backward()
-    out["grads"] = (xs[0].grad, xs[1].grad, g.grad, b.grad)
+    ga, gb = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
+    ya, yb = hvd.grouped_allreduce([ga, gb], op=hvd.Sum)
+    ((ya * w).sum() + yb.sum() * (r + 1)).backward()
+    out["grads"] = (xs[0].grad, xs[1].grad, g.grad, b.grad, ga.grad, gb.grad)
     out["min_product_none"] = (hvd.allreduce(x, op=hvd.Min), hvd.allreduce(x, op=hvd.Product),
                                hvd.allreduce(x, compression=hvd.Compression.none))
     # every async form: launch all, then synchronize in reverse order
@@ -175,7 +178,8 @@ def test_facade_collectives_on_two_ranks(tmp_path):
         assert o["ps_objects"] == ("r1", [0, 1], r, True)
         assert o["ps_params"].eq(1.0).all()
         torch.testing.assert_close(o["bf16"], torch.tensor([3.0, 6.0]))
-        g_sum, g_avg, g_gather, g_bcast = o["grads"]
+        g_sum, g_avg, g_gather, g_bcast, g_ga, g_gb = o["grads"]
+        assert g_ga.tolist() == [3.0, 9.0] and g_gb.tolist() == [3.0]
         assert g_sum.tolist() == [3.0, 9.0] and g_avg.tolist() == [1.5, 4.5]
         assert g_gather.tolist() == ([1.5] if r == 0 else [3.0, 4.5])
         assert g_bcast.tolist() == ([1.5] if r == 0 else [0.0])

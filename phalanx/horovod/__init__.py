@@ -339,11 +339,36 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     return _track(name, _GroupedHandle(parts, list(tensors), _inplace))
 
 
+class _GroupedAllreduceFn(torch.autograd.Function):
+    """Backward: the same grouped allreduce of the gradients (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx, op, name, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async([t.detach() for t in tensors], None, name, op,
+                                                         prescale_factor, postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, process_set = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(f"phalanx.horovod: no gradient for a grouped allreduce with op={op}")
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post,
+                                                      process_set))
+        return (None, None, None, None, None, *reduced)
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=_NO_COMPRESSION, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce a list of tensors with one fused collective per dtype; differentiable like ``allreduce``."""
     packed = [compression.compress(t) for t in tensors]
-    out = synchronize(grouped_allreduce_async([p for p, _ in packed], average, name, op, prescale_factor,
-                                              postscale_factor, process_set))
+    payloads = [p for p, _ in packed]
+    if any(_differentiable(p) for p in payloads):
+        out = _GroupedAllreduceFn.apply(_op(average, op), name, prescale_factor, postscale_factor, process_set,
+                                        *payloads)
+    else:
+        out = synchronize(grouped_allreduce_async(payloads, average, name, op, prescale_factor,
+                                                  postscale_factor, process_set))
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, packed)]
 
 
