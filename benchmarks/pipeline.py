@@ -3,6 +3,8 @@ torch.distributed.pipelining, and the cost-balanced split vs the uniform one —
 p = 2 CPU ranks (gloo, 1 thread each).
 
 Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 10]
+      (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock nice -n -10 …` on the shared
+      2-core box, so the two ranks get the cores they would own on a dedicated machine)
 
 1. Bubble, m = 1, 2, 4, 8, phalanx 1F1B. Every stage keeps the start and end of each
    forward and backward (``PipelineStage.last_timeline``; one host, so the
@@ -36,7 +38,13 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.parallel.pipeline import PipelineStage, bubble_fraction, partition, replay
+from phalanx.parallel.pipeline import (
+    PipelineStage,
+    bubble_fraction,
+    get_schedule,
+    partition,
+    replay,
+)
 
 P = 2
 MS = (1, 2, 4, 8)
@@ -168,15 +176,20 @@ def main():
     print(f"p={P} stages, 8 blocks of Linear({a.width},{a.width})+ReLU, {a.micro_rows} rows per micro-batch, "
           f"{a.repeats} repeats (median)\n")
     print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
-          "| replay (zero comm) | replay / formula |")
-    print("|---|---|---|---|---|---|---|")
+          "| replay (zero comm) | replay / formula | median F / B per stage (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, m in CASES:
         v = 2 if name.startswith("interleaved") else 1
         parts = [_bubble_parts([res[s]["timelines"][(name, m)][i] for s in range(P)], v) for i in range(a.repeats)]
         measured, ideal = (statistics.median(p[k] for p in parts) for k in range(2))
         formula = bubble_fraction(P, m, v)
+        costs = []
+        for s in range(P):
+            spans = [a for t in res[s]["timelines"][(name, m)] for a in t]
+            costs.append("/".join(f"{statistics.median(a.end_s - a.start_s for a in spans if a.kind == k) * 1e3:.1f}"
+                                  for k in "FB"))
         print(f"| {name} | {m} | {formula:.3f} | {measured:.3f} | {measured / formula:.2f} | {ideal:.3f} "
-              f"| {ideal / formula:.2f} |")
+              f"| {ideal / formula:.2f} | {' '.join(costs)} |")
 
     def med(key):  # a step ends when its slowest rank ends
         return statistics.median(max(r[key][i] for r in res) for i in range(a.repeats))
@@ -198,6 +211,15 @@ def main():
     for method in ("time", "flops"):
         t = med(method)
         print(f"| min-bottleneck split on {method} | {b[method]} | {t * 1e3:.1f} | {uni / t:.2f}x |")
+    # The same comparison on an ideal network with every Linear costing 1 (backward 2): the gain to expect.
+    acts = [get_schedule("1f1b").actions(s, P, m) for s in range(P)]
+    ideal = {}
+    for method in ("uniform", "flops"):
+        bounds = b[method]
+        units = [sum(6 if k == 0 else 1 for k in range(bounds[s], bounds[s + 1])) for s in range(P)]
+        lines = replay(acts, 1, duration=lambda s, k, u=units: u[s] * (1 if acts[s][k][0] == "F" else 2))
+        ideal[method] = max(t[-1][4] for t in lines)
+    print(f"\nideal-network replay of the same splits (Linear = 1 unit): {ideal['uniform'] / ideal['flops']:.2f}x")
 
 
 if __name__ == "__main__":
