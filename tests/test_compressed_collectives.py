@@ -63,6 +63,12 @@ def _collectives_body():
     h2 = allreduce_compressed(2 * x, c, name="b", async_op=True)
     out["async"] = ((h1.wait() - exact).abs().max().item(), (h2.wait() - 2 * exact).abs().max().item())
     out["ef_keys"] = sorted(c.state_dict()["residuals"])
+    # bytes are counted when the collective is launched (DataParallel reads the counter then)
+    wire.reset()
+    h = allreduce_compressed(x, get_compressor("sign"), name="c", async_op=True, algorithm="two_phase")
+    at_launch = wire.bytes_sent
+    h.wait()
+    out["launch_bytes"] = (at_launch, wire.bytes_sent)
     # summable fp16: one allreduce of half the bytes
     wire.reset()
     out["fp16"] = (allreduce_compressed(x, "fp16") - exact).abs().max().item()
@@ -100,6 +106,7 @@ def test_compressed_allreduce_matches_simulation(np):
                 expect = f * (2 / np if algo == "allgather" else 1.0)
                 assert out["ratios"][(cname, algo)] > 0.8 * expect, (cname, algo, out["ratios"])
         assert out["async"][0] < 0.05 and out["async"][1] < 0.1
+        assert out["launch_bytes"][0] == out["launch_bytes"][1] > 0, out["launch_bytes"]
         assert "a" in out["ef_keys"] and "b" in out["ef_keys"]
         if np > 2:
             assert "a/server" in out["ef_keys"], "auto should pick two-phase for 4 ranks"

@@ -243,6 +243,9 @@ def _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op,
     recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=flat.device)
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
     phase1 = sum(s for j, s in enumerate(in_splits) if j != me)
+    fixed = getattr(inner, "fixed_size", False)
+    if fixed:  # both phases' sizes are known now: count at launch, as the other paths do
+        wire.add(phase1 + (n - 1) * max(inner.payload_nbytes(s) for s in sizes), dense)
 
     def finish(buf):
         ctx_me = (sizes[me], torch.float32, (sizes[me],))
@@ -255,10 +258,11 @@ def _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op,
         corrected_me = correct(key, mine)
         q, qctx = inner.compress(corrected_me)
         update(key, corrected_me, inner.decompress(q, qctx).reshape(-1))
-        known = [inner.payload_nbytes(s) for s in sizes] if getattr(inner, "fixed_size", False) else None
+        known = [inner.payload_nbytes(s) for s in sizes] if fixed else None
         work2, out, counts, width = _gather_bytes(q, group, n, known)
         work2.wait()
-        wire.add(phase1 + (n - 1) * width, dense)
+        if not fixed:  # data-dependent sizes (threshold): known only now
+            wire.add(phase1 + (n - 1) * width, dense)
         pieces = [
             inner.decompress(out[r * width : r * width + counts[r]], (sizes[r], torch.float32, (sizes[r],)))
             for r in range(n)
