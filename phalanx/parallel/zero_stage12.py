@@ -10,8 +10,8 @@ average of its own shard. They differ in where a gradient lives until then:
   only the backward that ends the accumulation (``backward_passes_per_step``)
   reduce-scatters straight from those flats.
 - Stage 2 (P_os+g): a post-accumulate-grad hook copies each gradient into a
-  pooled unit buffer and frees it; at most ``max_in_flight`` buffers are in
-  flight, so full-size gradient memory is never held, only the owned slice::
+  pooled unit buffer and frees it; at most ``max_in_flight`` buffers (one, as in
+  FSDP2) are in flight, so full-size gradient memory is never held::
 
     backward:  p9.grad → unit0 buf ┐ complete → reduce_scatter(async) → shard[unit0] ┐ overlaps
                p8.grad → unit0 buf ┘                                                 │ the rest
@@ -71,7 +71,7 @@ class GradReducer:
         *,
         keep_full: bool = False,
         passes_per_reduce: int = 1,
-        max_in_flight: int = 2,
+        max_in_flight: int = 1,
         on_unit_complete: Callable[[Unit], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
         registration: dict[int, int] | None = None,
