@@ -360,3 +360,47 @@ def test_zero_optimizer_state_reshards_4_to_2(tmp_path):
                 torch.testing.assert_close(v, at4[0][0][k], rtol=0, atol=1e-5)
     fresh = distributed(_zero_run, np=2, args=(str(tmp_path / "none"), 1, 123, False, range(6, 10)))
     assert max((fresh[0][0][k] - v).abs().max() for k, v in at4[0][0].items()) > 1e-3  # not vacuous
+
+
+def _zero_elastic(root):
+    """elastic.TorchState with a ZeRO optimizer: commit, roll back in memory (every rank's shard), go on."""
+    from phalanx import elastic
+    from phalanx.parallel.zero import zero
+
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+        return zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=1)
+
+    def one_step(model, opt, step):
+        x, y = _zero_batch(step)
+        r, n = px.rank(), px.size()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.chunk(n)[r]), y.chunk(n)[r]).backward()
+        opt.step()
+
+    model, opt = make()
+    for step in range(6):
+        one_step(model, opt, step)
+    want = [p.detach().clone() for p in model.parameters()]
+    model, opt = make()
+    state = elastic.TorchState(model, opt, step=0, commit_dir=root)
+    tries = []
+
+    @elastic.run
+    def train(state):
+        tries.append(state.step)
+        while state.step < 6:
+            one_step(model, opt, state.step)
+            state.step += 1
+            if state.step == 3:
+                state.commit()
+            if state.step == 5 and len(tries) == 1:
+                raise elastic.HostsUpdatedInterrupt("roll back to step 3")
+    train(state)
+    return tries, max(float((p.detach() - w).abs().max()) for p, w in zip(model.parameters(), want))
+
+
+def test_elastic_state_with_zero_rolls_back_in_memory(tmp_path):
+    for tries, diff in distributed(_zero_elastic, np=2, args=(str(tmp_path / "commits"),)):
+        assert tries == [0, 3] and diff < 1e-6, (tries, diff)
