@@ -133,7 +133,10 @@ def _poll(script: str, min_np: int, max_np: int, running: int, resize_file: str,
         except (OSError, ValueError, subprocess.SubprocessError) as err:
             log.warning("host discovery script failed (%s); keeping %d workers", err, last)
             continue
-        wanted = _clamp(slots, min_np, max_np) if slots else last
+        if not slots:
+            log.warning("host discovery lists no slots on this machine; keeping %d workers", last)
+            continue
+        wanted = _clamp(slots, min_np, max_np)
         if wanted != last:
             log.warning("host discovery: %d slots here, asking the workers to resize to %d at the next "
                         "commit", slots, wanted)
