@@ -9,7 +9,7 @@ gloo ranks, for a small MLP (the worst case: the extra round trip weighs most wh
 short) and a larger one, each repeat times back to back, in alternating order:
 
 - phalanx: DistributedOptimizer as shipped (announcement on);
-- phalanx, announcement off (its hooks removed: what the step would cost without join support);
+- phalanx with ``join_ready=False`` (no announcement: the step without join support);
 - DDP, and DDP inside ``Join`` (its uneven-input mode).
 
 The table shows the median step time of each and the ratios on/off (phalanx) and Join/plain (DDP).
@@ -54,9 +54,8 @@ def _bench(name: str, steps: int, repeats: int, batch: int):
     px_on = clone()
     opt_on = px.DistributedOptimizer(torch.optim.SGD(px_on.parameters(), lr=0.01), px_on.named_parameters())
     px_off = clone()
-    opt_off = px.DistributedOptimizer(torch.optim.SGD(px_off.parameters(), lr=0.01), px_off.named_parameters())
-    for h in opt_off._announce_hooks:
-        h.remove()
+    opt_off = px.DistributedOptimizer(torch.optim.SGD(px_off.parameters(), lr=0.01), px_off.named_parameters(),
+                                      join_ready=False)
     ddp = DDP(clone())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 

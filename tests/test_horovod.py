@@ -372,6 +372,11 @@ def _join_uneven():
         last = hvd.join()
         hvd.broadcast_parameters(model.state_dict(), root_rank=last)  # the joined replica is stale
         out[case] = (last, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    plain = px.DistributedOptimizer(torch.optim.SGD(_join_model().parameters(), lr=0.1), join_ready=False)
+    try:
+        plain.join()
+    except RuntimeError as e:
+        out["not_ready"] = str(e)
     return out
 
 
@@ -397,6 +402,7 @@ def test_join_with_uneven_data_answers_with_zeros_and_returns_the_last_rank():
             got_last, params = results[r][case]
             assert got_last == last, (case, r, got_last)
             torch.testing.assert_close(params, ref, atol=1e-6, rtol=1e-5)
+    assert all("join_ready=True" in results[r]["not_ready"] for r in range(2))
 
 
 # ---------------------------------------------------------------- hvd.elastic: a restart and a reset

@@ -97,7 +97,9 @@ class DistributedOptimizer:
 
     Args mirror ``horovod.torch.DistributedOptimizer``; ``bucket_mb`` and
     ``find_unused_parameters`` (default True here: a parameter without a gradient
-    contributes zeros, as in Horovod) tune the shared engine.
+    contributes zeros, as in Horovod) tune the shared engine. ``join_ready`` (default True,
+    as Horovod) starts each step with a one-element allreduce so that :meth:`join` works
+    with uneven data; ``False`` saves it (benchmarks/join_flag.py measures the cost).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class DistributedOptimizer:
         find_unused_parameters: bool = True,
         algorithm: str = "flat",
         balance=None,
+        join_ready: bool = True,
     ) -> None:
         from phalanx.parallel.data import GradientEngine
 
@@ -142,8 +145,9 @@ class DistributedOptimizer:
         self._flag_device = named[0][1].device if named else torch.device("cpu")
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         # Registered before the engine's hooks, so on every parameter it runs first.
+        self.join_ready = join_ready
         self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
-                                for _, p in named] if world > 1 else []
+                                for _, p in named] if world > 1 and join_ready else []
         self._engine = GradientEngine(
             named, group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
@@ -226,6 +230,9 @@ class DistributedOptimizer:
         if self.balancer is not None:
             raise RuntimeError("join() cannot be combined with balance=: BalancedSampler gives every rank "
                                "the same number of steps, so there are no uneven inputs to join")
+        if not self.join_ready:
+            raise RuntimeError("join() needs DistributedOptimizer(join_ready=True) (the default) on every rank: "
+                               "its per-step announcement tells joined ranks whether another step is coming")
         self.synchronize()
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return dist.get_rank() if dist.is_initialized() else 0
