@@ -81,7 +81,7 @@ def _bubble_parts(timelines, chunks=1):
     return 1.0 - busy / span, 1.0 - busy / ideal_span
 
 
-def _rank_body(width, micro_rows, repeats):
+def _rank_body(width, micro_rows, repeats, sections):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
@@ -103,7 +103,7 @@ def _rank_body(width, micro_rows, repeats):
 
     # 1. bubble: keep each step's compute timeline; the parent lines the stages up
     batches = {m: batch(m) for m in MS}
-    for rep in range(repeats + 1):
+    for rep in range(repeats + 1 if "bubble" in sections else 0):
         for name, m in CASES:  # interleaved, so a burst of load on the machine hits every case alike
             x, y = batches[m]
             px.barrier()
@@ -134,15 +134,18 @@ def _rank_body(width, micro_rows, repeats):
         stages["interleaved_1f1b"].step(x, y, num_microbatches=m, schedule="interleaved_1f1b")
         model.zero_grad()
 
-    torch_step()
-    px_step()
-    interleaved_step()
-    for _ in range(repeats):
+    if "throughput" in sections:
+        torch_step()
+        px_step()
+        interleaved_step()
+    for _ in range(repeats if "throughput" in sections else 0):
         out["px"].append(_timed(px_step))
         out["torch"].append(_timed(torch_step))
         out["interleaved"].append(_timed(interleaved_step))
 
     # 3. one heavy block: measured-time and FLOP-count splits vs the uniform split
+    if "split" not in sections:
+        return out
     heavy = _blocks(width, 8, heavy=6)
     sample = torch.randn(micro_rows, width)
     splits = {}
@@ -170,32 +173,42 @@ def main():
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--micro-rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--sections", default="bubble,throughput,split", help="comma-separated subset to run")
     a = ap.parse_args()
-    res = px.run(_rank_body, np=P, args=(a.width, a.micro_rows, a.repeats), timeout=1800)
+    sections = set(a.sections.split(","))
+    res = px.run(_rank_body, np=P, args=(a.width, a.micro_rows, a.repeats, sections), timeout=1800)
 
     print(f"p={P} stages, 8 blocks of Linear({a.width},{a.width})+ReLU, {a.micro_rows} rows per micro-batch, "
           f"{a.repeats} repeats (median)\n")
-    print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
-          "| replay (zero comm) | replay / formula | median F / B per stage (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, m in CASES:
+    if "bubble" in sections:
+        print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
+              "| replay (zero comm) | replay / formula | median F / B per stage (ms) |")
+        print("|---|---|---|---|---|---|---|---|")
+    for name, m in CASES if "bubble" in sections else ():
         v = 2 if name.startswith("interleaved") else 1
         parts = [_bubble_parts([res[s]["timelines"][(name, m)][i] for s in range(P)], v) for i in range(a.repeats)]
         measured, ideal = (statistics.median(p[k] for p in parts) for k in range(2))
         formula = bubble_fraction(P, m, v)
         costs = []
         for s in range(P):
-            spans = [a for t in res[s]["timelines"][(name, m)] for a in t]
-            costs.append("/".join(f"{statistics.median(a.end_s - a.start_s for a in spans if a.kind == k) * 1e3:.1f}"
-                                  for k in "FB"))
+            spans = [act for t in res[s]["timelines"][(name, m)] for act in t]
+            costs.append("/".join(
+                f"{statistics.median(act.end_s - act.start_s for act in spans if act.kind == k) * 1e3:.1f}" for k in "FB"))
         print(f"| {name} | {m} | {formula:.3f} | {measured:.3f} | {measured / formula:.2f} | {ideal:.3f} "
               f"| {ideal / formula:.2f} | {' '.join(costs)} |")
 
     def med(key):  # a step ends when its slowest rank ends
         return statistics.median(max(r[key][i] for r in res) for i in range(a.repeats))
 
+    if "throughput" in sections:
+        _print_throughput(med, a.micro_rows)
+    if "split" in sections:
+        _print_split(med, res[0]["bounds"])
+
+
+def _print_throughput(med, micro_rows):
     px_s, torch_s, il_s = med("px"), med("torch"), med("interleaved")
-    rows = 8 * a.micro_rows
+    rows = 8 * micro_rows
     print("\n| m=8 | step (ms) | samples/s |")
     print("|---|---|---|")
     print(f"| phalanx 1F1B | {px_s * 1e3:.1f} | {rows / px_s:,.0f} |")
@@ -204,7 +217,9 @@ def main():
     print(f"\nphalanx / torch throughput ratio (1F1B): {torch_s / px_s:.2f}x; "
           f"interleaved / 1F1B: {px_s / il_s:.2f}x")
 
-    b = res[0]["bounds"]
+
+def _print_split(med, b):
+    m = 8
     uni = med("uniform")
     print("\n| heavy first block, m=8 | bounds | step (ms) | speedup vs uniform |\n|---|---|---|---|")
     print(f"| uniform split | {b['uniform']} | {uni * 1e3:.1f} | 1.00x |")
