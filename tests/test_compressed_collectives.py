@@ -88,6 +88,18 @@ def _collectives_body():
     p = torch.linalg.qr(mbar @ q0).Q
     out["powersgd"] = (got - p @ (mbar.t() @ p).t()).abs().max().item()
     out["powersgd_ratio"] = wire.ratio
+    # a flat bucket of [40x30 matrix, bias 7, 3x2x4x4 kernel]: per-tensor factors (the kernel as
+    # 3x32), the bias (and the kernel, which rank 3 would not shrink 2x) averaged exactly
+    kernel = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(10 + r))
+    bias = torch.randn(7, generator=torch.Generator().manual_seed(20 + r))
+    flat = torch.cat([m.reshape(-1), bias, kernel.reshape(-1)])
+    shapes = [m.shape, bias.shape, kernel.shape]
+    got = allreduce_compressed(flat, get_compressor("powersgd", rank=3, error_feedback=False), name="bucket",
+                               shapes=shapes)
+    mean_of = lambda t: sum(px.allgather(t.unsqueeze(0))) / n  # noqa: E731
+    expect = torch.cat([(p @ (mbar.t() @ p).t()).reshape(-1), mean_of(bias).reshape(-1),
+                        mean_of(kernel).reshape(-1)])
+    out["powersgd_bucket"] = (got - expect).abs().max().item()
     out["sum"] = (allreduce_compressed(x, get_compressor("int8", error_feedback=False), average=False) - n * exact).abs().max().item()
     return out
 
@@ -113,6 +125,7 @@ def test_compressed_allreduce_matches_simulation(np):
         assert out["fp16"] < 1e-2 and abs(out["fp16_ratio"] - 2.0) < 1e-6
         assert out["warm0"] < 1e-6 and out["warm1"] > 1e-3
         assert out["powersgd"] < 1e-4 and out["powersgd_ratio"] > 4.0
+        assert out["powersgd_bucket"] < 1e-4, out["powersgd_bucket"]
         assert out["sum"] < 0.1
     for key in results[0]:  # every rank ends with the same tensors
         if isinstance(key, tuple) and key[0] == "result":
@@ -270,7 +283,7 @@ def test_convergence_on_digits_every_compressor():
     dense = results[0]["none"][2]
     # bytes DataParallel counted in one steady-state step, vs the fp32 ring allreduce (4810 params)
     fewer = {"fp16": 1.95, "bf16": 1.95, "int8": 3.5, "int4": 7, "2bit": 13, "sign": 23, "topk": 22, "threshold": 2,
-             "powersgd": 7.5}
+             "powersgd": 5}  # per-tensor factors (64x64 and 10x64 at rank 4) and exact biases: 5.45x
     for name in CONVERGENCE:
         acc = results[0][name][0]
         assert acc >= base - 0.015, f"{name}: test accuracy {acc:.4f} vs uncompressed {base:.4f}"

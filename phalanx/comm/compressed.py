@@ -123,8 +123,12 @@ def allreduce_compressed(
     name: str | None = None,
     average: bool = True,
     algorithm: str = "auto",
+    shapes=None,
 ):
     """Average (``average=True``) or sum ``tensor`` over ``group`` with compressed payloads.
+
+    ``shapes``: when ``tensor`` is a flat bucket of several parameters, their shapes in
+    order; compressors with ``reduce_many`` (PowerSGD) then treat each as its own matrix.
 
     ``compressor`` is a name or a Compressor (see ``phalanx.comm.compression``);
     ``name`` keys per-tensor state (residuals, PowerSGD's Q, warm-up counts) and must
@@ -142,6 +146,13 @@ def allreduce_compressed(
     wire_dense = _ring_bytes(tensor.numel() * 4, n)
     if warm or compressor.summable:
         return _allreduce_summable(tensor, None if warm else compressor, group, n, average, async_op, wire_dense)
+    if shapes is not None and hasattr(compressor, "reduce_many"):
+        views = [v.view(shape) for v, shape in
+                 zip(tensor.detach().reshape(-1).split([math.prod(s) for s in shapes]), shapes)]
+        outs, sent = compressor.reduce_many(views, group=group, name=name)
+        wire.add(sent, wire_dense)
+        out = torch.cat([o.reshape(-1) for o in outs]).view(tensor.shape)
+        return _finished(out if average else out * n, async_op)
     if hasattr(compressor, "reduce"):
         out, sent = compressor.reduce(tensor, group=group, name=name)
         wire.add(sent, wire_dense)

@@ -292,7 +292,8 @@ class GradientEngine:
             with trace.span("allreduce_launch", "comm", bucket=i, bytes=nbytes):
                 handle = compressed.allreduce_compressed(bucket.flat, self.compressor, group=self.group,
                                                          async_op=True, name=name,
-                                                         average=op is ReduceOp.AVERAGE)
+                                                         average=op is ReduceOp.AVERAGE,
+                                                         shapes=[p.shape for p in bucket.params])
             self.bytes_sent += compressed.wire.bytes_sent - before
             bucket.handle = (handle, None, post)
             return
