@@ -363,12 +363,13 @@ def test_discovery_script_grows_the_job_at_the_next_commit(tmp_path):
            sys.executable, str(worker), str(tmp_path), str(hosts)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resizing from 2 to 3 workers" in proc.stdout
+    report = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, report
+    assert "resizing from 2 to 3 workers" in proc.stdout, report
     starts = [line.split(maxsplit=4) for line in (tmp_path / "events.txt").read_text().splitlines()]
     # first group: 2 workers, 6 samples each; second: 3 workers from the commit at step 8 (GROW_AT 6 ->
     # next commit), 4 samples each, after the hook saw 2 -> 3; no step lost or repeated
-    assert [s[1:4] for s in starts] == [["0", "2", "6"], ["8", "3", "4"]], starts
+    assert [s[1:4] for s in starts] == [["0", "2", "6"], ["8", "3", "4"]], (starts, report)
     assert starts[1][4] == "[(2, 3)]"
     ns = {}
     exec(compile(DISCOVERY_WORKER, "worker", "exec"), ns)
