@@ -49,8 +49,11 @@ def _every_algorithm():
             out[("pipe", chunk, str(dtype), numel)] = allreduce(t, "hierarchical", topology=topo, chunk_bytes=chunk)
     out["pipe_max"] = allreduce(_value(1001, torch.float32, r), "hierarchical", topology=topo, op=px.Max,
                                 chunk_bytes=400)
-    out["pipe_async"] = allreduce(_value(70001, torch.float32, r), "hierarchical", topology=topo,
-                                  async_op=True, chunk_bytes=4000).wait()
+    # a blocking call issued while an asynchronous one is in flight must not interleave with it
+    h = allreduce(_value(70001, torch.float32, r), "hierarchical", topology=topo, async_op=True, chunk_bytes=4000)
+    out["pipe_sync_behind"] = allreduce(_value(7001, torch.float32, r), "hierarchical", topology=topo,
+                                        chunk_bytes=400)
+    out["pipe_async"] = h.wait()
     try:
         allreduce(torch.ones(4), "hierarchical", topology=topo, chunk_bytes=0)
     except ValueError as e:
@@ -104,6 +107,7 @@ def test_every_algorithm_exact_on_two_simulated_hosts():
     for out in results:
         assert torch.equal(out["pipe_max"], ref_max_pipe)
         assert torch.equal(out["pipe_async"], sum(_value(70001, torch.float32, r) for r in range(n)))
+        assert torch.equal(out["pipe_sync_behind"], sum(_value(7001, torch.float32, r) for r in range(n)))
         assert "chunk_bytes" in out["bad_chunk"]
     ref_sub = sum(_value(1001, torch.float32, r) for r in (0, 1, 3))
     for r in (0, 1, 3):

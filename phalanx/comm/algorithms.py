@@ -191,7 +191,10 @@ def allreduce(
     def run():
         return _finish(_in_place(tensor, body), op, n)
 
-    return _submit(run) if async_op else run()
+    # A blocking call also runs on the helper thread, behind any asynchronous ones already
+    # issued: the point-to-point steps of two calls must never interleave (same peers, tags).
+    handle = _submit(run)
+    return handle if async_op else handle.wait()
 
 
 def _finish(tensor: torch.Tensor, op: ReduceOp, n: int) -> torch.Tensor:
