@@ -226,13 +226,15 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the rendezvous store on the first host (default: random 20000-40000)")
 
 
-def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str]) -> int:
-    """``phalanx run`` with remote hosts: validate, then :func:`launch_remote`."""
+def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str],
+               env: dict[str, str] | None = None) -> int:
+    """``phalanx run`` with remote hosts: validate, then :func:`launch_remote`.
+
+    ``env``: what the run's options export to every worker (``run_cmd.job_env``).
+    """
     np = args.np or sum(h.slots for h in hosts)
-    env = {"PHALANX_TIMEOUT": str(args.timeout)} if args.timeout is not None else {}
-    timeline = os.path.abspath(args.timeline) if getattr(args, "timeline", None) else None
-    if timeline:
-        env["PHALANX_TIMELINE"] = timeline  # the workers write PATH.rank<N> on their own host
+    env = dict(env or {})
+    timeline = env.get("PHALANX_TIMELINE")  # the workers write PATH.rank<N> on their own host
     ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
     try:
         code = launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,

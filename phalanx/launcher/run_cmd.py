@@ -68,33 +68,25 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"phalanx run: {err}", file=sys.stderr)
         return 2
-    remote = [h.name for h in hosts if not is_local(h.name)]
-    if remote:
+    np = args.np or (sum(h.slots for h in hosts) if hosts else 1)
+    try:
+        env = job_env(args, np)
+    except ValueError as err:
+        print(f"phalanx run: {err}", file=sys.stderr)
+        return 2
+    if any(not is_local(h.name) for h in hosts):
         from phalanx.launcher.remote import run_remote
 
-        return run_remote(args, hosts, command)
-    np = args.np or (sum(h.slots for h in hosts) if hosts else 1)
+        return run_remote(args, hosts, command, env=env)
     if hosts and np > sum(h.slots for h in hosts):
         print(f"phalanx run: -np {np} exceeds the {sum(h.slots for h in hosts)} slots of the hosts given",
               file=sys.stderr)
         return 2
-    env = {}
-    if args.timeout is not None:
-        env["PHALANX_TIMEOUT"] = str(args.timeout)
-    if args.servers is not None:
-        if not 1 <= args.servers < np:
-            print(f"phalanx run: --servers {args.servers} must be between 1 and -np minus 1 ({np - 1})",
-                  file=sys.stderr)
-            return 2
-        env["PHALANX_NUM_SERVERS"] = str(args.servers)
     try:
         elastic = elastic_launch_options(args, np, env)
     except ValueError as err:
         print(f"phalanx run: {err}", file=sys.stderr)
         return 2
-    if args.timeline:
-        env["PHALANX_TIMELINE"] = os.path.abspath(args.timeline)
-    env.update(autotune_env(args))
     spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env,
                       **elastic)
     discovery = discovery_options(args, np)
@@ -111,12 +103,27 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
+def job_env(args: argparse.Namespace, np: int) -> dict[str, str]:
+    """The variables the run's options export to every worker, local or remote; ValueError if bad."""
+    env = {}
+    if args.timeout is not None:
+        env["PHALANX_TIMEOUT"] = str(args.timeout)
+    if args.servers is not None:
+        if not 1 <= args.servers < np:
+            raise ValueError(f"--servers {args.servers} must be between 1 and -np minus 1 ({np - 1})")
+        env["PHALANX_NUM_SERVERS"] = str(args.servers)
+    if args.timeline:
+        env["PHALANX_TIMELINE"] = os.path.abspath(args.timeline)
+    env.update(autotune_env(args))
+    return env
+
+
 def autotune_env(args: argparse.Namespace) -> dict[str, str]:
     """The variables ``--autotune`` and its knobs (horovodrun's spellings) export to every worker."""
     knobs = (args.autotune_log_file, args.autotune_warmup_samples, args.autotune_steps_per_sample)
     if not args.autotune:
         if any(k is not None for k in knobs):
-            raise SystemExit("phalanx run: --autotune-* options need --autotune")
+            raise ValueError("--autotune-* options need --autotune")
         return {}
     env = {"PHALANX_AUTOTUNE": "1"}
     if args.autotune_log_file:
@@ -127,6 +134,6 @@ def autotune_env(args: argparse.Namespace) -> dict[str, str]:
     ):
         if value is not None:
             if value < least:
-                raise SystemExit(f"phalanx run: {flag} must be at least {least}, got {value}")
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
             env[key] = str(value)
     return env
