@@ -78,6 +78,7 @@ def _calibrate(hidden: int, rows: int, reps: int = 40) -> float:
 def _arm(kind: str, args, per_sample_s: float) -> dict:
     rank = px.rank()
     x_train, y_train, x_test, y_test = load_digits()
+    calibrated = per_sample_s
     if args.device_us:  # simulated independent devices: T and 2T per sample
         per_sample_s = args.device_us * 1e-6 * (2 if rank == 1 else 1)
     elif rank == 0:
@@ -110,7 +111,7 @@ def _arm(kind: str, args, per_sample_s: float) -> dict:
     with torch.no_grad():
         acc = (delayed.net(x_test).argmax(1) == y_test).float().mean().item()
     out = {"samples_per_s": total / wall, "step_ms": statistics.median(steps) * 1e3, "acc": acc,
-           "delay_us": per_sample_s * 1e6}
+           "delay_us": calibrated * 1e6}
     if kind != "ddp":
         steady = list(bal.history)[len(bal.history) // 2:]
         out["wait_ms"] = [statistics.mean(r.wait_s[i] for r in steady) * 1e3 for i in range(2)]
