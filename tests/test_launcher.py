@@ -105,3 +105,27 @@ def test_demo_trains_and_reports():
     proc = _run(["demo", "--np", "2", "--epochs", "8"], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "speedup" in proc.stdout and "test acc" in proc.stdout
+
+
+def test_horovodrun_flags_are_honoured_or_named(tmp_path):
+    # horovodrun's launch line with only the launcher swapped: settings reach the engine,
+    # coordinator-only knobs are accepted with a warning that names them, MPI is refused.
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import torch, phalanx as px
+        px.init()
+        dp = px.DataParallel(torch.nn.Linear(4, 4))
+        print(dp._engine.buckets.bucket_bytes, dp._engine.algorithm)
+    """))
+    logs = tmp_path / "logs"
+    proc = _run(["run", "-np", "2", "--fusion-threshold-mb", "0.5", "--hierarchical-allreduce",
+                 "--cycle-time-ms", "5", "--no-stall-check", "--output-filename", str(logs),
+                 "--timeline-filename", str(tmp_path / "tl.json"), sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert f"[0]: {2**19} hierarchical" in proc.stdout and f"[1]: {2**19} hierarchical" in proc.stdout
+    assert "ignoring --cycle-time-ms" in proc.stderr and "ignoring --no-stall-check" in proc.stderr
+    assert (tmp_path / "tl.json").exists() and any(logs.rglob("*"))
+    build = _run(["run", "-cb"])
+    assert build.returncode == 0 and "[X] Gloo" in build.stdout and "[ ] MPI" in build.stdout
+    mpi = _run(["run", "-np", "2", "--mpi", sys.executable, "-c", "pass"])
+    assert mpi.returncode == 2 and "not MPI" in mpi.stderr

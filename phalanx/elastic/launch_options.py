@@ -21,8 +21,8 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=None,
                    help="restart the worker group up to N times after a worker fails; workers resume "
                         "from their last commit/checkpoint (default 0, or 3 with --min-np/--max-np)")
-    g.add_argument("--min-np", type=int, default=None, help="elastic: fewest workers to run with")
-    g.add_argument("--max-np", type=int, default=None, help="elastic: most workers to admit")
+    g.add_argument("--min-np", "--min-num-proc", type=int, default=None, help="elastic: fewest workers to run with")
+    g.add_argument("--max-np", "--max-num-proc", type=int, default=None, help="elastic: most workers to admit")
     g.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
                    help="elastic (horovodrun's flag): executable printing 'host:slots' lines; polled, and "
                         "the job resizes to this machine's slots (within --min-np..--max-np) at the next commit")

@@ -216,10 +216,10 @@ def _stop_all(procs) -> None:
 
 def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     """The multi-host options of ``phalanx run``."""
-    p.add_argument("--network-interface", default=None, metavar="IFACE",
+    p.add_argument("--network-interface", "--network-interfaces", default=None, metavar="IFACE",
                    help="interface the workers talk on (sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)")
     p.add_argument("--ssh-config", "-F", default=None, help="ssh_config file to reach the hosts")
-    p.add_argument("--ssh-identity", "-i", default=None, help="ssh private key")
+    p.add_argument("--ssh-identity", "-i", "--ssh-identity-file", default=None, help="ssh private key")
     p.add_argument("--ssh-port", "-p", type=int, default=None, help="ssh port on every host")
     p.add_argument("--ssh-user", default=None, help="user name on the hosts")
     p.add_argument("--rdzv-port", type=int, default=None,

@@ -17,6 +17,7 @@ from phalanx.elastic.launch_options import (
     discovery_options,
     elastic_launch_options,
 )
+from phalanx.launcher.horovodrun_flags import add_horovodrun_arguments, check_build, horovodrun_env
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
 from phalanx.launcher.local import LaunchSpec, launch
 from phalanx.launcher.remote import add_remote_arguments
@@ -34,12 +35,12 @@ def register(subparsers) -> None:
     p.add_argument("--hostfile", "-hostfile", default=None, help="file of 'host slots=N' lines")
     p.add_argument("--start-timeout", type=int, default=60,
                    help="seconds to wait for every worker to join (default 60)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", "--gloo-timeout-seconds", type=float, default=None,
                    help="seconds a collective may wait for peers before it raises (default 300)")
-    p.add_argument("--log-dir", default=None, help="keep each worker's stdout/stderr files here")
+    p.add_argument("--log-dir", "--output-filename", default=None, help="keep each worker's stdout/stderr files here")
     p.add_argument("--servers", type=int, default=None, metavar="N",
                    help="parameter-server jobs: the first N ranks serve (exports PHALANX_NUM_SERVERS)")
-    p.add_argument("--timeline", default=None, metavar="FILE",
+    p.add_argument("--timeline", "--timeline-filename", default=None, metavar="FILE",
                    help="write a Chrome-trace timeline of every rank to FILE (open in ui.perfetto.dev)")
     p.add_argument("--autotune", action="store_true",
                    help="tune the gradient bucket size (and hierarchical allreduce on several hosts) online "
@@ -51,12 +52,16 @@ def register(subparsers) -> None:
     p.add_argument("--autotune-steps-per-sample", type=int, default=None, metavar="N",
                    help="with --autotune: steps timed per candidate (default 5)")
     add_remote_arguments(p)
+    add_horovodrun_arguments(p)
     add_elastic_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.check_build:
+        print(check_build())
+        return 0
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -115,6 +120,7 @@ def job_env(args: argparse.Namespace, np: int) -> dict[str, str]:
     if args.timeline:
         env["PHALANX_TIMELINE"] = os.path.abspath(args.timeline)
     env.update(autotune_env(args))
+    env.update(horovodrun_env(args))
     return env
 
 

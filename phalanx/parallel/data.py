@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -66,6 +67,32 @@ def register_engine_hook(fn: Callable[[GradientEngine], None]) -> Callable[[], N
     return lambda: _engine_hooks.remove(fn) if fn in _engine_hooks else None
 
 
+DEFAULT_BUCKET_MB = 25.0
+
+
+def job_defaults(bucket_mb: float | None, algorithm: str | None) -> tuple[float, str]:
+    """Bucket size and allreduce algorithm when the caller leaves them None: the job's settings.
+
+    ``phalanx run --fusion-threshold-mb / --hierarchical-allreduce`` export PHALANX_BUCKET_MB /
+    PHALANX_ALGORITHM; Horovod's HOROVOD_FUSION_THRESHOLD (bytes) and
+    HOROVOD_HIERARCHICAL_ALLREDUCE=1 are read too. Otherwise 25 MB and "flat".
+    """
+    env = os.environ
+    if bucket_mb is None:
+        raw, scale = (env["PHALANX_BUCKET_MB"], 1.0) if "PHALANX_BUCKET_MB" in env else \
+            (env.get("HOROVOD_FUSION_THRESHOLD"), 2.0**-20)
+        try:
+            bucket_mb = DEFAULT_BUCKET_MB if raw is None else float(raw) * scale
+        except ValueError:
+            raise ValueError(f"bucket size from the environment is not a number: {raw!r}") from None
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    if algorithm is None:
+        hierarchical = env.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("0", "")
+        algorithm = env.get("PHALANX_ALGORITHM") or ("hierarchical" if hierarchical else "flat")
+    return float(bucket_mb), algorithm
+
+
 class GradientEngine:
     """Buckets, hooks and collectives shared by :class:`DataParallel` and ``DistributedOptimizer``.
 
@@ -79,14 +106,14 @@ class GradientEngine:
         *,
         group=None,
         topology=None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         compression=None,
         op: ReduceOp = Average,
         gradient_predivide_factor: float = 1.0,
         find_unused_parameters: bool = False,
         sparse_as_dense: bool = False,
         sparse_ids: Iterable[int] = (),
-        algorithm: str = "flat",
+        algorithm: str | None = None,
         backward_passes_per_step: int = 1,
         wait_in_backward: bool = True,
         gradient_as_bucket_view: bool = True,
@@ -106,6 +133,7 @@ class GradientEngine:
         self.predivide = float(gradient_predivide_factor)
         self.find_unused = find_unused_parameters
         self.sparse_as_dense = sparse_as_dense
+        bucket_mb, algorithm = job_defaults(bucket_mb, algorithm)
         self.algorithm = algorithm
         self.k = backward_passes_per_step
         self.wait_in_backward = wait_in_backward
@@ -495,14 +523,14 @@ class DataParallel(nn.Module):
         *,
         topology=None,
         group=None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         compression=None,
         op: ReduceOp = Average,
         gradient_predivide_factor: float = 1.0,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         sparse_as_dense: bool = False,
-        algorithm: str = "flat",
+        algorithm: str | None = None,
         balance=None,
         gradient_as_bucket_view: bool = True,
     ) -> None:

@@ -114,9 +114,9 @@ class DistributedOptimizer:
         group=None,
         sparse_as_dense: bool = False,
         topology=None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         find_unused_parameters: bool = True,
-        algorithm: str = "flat",
+        algorithm: str | None = None,
         balance=None,
         join_ready: bool = True,
     ) -> None:
