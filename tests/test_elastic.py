@@ -364,6 +364,7 @@ def test_discovery_script_grows_the_job_at_the_next_commit(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     report = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    print(f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")  # shown in full by pytest on a failure
     assert proc.returncode == 0, report
     assert "resizing from 2 to 3 workers" in proc.stdout, report
     starts = [line.split(maxsplit=4) for line in (tmp_path / "events.txt").read_text().splitlines()]

@@ -30,8 +30,10 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -72,11 +74,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             except ResizeRequested as req:
                 # The launcher restarts the group at the new size; it resumes from this very commit.
                 log.warning("%s: the commit is saved; ending this worker group", req)
-                from phalanx import runtime
-
-                if runtime.is_initialized():
-                    runtime.shutdown()
-                raise SystemExit(0) from None
+                _exit_for_resize()
             except HostsUpdatedInterrupt:
                 log.warning("hosts updated: rolling back to the last commit and re-syncing")
                 state.restore()
@@ -89,3 +87,19 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 raise
 
     return wrapper
+
+
+def _exit_for_resize() -> None:
+    """End this worker with status 0 right here: run the exit hooks (async checkpoint writer,
+    timeline, runtime shutdown) as a normal exit would, then ``os._exit``. Unwinding a
+    ``SystemExit`` through the training frames instead lets interpreter teardown destroy c10d
+    objects in arbitrary order, which sometimes aborted ("terminate called without an active
+    exception", exit 134) and made the agent restart the group at the old size."""
+    from phalanx import runtime
+
+    atexit._run_exitfuncs()
+    if runtime.is_initialized():
+        runtime.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
