@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import os
 import re
+import socket
 import threading
 from collections.abc import Mapping
 
@@ -352,6 +353,35 @@ def init(
         return _topology
 
 
+def bound_tcp_store(host: str, port: int, *, timeout: datetime.timedelta, world_size: int | None = None,
+                    multi_tenant: bool = False) -> dist.TCPStore:
+    """A TCPStore server that listens on ``host``'s address only, not on every interface.
+
+    torch's TCPStore binds the wildcard address; a socket bound here and handed over
+    through ``master_listen_fd`` keeps the store off other networks. ``port`` 0 picks a
+    free one (read it back from ``store.port``). With ``multi_tenant=True`` a later
+    ``TCPStore(..., multi_tenant=True)`` on the same port in this process (TorchElastic's
+    rendezvous) reuses this server. Falls back to torch's default binding, with a log
+    line, where the address cannot be bound or this torch lacks ``master_listen_fd``.
+    """
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, world_size=world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=sock.detach())
+    except (OSError, TypeError, RuntimeError, ValueError) as err:
+        from phalanx.log import get_logger
+
+        get_logger(__name__).info("store on %s:%s binds all addresses (%s)", host, port, err)
+        return dist.TCPStore(host, port, world_size=world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False, multi_tenant=multi_tenant)
+    return store  # the server owns the listening fd now (detached from the Python socket)
+
+
 _stores: dict[tuple[str, int], dist.Store] = {}
 _generation = 0
 
@@ -368,14 +398,12 @@ def _rendezvous_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Sto
     key = (info.master_addr, info.master_port)
     if key not in _stores:
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        _stores[key] = dist.TCPStore(
-            info.master_addr,
-            info.master_port,
-            world_size=None if agent_hosts else info.size,
-            is_master=info.rank == 0 and not agent_hosts,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        if info.rank == 0 and not agent_hosts:
+            _stores[key] = bound_tcp_store(info.master_addr, info.master_port, timeout=timeout,
+                                           world_size=info.size)
+        else:
+            _stores[key] = dist.TCPStore(info.master_addr, info.master_port, is_master=False, timeout=timeout,
+                                         wait_for_workers=False)
     _generation += 1
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"phalanx/r{restart}/g{_generation}", _stores[key])

@@ -1,6 +1,7 @@
 """``phalanx run``: rank-prefixed output, failure reports, no orphans; and the demo."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -129,3 +130,23 @@ def test_horovodrun_flags_are_honoured_or_named(tmp_path):
     assert build.returncode == 0 and "[X] Gloo" in build.stdout and "[ ] MPI" in build.stdout
     mpi = _run(["run", "-np", "2", "--mpi", sys.executable, "-c", "pass"])
     assert mpi.returncode == 2 and "not MPI" in mpi.stderr
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (iproute2) to list listening sockets")
+def test_job_services_listen_on_the_chosen_address_only():
+    # The rendezvous store (hosted by the launcher) and the workers' own listeners: none on *.
+    script = textwrap.dedent("""
+        import os, re, subprocess, phalanx as px
+        px.init()
+        if px.rank() == 0:
+            mine = {os.getpid(), os.getppid()}
+            for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines():
+                if any(f"pid={p}," in line for p in mine):
+                    print("LISTEN", line.split()[3])
+        px.barrier()
+    """)
+    proc = _run(["run", "-np", "2", sys.executable, "-c", script])
+    assert proc.returncode == 0, proc.stderr
+    addrs = [line.split()[-1] for line in proc.stdout.splitlines() if "LISTEN" in line]
+    assert addrs, proc.stdout  # the launcher's store at least
+    assert all(a.startswith("127.0.0.1:") for a in addrs), addrs

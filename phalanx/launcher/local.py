@@ -123,13 +123,14 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.update(spec.env)
     os.environ["PHALANX_LAUNCHER"] = "run"
+    store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
         run_id=spec.run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=spec.rdzv_endpoint,
+        rdzv_endpoint=endpoint,
         rdzv_configs={"timeout": spec.start_timeout_s, "join_timeout": spec.start_timeout_s, **spec.rdzv_extra},
         max_restarts=spec.max_restarts,
         monitor_interval=spec.monitor_interval_s,
@@ -150,9 +151,49 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         print(f"phalanx: received {err.sigval.name}; stopped every worker", file=sys.stderr)
         return 128 + int(err.sigval)
     finally:
+        del store
         leftovers = kill_descendants()
         if leftovers:
             log.debug("killed %d leftover processes after %.1fs", len(leftovers), time.monotonic() - started)
+
+
+def _host_rendezvous_store(spec: LaunchSpec):
+    """When this agent hosts the rendezvous, open its store on the endpoint's address only.
+
+    TorchElastic's c10d backend opens its TCPStore with ``multi_tenant=True``, so it
+    reuses this server (same port, same process) instead of binding every interface; the
+    workers' process-group store is that same server. Returns (store or None, endpoint).
+    """
+    import datetime
+
+    from phalanx.runtime import bound_tcp_store
+
+    timeout = datetime.timedelta(seconds=max(60, spec.start_timeout_s))
+    _bind_shared_worker_store(timeout)
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    if not spec.rdzv_extra.get("is_host", True) or not host:
+        return None, spec.rdzv_endpoint
+    store = bound_tcp_store(host.strip("[]"), int(port or 0), multi_tenant=True, timeout=timeout)
+    return store, f"{host}:{store.port}"
+
+
+def _bind_shared_worker_store(timeout) -> None:
+    """The store TorchElastic shares with the workers, bound to the node's address only.
+
+    The rendezvous handler opens that server through one small private method with a
+    fixed job (``TCPStore(addr, 0, is_master=True, multi_tenant=True)``); this agent
+    process overrides it to do the same on one address. Where a torch release lacks
+    the method, nothing changes (the store then listens on every address, torch's way).
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from phalanx.runtime import bound_tcp_store
+
+    handler = getattr(dynamic_rendezvous, "DynamicRendezvousHandler", None)
+    if handler is not None and hasattr(handler, "_create_tcp_store_server"):
+        handler._create_tcp_store_server = (
+            lambda self, master_addr, master_port: bound_tcp_store(master_addr, master_port, multi_tenant=True,
+                                                                   timeout=timeout))
 
 
 def _report_failure(err, log_dir: str) -> int:
