@@ -6,7 +6,8 @@ Three models: many small tensors (a deep narrow MLP), a few large ones (a wide
 MLP), and a small transformer encoder. Each repeat times phalanx and DDP back
 to back (interleaved, order alternating) on the same two ranks; the table shows
 the median samples/s of each and the ratio phalanx / DDP (>= 1.00 means phalanx
-is at least as fast). The engine runs the mismatch check on the first iteration
+is at least as fast), against DDP's default and against DDP with
+``gradient_as_bucket_view=True`` (the like-for-like peer of phalanx's default). The engine runs the mismatch check on the first iteration
 only (then the bucket plan is fixed), so its cost is measured separately by
 benchmarks/mismatch_check.py.
 """
@@ -58,8 +59,10 @@ def _bench(model_name: str, steps: int, repeats: int, batch: int, bucket_mb: flo
         return m
 
     ddp = DDP(clone(), bucket_cap_mb=bucket_mb)  # buffers synced each forward by default
+    # DDP's own zero-copy option, the like-for-like peer of phalanx's default gradient_as_bucket_view=True
+    ddp_view = DDP(clone(), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     ours = px.DataParallel(clone(), bucket_mb=bucket_mb, broadcast_buffers=True)
-    runners = {"ddp": ddp, "phalanx": ours}
+    runners = {"ddp": ddp, "ddp_view": ddp_view, "phalanx": ours}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in runners.items()}
 
     def run(kind, n):
@@ -78,7 +81,7 @@ def _bench(model_name: str, steps: int, repeats: int, batch: int, bucket_mb: flo
     times: dict[str, list[float]] = {k: [] for k in runners}
     kinds = list(runners)
     for rep in range(repeats):
-        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+        for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:  # rotate who goes first
             times[kind].append(run(kind, steps))
     world = px.size()
     nparams = sum(p.numel() for p in base.parameters())
@@ -98,12 +101,14 @@ def main() -> None:
 
     print(f"world {args.np} gloo, local batch {args.batch}, bucket {args.bucket_mb} MB, "
           f"{args.steps} steps x {args.repeats} interleaved repeats, median samples/s")
-    print(f"{'model':<20} {'params':>9} {'tensors':>7} {'ddp':>9} {'phalanx':>9} {'ratio':>6}")
+    print(f"{'model':<20} {'params':>9} {'tensors':>7} {'ddp':>9} {'ddp view':>9} {'phalanx':>9} "
+          f"{'vs ddp':>6} {'vs view':>7}")
     for name in _models():
         res, nparams, ntensors = px.run(_bench, np=args.np, args=(name, args.steps, args.repeats, args.batch,
                                                                   args.bucket_mb), threads=1, timeout=900)[0]
-        ddp, ours = res["ddp"], res["phalanx"]
-        print(f"{name:<20} {nparams:>9} {ntensors:>7} {ddp:>9.0f} {ours:>9.0f} {ours / ddp:>6.2f}", flush=True)
+        ddp, view, ours = res["ddp"], res["ddp_view"], res["phalanx"]
+        print(f"{name:<20} {nparams:>9} {ntensors:>7} {ddp:>9.0f} {view:>9.0f} {ours:>9.0f} "
+              f"{ours / ddp:>6.2f} {ours / view:>7.2f}", flush=True)
 
 
 if __name__ == "__main__":

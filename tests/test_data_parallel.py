@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.parallel.data import DataParallel
+from phalanx.parallel.data import VIEW_MIN_NUMEL, DataParallel
 from phalanx.parallel.data_optimizer import DistributedOptimizer
 from phalanx.testing import distributed
 
@@ -35,6 +35,11 @@ def _diff(a: nn.Module, b: nn.Module) -> float:
 def _mlp(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def _wide(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 5))
 
 
 def _opt(kind, params):
@@ -81,14 +86,15 @@ def _mlp_family():
         out[f"mlp_{kind}"] = _equivalence(_mlp, kind)
         out[f"mlp_{kind}_accum4"] = _equivalence(_mlp, kind, k=4)
         # zero_grad(set_to_none=False): backward accumulates straight into the bucket views
-        out[f"mlp_{kind}_accum2_in_bucket"] = _equivalence(_mlp, kind, k=2, set_to_none=False)
-    viewed = DataParallel(_mlp())
+        # (weights of >= VIEW_MIN_NUMEL elements get views; the small biases are copied back)
+        out[f"wide_{kind}_accum2_in_bucket"] = _equivalence(_wide, kind, k=2, set_to_none=False)
+    viewed = DataParallel(_wide())
     for _ in range(2):
         viewed.zero_grad(set_to_none=False)
         nn.functional.cross_entropy(viewed(torch.randn(4, 8)), torch.randint(0, 5, (4,))).backward()
     flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.nbytes) for b in viewed._engine.buckets.buckets]
-    out["grads_in_buckets"] = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in flats)
-                                  for p in viewed.parameters())
+    in_bucket = [any(lo <= p.grad.data_ptr() < hi for lo, hi in flats) for p in viewed.parameters()]
+    out["grads_in_buckets"] = in_bucket == [p.numel() >= VIEW_MIN_NUMEL for p in viewed.parameters()] and any(in_bucket)
 
     # unused branch: rank r takes head b when (step + r) % 3 == 0, so head b is used on some ranks,
     # on no rank in other steps (its grad must stay None: momentum/Adam must not move it)

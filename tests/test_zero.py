@@ -388,3 +388,29 @@ def test_memory_report_of_a_plain_optimizer_reads_tensor_sizes():
     assert r["peak"] > 0
     with pytest.raises(TypeError, match="optimizer"):
         memory_report(m)
+
+
+def _adamw_then_full_load_on_stage3():
+    torch.manual_seed(0)
+    m = _mlp()
+    full = {k: v.clone() for k, v in m.state_dict().items()}
+    ref = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = zero(m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), stage=3)
+    x = torch.randn(6, 12)
+    for mod, o in ((model, opt), (ref, ref_opt)):  # AdamW's own defaults survive the rebuild
+        F.mse_loss(mod(x), torch.zeros(6, 5)).backward()
+        o.step()
+    diff = _max_diff(model.state_dict(), ref.state_dict())
+    try:
+        model.load_state_dict(full)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    return diff, refused
+
+
+def test_adamw_and_a_full_load_into_stage3_is_refused_not_a_crash():
+    diff, refused = distributed(_adamw_then_full_load_on_stage3, np=2)[0]
+    assert diff < 1e-6, diff
+    assert "load_full_state_dict" in refused and "stage 3" in refused

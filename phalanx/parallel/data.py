@@ -68,6 +68,10 @@ def register_engine_hook(fn: Callable[[GradientEngine], None]) -> Callable[[], N
 
 
 DEFAULT_BUCKET_MB = 25.0
+# gradient_as_bucket_view hands out views only for gradients this large: assigning p.grad
+# from Python costs ~5 us a parameter, more than copying a small gradient back with one
+# fused _foreach_copy_ (measured on many 64x64 layers: views 8.50 ms/step, copies 7.74).
+VIEW_MIN_NUMEL = 1 << 14
 
 
 def job_defaults(bucket_mb: float | None, algorithm: str | None) -> tuple[float, str]:
@@ -373,7 +377,7 @@ class GradientEngine:
             g = p.grad
             if g is None or g.data_ptr() == view.data_ptr():
                 continue
-            if self.grad_as_view:
+            if self.grad_as_view and view.numel() >= VIEW_MIN_NUMEL:
                 p.grad = view  # later backward passes accumulate straight into the bucket
             else:
                 grads.append(g)

@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
@@ -54,6 +56,27 @@ FULL_FORMAT = "phalanx.zero.full/1"
 # The inner optimizer steps the flat shard in views of this many elements: its temporaries
 # (Adam: two of a parameter's size) then stay this small instead of the whole shard's size.
 CHUNK_NUMEL = 1 << 20
+
+
+def _refuse_full_load(module, state_dict, prefix, *args) -> None:
+    # Stage 3 parameters have no storage between forwards; copying a full dict into them
+    # would write into freed memory. Say what works instead of crashing.
+    raise RuntimeError(
+        "zero stage 3: model.load_state_dict(full_dict) is not supported (the parameters are sharded "
+        "and their full storage is freed between uses). Checkpoint the optimizer instead: its fp32 master "
+        "weights are the parameters (phalanx.checkpoint.save/load(path, {'optimizer': optimizer}), or "
+        "optimizer.full_state_dict() / optimizer.load_full_state_dict(d)); or load the full dict into the "
+        "model before wrapping it with phalanx.zero(..., stage=3)."
+    )
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.defaults`` limited to what its constructor takes (AdamW records
+    ``decoupled_weight_decay`` in its defaults but does not accept it back)."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -180,7 +203,8 @@ class ZeroOptimizer:
                                   backward_passes_per_step, registration, compressor)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
         self.chunks = [_chunks(m) for m in self.masters]
-        self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)], **optimizer.defaults)
+        self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)],
+                                     **_constructor_defaults(optimizer))
         model.register_forward_pre_hook(lambda m, args: self.engine.before_forward())
         if compute_dtype is not None:
             model.register_forward_pre_hook(lambda m, args, kw: tree_map(_cast(compute_dtype), (args, kw)), with_kwargs=True)
@@ -188,6 +212,7 @@ class ZeroOptimizer:
         if stage == 3:
             model.register_state_dict_pre_hook(lambda *a, **k: self.engine.gather_all())
             model.register_state_dict_post_hook(lambda *a: self._full_state_dict_post(*a))
+            model.register_load_state_dict_pre_hook(_refuse_full_load)
 
     def _check_layout(self, groups_named) -> None:
         mine = [[(n, tuple(p.shape)) for n, p in named] for named in groups_named]
