@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -352,11 +351,8 @@ class GradientEngine:
 
                 if pre != 1.0:
                     payload.mul_(pre)
-                kwargs = {"algorithm": self.algorithm, "topology": self.topology, "group": self.group,
-                          "async_op": True}
-                if "op" in inspect.signature(algo_allreduce).parameters:
-                    kwargs["op"] = ReduceOp.SUM
-                handle = algo_allreduce(payload, **kwargs)
+                handle = algo_allreduce(payload, self.algorithm, topology=self.topology, group=self.group,
+                                        op=ReduceOp.SUM, async_op=True)
                 scale = post / (self.world if op is ReduceOp.AVERAGE else 1)
         bucket.handle = (handle, ctx, scale)
 
