@@ -333,10 +333,12 @@ DISCOVERY_WORKER = textwrap.dedent("""
                 if r == 0 and n == 2 and state.step == GROW_AT:
                     with open(hosts_file, "w") as f:
                         f.write("localhost:3\\n")        # a third slot appears
-                    deadline = time.time() + 60            # wait until the launcher has seen it
-                    while open(os.environ["PHALANX_RESIZE_FILE"]).read().strip() != "3":
-                        assert time.time() < deadline, "the launcher never polled the discovery script"
+                    for _ in range(1200):                  # wait (a bounded number of polls, no hang)
+                        if open(os.environ["PHALANX_RESIZE_FILE"]).read().strip() == "3":
+                            break                          # until the launcher has seen it
                         time.sleep(0.05)
+                    else:
+                        raise AssertionError("the launcher never polled the discovery script")
                 if state.step % COMMIT == 0:
                     state.commit()
 
