@@ -445,6 +445,9 @@ def _register_exit_shutdown() -> None:
 def _shutdown_at_exit() -> None:
     try:
         shutdown()
+        # Drop the stores too while the interpreter is whole: left to module teardown, a
+        # store's C++ threads may be destroyed in an order that aborts the process.
+        _stores.clear()
     except Exception:  # noqa: BLE001 - exiting anyway; a failing teardown must not mask the exit status
         pass
 
