@@ -445,8 +445,12 @@ def _register_exit_shutdown() -> None:
 def _shutdown_at_exit() -> None:
     try:
         shutdown()
-        # Drop the stores too while the interpreter is whole: left to module teardown, a
-        # store's C++ threads may be destroyed in an order that aborts the process.
+        # Exiting: also tear down groups phalanx adopted rather than made (elastic restarts,
+        # a user's own init), and the stores, while the interpreter is whole. Left to static
+        # destruction, gloo's device threads can be destroyed still joinable, which aborts
+        # the process ("terminate called without an active exception") after a good run.
+        if dist.is_initialized():
+            dist.destroy_process_group()
         _stores.clear()
     except Exception:  # noqa: BLE001 - exiting anyway; a failing teardown must not mask the exit status
         pass
