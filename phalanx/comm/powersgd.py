@@ -111,28 +111,10 @@ class PowerSGDCompressor:
         matrix = self._matrix(tensor)
         if self.error_feedback:
             matrix = self.memory.correct(name, matrix)
-        rows, cols = matrix.shape
-        r = min(self.rank, rows, cols)
-        q = self.q_memory.get(name)
-        if q is None or q.shape != (cols, r):
-            gen = torch.Generator().manual_seed(self.seed)  # the same start on every rank
-            q = torch.randn(cols, r, generator=gen).to(matrix.device)
-        p = (q.t().contiguous() @ matrix.t()).t().contiguous()  # matrix @ q, in the CPU-fast order
-        if world > 1:
-            dist.all_reduce(p, group=group)
-            p.div_(world)
-        p = torch.linalg.qr(p).Q
-        q = _t_matmul(matrix, p)
-        if world > 1:
-            dist.all_reduce(q, group=group)
-            q.div_(world)
-        self.q_memory[name] = q  # warm start for the next step
-        approx = p @ q.t()
-        if self.error_feedback:
-            self.memory.update(name, matrix, approx)
+        r = min(self.rank, *matrix.shape)
+        (approx,), nbytes = self._power_step([(name, matrix, r)], group, world)
         out = approx.reshape(-1)[: tensor.numel()].to(tensor.dtype).reshape(tensor.shape)
-        sent = 2 * (world - 1) * (p.numel() + q.numel()) * 4 // world if world > 1 else 0
-        return out, sent
+        return out, 2 * (world - 1) * nbytes // world if world > 1 else 0
 
     def reduce_many(self, tensors: Sequence[torch.Tensor], *, group=None,
                     name: str = "default") -> tuple[list[torch.Tensor], int]:
@@ -146,7 +128,7 @@ class PowerSGDCompressor:
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         outs: list[torch.Tensor | None] = [None] * len(tensors)
-        dense, low = [], []  # (index, tensor) | (index, key, matrix, r)
+        dense, low, where = [], [], []  # (index, tensor) | (key, matrix, r) with its index
         for i, t in enumerate(tensors):
             rows = t.shape[0] if t.dim() > 1 else 1
             cols = t.numel() // max(rows, 1)
@@ -158,44 +140,46 @@ class PowerSGDCompressor:
             matrix = t.detach().reshape(rows, cols).float()
             if self.error_feedback:
                 matrix = self.memory.correct(key, matrix)
-            low.append((i, key, matrix, r))
-
-        def mean(flat: torch.Tensor) -> torch.Tensor:
-            if world > 1:
-                dist.all_reduce(flat, group=group)
-                flat.div_(world)
-            return flat
-
-        sent = 0
+            low.append((key, matrix, r))
+            where.append(i)
+        nbytes = 0
         if dense:
-            flat = mean(torch.cat([t.detach().reshape(-1).float() for _, t in dense]))
-            sent += flat.numel() * 4
+            flat = _mean(torch.cat([t.detach().reshape(-1).float() for _, t in dense]), group, world)
+            nbytes += flat.numel() * 4
             for (i, t), part in zip(dense, flat.split([t.numel() for _, t in dense])):
                 outs[i] = part.to(t.dtype).view(t.shape)
         if low:
-            qs = []
-            for _, key, matrix, r in low:
-                q = self.q_memory.get(key)
-                if q is None or q.shape != (matrix.shape[1], r):
-                    gen = torch.Generator().manual_seed(self.seed)  # the same start on every rank
-                    q = torch.randn(matrix.shape[1], r, generator=gen).to(matrix.device)
-                qs.append(q)
-            ps = [(q.t().contiguous() @ m.t()).t() for q, (_, _, m, _) in zip(qs, low)]  # M @ Q, CPU-fast order
-            flat_p = mean(torch.cat([p.reshape(-1) for p in ps]))
-            ps = [torch.linalg.qr(p.view(p_old.shape)).Q for p, p_old in
-                  zip(flat_p.split([p.numel() for p in ps]), ps)]
-            qs = [_t_matmul(m, p) for p, (_, _, m, _) in zip(ps, low)]
-            flat_q = mean(torch.cat([q.reshape(-1) for q in qs]))
-            qs = [q.view(q_old.shape) for q, q_old in zip(flat_q.split([q.numel() for q in qs]), qs)]
-            sent += (flat_p.numel() + flat_q.numel()) * 4
-            for p, q, (i, key, matrix, _) in zip(ps, qs, low):
-                self.q_memory[key] = q.clone()  # warm start for the next step
-                approx = p @ q.t()
-                if self.error_feedback:
-                    self.memory.update(key, matrix, approx)
+            approxs, low_bytes = self._power_step(low, group, world)
+            nbytes += low_bytes
+            for i, approx in zip(where, approxs):
                 outs[i] = approx.to(tensors[i].dtype).view(tensors[i].shape)
-        sent = 2 * (world - 1) * sent // world if world > 1 else 0
-        return outs, sent  # type: ignore[return-value]
+        return outs, 2 * (world - 1) * nbytes // world if world > 1 else 0  # type: ignore[return-value]
+
+    def _power_step(self, items, group, world: int) -> tuple[list[torch.Tensor], int]:
+        """One warm-started power iteration for each ``(key, matrix, r)``, all P factors in one
+        allreduce and all Q factors in another; updates the warm starts and the residuals.
+        Returns the averaged approximations and the bytes of P and Q."""
+        qs = []
+        for key, matrix, r in items:
+            q = self.q_memory.get(key)
+            if q is None or q.shape != (matrix.shape[1], r):
+                gen = torch.Generator().manual_seed(self.seed)  # the same start on every rank
+                q = torch.randn(matrix.shape[1], r, generator=gen).to(matrix.device)
+            qs.append(q)
+        ps = [(q.t().contiguous() @ m.t()).t() for q, (_, m, _) in zip(qs, items)]  # M @ Q, CPU-fast order
+        flat_p = _mean(torch.cat([p.reshape(-1) for p in ps]), group, world)
+        ps = [torch.linalg.qr(p.view(p_old.shape)).Q for p, p_old in zip(flat_p.split([p.numel() for p in ps]), ps)]
+        qs = [_t_matmul(m, p) for p, (_, m, _) in zip(ps, items)]
+        flat_q = _mean(torch.cat([q.reshape(-1) for q in qs]), group, world)
+        qs = [q.view(q_old.shape) for q, q_old in zip(flat_q.split([q.numel() for q in qs]), qs)]
+        approxs = []
+        for p, q, (key, matrix, _) in zip(ps, qs, items):
+            self.q_memory[key] = q.clone()  # warm start for the next step
+            approx = p @ q.t()
+            if self.error_feedback:
+                self.memory.update(key, matrix, approx)
+            approxs.append(approx)
+        return approxs, (flat_p.numel() + flat_q.numel()) * 4
 
     def state_dict(self) -> dict:
         return {
@@ -208,3 +192,11 @@ class PowerSGDCompressor:
         self.memory.load_state_dict(state.get("residuals", {}))
         self.q_memory = {k: v.clone() for k, v in state.get("q", {}).items()}
         self.steps = dict(state.get("steps", {}))
+
+
+def _mean(flat: torch.Tensor, group, world: int) -> torch.Tensor:
+    """Average ``flat`` over the group in place (nothing to do in a world of one)."""
+    if world > 1:
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+    return flat
