@@ -504,10 +504,11 @@ class DataParallel(nn.Module):
     ``broadcast_buffers=True`` buffers (BatchNorm statistics) are re-broadcast before
     every forward, as DDP does. See ``docs/data_parallel.md`` for every knob and its cost.
 
-    ``gradient_as_bucket_view=True`` (default) leaves each ``p.grad`` as a view into its
-    bucket after the first reduction, so later backward passes accumulate in place and
-    the reduced gradient needs no copy back (DDP's option of the same name); a ``p.grad``
-    kept across steps is then overwritten by the next reduction. ``False`` copies.
+    ``gradient_as_bucket_view=True`` (default) leaves each ``p.grad`` of at least
+    ``VIEW_MIN_NUMEL`` elements as a view into its bucket after the first reduction, so
+    later backward passes accumulate in place and the reduced gradient needs no copy back
+    (DDP's option of the same name); a ``p.grad`` kept across steps is then overwritten by
+    the next reduction. Smaller gradients, and all of them with ``False``, are copied.
 
     Example::
 
