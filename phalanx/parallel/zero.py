@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
@@ -56,18 +57,6 @@ FULL_FORMAT = "phalanx.zero.full/1"
 # The inner optimizer steps the flat shard in views of this many elements: its temporaries
 # (Adam: two of a parameter's size) then stay this small instead of the whole shard's size.
 CHUNK_NUMEL = 1 << 20
-
-
-def _refuse_full_load(module, state_dict, prefix, *args) -> None:
-    # Stage 3 parameters have no storage between forwards; copying a full dict into them
-    # would write into freed memory. Say what works instead of crashing.
-    raise RuntimeError(
-        "zero stage 3: model.load_state_dict(full_dict) is not supported (the parameters are sharded "
-        "and their full storage is freed between uses). Checkpoint the optimizer instead: its fp32 master "
-        "weights are the parameters (phalanx.checkpoint.save/load(path, {'optimizer': optimizer}), or "
-        "optimizer.full_state_dict() / optimizer.load_full_state_dict(d)); or load the full dict into the "
-        "model before wrapping it with phalanx.zero(..., stage=3)."
-    )
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
@@ -212,7 +201,8 @@ class ZeroOptimizer:
         if stage == 3:
             model.register_state_dict_pre_hook(lambda *a, **k: self.engine.gather_all())
             model.register_state_dict_post_hook(lambda *a: self._full_state_dict_post(*a))
-            model.register_load_state_dict_pre_hook(_refuse_full_load)
+        model.register_load_state_dict_pre_hook(self._load_full_pre)
+        model.register_load_state_dict_post_hook(self._load_full_post)
 
     def _check_layout(self, groups_named) -> None:
         mine = [[(n, tuple(p.shape)) for n, p in named] for named in groups_named]
@@ -221,6 +211,41 @@ class ZeroOptimizer:
         for r, other in enumerate(every):
             if other != mine:
                 raise ValueError(f"zero: rank {r} has different parameters (names/shapes) than rank {self.rank}")
+
+    @torch.no_grad()
+    def _load_full_pre(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        """``model.load_state_dict(full)``: each rank copies its slice of every full tensor into its master shard.
+
+        Keys, shapes and ``strict`` are left to torch, which reports missing, unexpected and
+        mis-shaped keys as for any module; a tensor whose shape is wrong is skipped here too.
+        Stage 3 gets its full flats allocated (not gathered: no communication) for torch to
+        copy into, and freed again in :meth:`_load_full_post`.
+        """
+        if local_metadata.get("assign_to_params_buffers") and self.stage == 3:
+            raise RuntimeError(
+                "zero stage 3: model.load_state_dict(..., assign=True) would replace the sharded parameters; "
+                "load with assign=False (the default): each rank keeps its slice of every full tensor"
+            )
+        for g, us in enumerate(self.engine.units):
+            master = self.masters[g]
+            for u in us:
+                lo, hi = u.owned(self.rank)
+                for name, shape, off in zip(u.names, u.shapes, u.offsets):
+                    full = state_dict.get(prefix + name)
+                    if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(shape):
+                        continue
+                    n = math.prod(shape)
+                    a, b = max(lo, off), min(hi, off + n)
+                    if a < b:
+                        dst = u.shard_offset + a - lo
+                        master[dst : dst + b - a].copy_(full.detach().reshape(-1)[a - off : b - off])
+        if self.stage == 3:
+            self.engine.allocate_all()
+
+    def _load_full_post(self, module, incompatible_keys) -> None:
+        if self.stage == 3:
+            self.engine.free_all()
+            self.engine.publish()  # the compute-dtype shard follows the masters
 
     def _full_state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
         for k, v in state_dict.items():

@@ -139,6 +139,13 @@ class Stage3:
         for i in range(len(self.module_units)):
             self._gather_module(i)
 
+    def allocate_all(self) -> None:
+        """Give every unit's flat its storage without gathering (a full load overwrites it)."""
+        for us in self.units:
+            for u in us:
+                flat = self.flats[id(u)]
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+
     def free_all(self) -> None:
         for work in self._prefetch.values():
             work.wait()
