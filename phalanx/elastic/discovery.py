@@ -35,32 +35,33 @@ import threading
 
 from phalanx.log import get_logger
 
-__all__ = ["discover_slots", "launch_with_discovery", "resize_requested", "ResizeRequested", "RESIZE_ENV"]
+__all__ = ["discover_hosts", "discover_slots", "launch_with_discovery", "resize_requested", "ResizeRequested", "RESIZE_ENV"]
 
 log = get_logger(__name__)
 RESIZE_ENV = "PHALANX_RESIZE_FILE"
 
 
-def discover_slots(script: str, timeout_s: float = 30.0) -> int:
-    """Run the discovery script once; return the slots it lists for this machine.
+def discover_hosts(script: str, timeout_s: float = 30.0) -> dict[str, int]:
+    """Run the discovery script once; return ``{host: slots}`` in the order printed (this
+    machine's names all become ``"localhost"``).
 
     Raises ValueError (with the offending line) or subprocess errors on a bad run.
     """
     out = subprocess.run([script], capture_output=True, text=True, timeout=timeout_s, check=True).stdout
     here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
-    local, remote = 0, []
+    hosts: dict[str, int] = {}
     for line in filter(None, (s.strip() for s in out.splitlines())):
         name, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
         if not name or not slots.isdigit():
             raise ValueError(f"host discovery script {script} printed {line!r}; print host:slots lines")
-        if name in here:
-            local += int(slots)
-        else:
-            remote.append(name)
-    if remote:
-        log.warning("host discovery lists remote hosts %s; admitting them needs an agent on each "
-                    "(phalanx run on that host with the same rendezvous); ignored here", remote)
-    return local
+        name = "localhost" if name in here else name
+        hosts[name] = hosts.get(name, 0) + int(slots)
+    return hosts
+
+
+def discover_slots(script: str, timeout_s: float = 30.0) -> int:
+    """The slots the discovery script lists for this machine (remote hosts are not counted)."""
+    return discover_hosts(script, timeout_s).get("localhost", 0)
 
 
 class ResizeRequested(Exception):

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from phalanx.elastic import inprocess
 from phalanx.elastic.discovery import ResizeRequested
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
@@ -64,13 +66,22 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         if not isinstance(state, State):
             raise TypeError(f"phalanx.elastic.run: state must have commit/restore/sync, got {type(state).__name__}")
         started = time.monotonic()
-        if state.restore():
-            log.warning("restart %d: resumed from the last commit after %.2fs", restart_count(),
-                        time.monotonic() - started)
+        inprocess.prepare()
+        if inprocess.is_joiner():
+            # started mid-run by the launcher: wait for the generation that admits us (at a commit);
+            # the state comes from rank 0 in sync() (the members restore from their memory, no I/O)
+            _reform_or_fall_back(inprocess.join)
+        elif state.restore():
+            log.warning("restart %d: resumed from the last commit after %.2fs (path: group restart)",
+                        restart_count(), time.monotonic() - started)
         state.sync()
         while True:
+            reform = None
             try:
                 return func(state, *args, **kwargs)
+            except inprocess.MembershipChanged:
+                # the launcher admitted or removed workers: everyone re-forms at this very commit
+                reform = "workers joining or leaving at a commit"
             except ResizeRequested as req:
                 # The launcher restarts the group at the new size; it resumes from this very commit.
                 log.warning("%s: the commit is saved; ending this worker group", req)
@@ -80,13 +91,43 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 state.restore()
                 state.sync()
             except Exception as err:
-                # A dead peer breaks this process group; the agent will restart everyone, and the
-                # restarted group resumes from the last commit. Say so, then let the error end us.
-                log.error("training failed (%s: %s); exiting so the agent restarts the group "
-                          "from the last commit", type(err).__name__, err)
-                raise
+                if not (inprocess.active() and inprocess.is_collective_error(err)):
+                    # Under TorchElastic a dead peer breaks this process group; the agent restarts
+                    # everyone from the last commit. Say so, then let the error end us.
+                    log.error("training failed (%s: %s); exiting so the agent restarts the group "
+                              "from the last commit", type(err).__name__, err)
+                    raise
+                log.warning("collective failed (%s: %s): a peer is gone; the survivors re-form in-process "
+                            "(path: in-process, this process keeps running)", type(err).__name__,
+                            str(err).splitlines()[0][:160])
+                reform = "recovering from a lost worker"
+            if reform is not None:
+                # Outside the except block: the traceback (and the failed collective's work objects,
+                # which keep the broken group's sockets open) is gone, so leaving the group closes
+                # them at once and peers still blocked on us fail fast instead of timing out.
+                gc.collect()
+                _reform_or_fall_back(functools.partial(inprocess.reform, reform))
+                _roll_back(state)
 
     return wrapper
+
+
+def _roll_back(state: State) -> None:
+    """After re-forming in-process: the last commit (this process's memory), synced from the new rank 0."""
+    if not state.restore():
+        log.warning("no commit to roll back to: continuing from rank 0's current state")
+    state.sync()
+
+
+def _reform_or_fall_back(reform: Callable[[], float]) -> None:
+    """Re-form, or end this worker with REFORM_FAILED_EXIT so the launcher restarts the whole group."""
+    try:
+        reform()
+    except Exception as err:  # noqa: BLE001 - any failure to re-form hands over to the restart path
+        log.error("could not re-form in-process (%s: %s); exiting with status %d so the launcher restarts "
+                  "the group from the last commit (path: group restart)", type(err).__name__, err,
+                  inprocess.REFORM_FAILED_EXIT)
+        inprocess._exit_now(inprocess.REFORM_FAILED_EXIT)
 
 
 def _exit_for_resize() -> None:

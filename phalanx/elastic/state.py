@@ -114,6 +114,10 @@ class TorchState:
         object.__setattr__(self, "_memory", snapshot)
         self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
         self._check_resize()
+        from phalanx.elastic import inprocess
+
+        if inprocess.membership_changed():  # in-process elastic: workers join or leave at this commit
+            raise inprocess.MembershipChanged()
 
     def _check_resize(self) -> None:
         """Under ``--host-discovery-script``: raise ResizeRequested on every rank if the launcher wants

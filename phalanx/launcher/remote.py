@@ -21,7 +21,9 @@
 * ``--timeline FILE``: every worker writes ``FILE.rank<N>`` on its own host; after
   the job the launcher collects the parts from each host over SSH and merges them.
 
-The agent side is ``python -m phalanx.launcher.remote agent …`` (see :func:`agent_main`).
+The agent side is ``python -m phalanx.launcher.remote agent …`` (see :func:`agent_main`); an
+in-process elastic job starts single workers on discovered hosts with ``… remote worker``
+(see :func:`worker_main` and :mod:`phalanx.elastic.supervisor`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from phalanx.launcher import secret as job_secret
 from phalanx.launcher.hosts import Host
 from phalanx.log import get_logger
 
-__all__ = ["SSHOptions", "launch_remote", "run_remote", "add_remote_arguments", "agent_main", "UnreachableHost"]
+__all__ = ["SSHOptions", "launch_remote", "run_remote", "add_remote_arguments", "agent_main", "worker_main", "UnreachableHost"]
 
 log = get_logger("phalanx.launcher.remote")
 _GRACE_S = 10.0
@@ -345,7 +347,54 @@ def agent_main(argv: list[str] | None = None) -> int:
             os.unlink(secret_path)
 
 
+def worker_main(argv: list[str]) -> int:
+    """``python -m phalanx.launcher.remote worker OPTIONS -- COMMAND``: one elastic worker on this host.
+
+    The in-process elastic launcher (:mod:`phalanx.elastic.supervisor`) starts one per worker
+    it adds on a discovered host: the secret comes on stdin, then stdin stays open; at EOF
+    (the launcher stopped the job or died) the worker is stopped. Exits with the worker's
+    status (128 + N when signal N ended it).
+    """
+    p = argparse.ArgumentParser(prog="phalanx-worker")
+    p.add_argument("--network-interface", default=None)
+    p.add_argument("--env", action="append", default=[])
+    if "--" not in argv:
+        p.error("usage: python -m phalanx.launcher.remote worker OPTIONS -- COMMAND")
+    cut = argv.index("--")
+    args, command = p.parse_args(argv[:cut]), argv[cut + 1:]
+    key = sys.stdin.readline().strip().encode()
+    if not key:
+        print("phalanx worker: no job secret on stdin; start workers with `phalanx run`", file=sys.stderr)
+        return 2
+    secret_path = job_secret.write_secret_file(key)
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env), job_secret.SECRET_FILE_ENV: secret_path}
+    if args.network_interface:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = args.network_interface
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
+    proc = subprocess.Popen([sys.executable, shim, *command], env=env)
+
+    def stop_at_eof() -> None:
+        sys.stdin.read()
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(_GRACE_S)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+    threading.Thread(target=stop_at_eof, daemon=True).start()
+    try:
+        code = proc.wait()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(secret_path)
+    return 128 - code if code < 0 else code
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        sys.exit(worker_main(sys.argv[2:]))
     if sys.argv[1:2] == ["timeline-parts"] and len(sys.argv) == 3:
         sys.exit(_timeline_parts_main(sys.argv[2]))
     sys.exit(agent_main())

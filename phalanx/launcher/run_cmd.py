@@ -12,11 +12,7 @@ import argparse
 import os
 import sys
 
-from phalanx.elastic.launch_options import (
-    add_elastic_arguments,
-    discovery_options,
-    elastic_launch_options,
-)
+from phalanx.elastic.launch_options import add_elastic_arguments, elastic_launch_options
 from phalanx.launcher.horovodrun_flags import add_horovodrun_arguments, check_build, horovodrun_env
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
 from phalanx.launcher.local import LaunchSpec, launch
@@ -94,11 +90,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     spec = LaunchSpec(nproc_per_node=np, start_timeout_s=args.start_timeout, log_dir=args.log_dir, env=env,
                       **elastic)
-    discovery = discovery_options(args, np)
-    if discovery:
-        from phalanx.elastic.discovery import launch_with_discovery
-
-        code = launch_with_discovery(launch, spec, command, **discovery)
+    if in_process_elastic(args):
+        code = _run_in_process(args, spec, command, np)
     else:
         code = launch(spec, command)
     if args.timeline:
@@ -106,6 +99,34 @@ def main(args: argparse.Namespace) -> int:
 
         merge_parts(os.path.abspath(args.timeline))
     return code
+
+
+def in_process_elastic(args: argparse.Namespace) -> bool:
+    """``--min-np``/``--max-np``/``--host-discovery-script``: survivors of a failure keep running."""
+    return args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
+
+
+def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[str], np: int) -> int:
+    """The in-process elastic supervisor, with TorchElastic's group restart as its fallback."""
+    import dataclasses
+
+    from phalanx.elastic.supervisor import Supervisor
+    from phalanx.launcher.remote import SSHOptions
+
+    def fallback(n: int, restarts: int) -> int:
+        env = {**spec.env, "PHALANX_MAX_RESTARTS": str(restarts)}
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        return launch(dataclasses.replace(spec, nproc_per_node=n, min_nodes=1, max_nodes=1, rdzv_extra={},
+                                          max_restarts=restarts, run_id=sup.run_id, env=env), command)
+
+    ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
+    sup = Supervisor(command, np, min_np=args.min_np, max_np=args.max_np, env=spec.env,
+                     script=os.path.abspath(args.host_discovery_script) if args.host_discovery_script else None,
+                     interval_s=args.discovery_interval, max_restarts=spec.max_restarts, ssh=ssh,
+                     network_interface=args.network_interface, start_timeout=args.start_timeout,
+                     run_id=spec.run_id, fallback=fallback)
+    return sup.run()
 
 
 def job_env(args: argparse.Namespace, np: int) -> dict[str, str]:

@@ -1,0 +1,336 @@
+"""In-process re-forming of an elastic job (Horovod's model): survivors keep running after a worker dies.
+
+Under ``phalanx run --min-np/--max-np`` (or ``--host-discovery-script``) the launcher
+starts every worker itself (see :mod:`phalanx.elastic.supervisor`), hosts a TCPStore
+and publishes *generations*: who is in the job and in which order. A worker keeps its
+process across generations::
+
+    launcher: worker w2 died ─ publish gen 1 = [w0, w1, w3]          (store: pxe/gen/1, pxe/latest=1)
+    w0,w1,w3: collective raises (peer's socket closed) ─ leave the group ─ wait for gen > 0 ─
+              check in (pxe/g1/arrived) ─ all 3 arrived ─ new gloo group on PrefixStore("pxe/g1/pg")
+              ─ ranks 0,1,2 ─ restore() the commit in memory ─ sync() ─ train_fn again
+
+    launcher: new worker w4 ready (pxe/ready/w4) ─ publish gen 2 = [w0, w1, w3, w4]
+    workers:  state.commit() ─ rank 0 reads pxe/latest (one store get), broadcasts ─ 2 > 1 ─
+              every rank re-forms as above, w4 included; w4 receives the state in sync()
+
+A worker missing from a new generation (the launcher shrinks the job) leaves with exit
+status 0. Every wait is bounded (``PHALANX_ELASTIC_REFORM_TIMEOUT``, default the collective
+timeout): a worker that cannot re-form exits with :data:`REFORM_FAILED_EXIT`, and the
+launcher falls back to restarting the whole group on TorchElastic from the last snapshot.
+
+Example (what ``phalanx.elastic.run`` does; scripts do not call this module)::
+
+    from phalanx.elastic import inprocess
+    if inprocess.active():
+        inprocess.reform("a peer died")       # now in the next generation, maybe another rank/size
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from phalanx.log import get_logger
+
+__all__ = ["active", "prepare", "is_joiner", "generation", "reform", "join", "membership_changed", "is_collective_error",
+           "MembershipChanged", "ReformFailed", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
+
+log = get_logger(__name__)
+
+STORE_ENV = "PHALANX_ELASTIC_STORE"  # host:port of the launcher's store
+WID_ENV = "PHALANX_ELASTIC_WID"  # this worker's id for the life of the job (w0, w1, ...)
+JOIN_ENV = "PHALANX_ELASTIC_JOIN"  # "1": started mid-run, joins at the next commit
+GEN_ENV = "PHALANX_ELASTIC_GEN"  # the generation the worker was started in
+REFORM_FAILED_EXIT = 75  # "could not re-form in-process": the launcher falls back to a group restart
+_POLL_S = 0.01
+
+
+class MembershipChanged(Exception):
+    """Raised by ``commit()`` on every rank when the launcher published a new generation."""
+
+
+class ReformFailed(RuntimeError):
+    """This worker could not join a new generation in time."""
+
+
+class _Ctx:
+    def __init__(self) -> None:
+        host, _, port = os.environ[STORE_ENV].rpartition(":")
+        self.timeout_s = _timeout_s()  # collectives'; re-forming waits this + 30 s (a blocked peer times out)
+        self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.wid = os.environ[WID_ENV]
+        self.gen = int(os.environ.get(GEN_ENV, "0"))
+        self.members: list[list[str]] = []
+        self.store_port = int(port)
+        self.group_sockets: set[str] = set()  # inodes of the current process group's connections
+
+
+_ctx: _Ctx | None = None
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get("PHALANX_TIMEOUT") or 300.0)
+
+
+def _reform_timeout_s(collective_s: float) -> float:
+    """How long a worker waits to re-form: long enough for a peer blocked in a collective to time out."""
+    return float(os.environ.get("PHALANX_ELASTIC_REFORM_TIMEOUT") or collective_s + 30)
+
+
+def active() -> bool:
+    """True in a worker started by the in-process elastic launcher."""
+    return bool(os.environ.get(STORE_ENV) and os.environ.get(WID_ENV))
+
+
+def is_joiner() -> bool:
+    """True in a worker started mid-run that has not joined a generation yet."""
+    return active() and os.environ.get(JOIN_ENV) == "1" and (_ctx is None or not _ctx.members)
+
+
+def _context() -> _Ctx:
+    global _ctx
+    if _ctx is None:
+        _ctx = _Ctx()
+    return _ctx
+
+
+def generation() -> int:
+    return _context().gen
+
+
+def _get(key: str) -> bytes | None:
+    store = _context().store
+    return store.get(key) if store.check([key]) else None
+
+
+def _latest() -> int:
+    raw = _get("pxe/latest")
+    return int(raw) if raw else 0
+
+
+def _stop_reason() -> dict | None:
+    raw = _get("pxe/stop")
+    return json.loads(raw) if raw else None
+
+
+def membership_changed() -> bool:
+    """At a commit: True on every rank when the launcher published a newer generation.
+
+    Rank 0 asks the store once and broadcasts the answer (one small broadcast per commit).
+    """
+    if not active():
+        return False
+    from phalanx import runtime
+
+    ctx = _context()
+    size = runtime.size() if runtime.is_initialized() else 1
+    flag = torch.zeros(1, dtype=torch.int64)
+    if size == 1 or runtime.rank() == 0:
+        flag[0] = int(_latest() > ctx.gen)
+    if size > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag[0])
+
+
+_COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
+                     "timeout", "nccl", "peer", "socket", "store")
+
+
+def is_collective_error(err: BaseException) -> bool:
+    """Does ``err`` look like a failed collective (a peer died, the group broke) rather than a bug?"""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
+
+
+def _socket_fds() -> dict[str, int]:
+    """inode -> fd of this process's sockets."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd, a thread's socket)
+        if target.startswith("socket:["):
+            out[target[8:-1]] = int(fd)
+    return out
+
+
+def _group_sockets(store_port: int) -> set[str]:
+    """Inodes of this process's established TCP connections that are not to the launcher's store."""
+    if not os.path.isdir("/proc/self/fd"):
+        return set()
+    mine = _socket_fds()
+    found = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            remote_port, state, inode = int(cols[2].rsplit(":", 1)[1], 16), cols[3], cols[9]
+            if inode in mine and state == "01" and remote_port != store_port:  # 01: ESTABLISHED
+                found.add(inode)
+    return found
+
+
+def _shut_group_sockets(ctx: _Ctx) -> int:
+    """Shut down the broken group's TCP connections (not close: gloo still owns the fds).
+
+    A peer blocked in a collective on this group then sees the connection end and raises
+    at once, instead of waiting out the collective timeout: destroying the group does not
+    close them while anything (a pending work object) still references it.
+    """
+    import socket
+
+    count = 0
+    fds = _socket_fds() if os.path.isdir("/proc/self/fd") else {}
+    for inode in ctx.group_sockets & set(fds):
+        try:
+            s = socket.socket(fileno=os.dup(fds[inode]))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes our duplicate only
+    ctx.group_sockets = set()
+    return count
+
+
+def prepare() -> None:
+    """At the start of ``elastic.run``: connect to the launcher's store and note which TCP
+    connections belong to the process group ``px.init()`` made (to shut them at a failure)."""
+    if active():
+        ctx = _context()
+        if not ctx.members:
+            ctx.group_sockets = _group_sockets(ctx.store_port)
+
+
+def _leave_group() -> None:
+    """Drop this process's part in the broken group (runtime's topology and the default process group)."""
+    from phalanx import runtime
+
+    ctx = _context()
+    shut = _shut_group_sockets(ctx)
+    log.info("shut down %d connections of the old group", shut)
+
+    if runtime.is_initialized():
+        runtime.shutdown()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 - a broken group may complain while it is torn down
+            log.info("destroying the broken process group: %s", err)
+
+
+def _exit_now(code: int) -> None:
+    """End the worker here with ``code`` after the normal exit hooks (see run._exit_for_resize)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _check_stop() -> None:
+    stop = _stop_reason()
+    if stop is None:
+        return
+    if stop.get("abort"):
+        print(f"phalanx: the launcher stopped the job: {stop['abort']}", file=sys.stderr, flush=True)
+        _exit_now(1)
+    _exit_now(0)  # the job finished while this worker waited to join
+
+
+def reform(reason: str, *, joining: bool = False) -> float:
+    """Leave the current group and join the next generation the launcher publishes.
+
+    Returns the seconds it took. A worker left out of the new generation exits 0 (the
+    job shrank); one that cannot join within the timeout raises :class:`ReformFailed`.
+    """
+    from phalanx import runtime
+
+    ctx = _context()
+    started = time.monotonic()
+    wait_s = _reform_timeout_s(ctx.timeout_s)
+    deadline = started + wait_s
+    _leave_group()
+    if joining:
+        ctx.store.set(f"pxe/ready/{ctx.wid}", b"1")
+    seen = ctx.gen if not joining else -1
+    while True:
+        _check_stop()
+        latest = _latest()
+        if latest > seen:
+            members = json.loads(ctx.store.get(f"pxe/gen/{latest}"))["members"]
+            wids = [m[0] for m in members]
+            if ctx.wid not in wids:
+                if joining:
+                    seen = latest  # admitted later
+                    continue
+                log.warning("generation %d leaves this worker (%s) out: the job shrank; exiting", latest, ctx.wid)
+                ctx.store.set(f"pxe/left/{ctx.wid}", b"1")
+                _exit_now(0)
+            arrived_key = f"pxe/g{latest}/arrived"
+            ctx.store.add(arrived_key, 1)
+            while ctx.store.add(arrived_key, 0) < len(wids):
+                if _latest() > latest or time.monotonic() > deadline:
+                    break
+                _check_stop()
+                time.sleep(_POLL_S)
+            else:
+                _join_group(ctx, latest, members)
+                took = time.monotonic() - started
+                log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
+                            runtime.rank(), runtime.size(), took)
+                return took
+            seen = latest
+        if time.monotonic() > deadline:
+            raise ReformFailed(f"no generation after {ctx.gen} with all its members within {wait_s:.0f}s "
+                               f"({reason}); set PHALANX_ELASTIC_REFORM_TIMEOUT to wait longer")
+        time.sleep(_POLL_S)
+
+
+def join() -> float:
+    """A worker started mid-run: wait (bounded) until a generation admits it, then join it."""
+    return reform("joining the job", joining=True)
+
+
+def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
+    from phalanx import runtime
+
+    rank = [m[0] for m in members].index(ctx.wid)
+    hosts = list(dict.fromkeys(m[1] for m in members))
+    my_host = members[rank][1]
+    on_host = [m[0] for m in members if m[1] == my_host]
+    env = {"RANK": rank, "WORLD_SIZE": len(members), "LOCAL_RANK": on_host.index(ctx.wid),
+           "LOCAL_WORLD_SIZE": len(on_host), "GROUP_RANK": hosts.index(my_host), "GROUP_WORLD_SIZE": len(hosts),
+           GEN_ENV: gen}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    for ours, theirs in (("RANK", "HOROVOD_RANK"), ("WORLD_SIZE", "HOROVOD_SIZE"), ("LOCAL_RANK",
+                         "HOROVOD_LOCAL_RANK"), ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"),
+                         ("GROUP_RANK", "HOROVOD_CROSS_RANK"), ("GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE")):
+        os.environ[theirs] = os.environ[ours]
+    timeout = datetime.timedelta(seconds=ctx.timeout_s)
+    before = _group_sockets(ctx.store_port)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
+                            world_size=len(members), timeout=timeout)
+    ctx.group_sockets = _group_sockets(ctx.store_port) - before
+    ctx.gen, ctx.members = gen, members
+    os.environ.pop(JOIN_ENV, None)
+    runtime.init(timeout=ctx.timeout_s)  # adopts the group just made

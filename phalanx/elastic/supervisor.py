@@ -1,0 +1,379 @@
+"""The launcher side of in-process elastic training: start the workers, host the store, never restart survivors.
+
+``phalanx run --min-np A --max-np B`` (and ``--host-discovery-script``) runs this
+instead of TorchElastic's agent, whose worker group is all-or-nothing (one exit stops
+every worker). Here each worker is a process of its own, started on this machine or
+over SSH on a discovered host (``python -m phalanx.launcher.remote worker``)::
+
+    start: store on this host ─ gen 0 = w0..w{np-1} ─ workers px.init() on it
+    worker w2 exits non-zero ─ "rank 2 failed: killed by SIGKILL" ─ publish gen 1 = survivors
+        (the survivors' collectives raise; they re-form in-process: phalanx.elastic.inprocess)
+        ─ start a replacement (at most --max-restarts in all, up to the wanted size)
+    replacement / a worker on a newly discovered host says ready ─ publish gen = members + it
+        ─ the running workers see it at their next commit and all re-form, it included
+    discovery lists fewer slots ─ publish a gen without the surplus ─ they leave at the next commit
+    fewer than --min-np workers left, none starting ─ "stopping the job" ─ exit 1 (no hang)
+    a worker could not re-form (exit 75) ─ stop everyone ─ TorchElastic group restart from the
+        last snapshot (the fallback path, this machine's workers only)
+    every member exited 0 ─ done (workers still waiting to join are told to exit 0)
+
+Example::
+
+    sup = Supervisor(["python", "train.py"], np=4, min_np=2, max_np=4)
+    code = sup.run()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from phalanx.elastic import inprocess
+from phalanx.log import get_logger
+
+__all__ = ["Supervisor"]
+
+log = get_logger(__name__)
+_EXEC_SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launcher", "_exec.py")
+_GRACE_S = 10.0
+_LOCAL = "localhost"
+_PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
+class _Worker:
+    def __init__(self, wid: str, host: str, proc: subprocess.Popen, joiner: bool) -> None:
+        self.wid, self.host, self.proc, self.joiner = wid, host, proc, joiner
+        self.code: int | None = None
+        self.admitted = not joiner  # in a published generation
+        self.ready = not joiner
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    if code > 128 and code - 128 < 65:  # a remote worker's signal, as its agent reports it
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} ({signal.Signals(code - 128).name})"
+    return f"exit code {code}"
+
+
+def _route_source(remote: str) -> str:
+    """This machine's address on the way to ``remote`` (where the workers there reach our store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(remote), 9))
+        return s.getsockname()[0]
+
+
+class Supervisor:
+    """Run ``command`` as an in-process elastic job; :meth:`run` returns the exit code."""
+
+    def __init__(self, command: list[str], np: int, *, min_np: int | None = None, max_np: int | None = None,
+                 env: dict[str, str] | None = None, script: str | None = None, interval_s: float = 1.0,
+                 max_restarts: int = 3, ssh=None, network_interface: str | None = None,
+                 start_timeout: int = 60, run_id: str | None = None, fallback=None) -> None:
+        self.command, self.np = list(command), np
+        self.min_np, self.max_np = min_np or 1, max(max_np or np, np)
+        self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
+        self.replacements_left = max_restarts
+        self.ssh, self.network_interface, self.start_timeout = ssh, network_interface, start_timeout
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.fallback = fallback  # callable(np, restarts_left) -> exit code: the TorchElastic restart path
+        self.workers: list[_Worker] = []
+        self.members: list[_Worker] = []  # of the latest published generation, in rank order
+        self.gen = -1
+        self.hosts: dict[str, int] = {}
+        self.wanted = np
+        self._lock = threading.Lock()
+        self._next_wid = 0
+        self._pumps: list[threading.Thread] = []
+        self._secret: bytes | None = None
+        self._probed: set[str] = set()
+
+    # -- hosts ------------------------------------------------------------------
+    def _discover(self) -> dict[str, int] | None:
+        from phalanx.elastic.discovery import discover_hosts
+
+        try:
+            hosts = discover_hosts(self.script, timeout_s=max(self.interval_s, 5.0))
+        except (OSError, ValueError, subprocess.SubprocessError) as err:
+            log.warning("host discovery script failed (%s); keeping the hosts known", err)
+            return None
+        for h in [h for h in hosts if h != _LOCAL and h not in self._probed]:
+            try:
+                from phalanx.launcher.remote import _probe
+
+                _probe([h], self.ssh, timeout_s=15)
+                self._probed.add(h)
+            except RuntimeError as err:
+                log.warning("host discovery lists %s but it cannot be used: %s; ignored", h, err)
+                hosts.pop(h)
+        return hosts
+
+    def _clamp(self, total: int) -> int:
+        return max(self.min_np, min(self.max_np, total))
+
+    # -- workers ----------------------------------------------------------------
+    def _base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _PER_RANK_VARS}
+        env.update(self.env)
+        # the workers import the phalanx this launcher runs (also when it is not installed)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(self.wanted, 1))))
+        env.update({"PHALANX_LAUNCHER": "run", "TORCHELASTIC_RUN_ID": self.run_id,
+                    "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "true",
+                    "MASTER_ADDR": self.addr, "MASTER_PORT": str(self.store.port),
+                    inprocess.STORE_ENV: f"{self.addr}:{self.store.port}"})
+        return env
+
+    def _start(self, host: str, rank_env: dict[str, int] | None) -> _Worker:
+        wid = f"w{self._next_wid}"
+        self._next_wid += 1
+        env = self._base_env()
+        env[inprocess.WID_ENV] = wid
+        if rank_env is None:
+            env[inprocess.JOIN_ENV] = "1"
+        else:
+            env.update({k: str(v) for k, v in rank_env.items()})
+            env[inprocess.GEN_ENV] = "0"
+        if host == _LOCAL:
+            proc = subprocess.Popen([sys.executable, _EXEC_SHIM, *self.command], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        else:
+            proc = self._start_remote(host, {k: v for k, v in env.items() if k.startswith(("PHALANX_", "TORCH",
+                                      "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS})
+        w = _Worker(wid, host, proc, joiner=rank_env is None)
+        self.workers.append(w)
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=self._pump, args=(w, stream, out), daemon=True)
+            t.start()
+            self._pumps.append(t)
+        return w
+
+    def _start_remote(self, host: str, env: dict[str, str]) -> subprocess.Popen:
+        from phalanx.launcher import secret as job_secret
+
+        if self._secret is None:
+            self._secret = job_secret.new_secret()
+        agent = [sys.executable, "-m", "phalanx.launcher.remote", "worker"]
+        if self.network_interface:
+            agent += ["--network-interface", self.network_interface]
+        for k, v in env.items():
+            agent += ["--env", f"{k}={v}"]
+        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec {shlex.join(agent + ['--', *self.command])}"
+        proc = subprocess.Popen(self.ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+        proc.stdin.write(self._secret.decode() + "\n")  # then kept open: EOF tells the worker to stop
+        proc.stdin.flush()
+        return proc
+
+    def _pump(self, w: _Worker, stream, out) -> None:
+        for line in iter(stream.readline, ""):
+            rank = self._rank_of(w)
+            out.write(f"[{rank}]: {line}" if rank is not None else f"[{w.wid}]: {line}")
+            out.flush()
+        stream.close()
+
+    def _rank_of(self, w: _Worker) -> int | None:
+        with self._lock:
+            return self.members.index(w) if w in self.members else None
+
+    def _alive(self) -> list[_Worker]:
+        return [w for w in self.workers if w.code is None]
+
+    def _fill(self, replacing: bool) -> None:
+        """Start joiners until the wanted size is reached (the hosts' free slots permitting)."""
+        alive = self._alive()
+        while len(alive) < self.wanted and (not replacing or self.replacements_left > 0):
+            used = {h: sum(1 for w in alive if w.host == h) for h in self.hosts}
+            free = [h for h, slots in self.hosts.items() if used[h] < slots]
+            if not free:
+                return
+            w = self._start(free[0], None)
+            if replacing:
+                self.replacements_left -= 1
+            print(f"phalanx: started worker {w.wid} on {w.host}; it joins at the next commit", flush=True)
+            alive.append(w)
+
+    # -- generations ------------------------------------------------------------
+    def _publish(self, members: list[_Worker], why: str) -> None:
+        with self._lock:
+            self.gen += 1
+            self.members = list(members)
+        body = json.dumps({"members": [[w.wid, w.host] for w in members]})
+        self.store.set(f"pxe/gen/{self.gen}", body)
+        self.store.set("pxe/latest", str(self.gen))
+        for w in members:
+            w.admitted = True
+        if self.gen > 0:
+            print(f"phalanx: generation {self.gen}: {len(members)} workers ({why})", flush=True)
+
+    def _stop(self, reason: dict) -> None:
+        if not self.store.check(["pxe/stop"]):
+            self.store.set("pxe/stop", json.dumps(reason))
+
+    def _reconcile(self, why: str) -> str | None:
+        """Publish the next generation if the membership should change; returns an abort reason or None."""
+        keep = [w for w in self.members if w.code is None]
+        per_host: dict[str, int] = {}
+        kept = []
+        for w in keep:  # the hosts' slots as discovery lists them now; the surplus leaves
+            per_host[w.host] = per_host.get(w.host, 0) + 1
+            if per_host[w.host] <= self.hosts.get(w.host, 0) and len(kept) < self.wanted:
+                kept.append(w)
+        ready = [w for w in self.workers if w.code is None and not w.admitted and w.ready]
+        starting = [w for w in self.workers if w.code is None and not w.ready]
+        target = kept + ready[: max(0, self.max_np - len(kept))]
+        if len(target) < self.min_np:
+            if len(target) + len(starting) >= self.min_np:
+                return None  # wait for the replacements to come up (the survivors wait, bounded, to re-form)
+            return (f"{len(target)} worker(s) left, fewer than --min-np {self.min_np}, and none starting; "
+                    "stopping the job")
+        if target != self.members:
+            self._publish(target, why)
+        return None
+
+    # -- the loop ---------------------------------------------------------------
+    def run(self) -> int:
+        if self.script:
+            hosts = self._discover() or {}
+            if not hosts:
+                print("phalanx: host discovery lists no usable host; using this machine with -np "
+                      f"{self.np}", file=sys.stderr, flush=True)
+                hosts = {_LOCAL: self.np}
+            self.hosts = hosts
+            self.wanted = self._clamp(sum(hosts.values()))
+        else:
+            self.hosts, self.wanted = {_LOCAL: self.np}, self.np
+        remote = [h for h in self.hosts if h != _LOCAL]
+        self.addr = _route_source(remote[0]) if remote else "127.0.0.1"
+        from phalanx.runtime import bound_tcp_store
+
+        self.store = bound_tcp_store(self.addr, 0, timeout=datetime.timedelta(seconds=max(60, self.start_timeout)))
+        plan, left = [], self.wanted
+        for h, slots in self.hosts.items():
+            take = min(slots, left)
+            plan += [(h, i, take) for i in range(take)]
+            left -= take
+        host_index = {h: i for i, h in enumerate(dict.fromkeys(h for h, _, _ in plan))}
+        initial = [(h, {"RANK": r, "WORLD_SIZE": len(plan), "LOCAL_RANK": i, "LOCAL_WORLD_SIZE": n,
+                        "GROUP_RANK": host_index[h], "GROUP_WORLD_SIZE": len(host_index)})
+                   for r, (h, i, n) in enumerate(plan)]
+        self.members = []
+        started = [self._start(h, e) for h, e in initial]
+        self._publish(started, "start")
+        print(f"phalanx: elastic job of {len(started)} workers (--min-np {self.min_np}, --max-np {self.max_np}); "
+              "a lost worker is recovered in-process (the survivors keep running)", flush=True)
+        stop = threading.Event()
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):
+                previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        try:
+            return self._loop(stop)
+        finally:
+            self._kill_all()
+            for t in self._pumps:
+                t.join(2)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self, stop: threading.Event) -> int:
+        finished, failure = False, None
+        next_poll = time.monotonic() + self.interval_s
+        while True:
+            if stop.is_set():
+                self._stop({"abort": "interrupted"})
+                print("phalanx: interrupted; stopping every worker", file=sys.stderr, flush=True)
+                return 130
+            changed = []
+            for w in self._alive():
+                code = w.proc.poll()
+                if code is None:
+                    if not w.ready and self.store.check([f"pxe/ready/{w.wid}"]):
+                        w.ready = True
+                        changed.append(f"worker {w.wid} on {w.host} is ready")
+                    continue
+                w.code = code
+                rank = self._rank_of(w)
+                who = f"rank {rank}" if rank is not None else "joining worker"
+                if code == 0:
+                    if self.store.check([f"pxe/left/{w.wid}"]):
+                        continue  # left at a shrink
+                    if w.admitted and not finished:
+                        finished = True
+                        self._stop({"done": True})  # workers still waiting to join exit 0
+                    continue
+                if code == inprocess.REFORM_FAILED_EXIT:
+                    return self._fall_back(f"{who} ({w.wid}) could not re-form in-process")
+                print(f"phalanx: {who} ({w.wid} on {w.host}, pid {w.proc.pid}) failed: {_describe(code)}",
+                      file=sys.stderr, flush=True)
+                if finished:
+                    failure = failure or code
+                    continue
+                changed.append(f"{who} lost; survivors re-form in-process, recovery path: in-process")
+                if self.replacements_left > 0:
+                    self._fill(replacing=True)
+            if self.script and not finished and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.interval_s
+                hosts = self._discover()
+                if hosts is not None and hosts != self.hosts:
+                    wanted = self._clamp(sum(hosts.values()))
+                    print(f"phalanx: host discovery: {hosts} (was {self.hosts}); {self.wanted} -> {wanted} "
+                          "workers at the next commit", flush=True)
+                    self.hosts, self.wanted = hosts, wanted
+                    self._fill(replacing=False)
+                    changed.append("host discovery")
+            if changed and not finished:
+                abort = self._reconcile("; ".join(changed))
+                if abort:
+                    print(f"phalanx: {abort}", file=sys.stderr, flush=True)
+                    self._stop({"abort": abort})
+                    return 1
+            if not self._alive() or (finished and not any(w.admitted for w in self._alive())):
+                return failure or (0 if finished else 1)  # (joiners never admitted are stopped)
+            time.sleep(0.05)
+
+    def _fall_back(self, why: str) -> int:
+        n = len([w for w in self.members if w.code is None or w.code == inprocess.REFORM_FAILED_EXIT])
+        self._stop({"abort": why})
+        self._kill_all()
+        if self.fallback is None or any(w.host != _LOCAL for w in self.workers):
+            print(f"phalanx: {why}; no restart path for this job, stopping", file=sys.stderr, flush=True)
+            return inprocess.REFORM_FAILED_EXIT
+        n = max(self.min_np, min(n, self.max_np))
+        print(f"phalanx: {why}; falling back to a full restart of {n} workers from the last commit "
+              "(recovery path: group restart on TorchElastic)", file=sys.stderr, flush=True)
+        return self.fallback(n, max(1, self.replacements_left))
+
+    def _kill_all(self) -> None:
+        alive = self._alive()
+        for w in alive:
+            with contextlib.suppress(OSError, ValueError):
+                if w.proc.stdin:
+                    w.proc.stdin.close()  # a remote worker's agent stops it at EOF
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for w in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.kill()
+                w.proc.wait(5)
+            w.code = w.proc.returncode
