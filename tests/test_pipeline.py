@@ -12,6 +12,8 @@ from torch import nn
 from phalanx.parallel.pipeline import (
     Interleaved1F1B,
     PipelineStage,
+    block_costs,
+    bubble_bound,
     bubble_fraction,
     draw,
     get_schedule,
@@ -71,6 +73,49 @@ def test_partition_methods_report_costs_and_beat_uniform_on_a_heavy_block():
         partition(model, 2, method="time")
     with pytest.raises(ValueError, match="method="):
         partition(model, 2, method="bogus")
+
+
+class _Probe(nn.Module):
+    """Records whether its input wanted a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seen = nn.Linear(4, 4), []
+
+    def forward(self, x):
+        self.seen.append(x.requires_grad)
+        return self.lin(x)
+
+
+def test_block_costs_see_the_pipeline_inputs_and_the_loss():
+    # The first block gets the model input as it is (no gradient: the first stage's backward skips
+    # the input's gradient), later blocks an activation that wants one; the loss lands on the last.
+    torch.manual_seed(0)
+    model = nn.Sequential(_Probe(), _Probe(), _Probe())
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    block_costs(model, "time", x, repeats=1)
+    assert [set(b.seen) for b in model] == [{False}, {True}, {True}]
+    plain = block_costs(model, "flops", x)
+    # FlopCounterMode counts matrix products only, so this loss has one
+    with_loss = block_costs(model, "flops", x, loss_fn=lambda out, t: (out @ t.T).sum(), target=y)
+    assert with_loss[:2] == plain[:2] and with_loss[2] > plain[2]
+    assert partition(model, 2, "time", x, loss_fn=_loss, target=y).num_stages == 2
+    with pytest.raises(ValueError, match="together"):
+        block_costs(model, "time", x, loss_fn=_loss)
+
+
+def test_bubble_bound_generalises_the_formula_to_unequal_stages():
+    for p, m in [(2, 1), (2, 8), (4, 4), (4, 8)]:
+        assert abs(bubble_bound([(1.0, 2.0)] * p, m) - bubble_fraction(p, m)) < 1e-9
+        assert abs(bubble_bound([(1.0, 2.0)] * p, m, "gpipe") - bubble_fraction(p, m)) < 1e-9
+    assert abs(bubble_bound([(1.0, 2.0)] * 2, 4, "interleaved_1f1b") - bubble_fraction(2, 4, 2)) < 1e-9
+    for m in (1, 2, 4, 8):  # p = 2, last stage slower: span = sum(t) + (m-1)·max(t)
+        t = (2.8, 3.2)
+        closed = 1 - m * sum(t) / 2 / (sum(t) + (m - 1) * max(t))
+        assert abs(bubble_bound([(1.0, 1.8), (1.0, 2.2)], m) - closed) < 1e-9, m
+        assert bubble_bound([(1.0, 1.8), (1.0, 2.2)], m) >= bubble_fraction(2, m) - 1e-12
+    with pytest.raises(ValueError, match="forward, backward"):
+        bubble_bound([(1.0,)], 2)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])

@@ -8,6 +8,12 @@ A pipeline runs at the pace of its slowest stage, so the split minimises the
     time         a block costs its measured forward+backward seconds on a sample batch
     flops        a block costs its forward FLOPs on a sample batch (torch's FlopCounterMode)
 
+The measured costs are those each block has inside the pipeline: the first block
+gets ``sample`` as it is (a model input needs no gradient, so its backward skips
+one matrix product per input layer), the others an input that requires a
+gradient (the activation a stage receives), and with ``loss_fn`` and ``target``
+the last block's cost includes the loss the last stage computes.
+
 Given the costs, :func:`min_bottleneck_split` finds an exactly optimal contiguous
 split by dynamic programming over prefix sums (O(n² p), n blocks, p stages; n is
 a few hundred at most). The imbalance is reported as the standard deviation of
@@ -128,9 +134,16 @@ def _blocks(model) -> list[nn.Module]:
 
 
 def block_costs(model, method: str = "parameters", sample: torch.Tensor | None = None,
-                repeats: int = 5) -> list[float]:
-    """Cost of each block under ``method`` ("uniform", "parameters", "time" or "flops")."""
+                repeats: int = 5, *, loss_fn=None, target: torch.Tensor | None = None) -> list[float]:
+    """Cost of each block under ``method`` ("uniform", "parameters", "time" or "flops").
+
+    With ``loss_fn(output, target)`` ("time" and "flops"), the last block's cost
+    includes the loss, as the last pipeline stage computes it.
+    """
     blocks = _blocks(model)
+    if (loss_fn is None) != (target is None):
+        raise ValueError("pass loss_fn and target together (the loss is costed on the last block's output), "
+                         "or neither")
     if method == "uniform":
         return [1.0] * len(blocks)
     if method == "parameters":
@@ -140,21 +153,27 @@ def block_costs(model, method: str = "parameters", sample: torch.Tensor | None =
     if sample is None:
         raise ValueError(f"method={method!r} measures each block on a batch: pass sample=<a model input>")
     costs, x = [], sample
-    for b in blocks:
-        x_in = x.detach().requires_grad_(x.is_floating_point())
+    for k, b in enumerate(blocks):
+        # The first block sees the model input as given (no gradient wanted, as on the first stage);
+        # the others an activation that wants one (what a later stage receives).
+        x_in = x if k == 0 else x.detach().requires_grad_(x.is_floating_point())
+        with_loss = loss_fn is not None and k == len(blocks) - 1
         if method == "flops":
             from torch.utils.flop_counter import FlopCounterMode
 
             with FlopCounterMode(display=False) as counter:
                 y = b(x_in)
+                if with_loss:
+                    loss_fn(y, target)
             costs.append(float(counter.get_total_flops()))
         else:
             times = []
             for _ in range(repeats + 1):  # the first call warms the allocator and kernels; dropped below
                 t0 = time.perf_counter()
                 y = b(x_in)
-                if y.requires_grad:
-                    y.backward(torch.ones_like(y))
+                out = loss_fn(y, target) if with_loss else y
+                if out.requires_grad:
+                    out.backward(None if with_loss else torch.ones_like(out))
                 times.append(time.perf_counter() - t0)
             b.zero_grad(set_to_none=True)
             costs.append(statistics.median(times[1:]))
@@ -162,13 +181,15 @@ def block_costs(model, method: str = "parameters", sample: torch.Tensor | None =
     return costs
 
 
-def partition(model, num_stages: int, method: str = "parameters", sample: torch.Tensor | None = None) -> Partition:
+def partition(model, num_stages: int, method: str = "parameters", sample: torch.Tensor | None = None, *,
+              loss_fn=None, target: torch.Tensor | None = None) -> Partition:
     """Split ``model`` (an ``nn.Sequential`` or list of blocks) into ``num_stages`` balanced stages.
 
     ``uniform`` splits by block count; the other methods use the exact
-    min-bottleneck split of their costs.
+    min-bottleneck split of their costs. ``loss_fn`` and ``target`` (a target
+    batch matching ``sample``) add the loss to the last block's cost.
     """
-    costs = block_costs(model, method, sample)
+    costs = block_costs(model, method, sample, loss_fn=loss_fn, target=target)
     if method == "uniform":
         bounds = uniform_split(len(costs), num_stages)
     else:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 __all__ = ["Schedule", "GPipe", "OneFOneB", "Interleaved1F1B", "SCHEDULES", "get_schedule", "bubble_fraction",
-           "replay", "draw"]
+           "bubble_bound", "replay", "draw"]
 
 Action = tuple  # (kind, micro-batch) or (kind, micro-batch, chunk)
 
@@ -182,6 +182,36 @@ def get_schedule(schedule: str | Schedule) -> Schedule:
 def bubble_fraction(num_stages: int, num_microbatches: int, chunks: int = 1) -> float:
     """Idle fraction of a synchronous pipeline step with equal stage costs: (p-1)/(v·m+p-1), v = chunks."""
     return (num_stages - 1) / (chunks * num_microbatches + num_stages - 1)
+
+
+def bubble_bound(stage_costs: Sequence[tuple[float, float]], num_microbatches: int,
+                 schedule: str | Schedule = "1f1b") -> float:
+    """Idle fraction of a step whose stages cost ``stage_costs[s] = (forward, backward)`` per micro-batch.
+
+    The generalisation of :func:`bubble_fraction` to unequal stages, on an ideal
+    network (zero transfer time): the schedule is replayed with these costs and
+    the bubble is ``1 - mean(busy) / span``, the formula's definition. Equal
+    costs give ``(p-1)/(m+p-1)``; otherwise every micro-batch also pays the
+    slowest stage's excess on the others. For GPipe and 1F1B with the slowest
+    stage last (the usual case: it also computes the loss), with ``t_s = F_s + B_s``::
+
+        span = sum(t) + (m - 1) · max(t)        bubble = 1 - m · mean(t) / span
+
+    Example::
+
+        bubble_bound([(1, 2), (1, 2)], 8)        # 0.111 = (p-1)/(m+p-1)
+        bubble_bound([(1, 1.8), (1, 2.2)], 8)    # 0.155: the last stage 13 % slower
+    """
+    sched = get_schedule(schedule)
+    v = getattr(sched, "chunks", 1)
+    p = len(stage_costs)
+    if p < 1 or any(len(c) != 2 or min(c) < 0 for c in stage_costs):
+        raise ValueError(f"stage_costs={stage_costs!r}: give one (forward, backward) pair of costs >= 0 per stage")
+    acts = [sched.actions(s, p, num_microbatches) for s in range(p)]
+    lines = replay(acts, v, duration=lambda s, k: stage_costs[s][acts[s][k][0] == "B"] / v)
+    span = max(t[-1][4] for t in lines) - min(t[0][3] for t in lines)
+    busy = sum(end - start for t in lines for *_, start, end in t) / p
+    return 1.0 - busy / span if span > 0 else 0.0
 
 
 def _unit(action: Action) -> tuple[str, int, int]:
