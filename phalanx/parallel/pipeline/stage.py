@@ -16,6 +16,11 @@ Data flow for stage s of p (activations right, gradients left)::
   (``irecv``) one action ahead, while the current action computes, so the
   transfer overlaps compute instead of starting when the stage asks for it;
   waits are bounded by the process group timeout.
+* Receive buffers are recycled: a gradient's buffer once its backward has run,
+  an activation's once the backward of its micro-batch has sent the input's
+  gradient (its ``.grad`` is dropped first, so nothing accumulates into a
+  gradient still being sent). After the first step a stage allocates no
+  receive buffers.
 * Interleaved schedules: ``module`` is a list of v chunks, chunk c being virtual
   stage ``c·p + s``; a micro-batch leaving rank p-1's chunk c enters rank 0's
   chunk c+1. Each chunk has its own link, its messages tagged by stream.
@@ -63,6 +68,10 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _HEADER = 10  # ndim, dtype code, up to 8 dims
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class Span(NamedTuple):
     """One compute action of a step: ``kind`` "F" or "B", micro-batch ``mb``, perf_counter seconds, ``chunk``."""
 
@@ -94,6 +103,7 @@ class StageLink:
         self.ranks, self.index, self.group, self.tagged = list(ranks), index, group, tagged
         self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._sent_header = False
+        self._free: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # gradient? -> spare buffers
 
     @property
     def knows_shape(self) -> bool:
@@ -130,13 +140,28 @@ class StageLink:
             ndim, code = int(header[0]), int(header[1])
             self._recv_header = (_DTYPES[code], tuple(int(d) for d in header[2 : 2 + ndim]))
         dtype, shape = self._recv_header
-        x = torch.empty(shape, dtype=dtype, device=device)
+        x = self._buffer(False, shape, dtype, device)
         return x, dist.irecv(x, src=self._peer(-1), group=self.group, tag=self._tag(self.index, False))
 
     def post_gradient(self, like: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
         """``(buffer, work)`` of the next gradient from the next stage, shaped like the activations sent."""
-        grad = torch.empty(like.shape, dtype=like.dtype, device=device)
+        grad = self._buffer(True, like.shape, like.dtype, device)
         return grad, dist.irecv(grad, src=self._peer(1), group=self.group, tag=self._tag(self.index, True))
+
+    def release(self, buffer: torch.Tensor, gradient: bool) -> None:
+        """Give back a receive buffer whose contents are no longer needed (reused by the next post)."""
+        if buffer.requires_grad:  # a received activation: detach it from its finished step
+            buffer.grad = None
+            buffer.requires_grad_(False)
+        self._free[gradient].append(buffer)
+
+    def _buffer(self, gradient: bool, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free[gradient]
+        while free:
+            buf = free.pop()
+            if buf.shape == shape and buf.dtype == dtype and buf.device == device:
+                return buf
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 class PipelineStage:
@@ -243,6 +268,7 @@ class PipelineStage:
         posted: dict[int, tuple[torch.Tensor, object]] = {}  # action index -> (buffer, irecv work)
         pending: list = []
         sent_like: dict[int, torch.Tensor] = {}  # chunk -> empty tensor shaped like what it sends
+        keep: set[tuple[int, int]] = set()  # received activations a pending send may still read
         loss_sum = torch.zeros((), device=device)
         timeline: list[Span] = []
 
@@ -287,7 +313,10 @@ class PipelineStage:
                 if virtual(c) < last_virtual:
                     out = y.detach().contiguous()
                     self.links[c].send_activation(out, pending)
-                    sent_like.setdefault(c, out.new_empty(out.shape, device="meta"))
+                    if c not in sent_like:
+                        sent_like[c] = out.new_empty(out.shape, device="meta")
+                    if virtual(c) > 0 and _shares(out, x):  # a pass-through stage: its send reads x
+                        keep.add((i, c))
                 saved[(i, c)] = (x, y)
             else:
                 x, y = saved.pop((i, c))
@@ -303,7 +332,17 @@ class PipelineStage:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.stage_index} (chunk {c}): the input received no "
                                            "gradient; does the stage's output depend on its input?")
-                    self.links[c].send_gradient(x.grad.contiguous(), pending)
+                    sent = x.grad.contiguous()
+                    self.links[c].send_gradient(sent, pending)
+                    if (i, c) not in keep:
+                        self.links[c].release(x, gradient=False)
+                    keep.discard((i, c))
+                else:
+                    sent = None
+                # autograd may pass the received gradient through as the input's (a pass-through stage)
+                if grad is not None and (sent is None or not _shares(sent, grad)):
+                    self.links[c].release(grad, gradient=True)
+                del x, y, grad, sent
             post(at + 1)  # when it had to wait for this action (a header, a gradient's shape)
         if saved:
             raise RuntimeError(f"schedule left micro-batches {sorted(saved)} without a backward")
