@@ -8,7 +8,7 @@ both, without changing the mathematics of the update::
 
     every `every` steps:  each rank ── allgather [compute s, wait s, samples, steps] ──► all ranks
                           speed_i = samples_i / compute_i         (samples per second of compute)
-                          shares  += damping · (speed / Σ speed − shares)
+                          shares  += damping · (speed / Σ speed − shares)   (the first exchange: damping 1)
                           sizes'  = split_sizes(G, shares, min_batch)   integers, Σ = G
                           apply sizes' only if the predicted step time max_i sizes_i/speed_i
                           drops by more than `tolerance` (hysteresis: noise does not move samples)
@@ -110,7 +110,8 @@ class Balancer:
         global_batch: samples per step over all ranks (``G``); fixed.
         every: steps between exchanges of timings (one small allgather each).
         warmup: first steps not measured (bucket rebuild, allocator warm-up).
-        damping: fraction of the way to the measured target taken per exchange (0, 1].
+        damping: fraction of the way to the measured target taken per exchange (0, 1]; the first
+            exchange goes all the way (the starting split is not a measurement).
         tolerance: apply a new split only if it shortens the predicted step by more than this.
         min_batch: no rank gets fewer samples than this.
         adjust: False = only measure and report (the straggler report without re-splitting).
@@ -213,7 +214,10 @@ class Balancer:
         old = list(self.sizes)
         if all(v > 0 for v in speed):
             total = sum(speed)
-            self.shares = [s + self.damping * (v / total - s) for s, v in zip(self.shares, speed)]
+            # The first exchange jumps to the measured split: the starting split (uniform, or one
+            # restored from a checkpoint) is not a measurement, so there is nothing to damp against.
+            damping = self.damping if self.history else 1.0
+            self.shares = [s + damping * (v / total - s) for s, v in zip(self.shares, speed)]
             candidate = split_sizes(self.global_batch, self.shares, self.min_batch)
             before = max(n / v for n, v in zip(old, speed))
             after = max(n / v for n, v in zip(candidate, speed))
