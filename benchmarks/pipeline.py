@@ -2,7 +2,7 @@
 torch.distributed.pipelining, and the cost-balanced split vs the uniform one — all in one run on
 p = 2 CPU ranks (gloo, 1 thread each).
 
-Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 10]
+Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 10] [--stages 2]
       (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock nice -n -10 …` on the shared
       2-core box, so the two ranks get the cores they would own on a dedicated machine)
 
@@ -20,8 +20,16 @@ Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 
                neighbour wait); measured - replay is what the transfers and the
                wake-ups of waiting ranks cost.
 
-   (p-1)/(v·m+p-1) assumes every forward costs the same and every backward too, on every
-   stage. Interleaved 1F1B (v = 2 chunks per rank) is measured the same way.
+     bound     phalanx.parallel.pipeline.bubble_bound: the formula generalised to these
+               stages, each stage's median forward and backward replayed with zero
+               communication. (p-1)/(v·m+p-1) assumes every stage costs the same; these
+               do not quite: the first stage's first layer computes no input gradient
+               and the last stage computes the loss, and 8 equal blocks split only 4 + 4.
+
+   The stages are cut by the cost-balanced partitioner (measured time, the loss counted
+   on the last block, the first block without input gradient, as in the pipeline); its
+   per-stage costs are printed. Interleaved 1F1B (v = 2 chunks per rank) is measured the
+   same way.
 2. Throughput at m = 8 on the same stages (same weights): phalanx 1F1B vs
    torch.distributed.pipelining.Schedule1F1B (and phalanx interleaved 1F1B), repeats
    interleaved, medians.
@@ -40,15 +48,18 @@ from torch import nn
 import phalanx as px
 from phalanx.parallel.pipeline import (
     PipelineStage,
+    bubble_bound,
     bubble_fraction,
     get_schedule,
     partition,
     replay,
 )
 
-P = 2
 MS = (1, 2, 4, 8)
-CASES = [("1f1b", m) for m in MS] + [("interleaved_1f1b", m) for m in (2, 4, 8)]  # interleaved: 2 chunks
+
+
+def _cases(p):  # interleaved: 2 chunks, m a multiple of p
+    return [("1f1b", m) for m in MS] + [("interleaved_1f1b", m) for m in (2, 4, 8) if m % p == 0]
 
 
 def _blocks(width, n, heavy=0):
@@ -81,7 +92,7 @@ def _bubble_parts(timelines, chunks=1):
     return 1.0 - busy / span, 1.0 - busy / ideal_span
 
 
-def _rank_body(width, micro_rows, repeats, sections):
+def _rank_body(P, width, micro_rows, repeats, sections):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
@@ -90,21 +101,27 @@ def _rank_body(width, micro_rows, repeats, sections):
     r = px.rank()
     last = r == P - 1
     model = _blocks(width, 8)
-    stage_mod = partition(model, P, method="uniform").split(model)[r]
-    px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
-    # interleaved: the same 8 blocks in 2P pieces; this rank runs pieces r and r + P
-    chunks = partition(model, 2 * P, method="uniform").split(model)[r::P]
-    stages = {"1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None)}
-    out = {"timelines": {}, "px": [], "torch": [], "interleaved": [], "uniform": [], "time": [], "flops": []}
 
     def batch(m):
         g = torch.Generator().manual_seed(m)
         return torch.randn(m * micro_rows, width, generator=g), torch.randn(m * micro_rows, width, generator=g)
 
+    # The cost-balanced split (measured time, loss on the last block); rank 0 decides for all.
+    sample, target = batch(1)
+    plan = partition(model, P, method="time", sample=sample, loss_fn=_loss, target=target)
+    bounds, costs = px.broadcast_object((plan.bounds, plan.stage_costs), root_rank=0)
+    stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])
+    px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
+    # interleaved: the same 8 blocks in 2P pieces; this rank runs pieces r and r + P
+    chunks = partition(model, 2 * P, method="uniform").split(model)[r::P]
+    stages = {"1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None)}
+    out = {"timelines": {}, "px": [], "torch": [], "interleaved": [], "uniform": [], "time": [], "flops": [],
+           "plan": (bounds, costs)}
+
     # 1. bubble: keep each step's compute timeline; the parent lines the stages up
     batches = {m: batch(m) for m in MS}
     for rep in range(repeats + 1 if "bubble" in sections else 0):
-        for name, m in CASES:  # interleaved, so a burst of load on the machine hits every case alike
+        for name, m in _cases(P):  # interleaved, so a burst of load on the machine hits every case alike
             x, y = batches[m]
             px.barrier()
             stages[name].step(x, y, num_microbatches=m, schedule=name)
@@ -173,29 +190,38 @@ def main():
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--micro-rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--stages", type=int, default=2, help="p (ranks); > 2 oversubscribes a 2-core machine")
     ap.add_argument("--sections", default="bubble,throughput,split", help="comma-separated subset to run")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
-    res = px.run(_rank_body, np=P, args=(a.width, a.micro_rows, a.repeats, sections), timeout=1800)
+    P = a.stages
+    res = px.run(_rank_body, np=P, args=(P, a.width, a.micro_rows, a.repeats, sections), timeout=1800)
 
+    bounds, costs = res[0]["plan"]
     print(f"p={P} stages, 8 blocks of Linear({a.width},{a.width})+ReLU, {a.micro_rows} rows per micro-batch, "
-          f"{a.repeats} repeats (median)\n")
+          f"{a.repeats} repeats (median)")
+    print(f"1F1B stages: cost-balanced split {bounds} (measured time, loss on the last block); partitioner's "
+          f"stage costs (forward+backward of one micro-batch, run alone) "
+          f"{' / '.join(f'{c * 1e3:.1f}' for c in costs)} ms\n")
     if "bubble" in sections:
         print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
-              "| replay (zero comm) | replay / formula | median F / B per stage (ms) |")
-        print("|---|---|---|---|---|---|---|---|")
-    for name, m in CASES if "bubble" in sections else ():
+              "| replay (zero comm) | bound for these stages | measured / bound | median F / B per stage (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for name, m in _cases(P) if "bubble" in sections else ():
         v = 2 if name.startswith("interleaved") else 1
         parts = [_bubble_parts([res[s]["timelines"][(name, m)][i] for s in range(P)], v) for i in range(a.repeats)]
         measured, ideal = (statistics.median(p[k] for p in parts) for k in range(2))
         formula = bubble_fraction(P, m, v)
-        costs = []
+        fb = []
         for s in range(P):
             spans = [act for t in res[s]["timelines"][(name, m)] for act in t]
-            costs.append("/".join(
-                f"{statistics.median(act.end_s - act.start_s for act in spans if act.kind == k) * 1e3:.1f}" for k in "FB"))
+            # a stage's whole forward (backward) of one micro-batch: its v chunk actions' medians summed
+            fb.append(tuple(sum(statistics.median(act.end_s - act.start_s for act in spans
+                                                  if act.kind == k and act.chunk == c) for c in range(v))
+                            for k in "FB"))
+        bound = bubble_bound(fb, m, name)
         print(f"| {name} | {m} | {formula:.3f} | {measured:.3f} | {measured / formula:.2f} | {ideal:.3f} "
-              f"| {ideal / formula:.2f} | {' '.join(costs)} |")
+              f"| {bound:.3f} | {measured / bound:.2f} | {' '.join(f'{f * 1e3:.1f}/{b * 1e3:.1f}' for f, b in fb)} |")
 
     def med(key):  # a step ends when its slowest rank ends
         return statistics.median(max(r[key][i] for r in res) for i in range(a.repeats))
@@ -203,7 +229,7 @@ def main():
     if "throughput" in sections:
         _print_throughput(med, a.micro_rows)
     if "split" in sections:
-        _print_split(med, res[0]["bounds"])
+        _print_split(med, res[0]["bounds"], P)
 
 
 def _print_throughput(med, micro_rows):
@@ -218,7 +244,7 @@ def _print_throughput(med, micro_rows):
           f"interleaved / 1F1B: {px_s / il_s:.2f}x")
 
 
-def _print_split(med, b):
+def _print_split(med, b, P):
     m = 8
     uni = med("uniform")
     print("\n| heavy first block, m=8 | bounds | step (ms) | speedup vs uniform |\n|---|---|---|---|")
