@@ -424,3 +424,33 @@ def test_single_process_passthrough_and_bad_input():
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_engine_plan_and_padded_buckets_keep_the_bucket_interface():
+    """ZeRO's fixed plan: padded buckets carry every attribute of a plain Bucket, the plan is
+    fixed (re-planning and set_bucket_mb leave it), and a plan must cover each parameter once."""
+    from phalanx.comm.buckets import Bucket
+    from phalanx.parallel.engine import GradientEngine, PaddedBucket, PlannedBuckets
+    from phalanx.planner.autotune import set_bucket_mb
+
+    a, b, c = (nn.Parameter(torch.randn(n)) for n in (5, 3, 4))
+    plain, padded = Bucket(0, [a, b]), PaddedBucket(0, [a, b], pad_to=4)
+    assert set(vars(plain)) <= set(vars(padded))
+    assert (padded.numel, padded.padded, padded.flat.numel()) == (8, 8, 8)
+    assert PaddedBucket(0, [a, c], pad_to=4).padded == 12
+    lazy = PaddedBucket(0, [a], pad_to=2, lazy=True)
+    assert lazy.flat.untyped_storage().nbytes() == 0 and lazy.views[0].shape == a.shape
+    done = []
+    mgr = PlannedBuckets([[c], [a, b]], lambda bucket: done.append(bucket.index), pad_to=2,
+                         on_complete=lambda bucket: done.append(("complete", bucket.index)))
+    before = [bk.params for bk in mgr.buckets]
+    assert mgr.maybe_rebuild([1, 0, 2]) is False and [bk.params for bk in mgr.buckets] == before
+    mgr.mark_ready(a)
+    mgr.mark_ready(b)  # bucket 1 complete, but bucket 0 goes first
+    mgr.mark_ready(c)
+    assert done == [("complete", 1), ("complete", 0), 0, 1]
+    engine = GradientEngine([("a", a), ("b", b), ("c", c)], plan=[[c], [a, b]], pad_to=2)
+    set_bucket_mb(engine, 0.001)
+    assert [bk.params for bk in engine.buckets.buckets] == [[c], [a, b]]
+    with pytest.raises(ValueError, match="exactly once"):
+        GradientEngine([("a", a), ("b", b), ("c", c)], plan=[[c], [a]])

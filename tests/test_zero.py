@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.memory import memory_report
+from phalanx.parallel.engine import GradientEngine
 from phalanx.parallel.zero import zero
 from phalanx.testing import distributed
 
@@ -248,7 +249,7 @@ def _reduced_during_backward():
         m = _mlp()
         model, opt = zero(m, torch.optim.Adam(m.parameters()), stage=stage, bucket_mb=0.002,
                           backward_passes_per_step=2)
-        reducer = opt.engine.reducer
+        reducer = opt.engine.reduction
         x, y = _batch("mlp", 0)
         _loss("mlp", model, x, y).backward()
         # Stage 1 allocates its grad shard when it launches the first reduce-scatter (async);
@@ -259,7 +260,14 @@ def _reduced_during_backward():
         after_second = [sent(s) for s in reducer.grad_shards]
         grads_kept = [p.grad is not None for p in m.parameters()]
         opt.step()
-        seen[stage] = (after_first, after_second, grads_kept)
+        # Through the data-parallel engine: its buckets are ZeRO's units, its byte count moved.
+        engine = opt.engine.grad_engine
+        units = [u.params for us in opt.engine.units for u in us]
+        composed = (isinstance(engine, GradientEngine) and engine.bytes_sent > 0 and len(units) > 1
+                    and sorted(map(id, (p for b in engine.buckets.buckets for p in b.params)))
+                    == sorted(map(id, m.parameters()))
+                    and len(engine.buckets.buckets) == len(units))
+        seen[stage] = (after_first, after_second, grads_kept, composed)
     # Stage 1: a second backward over already-reduced gradients is refused, not double counted.
     m = _mlp()
     model, opt = zero(m, torch.optim.Adam(m.parameters()), stage=1)
@@ -267,7 +275,7 @@ def _reduced_during_backward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
-    opt.engine.reducer.wait()
+    opt.engine.grad_engine.wait()
     return seen
 
 
@@ -298,8 +306,8 @@ def test_stages_match_full_batch_single_process_and_paper_memory():
             assert diff < 1e-5, ("unused on one rank", stage, diff)
         # stage 1 (k=2): nothing sent after the first micro-batch, reduced in the second backward,
         # full gradients kept as views; stage 2: reduced in every backward, gradients freed.
-        assert res["overlap"][1] == ([False], [True], [True] * 6)
-        assert res["overlap"][2] == ([True], [True], [False] * 6)
+        assert res["overlap"][1] == ([False], [True], [True] * 6, True)
+        assert res["overlap"][2] == ([True], [True], [False] * 6, True)
         for stage, (first_ok, skipped, unchanged, moved_after, scale, new_scale, again_ok) in res["fp16_inf"].items():
             assert first_ok and skipped is None and new_scale == scale / 2 and again_ok, (stage, res["fp16_inf"])
             assert unchanged == 0.0, (stage, "a skipped step must not touch the parameters")

@@ -1,30 +1,29 @@
 """ZeRO stages 1 and 2: full parameters on every rank, sharded optimizer state (and gradients).
 
-Both stages reduce-scatter gradients unit by unit *during backward*, so the
-communication overlaps the rest of backward, and each rank receives only the
-average of its own shard. They differ in where a gradient lives until then:
+Gradients go through the data-parallel :class:`~phalanx.parallel.engine.GradientEngine`
+(its hooks, buckets launched strictly in one order, end-of-backward callback,
+``backward_passes_per_step`` accumulation); ZeRO plugs in its per-bucket reduction,
+:class:`ShardReduction`: a reduce-scatter into the owner's gradient shard instead of an
+allreduce back into ``p.grad``. The engine's buckets are ZeRO's units: a fixed plan,
+padded to a multiple of N (the fp32 master shard is laid out from it). The stages differ
+in where a gradient lives until its reduction:
 
-- Stage 1 (P_os): every parameter's ``.grad`` is a view into one persistent
-  padded flat per unit (DDP's ``gradient_as_bucket_view``), so autograd
-  accumulates in place and nothing is copied. Micro-batches accumulate locally;
-  only the backward that ends the accumulation (``backward_passes_per_step``)
-  reduce-scatters straight from those flats.
-- Stage 2 (P_os+g): a post-accumulate-grad hook copies each gradient into a
-  pooled unit buffer and frees it; at most ``max_in_flight`` buffers (one, as in
-  FSDP2) are in flight, so full-size gradient memory is never held::
+- Stage 1 (P_os): every parameter's ``.grad`` is a view into its bucket's persistent
+  padded flat (DDP's ``gradient_as_bucket_view``), so autograd accumulates in place and
+  nothing is copied. Micro-batches accumulate locally; only the backward that ends the
+  accumulation (``backward_passes_per_step``) reduce-scatters straight from the flats.
+- Stage 2 (P_os+g): the engine's bucket flats get no storage. When a bucket is complete,
+  its gradients are copied into a pooled send buffer and dropped (``p.grad = None``) and
+  the reduce-scatter is launched; at most ``max_in_flight`` buffers (one, as FSDP2) are in
+  flight, and the pool is freed after backward, so full-size gradient memory is never held::
 
-    backward:  p9.grad → unit0 buf ┐ complete → reduce_scatter(async) → shard[unit0] ┐ overlaps
-               p8.grad → unit0 buf ┘                                                 │ the rest
-               p7.grad → unit1 buf … complete → reduce_scatter(async) → shard[unit1] ┘ of backward
-    end:       launch what is left (in unit order) · wait · shard /= N
+    backward:  p9.grad, p8.grad in → bucket 0 complete → copy, drop grads → reduce_scatter(async) ┐ overlaps
+               p7.grad … in        → bucket 1 complete → wait bucket 0 (→ shard) → copy → launch 1 ┘ the rest
+    end:       launch what is left (in bucket order) · wait · shard /= N
     step():    inner optimizer on the fp32 shard → allgather into each unit's param flat
 
-Units launch strictly in one fixed order that every rank shares, so ranks
-whose backward visits parameters in a different order still pair their
-collectives. (The data-parallel engine's ``BucketManager`` is not reused: ZeRO
-needs flats padded to a multiple of N and a layout fixed at wrap time, because
-the fp32 master shard is laid out from it; the engine re-plans its buckets
-after the first iteration.)
+Buckets launch strictly in one fixed order that every rank shares, so ranks whose
+backward visits parameters in a different order still pair their collectives.
 """
 
 from __future__ import annotations
@@ -36,166 +35,93 @@ import torch.distributed as dist
 
 from phalanx.comm.collectives import reduce_scatter_flat
 from phalanx.comm.compression import NoneCompressor
+from phalanx.parallel.engine import BucketReduction, GradientEngine
 from phalanx.parallel.zero_shard import Unit, gather_into, reduces_in_place
 
-__all__ = ["GradReducer", "Stage12"]
+__all__ = ["ShardReduction", "shard_engine", "Stage12"]
 
 
-class GradReducer:
-    """Backward-time reduce-scatter of gradients into per-group grad shards (stages 1, 2 and 3).
+class ShardReduction(BucketReduction):
+    """The engine's per-bucket reduction for ZeRO: reduce-scatter into the owner's gradient shard.
 
-    ``units[g]`` are parameter group ``g``'s units; ``grad_shards[g]`` (or ``None``
-    to allocate at the first reduce, stage 1) is the rank's flat gradient shard
-    of group ``g`` in the compute dtype, averaged over ranks and accumulated
-    across micro-batches until :meth:`zero`. ``keep_full=True`` is stage 1
-    (persistent full flats, gradients as views, reduced on every
-    ``passes_per_reduce``-th backward); otherwise gradients are copied into
-    pooled buffers and freed (stages 2, 3). ``on_unit_complete(unit)`` runs once
-    every gradient of a unit is in (stage 3 frees the unit's parameters there);
-    ``on_backward_end()`` runs last. ``registration`` maps ``id(param)`` to its
-    index in ``model.parameters()`` and fixes the launch order. ``compressor``: a
-    summable one (``fp16``/``bf16`` casts) applied to what goes on the wire.
-
-    Example::
-
-        reducer = GradReducer([units], [torch.zeros(shard_numel)], group)
-        loss.backward()            # reduce-scatters launched as units complete
-        reducer.wait()             # grad_shards hold this rank's averaged slice
+    ``order[i] = (g, unit)``: bucket ``i`` is ``unit`` of parameter group ``g``;
+    ``grad_shards[g]`` (or ``None`` to allocate at the first reduce, stage 1) is the
+    rank's flat gradient shard of group ``g`` in the compute dtype, averaged over ranks
+    and accumulated across micro-batches until :meth:`zero`. ``keep_full=True`` is stage
+    1 (persistent flats, gradients as views); otherwise gradients are copied into pooled
+    send buffers and dropped. ``on_unit_complete(unit)`` runs once every gradient of a unit is in
+    (stage 3 frees the unit's parameters there); ``on_backward_end()`` at the end of every
+    backward. ``compressor``: a summable one (``fp16``/``bf16`` casts) for what goes on the wire.
     """
 
     def __init__(
         self,
-        units: Sequence[Sequence[Unit]],
+        order: Sequence[tuple[int, Unit]],
         grad_shards: list[torch.Tensor | None],
         group,
         *,
         keep_full: bool = False,
-        passes_per_reduce: int = 1,
         max_in_flight: int = 1,
         on_unit_complete: Callable[[Unit], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
-        registration: dict[int, int] | None = None,
         compressor=None,
     ) -> None:
+        self.order = list(order)
+        self.grad_shards = grad_shards
         self.group = group
-        self.compressor = compressor if compressor is not None else NoneCompressor()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.in_place = reduces_in_place(group)
-        self.grad_shards = grad_shards
         self.keep_full = keep_full
-        self.passes_per_reduce = passes_per_reduce
         self.max_in_flight = max(1, max_in_flight)
         self.on_unit_complete = on_unit_complete
         self.on_backward_end = on_backward_end
-        # One launch order for every rank: the unit holding the most recently registered
-        # parameter goes first (backward visits the model roughly in reverse).
-        flat = [(g, u) for g, us in enumerate(units) for u in us]
-        reg = registration or {id(p): k for k, (_, u) in enumerate(flat) for p in u.params}
-        self.order: list[tuple[int, Unit]] = sorted(flat, key=lambda gu: -max(reg[id(p)] for p in gu[1].params))
-        self._need = [sum(1 for p in u.params if p.requires_grad) for _, u in self.order]
-        self._where: dict[int, tuple[int, int]] = {}
-        for i, (_g, u) in enumerate(self.order):
-            for p, off in zip(u.params, u.offsets):
-                self._where[id(p)] = (i, off)
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._on_grad)
-        self._count = [0] * len(self.order)
-        self._next = 0  # next unit (index into order) to launch in this pass
+        self.compressor = compressor if compressor is not None else NoneCompressor()
         self._fresh = [True] * len(self.order)  # shard slice not yet written since zero()
-        self._pending: list[tuple] = []  # (unit index, out, ctx, payload, pooled buffer, work)
-        self._queued = False
-        self.passes = 0  # backward passes since the last zero()/step
+        self._in_flight: list = []  # buckets launched, not finished (stages 2, 3)
         self.reduced = False  # stage 1: the flats' contents are already in the shard
-        self._bufs: dict[int, torch.Tensor] = {}  # stages 2/3: unit -> buffer being filled
-        self._written: dict[int, set[int]] = {}
-        self._pool: list[torch.Tensor] = []
+        self._reduced_pass = -1  # the backward pass that reduced them
+        self._pool: list[torch.Tensor] = []  # stages 2, 3: send buffers, reused within a backward
         self._capacity = max((u.padded for _, u in self.order), default=0)
-        self.full: list[torch.Tensor | None] = [None] * len(self.order)
-        if keep_full:
-            for i, (_g, u) in enumerate(self.order):
-                p0 = u.params[0]
-                self.full[i] = torch.zeros(u.padded, dtype=p0.dtype, device=p0.device)
-            self.bind_grads()
+        self._finished = 0
 
-    # -- stage 1: gradients as views into the flats -----------------------------------------
-    def bind_grads(self) -> None:
-        for i, (_g, u) in enumerate(self.order):
-            for p, view in zip(u.params, u.views(self.full[i])):
-                p.grad = view
+    def _second_backward(self) -> RuntimeError:
+        return RuntimeError(
+            "zero(stage=1): a second backward reached gradients that were already reduced, with no "
+            "forward through the wrapped model in between; sum the losses and call backward once, "
+            "or run a new forward per backward"
+        )
 
-    def _sync_pass(self) -> bool:
-        return not self.keep_full or self.passes + 1 >= self.passes_per_reduce
+    # -- called by the engine ------------------------------------------------------------------
+    def complete(self, bucket) -> None:
+        if self.on_unit_complete is not None:
+            self.on_unit_complete(self.order[bucket.index][1])
 
-    # -- hooks --------------------------------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        i, off = self._where[id(p)]
-        u = self.order[i][1]
-        if self.keep_full:
-            if self.reduced:
-                raise RuntimeError(
-                    "zero(stage=1): a second backward reached gradients that were already reduced, with no "
-                    "forward through the wrapped model in between; sum the losses and call backward once, "
-                    "or run a new forward per backward"
-                )
-            view = self.full[i][off : off + p.numel()]
-            if p.grad.data_ptr() != view.data_ptr():  # someone replaced .grad (or create_graph=True)
-                view.copy_(p.grad.reshape(-1))
-                p.grad = view.view_as(p)
-            if not self._sync_pass():
-                return
-        else:
-            buf = self._bufs.get(i)
-            if buf is None:
-                buf = self._bufs[i] = self._acquire(u.padded, p.grad.dtype, p.grad.device)
-                self._written[i] = set()
-            buf[off : off + p.numel()].copy_(p.grad.reshape(-1))
-            self._written[i].add(id(p))
-            p.grad = None  # the non-owned part of this gradient is never kept
-        self._count[i] += 1
-        if self._count[i] == self._need[i]:
-            if self.on_unit_complete is not None:
-                self.on_unit_complete(u)
-            self._launch_ready()
+    def _pass(self) -> int:
+        """The engine's index of the backward pass now running (its end-of-backward counts it first)."""
+        return self.engine._passes - (0 if self.engine._queued else 1)
 
-    def _launch_ready(self, everything: bool = False) -> None:
-        while self._next < len(self.order):
-            i = self._next
-            if self._need[i] == 0:  # all frozen: no collective on any rank
-                self._next += 1
-                continue
-            if not everything and self._count[i] < self._need[i]:
-                return
-            self._launch(i)
-            self._next += 1
+    def end_of_backward(self, synced: bool) -> None:
+        if self.keep_full and self.reduced and self._reduced_pass != self.engine._passes - 1:
+            raise self._second_backward()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
-    def _acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        while len(self._pending) >= self.max_in_flight:
-            self._complete(self._pending.pop(0))
-        if self._pool:
-            return self._pool.pop()[:numel]
-        return torch.empty(self._capacity, dtype=dtype, device=device)[:numel]
-
-    def _launch(self, i: int) -> None:
+    def launch(self, bucket) -> None:
+        i = bucket.index
         g, u = self.order[i]
         if self.keep_full:
-            src, buf = self.full[i], None
+            now = self._pass()
+            if self.reduced and self._reduced_pass != now:
+                raise self._second_backward()
+            self.reduced, self._reduced_pass = True, now
+            self.engine.gather_grads(bucket)  # nothing to copy unless someone replaced a .grad
+            src = bucket.flat
         else:
-            buf = self._bufs.pop(i, None)
-            if buf is None:  # no gradient reached this unit on this rank this pass
-                buf = self._acquire(u.padded, u.params[0].dtype, u.params[0].device).zero_()
-            else:
-                written = self._written.pop(i)
-                buf[u.numel :].zero_()
-                for p, off in zip(u.params, u.offsets):
-                    if id(p) not in written:
-                        buf[off : off + p.numel()].zero_()
-            src = buf
+            src = self._copy_out(bucket)
         shard = self.grad_shards[g]
         if shard is None:  # stage 1: the shard exists only between the reduce and step()
-            shard = self.grad_shards[g] = torch.zeros(self._shard_numel(g), dtype=src.dtype, device=src.device)
+            shard = self.grad_shards[g] = torch.zeros(
+                sum(uu.shard_numel for gg, uu in self.order if gg == g), dtype=src.dtype, device=src.device)
         payload, ctx = self.compressor.compress(src)  # no compression: src itself
         if self.in_place:  # gloo (see reduces_in_place); stage 1's .grad then hold the rank sum
             lo, hi = u.owned(self.rank)
@@ -206,16 +132,19 @@ class GradReducer:
             direct = self._fresh[i] and payload.dtype == view.dtype
             out = view if direct else torch.empty(u.shard_numel, dtype=payload.dtype, device=payload.device)
             work = reduce_scatter_flat(out, payload, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._pending.append((i, out, ctx, payload, buf, work))
-        self._count[i] = 0
+        bucket.handle = (out, ctx, src, work)
+        self.engine.bytes_sent += self.engine._ring_bytes(payload.nbytes)
+        if not self.keep_full:
+            self._in_flight.append(bucket)
 
-    def _shard_numel(self, g: int) -> int:
-        return sum(u.shard_numel for gg, u in self.order if gg == g)
-
-    def _complete(self, entry) -> None:
-        i, out, ctx, _payload, buf, work = entry
+    def finish(self, bucket) -> None:
+        if bucket.handle is None:
+            return
+        out, ctx, src, work = bucket.handle
+        bucket.handle = None
         work.wait()
         out = self.compressor.decompress(out, ctx)
+        i = bucket.index
         g, u = self.order[i]
         view = self.grad_shards[g][u.shard_offset : u.shard_offset + u.shard_numel]
         if self._fresh[i] and out.data_ptr() == view.data_ptr():
@@ -225,68 +154,89 @@ class GradReducer:
         else:
             view.add_(out, alpha=1.0 / self.world)
         self._fresh[i] = False
-        if buf is not None:  # back to the pool at full capacity
-            self._pool.append(buf._base if buf._base is not None else buf)
-
-    def _end_of_backward(self) -> None:
-        self._queued = False
-        if self._sync_pass():
-            self._launch_ready(everything=True)  # units some of whose parameters got no gradient
-            self._next = 0
-            self.reduced = self.keep_full
-        self.passes += 1
         if not self.keep_full:
-            self.wait()
-            self._pool.clear()  # nothing of the full gradient outlives backward (stages 2, 3)
-        if self.on_backward_end is not None:
-            self.on_backward_end()
+            self._in_flight.remove(bucket)
+            self._pool.append(src._base if src._base is not None else src)  # back at full capacity
+            self._finished += 1
+            if self._finished == len(self.order):  # the pass is done: no full gradient outlives it
+                self._pool.clear()
+                self._finished = 0
 
-    # -- driven by the optimizer -----------------------------------------------------------
-    def before_forward(self) -> None:
-        """Stage 1: a new forward after a reduce moves on from the already-counted flats."""
-        if self.keep_full and self.reduced and torch.is_grad_enabled():
-            self.wait()
-            for f in self.full:
-                f.zero_()
-            self.reduced = False
+    def _copy_out(self, bucket) -> torch.Tensor:
+        """Stages 2, 3: the bucket's gradients in a pooled send buffer, and the gradients dropped.
 
-    def flush(self) -> None:
-        """Reduce whatever is not reduced yet (stage 1 stepping before its last pass) and wait."""
-        if self.keep_full and not self.reduced:
-            self._next = 0
-            self._launch_ready(everything=True)
-            self._next = 0
-            self.reduced = True
-        self.wait()
+        At most ``max_in_flight`` buffers are in flight (the oldest is finished first), plus
+        the one filled here; the buffers are reused within a backward and freed after it.
+        """
+        while len(self._in_flight) >= self.max_in_flight:
+            self.finish(self._in_flight[0])
+        p0 = bucket.params[0]
+        if self._pool:
+            buf = self._pool.pop()[: bucket.padded]
+        else:
+            buf = torch.empty(self._capacity, dtype=p0.dtype, device=p0.device)[: bucket.padded]
+        grads, views = [], []
+        for p, off in zip(bucket.params, bucket.offsets):
+            g, n = p.grad, p.numel()
+            if g is None:
+                buf[off : off + n].zero_()
+            else:
+                grads.append(g.reshape(-1))
+                views.append(buf[off : off + n])
+                p.grad = None  # the non-owned part of this gradient is never kept
+        buf[bucket.numel :].zero_()
+        if grads:
+            torch._foreach_copy_(views, grads)
+        return buf
 
-    def wait(self) -> None:
-        for entry in self._pending:
-            self._complete(entry)
-        self._pending.clear()
-
-    def after_step(self) -> None:
-        self.passes = 0
-        if self.keep_full:  # stage 1 keeps only the full flats between steps
-            self.grad_shards[:] = [None] * len(self.grad_shards)
-            self._fresh = [True] * len(self.order)
-
+    # -- driven by the optimizer -----------------------------------------------------------------
     def zero(self) -> None:
-        self.wait()
-        self.passes = 0
         self._fresh = [True] * len(self.order)
-        if self.keep_full:
-            for f in self.full:
-                f.zero_()
-            self.bind_grads()
-            self.reduced = False
+        self._pool.clear()
+        self._finished = 0
         for s in self.grad_shards:
             if s is not None:
                 s.zero_()
 
-    def nbytes(self) -> int:
-        """Bytes of gradient memory held now: full flats (stage 1) and shards."""
-        full = sum(f.numel() * f.element_size() for f in self.full if f is not None)
-        return full + sum(s.numel() * s.element_size() for s in self.grad_shards if s is not None)
+
+def shard_engine(
+    units: Sequence[Sequence[Unit]],
+    grad_shards: list[torch.Tensor | None],
+    group,
+    *,
+    keep_full: bool = False,
+    passes_per_reduce: int = 1,
+    registration: dict[int, int] | None = None,
+    compressor=None,
+    on_unit_complete: Callable[[Unit], None] | None = None,
+    on_backward_end: Callable[[], None] | None = None,
+) -> tuple[GradientEngine, ShardReduction]:
+    """A :class:`GradientEngine` whose buckets are ``units`` (per group) and whose reduction is ZeRO's.
+
+    One launch order for every rank: the unit holding the most recently registered
+    parameter goes first (backward visits the model roughly in reverse). Stage 1
+    (``keep_full``) reduces on every ``passes_per_reduce``-th backward and waits in
+    ``step()``; stages 2 and 3 reduce and wait in every backward.
+
+    Example::
+
+        engine, reduction = shard_engine([units], [torch.zeros(shard_numel)], group)
+        loss.backward()            # reduce-scatters launched as buckets complete, waited at the end
+    """
+    flat = [(g, u) for g, us in enumerate(units) for u in us]
+    reg = registration or {id(p): k for k, (_, u) in enumerate(flat) for p in u.params}
+    order = sorted(flat, key=lambda gu: -max(reg[id(p)] for p in gu[1].params))
+    reduction = ShardReduction(order, grad_shards, group, keep_full=keep_full, compressor=compressor,
+                               on_unit_complete=on_unit_complete, on_backward_end=on_backward_end)
+    named = [(n, p) for _, u in order for n, p in zip(u.names, u.params)]
+    world = dist.get_world_size(group)
+    engine = GradientEngine(
+        named, group=group, bucket_mb=1.0, algorithm="flat", reduction=reduction,
+        plan=[u.params for _, u in order], pad_to=world, lazy_buckets=not keep_full,
+        backward_passes_per_step=passes_per_reduce if keep_full else 1,
+        wait_in_backward=not keep_full, gradient_as_bucket_view=keep_full,
+    )
+    return engine, reduction
 
 
 class Stage12:
@@ -316,25 +266,56 @@ class Stage12:
             self.grad_shards = [torch.zeros_like(m, dtype=compute_dtype) for m in masters]
         else:
             self.grad_shards = [None] * len(masters)
-        self.reducer = GradReducer(units, self.grad_shards, group, keep_full=stage == 1,
-                                   passes_per_reduce=passes_per_reduce, registration=registration,
-                                   compressor=compressor)
+        self.grad_engine, self.reduction = shard_engine(
+            units, self.grad_shards, group, keep_full=stage == 1, passes_per_reduce=passes_per_reduce,
+            registration=registration, compressor=compressor)
+        if stage == 1:
+            self._bind_grads()
+
+    def _bind_grads(self) -> None:
+        """Stage 1: every ``.grad`` is a view into its bucket's flat (autograd accumulates in place)."""
+        for bucket in self.grad_engine.buckets.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
 
     def before_forward(self) -> None:
-        self.reducer.before_forward()
+        """Stage 1: a new forward after a reduce moves on from the already-counted flats."""
+        red = self.reduction
+        if self.stage == 1 and red.reduced and torch.is_grad_enabled():
+            self.grad_engine.wait()
+            for bucket in self.grad_engine.buckets.buckets:
+                bucket.flat.zero_()
+            red.reduced = False
+
+    def flush(self) -> None:
+        """Reduce whatever is not reduced yet (stage 1 stepping before its last pass) and wait."""
+        if self.stage == 1 and not self.reduction.reduced:
+            self.grad_engine.launch_all()
+            self.reduction.reduced = True
+        self.grad_engine.wait()
 
     def grad_shards_for_step(self) -> list[torch.Tensor]:
         """The rank's averaged gradient shard of each group (compute dtype)."""
-        self.reducer.flush()
+        self.flush()
         return [s if s is not None else torch.zeros_like(m, dtype=self.compute_dtype)
                 for s, m in zip(self.grad_shards, self.masters)]
 
     def after_step(self) -> None:
-        self.reducer.after_step()
+        self.grad_engine._passes = 0
+        if self.stage == 1:  # stage 1 keeps only the full flats between steps
+            self.grad_shards[:] = [None] * len(self.grad_shards)
+            self.reduction._fresh = [True] * len(self.reduction.order)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Stage 1's .grad are views into the persistent flats: zeroed, never set to None.
-        self.reducer.zero()
+        self.grad_engine.wait()
+        self.grad_engine._passes = 0
+        self.reduction.zero()
+        if self.stage == 1:
+            for bucket in self.grad_engine.buckets.buckets:
+                bucket.flat.zero_()
+            self._bind_grads()
+            self.reduction.reduced = False
 
     def publish(self) -> None:
         """Allgather every rank's updated shard into the full parameter flats."""
@@ -350,4 +331,10 @@ class Stage12:
         return sum(f.numel() * f.element_size() for f in self.flats.values())
 
     def grad_bytes(self) -> int:
-        return self.reducer.nbytes()
+        return grad_bytes(self.grad_engine, self.grad_shards)
+
+
+def grad_bytes(engine: GradientEngine, grad_shards) -> int:
+    """Bytes of gradient memory held now: bucket flats that have storage (stage 1) and shards."""
+    flats = sum(b.flat.untyped_storage().nbytes() for b in engine.buckets.buckets)
+    return flats + sum(s.numel() * s.element_size() for s in grad_shards if s is not None)

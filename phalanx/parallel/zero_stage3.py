@@ -8,7 +8,8 @@ pointing at the same storage, which is refilled before backward::
 
     forward:   pre-hook(u_i): wait gather(u_i) · prefetch gather(u_i+1) → run u_i → free(u_i)
     backward:  grad of u_i's output: wait gather(u_i) · prefetch gather(u_i-1)
-               grads in → copy into a pooled send buffer → free(u_i) → reduce_scatter(async, fixed order)
+               grads in → free(u_i) → the data-parallel engine's bucket u_i: copy into its flat,
+               drop the grads, reduce_scatter(async, fixed order) into the shard, free the flat
     step():    inner optimizer on the fp32 shard → refresh the compute-dtype shard
 
 The model's code is untouched: only forward pre/post hooks, a multi-grad hook on
@@ -22,7 +23,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from phalanx.parallel.zero_shard import Unit, assign_shard_offsets, build_units, gather_into
-from phalanx.parallel.zero_stage12 import GradReducer
+from phalanx.parallel.zero_stage12 import grad_bytes, shard_engine
 
 __all__ = ["Stage3", "unit_modules"]
 
@@ -92,9 +93,10 @@ class Stage3:
         self._prefetch: dict[int, object] = {}
         self._order: list[int] = []  # forward order of module units, learned on the first pass
         self._order_done = False
-        self.reducer = GradReducer(self.units, self.grad_shards, group, on_unit_complete=self._free,
-                                   on_backward_end=self._backward_end, registration=registration,
-                                   compressor=compressor)
+        # Gradients: the data-parallel engine with ZeRO's reduce-scatter, one bucket per module unit.
+        self.grad_engine, self.reduction = shard_engine(
+            self.units, self.grad_shards, group, registration=registration, compressor=compressor,
+            on_unit_complete=self._free, on_backward_end=self._backward_end)
         for i, (m, _) in enumerate(self.module_units):
             m.register_forward_pre_hook(self._make_pre(i))
             m.register_forward_hook(self._make_post(i))
@@ -192,14 +194,16 @@ class Stage3:
         pass
 
     def grad_shards_for_step(self) -> list[torch.Tensor]:
-        self.reducer.flush()
+        self.grad_engine.wait()
         return self.grad_shards
 
     def after_step(self) -> None:
-        self.reducer.after_step()
+        self.grad_engine._passes = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.reducer.zero()
+        self.grad_engine.wait()
+        self.grad_engine._passes = 0
+        self.reduction.zero()
 
     def publish(self) -> None:
         if self.shards is not self.masters:
@@ -213,4 +217,4 @@ class Stage3:
         return gathered + sum(s.numel() * s.element_size() for s in self.shards)
 
     def grad_bytes(self) -> int:
-        return self.reducer.nbytes()
+        return grad_bytes(self.grad_engine, self.grad_shards)
