@@ -155,7 +155,7 @@ class Supervisor:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         else:
             proc = self._start_remote(host, {k: v for k, v in env.items() if k.startswith(("PHALANX_", "TORCH",
-                                      "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS})
+                                      "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS or k == "PYTHONPATH"})
         w = _Worker(wid, host, proc, joiner=rank_env is None)
         self.workers.append(w)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
