@@ -23,7 +23,7 @@ def _tuned_training(log_file):
 
     env = {"PHALANX_AUTOTUNE": "1", "PHALANX_AUTOTUNE_BUCKETS_MB": ",".join(map(str, GRID)),
            "PHALANX_AUTOTUNE_WARMUP_STEPS": "1", "PHALANX_AUTOTUNE_STEPS_PER_TRIAL": "2",
-           "PHALANX_AUTOTUNE_LOG": log_file}
+           "PHALANX_AUTOTUNE_ROUNDS": "1", "PHALANX_AUTOTUNE_SETTLE_STEPS": "0", "PHALANX_AUTOTUNE_LOG": log_file}
     assert autotune.enable_from_env(env)
     r, n, b = px.rank(), px.size(), 4
     ref, dp = _mlp(), px.DataParallel(_mlp())
@@ -55,7 +55,7 @@ def test_autotune_searches_the_grid_agrees_and_keeps_training_exact(tmp_path):
         assert len(set(out["bucket_counts"])) > 1  # the layout really changed during the search
         assert out["diff"] < 1e-5  # re-bucketing mid-training does not change the update
     rows = open(log_file).read().splitlines()
-    assert rows[0] == "bucket_mb,algorithm,seconds_per_step,chosen"
+    assert rows[0] == "bucket_mb,algorithm,seconds_per_step,trials,chosen"
     assert len(rows) == 1 + len(GRID) and sum(row.endswith(",best") for row in rows) == 1
 
 
@@ -73,7 +73,7 @@ def test_phalanx_run_autotune_flag(tmp_path):
     log_file = tmp_path / "search.csv"
     cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--autotune", "--autotune-log-file", str(log_file),
            "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "1", sys.executable, str(script)]
-    env = dict(__import__("os").environ, PHALANX_AUTOTUNE_BUCKETS_MB="0.001,1")
+    env = dict(__import__("os").environ, PHALANX_AUTOTUNE_BUCKETS_MB="0.001,1", PHALANX_AUTOTUNE_ROUNDS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "[0]: best" in proc.stdout and "[1]: best" in proc.stdout

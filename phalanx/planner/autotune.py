@@ -2,13 +2,17 @@
 
 Like Horovod's autotune (``HOROVOD_AUTOTUNE=1``), it tries settings on the real
 job while it trains, scores each by its step time and keeps the best. Horovod
-uses Bayesian optimisation over several knobs; here the search is a sweep over a
-short list of bucket sizes, since one knob
-needs no more. Every rank scores a trial by the *slowest* rank's median step
-time (one small allreduce per trial), so all ranks take the same decisions::
+uses Bayesian optimisation over several knobs; here a short list of bucket sizes
+is searched by successive halving: every candidate is tried in interleaved,
+repeated trials (the order reversed each pass, the first step after each switch
+dropped), the slower half is dropped, and again, until one is left. On a shared
+machine one trial per candidate is not enough: step times drift by more than
+the differences between bucket sizes. Every rank scores a trial by the
+*slowest* rank's median step time (one small allreduce per trial), so all ranks
+take the same decisions::
 
-    steps:  warm-up │ 1 MB x k │ 4 MB x k │ 16 MB x k │ ... │ best, for good
-                     score = max over ranks of median(step seconds)
+    steps:  warm-up │ 1 4 16 64 │ 64 16 4 1 │ 4 16 │ 16 4 │ best, for good
+            (each trial: 1 settling step + k timed; score = max over ranks of the median)
 
 Example::
 
@@ -18,7 +22,7 @@ Example::
         t0 = time.perf_counter()
         ...one step...
         tuner.step(time.perf_counter() - t0)   # applies the next candidate between steps
-    tuner.best, tuner.log                       # chosen size, and (size, seconds) of every trial
+    tuner.best, tuner.log, tuner.scores()       # chosen size, (size, seconds) of every trial, medians
 
 Without code: ``phalanx run --autotune [--autotune-log-file F] python train.py`` (or
 ``HOROVOD_AUTOTUNE=1``) sets PHALANX_AUTOTUNE; ``phalanx.init()`` then attaches a tuner
@@ -30,6 +34,7 @@ hierarchical allreduce against the flat one.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -44,33 +49,63 @@ _log = get_logger(__name__)
 
 
 class Autotuner:
-    """Sweep ``candidates`` (``steps_per_trial`` steps each after ``warmup`` steps), keep the fastest.
+    """Find the fastest of ``candidates`` by successive halving over interleaved, repeated trials.
 
+    A *trial* runs one candidate for ``settle`` steps (dropped: the first step after a
+    re-bucketing pays for it) then ``steps_per_trial`` timed steps, scored by the slowest
+    rank's median. A *stage* runs ``rounds`` passes over the surviving candidates, each
+    pass in the reverse order of the previous one (a drift in the machine's load then
+    hits every candidate alike); at its end the faster half (by the median of each
+    candidate's trial scores so far) survives. The last survivor is kept for good::
+
+        warm-up │ a b c d e │ e d c b a │ c a b │ b a c │ a b │ b a │ a, for good
+                 └──── stage 1 ────────┘ └── stage 2 ──┘ └ stage 3┘
+
+    ``rounds=1`` is a single sweep that keeps the fastest (Horovod-style, cheap, noisy).
     ``apply(value)`` must switch the setting between steps. ``group`` is the process
     group whose ranks decide together (None: the world; a world of one works too).
     """
 
-    def __init__(self, candidates: Sequence[float], apply: Callable[[float], None], *,
-                 warmup: int = 2, steps_per_trial: int = 5, group=None) -> None:
+    def __init__(self, candidates: Sequence, apply: Callable[[object], None], *,
+                 warmup: int = 2, steps_per_trial: int = 5, rounds: int = 2, settle: int = 1,
+                 group=None) -> None:
         if not candidates:
             raise ValueError("Autotuner needs at least one candidate value")
-        if steps_per_trial < 1 or warmup < 0:
-            raise ValueError("steps_per_trial must be >= 1 and warmup >= 0")
+        if steps_per_trial < 1 or warmup < 0 or rounds < 1 or settle < 0:
+            raise ValueError("Autotuner needs steps_per_trial >= 1, rounds >= 1, warmup >= 0 and settle >= 0; got "
+                             f"steps_per_trial={steps_per_trial} rounds={rounds} warmup={warmup} settle={settle}")
         self.candidates = list(candidates)
         self.apply = apply
         self.warmup = warmup
         self.steps_per_trial = steps_per_trial
+        self.rounds = rounds
+        self.settle = settle
         self.group = group
-        self.log: list[tuple[float, float]] = []
-        self.best: float | None = None
-        self._i = 0
+        self.log: list[tuple[object, float]] = []
+        """(candidate, agreed median seconds per step) of every trial, in order"""
+        self.best = None
+        self._trials: list[list[float]] = [[] for _ in self.candidates]
+        self._alive = list(range(len(self.candidates)))
+        self._queue = self._stage_order()
+        self._pos = 0
         self._times: list[float] = []
         self._seen = 0
-        self.apply(self.candidates[0])
+        self._skip = 0
+        self.apply(self.candidates[self._queue[0]])
 
     @property
     def done(self) -> bool:
         return self.best is not None
+
+    def scores(self) -> dict:
+        """Median seconds per step of every candidate tried so far (over its trials)."""
+        return {self.candidates[i]: statistics.median(t) for i, t in enumerate(self._trials) if t}
+
+    def _stage_order(self) -> list[int]:
+        order: list[int] = []
+        for r in range(self.rounds):
+            order += self._alive if r % 2 == 0 else self._alive[::-1]
+        return order
 
     def _agree(self, seconds: float) -> float:
         import torch.distributed as dist
@@ -83,35 +118,48 @@ class Autotuner:
                                name="autotune")[0])
 
     def step(self, seconds: float) -> None:
-        """Report one step's time; switches to the next candidate when a trial is complete."""
+        """Report one step's time; switches candidate between steps when a trial is complete."""
         if self.done:
             return
         self._seen += 1
         if self._seen <= self.warmup:
             return
+        if self._skip:
+            self._skip -= 1
+            return
         self._times.append(seconds)
         if len(self._times) < self.steps_per_trial:
             return
-        value = self.candidates[self._i]
+        i = self._queue[self._pos]
         score = self._agree(statistics.median(self._times))
-        self.log.append((value, score))
-        _log.info("autotune: %s -> %.2f ms/step", _show(value), score * 1e3)
         self._times = []
-        self._i += 1
-        if self._i < len(self.candidates):
-            self.apply(self.candidates[self._i])
-            return
-        self.best = min(self.log, key=lambda kv: kv[1])[0]
-        self.apply(self.best)
-        _log.info("autotune: keeping %s (search: %s)", _show(self.best),
-                  ", ".join(f"{_show(v)}={s * 1e3:.2f}ms" for v, s in self.log))
+        self.log.append((self.candidates[i], score))
+        self._trials[i].append(score)
+        _log.info("autotune: %s -> %.2f ms/step", _show(self.candidates[i]), score * 1e3)
+        self._pos += 1
+        if self._pos == len(self._queue):  # end of a stage: the faster half goes on
+            ranked = sorted(self._alive, key=lambda j: (statistics.median(self._trials[j]), j))
+            keep = ranked[:1] if self.rounds == 1 else ranked[:max(1, math.ceil(len(ranked) / 2))]
+            if len(keep) == 1:
+                self.best = self.candidates[keep[0]]
+                self.apply(self.best)
+                _log.info("autotune: keeping %s (median per candidate: %s)", _show(self.best),
+                          ", ".join(f"{_show(v)}={s * 1e3:.2f}ms" for v, s in self.scores().items()))
+                return
+            self._alive = sorted(keep)
+            self._queue = self._stage_order()
+            self._pos = 0
+        nxt = self._queue[self._pos]
+        if nxt != i:
+            self.apply(self.candidates[nxt])
+            self._skip = self.settle
 
 
 def _show(value) -> str:
     """A candidate for the log: ``4`` or ``4 MB/hierarchical``."""
     if isinstance(value, tuple):
         return "/".join(f"{v:g} MB" if isinstance(v, float | int) else str(v) for v in value)
-    return f"{value:g}"
+    return f"{value:g}" if isinstance(value, float | int) else str(value)
 
 
 def set_bucket_mb(model, bucket_mb: float) -> None:
@@ -157,22 +205,27 @@ def for_engine(engine, candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB, *
 
 
 def write_log(tuner: Autotuner, path: str) -> None:
-    """Rank 0 writes the search as CSV: bucket_mb, algorithm, seconds per step, and which was kept."""
+    """Rank 0 writes the search as CSV, one row per candidate tried: bucket_mb, algorithm,
+    median seconds per step over its trials, the number of trials, and which was kept."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
+    trials: dict = {}
+    for value, _ in tuner.log:
+        trials[value] = trials.get(value, 0) + 1
     with open(path, "w") as f:
-        f.write("bucket_mb,algorithm,seconds_per_step,chosen\n")
-        for (mb, algorithm), seconds in tuner.log:
+        f.write("bucket_mb,algorithm,seconds_per_step,trials,chosen\n")
+        for (mb, algorithm), seconds in tuner.scores().items():
             chosen = "best" if (mb, algorithm) == tuner.best else ""
-            f.write(f"{mb:g},{algorithm},{seconds:.6f},{chosen}\n")
+            f.write(f"{mb:g},{algorithm},{seconds:.6f},{trials[(mb, algorithm)]},{chosen}\n")
 
 
 def enable_from_env(environ=os.environ) -> bool:
     """Attach a tuner to every gradient engine created from now on when PHALANX_AUTOTUNE
     (or HOROVOD_AUTOTUNE) is 1; knobs PHALANX_AUTOTUNE_LOG, _WARMUP_STEPS, _STEPS_PER_TRIAL,
-    _BUCKETS_MB (comma list). Returns whether it was enabled."""
+    _ROUNDS (passes per halving stage; 1 = one sweep), _SETTLE_STEPS (dropped after each
+    switch), _BUCKETS_MB (comma list). Returns whether it was enabled."""
     global _enabled
     on = environ.get("PHALANX_AUTOTUNE") or environ.get("HOROVOD_AUTOTUNE")
     if str(on).lower() not in ("1", "true", "yes"):
@@ -196,9 +249,12 @@ def enable_from_env(environ=os.environ) -> bool:
     log_file = environ.get("PHALANX_AUTOTUNE_LOG") or environ.get("HOROVOD_AUTOTUNE_LOG")
     warmup = number("PHALANX_AUTOTUNE_WARMUP_STEPS", 3)
     per_trial = number("PHALANX_AUTOTUNE_STEPS_PER_TRIAL", 5)
+    rounds = number("PHALANX_AUTOTUNE_ROUNDS", 2)
+    settle = number("PHALANX_AUTOTUNE_SETTLE_STEPS", 1)
 
     def attach(engine) -> None:
-        tuner = for_engine(engine, candidates, warmup=warmup, steps_per_trial=per_trial)
+        tuner = for_engine(engine, candidates, warmup=warmup, steps_per_trial=per_trial, rounds=rounds,
+                           settle=settle)
         engine.autotuner = tuner
 
         def step(seconds: float) -> None:
