@@ -1,5 +1,6 @@
-"""Cost-model formulas against hand-computed cases, the plan search, and autotune on real ranks."""
+"""Cost-model formulas against hand-computed cases, the plan search, calibration and autotune on real ranks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -55,6 +56,16 @@ def test_collective_formulas_by_hand():
     # overlap: 3 buckets of 0.1 s, backward 0.3 s: ready at .1 .2 .3 -> done at .2 .3 .4 -> 0.1 exposed
     assert cost.overlapped_exposure([0.1] * 3, 0.3) == pytest.approx(0.1)
     assert cost.overlapped_exposure([0.5], 0.3) == pytest.approx(0.5)
+    # overlap e: (1-e) of the 0.3 s of buckets is serial, e of the 0.1 s tail: e=0.5 -> 0.15 + 0.05
+    assert cost.overlapped_exposure([0.1] * 3, 0.3, overlap=0.5) == pytest.approx(0.2)
+    assert cost.overlapped_exposure([0.1] * 3, 0.3, overlap=0.0) == pytest.approx(0.3)
+    assert cost.overlapped_exposure([0.1] * 3, 0.3, overlap=-0.5) == pytest.approx(0.45 - 0.05)
+    # C = 10, A = 4: perfect overlap T = 10 -> 1; serial T = 14 -> 0; T = 12 -> 0.5; T = 16 -> -0.5
+    assert [cost.fit_overlap(10, 4, t) for t in (10, 14, 12, 16, 30)] == pytest.approx([1, 0, 0.5, -0.5, -1])
+    with pytest.raises(ValueError, match="overlap"):
+        cost.Cluster(1, 2, intra, inter, overlap=1.5)
+    with pytest.raises(ValueError, match="positive"):
+        cost.fit_overlap(0, 1, 1)
 
 
 def test_fits_recover_known_parameters():
@@ -66,6 +77,13 @@ def test_fits_recover_known_parameters():
     assert fit.alpha_s == pytest.approx(2e-4) and fit.beta_s == pytest.approx(1e-9)
     with pytest.raises(ValueError, match="two"):
         cost.fit_link(samples[:1], 4)
+    with pytest.raises(ValueError, match="two different"):
+        cost.fit_link([(1e6, 1e-3), (1e6, 2e-3)], 2)
+    # relative-error fit: +50% noise on the 1 MB message of (8 B, 100 KB, 1 MB, 10 MB) on 2 ranks
+    # leaves alpha within 2% (an absolute least-squares fit moved it +56%: the large messages set it)
+    exact = [(m, cost.ring_allreduce(m, 2, link)) for m in (8, 1e5, 1e6, 1e7)]
+    noisy = exact[:2] + [(1e6, exact[2][1] * 1.5), exact[3]]
+    assert cost.fit_link(noisy, 2).alpha_s == pytest.approx(2e-4, rel=0.02)
     with pytest.raises(ValueError, match="parallel fraction"):
         cost.amdahl(1.5, 2)
 
@@ -85,6 +103,10 @@ def test_plan_search_respects_memory_and_ranks_by_time():
     fp16 = plan.predict(model, cl, plan.Layout(8, zero=3, compression="fp16"))
     none = plan.predict(model, cl, plan.Layout(8, zero=3, compression="none"))
     assert fp16.step_s < none.step_s
+    # no overlap (communication needs the compute cores): the whole grad sync is exposed
+    serial = plan.predict(model, dataclasses.replace(cl, overlap=0.0), plan.Layout(8, zero=3))
+    assert serial.parts["exposed_s"] == pytest.approx(serial.parts["grad_sync_s"])
+    assert serial.step_s > none.step_s and "overlap 0.00" in serial.why
     with pytest.raises(ValueError, match="world size"):
         plan.predict(model, cl, plan.Layout(3))
     with pytest.raises(ValueError, match="memory-gb"):
@@ -94,11 +116,42 @@ def test_plan_search_respects_memory_and_ranks_by_time():
 def test_autotuner_keeps_the_fastest_and_logs():
     applied = []
     fake = {1: 0.3, 4: 0.1, 16: 0.2}
-    tuner = autotune.Autotuner([1, 4, 16], applied.append, warmup=1, steps_per_trial=2)
+    tuner = autotune.Autotuner([1, 4, 16], applied.append, warmup=1, steps_per_trial=2, rounds=1, settle=0)
     while not tuner.done:
         tuner.step(fake[applied[-1]])
     assert tuner.best == 4 and applied == [1, 4, 16, 4]
     assert [v for v, _ in tuner.log] == [1, 4, 16] and tuner.log[1][1] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        autotune.Autotuner([1], applied.append, rounds=0)
+
+
+def test_autotuner_successive_halving_sees_through_drift_and_settling():
+    # True cost 1.00 / 0.90 / 0.95 / 1.20 s for a/b/c/d; the machine slows down over time
+    # (+0.04 s per step: across a one-pass sweep that is more than the gaps), and the first
+    # step after each switch costs 5 s (re-bucketing). A single sweep keeps the first
+    # candidate tried; halving with reversed passes and dropped settling steps keeps b.
+    true = {"a": 1.0, "b": 0.9, "c": 0.95, "d": 1.2}
+
+    def run(**kw):
+        applied, clock = [], [0]
+        tuner = autotune.Autotuner(list(true), applied.append, warmup=2, steps_per_trial=3, **kw)
+        last = None
+        while not tuner.done:
+            clock[0] += 1
+            switched = last is not None and applied[-1] != last
+            last = applied[-1]
+            tuner.step(true[last] + 0.04 * clock[0] + (5.0 if switched else 0.0))
+        return tuner, applied
+
+    sweep, _ = run(rounds=1, settle=0)
+    assert sweep.best != "b"  # drift and settling fool one pass
+    tuner, applied = run(rounds=2, settle=1)
+    assert tuner.best == "b" and applied[-1] == "b"
+    order = [v for v, _ in tuner.log]
+    assert order[:8] == ["a", "b", "c", "d", "d", "c", "b", "a"]  # stage 1: two passes, reversed
+    assert set(order[8:]) == {"b", "c"} and len(order) == 12  # stage 2: the faster half, twice each
+    assert all(s > 0.9 and s < 5 for _, s in tuner.log)  # settling steps never scored
+    assert set(tuner.scores()) == set(true)
 
 
 def _autotuned_dp():
@@ -108,7 +161,8 @@ def _autotuned_dp():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # rank-dependent fake timings: the slowest rank decides, so every rank must pick 0.001
     times = {0.001: 0.1, 0.004: 0.2 + 0.5 * px.rank(), 1: 0.3}
-    tuner = autotune.for_data_parallel(model, candidates_mb=(0.001, 0.004, 1), warmup=1, steps_per_trial=1)
+    tuner = autotune.for_data_parallel(model, candidates_mb=(0.001, 0.004, 1), warmup=1, steps_per_trial=1,
+                                       rounds=1, settle=0)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8 * 16, 8, generator=g), torch.randn(8 * 16, 2, generator=g)
     sizes = []

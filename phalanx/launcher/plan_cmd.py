@@ -29,6 +29,10 @@ def register(subparsers) -> None:
     p.add_argument("--inter-gbps", type=float, default=10.0, help="inter-host bandwidth, Gbit/s")
     p.add_argument("--intra-latency-us", type=float, default=5.0)
     p.add_argument("--inter-latency-us", type=float, default=50.0)
+    p.add_argument("--overlap", type=float, default=1.0,
+                   help="share of communication that hides behind backward, in [-1, 1]: 1 = a network engine of "
+                        "its own, 0 = it needs the cores compute uses (measure: phalanx.planner.calibrate."
+                        "measure_overlap); default 1")
     p.add_argument("--memory-gb", type=float, default=float("inf"), help="memory budget per rank, GiB")
     p.add_argument("--top", type=int, default=5)
     p.set_defaults(func=main)
@@ -53,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
             hosts=args.hosts, ranks_per_host=args.ranks_per_host,
             intra=cost.Link.from_bandwidth(args.intra_gbps * 1e9 / 8, args.intra_latency_us * 1e-6),
             inter=cost.Link.from_bandwidth(args.inter_gbps * 1e9 / 8, args.inter_latency_us * 1e-6),
-            memory_bytes=args.memory_gb * 2**30,
+            memory_bytes=args.memory_gb * 2**30, overlap=args.overlap,
         )
         spec = plan.ModelSpec(params=params, layers=args.layers, compute_s=args.compute_ms / 1e3,
                               act_bytes_per_layer=args.act_mb * 1e6)

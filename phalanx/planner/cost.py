@@ -14,6 +14,18 @@ for ``N`` ranks and a gradient of ``M`` bytes:
     compressed                                allreduce of M * ratio + codec time
     the seeds' rule of thumb                  M / bandwidth + latency * messages
 
+Overlap. Buckets launched during backward hide behind it only if communication
+can progress while compute runs. Where it needs the same CPU cores (gloo over
+loopback, or more busy threads than cores), it cannot: a fraction ``1 - e`` of
+it is serialised with compute. ``e`` (``Cluster.overlap``) is measured, not
+assumed: time compute alone (C), one allreduce alone (A) and the allreduce
+launched asynchronously under the same compute (T); then
+``e = (C + A - T) / min(C, A)`` (``fit_overlap``; 1 = the shorter one hides
+completely, 0 = they add up, below 0 = together they cost more than one after the
+other: threads thrash on too few cores). The exposed communication is then::
+
+    exposed = (1 - e) * sum(bucket times) + e * (the tail left after backward, buckets fully async)
+
 ZeRO (Rajbhandari et al. 2020): stages 1 and 2 move what an allreduce moves
 (reduce-scatter of gradients + allgather of parameters); stage 3 gathers the
 parameters again for backward: 1.5x. Pipeline (GPipe, Huang et al. 2019): with
@@ -41,7 +53,7 @@ __all__ = [
     "Link", "Cluster", "seed_estimate", "ring_allreduce", "reducescatter", "allgather",
     "hierarchical_allreduce", "allreduce", "compressed_allreduce", "overlapped_exposure",
     "zero_comm", "zero_memory", "pipeline_bubble", "pipeline_step", "tp_comm",
-    "amdahl", "fit_amdahl", "fit_link",
+    "amdahl", "fit_amdahl", "fit_link", "fit_overlap",
 ]
 
 
@@ -68,13 +80,21 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """Hosts x ranks per host, an intra-host and an inter-host link, memory per rank."""
+    """Hosts x ranks per host, an intra-host and an inter-host link, memory per rank, and
+    ``overlap``: the share of communication that can run concurrently with compute
+    (1 = a network engine of its own; 0 = it competes with compute for the same cores;
+    negative = the contention costs extra; measure it with ``phalanx.planner.calibrate.measure_overlap``)."""
 
     hosts: int
     ranks_per_host: int
     intra: Link
     inter: Link
     memory_bytes: float = math.inf
+    overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not -1.0 <= self.overlap <= 1.0:
+            raise ValueError(f"Cluster.overlap must be in [-1, 1] (see cost.fit_overlap), got {self.overlap}")
 
     @property
     def size(self) -> int:
@@ -143,19 +163,39 @@ def compressed_allreduce(nbytes: float, cluster: Cluster, ratio: float, codec_s_
     return allreduce(nbytes * ratio, cluster, hierarchical) + nbytes * codec_s_per_byte
 
 
-def overlapped_exposure(bucket_comm_s: Sequence[float], backward_s: float) -> float:
+def overlapped_exposure(bucket_comm_s: Sequence[float], backward_s: float, overlap: float = 1.0) -> float:
     """Communication left after backward when bucket ``k`` (of B) is ready at ``backward * k/B``.
 
     Buckets go one at a time, as one process group's collectives do::
 
         backward ▕███████████████████████▏
         buckets        ▕b0▏  ▕b1▏   ▕b2─────▏   <- exposed = end of last bucket - end of backward
+
+    ``overlap`` (e, see :func:`fit_overlap`): only that share hides; the rest adds to the
+    step, ``(1 - e) * sum(bucket_comm_s) + e * tail`` (e < 0: contention adds more).
     """
+    if not -1.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [-1, 1], got {overlap}")
     n = len(bucket_comm_s)
     free = 0.0
     for k, c in enumerate(bucket_comm_s, start=1):
         free = max(free, backward_s * k / n) + c
-    return max(0.0, free - backward_s) if n else 0.0
+    tail = max(0.0, free - backward_s) if n else 0.0
+    return (1.0 - overlap) * float(sum(bucket_comm_s)) + overlap * tail
+
+
+def fit_overlap(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share ``e`` of communication that hides behind compute, from three timings.
+
+    ``compute_s`` alone, ``comm_s`` (one allreduce) alone, and ``both_s``: the allreduce
+    launched asynchronously, then the same compute, then the wait. Perfect overlap takes
+    ``max(C, A)``, none ``C + A``; ``e = (C + A - T) / min(C, A)``, clipped to [-1, 1]
+    (negative: running both at once cost more than running them one after the other).
+    """
+    if min(compute_s, comm_s) <= 0:
+        raise ValueError(f"fit_overlap needs positive compute and communication times, got "
+                         f"{compute_s} and {comm_s}")
+    return min(1.0, max(-1.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
 
 
 def zero_comm(param_bytes: float, stage: int, cluster: Cluster) -> float:
@@ -219,18 +259,23 @@ def fit_amdahl(workers: Sequence[float], speedups: Sequence[float]) -> float:
 def fit_link(samples: Sequence[tuple[float, float]], n: int) -> Link:
     """Calibrate alpha and beta from measured ring allreduces ``[(nbytes, seconds), ...]`` on ``n`` ranks.
 
-    Least squares on ``t = a * 2(n-1) + b * 2(n-1)/n * nbytes``; both clipped at zero.
+    Least squares on ``t = a * 2(n-1) + b * 2(n-1)/n * nbytes`` in *relative* error (each
+    row divided by its ``t``): a plain fit lets the largest message's noise set the
+    intercept (alpha swung 0.1-1.6 ms on loopback that way); relative weights let the
+    small messages fix alpha and the large ones beta. Both clipped at zero.
     """
     if n < 2 or len(samples) < 2:
         raise ValueError("fit_link needs n >= 2 ranks and at least two message sizes")
-    rows = [(2 * (n - 1), 2 * (n - 1) / n * m, t) for m, t in samples]
+    if any(t <= 0 for _, t in samples):
+        raise ValueError(f"fit_link needs positive times, got {[t for _, t in samples]}")
+    rows = [(2 * (n - 1) / t, 2 * (n - 1) / n * m / t, 1.0) for m, t in samples]
     s11 = sum(a * a for a, _, _ in rows)
     s12 = sum(a * b for a, b, _ in rows)
     s22 = sum(b * b for _, b, _ in rows)
     y1 = sum(a * t for a, _, t in rows)
     y2 = sum(b * t for _, b, t in rows)
     det = s11 * s22 - s12 * s12
-    if det == 0:
+    if det <= 1e-12 * s11 * s22:
         raise ValueError("fit_link needs at least two different message sizes")
     alpha = (y1 * s22 - y2 * s12) / det
     beta = (s11 * y2 - s12 * y1) / det

@@ -6,7 +6,8 @@ predicts::
 
     step = pipeline(compute / (dp tp), pp stages, m micro-batches)     # bubble (p-1)/(m+p-1)
          + tensor-parallel allreduces (4 per layer)                      # on the intra link if tp fits a host
-         + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume
+         + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume;
+                                                                         # only cluster.overlap of it can hide
          + codec time of the compression
 
 and the memory per rank of parameters, gradients and Adam state (ZeRO shards
@@ -110,7 +111,7 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     per_bucket = grad_bytes / n_buckets
     bucket_s = cost.compressed_allreduce(per_bucket, dpc, ratio, codec) * (1.5 if layout.zero == 3 else 1.0)
     comm_total = bucket_s * n_buckets
-    exposed = cost.overlapped_exposure([bucket_s] * n_buckets, compute * model.backward_fraction)
+    exposed = cost.overlapped_exposure([bucket_s] * n_buckets, compute * model.backward_fraction, cluster.overlap)
     memory = cost.zero_memory(model.params / (layout.pp * layout.tp), layout.zero, layout.dp,
                               model.bytes_per_param, model.optim_bytes_per_param)
     step = compute + tp_time + exposed
@@ -118,6 +119,7 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     why = (f"compute {compute * 1e3:.1f} ms" + (f" (bubble {bubble:.0%})" if layout.pp > 1 else "")
            + f"; grad sync {comm_total * 1e3:.1f} ms in {n_buckets} bucket(s) over "
            + f"{'inter' if dpc.hosts > 1 else 'intra'}-host links, {exposed * 1e3:.1f} ms exposed"
+           + (f" (overlap {cluster.overlap:.2f})" if cluster.overlap < 1 else "")
            + (f"; tp allreduces {tp_time * 1e3:.1f} ms" if layout.tp > 1 else "")
            + f"; {memory / 2**30:.2f} GiB/rank")
     parts = {"compute_s": compute, "tp_s": tp_time, "grad_sync_s": comm_total, "exposed_s": exposed,
