@@ -8,7 +8,7 @@ import torch
 
 import phalanx as px
 from phalanx.comm import algorithms
-from phalanx.planner import autotune, cost, plan
+from phalanx.planner import autotune, calibrate, cost, plan
 from phalanx.testing import distributed
 
 ETH = cost.Link.from_bandwidth(1250e6, latency_s=1e-4)  # the seeds' 10 GB/s... i.e. 1250 MB/s, 0.1 ms
@@ -173,7 +173,14 @@ def _autotuned_dp():
         opt.zero_grad()
         sizes.append(len(model._engine.buckets.buckets))
         tuner.step(times[tuner.candidates[min(len(tuner.log), 2)]] if not tuner.done else 0.0)
-    return tuner.best, tuner.log, sizes, [p.detach().clone() for p in net.parameters()]
+    # calibration probes in the same group of ranks (cheap settings): every rank must get the same fit
+    link, samples = calibrate.measure_link((8, 2**16, 2**20), rounds=3, warmup=1)
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    e, parts = calibrate.measure_overlap(lambda: [a @ b for _ in range(20)], 2**18, buckets=2, rounds=3, warmup=1)
+    with pytest.raises(ValueError, match="two different sizes"):
+        calibrate.measure_link((8, 8))
+    probes = (link, samples, e, parts)
+    return tuner.best, tuner.log, sizes, [p.detach().clone() for p in net.parameters()], probes
 
 
 def test_autotune_on_data_parallel_two_ranks():
@@ -187,7 +194,13 @@ def test_autotune_on_data_parallel_two_ranks():
         torch.nn.functional.mse_loss(ref(x[s * 16:][:16]), y[s * 16:][:16]).backward()
         opt.step()
         opt.zero_grad()
-    for best, log, sizes, params in results:
+    assert all(r[4] == results[0][4] for r in results)  # probes: agreed on the slowest rank, same fit
+    link, samples, e, parts = results[0][4]
+    assert [m for m, _ in samples] == [8, 2**16, 2**20] and all(t > 0 for _, t in samples)
+    assert link.alpha_s >= 0 and link.beta_s > 0 and -1 <= e <= 1
+    assert set(parts) == {"compute_s", "comm_s", "both_s"} and min(parts.values()) > 0
+    assert e == cost.fit_overlap(parts["compute_s"], parts["comm_s"], parts["both_s"])
+    for best, log, sizes, params, _ in results:
         assert best == 0.001
         assert [v for v, _ in log] == [0.001, 0.004, 1]
         assert log[1][1] == pytest.approx(0.7)  # rank 1's slower figure, agreed by allreduce max
