@@ -106,10 +106,12 @@ def _rank_body(P, width, micro_rows, repeats, sections):
         g = torch.Generator().manual_seed(m)
         return torch.randn(m * micro_rows, width, generator=g), torch.randn(m * micro_rows, width, generator=g)
 
-    # The cost-balanced split (measured time, loss on the last block); rank 0 decides for all.
-    sample, target = batch(1)
-    plan = partition(model, P, method="time", sample=sample, loss_fn=_loss, target=target)
-    bounds, costs = px.broadcast_object((plan.bounds, plan.stage_costs), root_rank=0)
+    # The cost-balanced split (measured time, loss on the last block); rank 0 measures alone and decides.
+    plan = None
+    if r == 0:
+        sample, target = batch(1)
+        plan = partition(model, P, method="time", sample=sample, loss_fn=_loss, target=target)
+    bounds, costs = px.broadcast_object((plan.bounds, plan.stage_costs) if plan else None, root_rank=0)
     stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])
     px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
     # interleaved: the same 8 blocks in 2P pieces; this rank runs pieces r and r + P
