@@ -35,6 +35,7 @@ DDP = ["ddp", "ddp+fp16_hook", "ddp+powersgd_hook"]
 FLOOR = ["local"]  # no gradient communication at all: the compute floor of a step
 SETTINGS = {"threshold": {"threshold": 0.01}}  # no model-independent default (see docs/compression.md)
 PSGD_RANK = 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _model(hidden):
@@ -132,9 +133,11 @@ def _on_cluster(args) -> dict:
     with SimCluster(hosts=args.cluster, rate=args.rate, ssh=True) as c:
         cmd = [sys.executable, "-m", "phalanx", "run", "-np", str(args.cluster), "-H", c.host_spec(1),
                "--ssh-config", c.ssh_config, "--network-interface", IFNAME, "--", sys.executable,
-               os.path.abspath(__file__), "--worker", "--hidden", str(args.hidden), "--epochs", str(args.epochs),
+               "-m", "benchmarks.compression", "--worker", "--hidden", str(args.hidden), "--epochs", str(args.epochs),
                "--repeats", str(args.repeats), "--configs", ",".join(args.configs), "--batch", str(args.batch)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        # run as a module from the repository root: the workers find phalanx (and this file) on
+        # their cwd even where phalanx is not installed (ssh does not forward PYTHONPATH)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     line = next((ln for ln in proc.stdout.splitlines() if "RESULT " in ln), None)
     if line is None:
         raise SystemExit(f"cluster run failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")

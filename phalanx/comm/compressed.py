@@ -39,6 +39,7 @@ Example::
 
     from phalanx.comm.compressed import allreduce_compressed, wire
     from phalanx.comm.compression import get_compressor
+from phalanx.comm.error_feedback import compress_residual
     c = get_compressor("topk", ratio=0.01)
     wire.reset()
     avg = allreduce_compressed(grad_flat, c, name="bucket0")
@@ -55,6 +56,7 @@ import torch.distributed as dist
 
 from phalanx.comm.collectives import Handle, all_gather_flat
 from phalanx.comm.compression import get_compressor
+from phalanx.comm.error_feedback import compress_residual
 
 __all__ = ["allreduce_compressed", "WireCounter", "wire", "choose_algorithm"]
 
@@ -93,10 +95,64 @@ def _ring_bytes(nbytes: int, n: int) -> int:
 
 
 def _parts(compressor):
-    """(correct, update, inner) — error feedback hooks if the compressor has them, else no-ops."""
-    if hasattr(compressor, "correct") and hasattr(compressor, "inner"):
-        return compressor.correct, compressor.update, compressor.inner
-    return (lambda key, t: t), (lambda key, c, a: None), compressor
+    """(accumulate, inner): the fused error-feedback entry point (None when off) and the codec."""
+    if hasattr(compressor, "accumulate") and hasattr(compressor, "inner"):
+        return (compressor.accumulate if compressor.enabled else None), compressor.inner
+    return None, compressor
+
+
+def _compress(inner, accumulate, key: str, src: torch.Tensor):
+    """Compress ``src`` (a slice of the error-feedback buffer when ``accumulate`` is set, which
+    then keeps the residual) with ``inner``."""
+    if accumulate is not None:
+        return compress_residual(inner, src)
+    return inner.compress(src)
+
+
+def _decode(inner, payload, ctx, out: torch.Tensor, alpha: float, add: bool) -> None:
+    """``out (+)= alpha * decompress(payload)``, fused where the codec can."""
+    if hasattr(inner, "decompress_add"):
+        inner.decompress_add(payload, ctx, out, alpha, add=add)
+        return
+    y = inner.decompress(payload, ctx).reshape(-1).float()
+    if add:
+        out.add_(y, alpha=alpha)
+    else:
+        torch.mul(y, alpha, out=out)
+
+
+PIECE_NUMEL = 1 << 20
+"""Values per piece when a large tensor goes through the allgather path in pieces (codecs
+with a per-chunk layout only: int8/int4/2-bit, sign), so that compressing piece i+1 and
+decoding piece i overlap piece i's transfer."""
+
+
+def _pieces(inner, numel: int, piece_numel: int | None) -> list[tuple[int, int]]:
+    """[start, stop) ranges: whole chunks of the codec's ``chunk`` per piece (same payload bits
+    as compressing the whole tensor); one piece for codecs without a chunk layout (top-k picks
+    its k over the whole tensor)."""
+    chunk = getattr(inner, "chunk", None)
+    size = PIECE_NUMEL if piece_numel is None else int(piece_numel)
+    if not isinstance(chunk, int) or size <= 0 or numel <= size:
+        return [(0, numel)]
+    step = max(1, size // math.lcm(chunk, 32)) * math.lcm(chunk, 32)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+
+class _PiecesHandle:
+    """A handle over several in-flight allgathers; ``wait()`` decodes each as it lands."""
+
+    def __init__(self, works, finish) -> None:
+        self._works, self._finish, self._result, self._done = works, finish, None, False
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self):
+        if not self._done:
+            self._result = self._finish()
+            self._done = True
+        return self._result
 
 
 def _chunk_sizes(numel: int, n: int) -> list[int]:
@@ -124,6 +180,8 @@ def allreduce_compressed(
     average: bool = True,
     algorithm: str = "auto",
     shapes=None,
+    out: torch.Tensor | None = None,
+    piece_numel: int | None = None,
 ):
     """Average (``average=True``) or sum ``tensor`` over ``group`` with compressed payloads.
 
@@ -134,6 +192,11 @@ def allreduce_compressed(
     ``name`` keys per-tensor state (residuals, PowerSGD's Q, warm-up counts) and must
     be the same on every rank. ``algorithm``: ``"auto"``, ``"allgather"`` or
     ``"two_phase"`` (non-summable compressors only).
+
+    ``out``: where the allgather path writes the result (it may be ``tensor`` itself: the
+    input is fully read, into the error-feedback buffer or the payloads, before anything is
+    written); DataParallel passes its bucket so no copy back is needed. ``piece_numel``:
+    values per piece of the pipelined allgather (default :data:`PIECE_NUMEL`).
     """
     if algorithm not in ("auto", "allgather", "two_phase"):
         raise ValueError(f"algorithm must be 'auto', 'allgather' or 'two_phase', got {algorithm!r}")
@@ -160,8 +223,15 @@ def allreduce_compressed(
     if algorithm == "auto":
         algorithm = choose_algorithm(compressor, tensor.numel(), n)
     flat = tensor.detach().reshape(-1)
-    run = _allgather_path if algorithm == "allgather" else _two_phase_path
-    return run(flat, tensor, compressor, group, n, name, average, async_op, wire_dense)
+    if algorithm == "allgather":
+        return _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense, out,
+                               piece_numel)
+    res = _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense)
+    if out is None:
+        return res
+    if async_op:
+        return Handle(None, res, lambda h: out.copy_(h.wait().view(out.shape)))
+    return out.copy_(res.view(out.shape))
 
 
 def _finished(result, async_op: bool):
@@ -199,7 +269,7 @@ def _gather_bytes(payload: torch.Tensor, group, n: int, known: list[int] | None)
         counts = [int(c) for c in every.tolist()]
     else:
         counts = list(known)
-    width = max(counts)
+    width = -(-max(counts) // 8) * 8  # 8-byte aligned slots: codecs view their words without a copy
     if payload.numel() < width:
         payload = torch.cat([payload, payload.new_zeros(width - payload.numel())])
     out = torch.empty(n * width, dtype=torch.uint8, device=payload.device)
@@ -207,41 +277,45 @@ def _gather_bytes(payload: torch.Tensor, group, n: int, known: list[int] | None)
     return work, out, counts, width
 
 
-def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, dense):
-    correct, update, inner = _parts(compressor)
-    me = dist.get_rank(group)
-    corrected = correct(name, flat)
-    payload, ctx = inner.compress(corrected)
-    mine = inner.decompress(payload, ctx)  # for the residual, and this rank's term of the sum
-    update(name, corrected, mine)
-    known = [payload.numel()] * n if getattr(inner, "fixed_size", False) else None
-    work, out, counts, width = _gather_bytes(payload, group, n, known)
-    wire.add((n - 1) * width, dense)
+def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, dense, out, piece_numel):
+    """Every rank's payload to every rank, in pieces: piece i is on the wire while piece i+1
+    is compressed, and piece i is decoded while later ones are still arriving."""
+    accumulate, inner = _parts(compressor)
+    src = accumulate(name, flat) if accumulate is not None else flat
+    fixed = getattr(inner, "fixed_size", False)
+    launched, sent = [], 0
+    for a, b in _pieces(inner, flat.numel(), piece_numel):
+        payload, ctx = _compress(inner, accumulate, name, src[a:b])
+        known = [payload.numel()] * n if fixed else None
+        work, buf, counts, width = _gather_bytes(payload, group, n, known)
+        sent += (n - 1) * width
+        launched.append((work, buf, counts, width, ctx, a, b))
+    wire.add(sent, dense)
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == flat.numel()
+    alpha = 1.0 / n if average else 1.0
 
-    def finish(buf):
-        total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-        for r in range(n):  # in rank order on every rank: bitwise the same sum everywhere
-            part = mine if r == me else inner.decompress(buf[r * width : r * width + counts[r]], ctx)
-            total += part.reshape(-1).float()
-        if average:
-            total /= n
-        return total.to(tensor.dtype).reshape(tensor.shape)
+    def finish():
+        total = out.view(-1) if direct else torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+        for work, buf, counts, width, ctx, a, b in launched:
+            work.wait()
+            seg = total[a:b]
+            for r in range(n):  # in rank order on every rank: bitwise the same sum everywhere
+                _decode(inner, buf[r * width : r * width + counts[r]], ctx, seg, alpha, add=r > 0)
+        if direct:
+            return out
+        result = total.to(tensor.dtype).reshape(tensor.shape)
+        return result if out is None else out.copy_(result.view(out.shape))
 
-    handle = Handle(work, out, finish)
+    handle = _PiecesHandle([w for w, *_ in launched], finish)
     return handle if async_op else handle.wait()
 
 
 def _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, dense):
-    correct, update, inner = _parts(compressor)
+    accumulate, inner = _parts(compressor)
     me = dist.get_rank(group)
     sizes = _chunk_sizes(flat.numel(), n)
-    corrected = correct(name, flat)
-    payloads, approx = [], []
-    for chunk in torch.split(corrected, sizes):
-        p, ctx = inner.compress(chunk)
-        payloads.append(p)
-        approx.append(inner.decompress(p, ctx).reshape(-1))
-    update(name, corrected, torch.cat(approx))
+    src = accumulate(name, flat) if accumulate is not None else flat
+    payloads = [_compress(inner, accumulate, name, chunk)[0] for chunk in torch.split(src, sizes)]
     in_splits = [p.numel() for p in payloads]
     send = torch.cat(payloads)
     if getattr(inner, "fixed_size", False):
@@ -260,25 +334,22 @@ def _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op,
 
     def finish(buf):
         ctx_me = (sizes[me], torch.float32, (sizes[me],))
-        mine = torch.zeros(sizes[me], dtype=torch.float32, device=flat.device)
-        for part in torch.split(buf, out_splits):
-            mine += inner.decompress(part, ctx_me).float()
-        if average:
-            mine /= n
+        mine = torch.empty(sizes[me], dtype=torch.float32, device=flat.device)
+        for r, part in enumerate(torch.split(buf, out_splits)):
+            _decode(inner, part, ctx_me, mine, 1.0 / n if average else 1.0, add=r > 0)
         key = name + "/server"
-        corrected_me = correct(key, mine)
-        q, qctx = inner.compress(corrected_me)
-        update(key, corrected_me, inner.decompress(q, qctx).reshape(-1))
+        src_me = accumulate(key, mine) if accumulate is not None else mine
+        q, _ = _compress(inner, accumulate, key, src_me)
         known = [inner.payload_nbytes(s) for s in sizes] if fixed else None
         work2, out, counts, width = _gather_bytes(q, group, n, known)
         work2.wait()
         if not fixed:  # data-dependent sizes (threshold): known only now
             wire.add(phase1 + (n - 1) * width, dense)
-        pieces = [
-            inner.decompress(out[r * width : r * width + counts[r]], (sizes[r], torch.float32, (sizes[r],)))
-            for r in range(n)
-        ]
-        return torch.cat(pieces).to(tensor.dtype).reshape(tensor.shape)
+        result = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+        for r, seg in enumerate(torch.split(result, sizes)):
+            _decode(inner, out[r * width : r * width + counts[r]], (sizes[r], torch.float32, (sizes[r],)), seg,
+                    1.0, add=False)
+        return result.to(tensor.dtype).reshape(tensor.shape)
 
     handle = Handle(work, recv, finish)
     return handle if async_op else handle.wait()

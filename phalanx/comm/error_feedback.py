@@ -30,7 +30,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["ResidualMemory", "ErrorFeedback"]
+__all__ = ["ResidualMemory", "ErrorFeedback", "compress_residual"]
+
+
+def compress_residual(inner: Any, x: torch.Tensor):
+    """Compress the flat fp32 ``x`` with ``inner`` and leave the residual ``x - decompress(payload)`` in ``x``.
+
+    Uses the compressor's fused ``compress_ef`` when it has one (int8, sign, top-k: no
+    decompress, no temporaries), else compresses, decompresses and subtracts.
+    """
+    if hasattr(inner, "compress_ef"):
+        return inner.compress_ef(x)
+    payload, ctx = inner.compress(x)
+    x.sub_(inner.decompress(payload, ctx).reshape(x.shape).to(x.dtype))
+    return payload, ctx
+
+
+def _plain_ctx(ctx) -> bool:
+    """True for the usual ``(numel, dtype, shape)`` context, which records the caller's dtype and shape."""
+    return isinstance(ctx, tuple) and len(ctx) == 3 and isinstance(ctx[1], torch.dtype)
 
 
 class ResidualMemory:
@@ -102,12 +120,27 @@ class ErrorFeedback:
         if self.enabled:
             self.memory.update(key, corrected, approx)
 
+    def accumulate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The residual buffer of ``key`` with ``tensor`` added in place: the corrected tensor.
+
+        Fused error feedback: compress it with :func:`compress_residual` (or slices of it),
+        which leaves the new residual in the same buffer, so no step allocates a corrected
+        copy or a residual. A missing (or differently shaped) residual starts as a copy of
+        ``tensor`` in fp32.
+        """
+        res = self.memory.residuals.get(key)
+        if res is None or res.shape != tensor.shape or res.dtype != torch.float32 or res.device != tensor.device:
+            res = self.memory.residuals[key] = tensor.detach().float().clone(memory_format=torch.contiguous_format)
+        else:
+            res.add_(tensor.detach())
+        return res
+
     def compress(self, tensor: torch.Tensor, name: str = "default"):
-        corrected = self.correct(name, tensor)
-        payload, ctx = self.inner.compress(corrected)
-        if self.enabled:
-            self.update(name, corrected, self.inner.decompress(payload, ctx))
-        return payload, ctx
+        if not self.enabled:
+            return self.inner.compress(tensor)
+        res = self.accumulate(name, tensor)
+        payload, ctx = compress_residual(self.inner, res.view(-1) if hasattr(self.inner, "compress_ef") else res)
+        return payload, ((ctx[0], tensor.dtype, tuple(tensor.shape)) if _plain_ctx(ctx) else ctx)
 
     def decompress(self, payload, ctx) -> torch.Tensor:
         return self.inner.decompress(payload, ctx)

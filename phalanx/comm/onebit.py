@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -60,40 +61,121 @@ class SignCompressor:
         return math.ceil(numel / 8) + math.ceil(numel / self.chunk) * 4 * (2 if self.two_level else 1)
 
     def compress(self, tensor: torch.Tensor):
-        flat = tensor.detach().reshape(-1).float()
-        n = flat.numel()
-        x = per_chunk(flat, self.chunk)  # zero padding: counted below as nothing
-        pad = x.numel() - n
-        total = x.sum(1)
-        if self.two_level:
-            pos_sum = x.clamp(min=0).sum(1)
-            npos = (x >= 0).view(torch.uint8).sum(1, dtype=torch.int32)
-            if pad:
-                npos[-1] -= pad  # the padding zeros are not values
-            nneg = self.chunk - npos
-            if pad:
-                nneg[-1] -= pad
-            up = pos_sum / npos.clamp(min=1)
-            down = (pos_sum - total) / nneg.clamp(min=1)
-            scale = torch.cat([up, down])
-        else:
-            counts = torch.full_like(total, float(self.chunk))
-            if pad:
-                counts[-1] = self.chunk - pad
-            scale = x.abs().sum(1) / counts
-        payload = torch.cat([pack_bits(flat >= 0, 1), to_bytes(scale)])
-        return payload, (n, tensor.dtype, tuple(tensor.shape))
+        x = tensor.detach().reshape(-1).float()
+        return self._encode(x, residual=False), (x.numel(), tensor.dtype, tuple(tensor.shape))
+
+    def compress_ef(self, x: torch.Tensor):
+        """Compress the flat fp32 ``x`` and leave the residual ``x - decompress(payload)`` in it."""
+        return self._encode(x, residual=True), (x.numel(), x.dtype, tuple(x.shape))
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         n, dtype, shape = ctx
+        out = torch.empty(n, dtype=torch.float32, device=payload.device)
+        return self.decompress_add(payload, ctx, out, add=False).to(dtype).reshape(shape)
+
+    def _blocks(self, x: torch.Tensor):
+        """(rows, start, stop): whole chunks as a view of ``x``, then a zero-padded copy of a partial last one."""
+        n, chunk = x.numel(), self.chunk
+        full = n // chunk
+        out = []
+        if full:
+            out.append((x[: full * chunk].view(full, chunk), 0, full * chunk))
+        if full * chunk < n:
+            out.append((per_chunk(x[full * chunk :], chunk), full * chunk, n))
+        return out
+
+    def _encode(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
+        """Payload of flat fp32 ``x``; with ``residual``, ``x`` becomes ``x - decode(payload)``.
+
+        The bit comes straight from the float's bit pattern (``u = (int32 >> 31) + 1``: 1
+        where the sign bit is clear, "up"), and that one tensor gives everything: the count
+        of up values per chunk (its row sum), the packed bits (shifted by 0..31 and summed,
+        32 to a word, which in little-endian memory is exactly 8 per byte, low bit first) and
+        the residual ``x + down - u * (up + down)`` in two in-place passes.
+        """
+        n, chunk = x.numel(), self.chunk
+        chunks = math.ceil(n / chunk)
         nbits = math.ceil(n / 8)
-        chunks = math.ceil(n / self.chunk)
-        signs = per_chunk(unpack_bits(payload[:nbits], 1, n), self.chunk).float()  # 1: up, 0: down
+        payload = torch.empty(nbits + 4 * chunks * (2 if self.two_level else 1), dtype=torch.uint8,
+                              device=x.device)
+        up_all = torch.empty(chunks, dtype=torch.float32, device=x.device)
+        down_all = torch.empty(chunks, dtype=torch.float32, device=x.device) if self.two_level else up_all
+        words = chunk % 32 == 0 and sys.byteorder == "little"
+        if not words:  # chunks do not fill whole words: pack all the bits at once, before any residual
+            payload[:nbits] = pack_bits(x.view(torch.int32) >= 0, 1)
+        for rows, start, stop in self._blocks(x):
+            r0 = start // chunk
+            nrows = rows.shape[0]
+            # 1 where the sign bit is clear ("up"), 0 where set: (int32 >> 31) + 1. Elementwise int
+            # ops on the flat view (on the 2-D view they ran 10x slower), sums on floats (CPU sums
+            # of int32 rows were 15x slower than of fp32).
+            u = (rows.view(-1).view(torch.int32) >> 31).add_(1)
+            uf = u.float().view(nrows, chunk)
+            npos = uf.sum(1)
+            count = torch.full((nrows,), float(chunk), device=x.device)
+            count[-1] -= rows.numel() - (stop - start)  # padding zeros are not values (they count as up)
+            npos[-1] -= rows.numel() - (stop - start)
+            nneg = count - npos
+            total = rows.sum(1)
+            l1 = rows.abs().sum(1)  # 4x faster than vector_norm(ord=1) here
+            if self.two_level:
+                up = (total + l1).mul_(0.5).div_(npos.clamp(min=1))
+                down = (l1 - total).mul_(0.5).div_(nneg.clamp(min=1))
+                down_all[r0 : r0 + nrows] = down
+            else:
+                up = down = l1 / count
+            up_all[r0 : r0 + nrows] = up
+            if words and stop - start == rows.numel():
+                # bit i of a word = u[i]: distinct powers of two, so the int32 sum is an OR and
+                # cannot overflow (bit 31 is the one negative term)
+                packed = (u.view(-1, 32) << _SHIFTS.to(u.device)).sum(1, dtype=torch.int32)
+                payload[start // 8 : stop // 8].view(torch.int32).copy_(packed)
+            elif words:  # the partial last chunk; start is a multiple of 32
+                payload[start // 8 : nbits] = pack_bits(u[: stop - start], 1)
+            if residual:
+                rows.add_(down.view(-1, 1)).addcmul_(uf, (up + down).view(-1, 1), value=-1.0)
+                if stop - start < rows.numel():
+                    x[start:stop].copy_(rows.view(-1)[: stop - start])
+        scales = torch.cat([up_all, down_all]) if self.two_level else up_all
+        payload[nbits:].copy_(to_bytes(scales))
+        return payload
+
+    def decompress_add(self, payload: torch.Tensor, ctx, out: torch.Tensor, alpha: float = 1.0,
+                       add: bool = True) -> torch.Tensor:
+        """``out += alpha * decompress(payload)`` (``add=False``: ``out = ...``); ``out`` flat fp32."""
+        n = ctx[0]
+        chunk = self.chunk
+        nbits = math.ceil(n / 8)
+        chunks = math.ceil(n / chunk)
         if self.two_level:
             both = from_bytes(payload[nbits:], torch.float32, 2 * chunks)
-            up, down = both[:chunks].view(-1, 1), -both[chunks:].view(-1, 1)
+            up, down = both[:chunks], both[chunks:]
         else:
-            up = from_bytes(payload[nbits:], torch.float32, chunks).view(-1, 1)
-            down = -up
-        out = torch.addcmul(down, signs, up - down)  # a broadcast torch.where is 4x slower on CPU
-        return out.view(-1)[:n].to(dtype).reshape(shape)
+            up = down = from_bytes(payload[nbits:], torch.float32, chunks)
+        span = (up + down).mul_(alpha).view(-1, 1)  # up - (-down): the step from down to up
+        low = (down * -alpha).view(-1, 1)  # what a cleared bit decodes to
+        full = n // chunk
+        words = chunk % 32 == 0 and sys.byteorder == "little"
+        if full and words:
+            w = from_bytes(payload, torch.int32, full * chunk // 32)  # copies only if misaligned
+            bits = (w.view(-1, 1) >> _SHIFTS.to(w.device)).bitwise_and_(1).view(full, chunk)
+            body = out[: full * chunk].view(full, chunk)
+            if add:
+                body.add_(low[:full]).addcmul_(bits, span[:full])
+            else:
+                torch.mul(bits, span[:full], out=body).add_(low[:full])
+            rest = full * chunk
+        else:
+            rest = 0
+        if rest < n:
+            bits = per_chunk(unpack_bits(payload[rest // 8 : nbits], 1, n - rest), chunk)  # 1: up, 0: down
+            r0 = rest // chunk
+            vals = torch.addcmul(low[r0:], bits, span[r0:]).view(-1)[: n - rest]
+            if add:
+                out[rest:].add_(vals)
+            else:
+                out[rest:].copy_(vals)
+        return out
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)

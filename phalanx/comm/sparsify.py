@@ -51,11 +51,19 @@ def top_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     candidates = (mag >= threshold).nonzero().squeeze(1)
     if candidates.numel() < k:
         return mag.topk(k, sorted=False).indices
-    return candidates[mag[candidates].topk(k, sorted=False).indices]
+    # index_select, not fancy indexing: 3-5x faster on CPU for 10^5 indices
+    return candidates.index_select(0, mag.index_select(0, candidates).topk(k, sorted=False).indices)
 
 
 def _encode(flat: torch.Tensor, idx: torch.Tensor):
-    return torch.cat([to_bytes(idx.to(torch.int32)), to_bytes(flat[idx].float())])
+    return torch.cat([to_bytes(idx.to(torch.int32)), to_bytes(flat.index_select(0, idx).float())])
+
+
+def _scatter_add(payload: torch.Tensor, out: torch.Tensor, alpha: float) -> torch.Tensor:
+    k = payload.numel() // 8
+    idx = from_bytes(payload, torch.int32, k)
+    values = from_bytes(payload[4 * k :], torch.float32, k)
+    return out.index_add_(0, idx, values, alpha=alpha)
 
 
 def _decode(payload: torch.Tensor, ctx) -> torch.Tensor:
@@ -91,11 +99,36 @@ class TopKCompressor:
 
     def compress(self, tensor: torch.Tensor):
         flat = tensor.detach().reshape(-1)
-        idx = top_indices(flat.abs(), self.k(flat.numel()))
+        idx = top_indices(self._abs(flat), self.k(flat.numel()))
         return _encode(flat, idx), (flat.numel(), tensor.dtype, tuple(tensor.shape))
+
+    def compress_ef(self, x: torch.Tensor):
+        """Compress the flat fp32 ``x`` and leave the residual in it: the k sent entries become 0.
+
+        The residual update touches only the k sent entries (no decompress, no full-size
+        subtraction), so the error feedback costs one pass (adding the gradient) in all.
+        """
+        idx = top_indices(self._abs(x), self.k(x.numel()))
+        payload = _encode(x, idx)
+        x.index_fill_(0, idx, 0.0)
+        return payload, (x.numel(), x.dtype, tuple(x.shape))
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         return _decode(payload, ctx)
+
+    def decompress_add(self, payload: torch.Tensor, ctx, out: torch.Tensor, alpha: float = 1.0,
+                       add: bool = True) -> torch.Tensor:
+        """``out += alpha * decompress(payload)`` (``add=False``: ``out = ...``): k scattered adds."""
+        if not add:
+            out.zero_()
+        return _scatter_add(payload, out, alpha)
+
+    def _abs(self, flat: torch.Tensor) -> torch.Tensor:
+        """|flat| in a scratch buffer kept between calls (a fresh 17 MB buffer costs its page faults)."""
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.numel() != flat.numel() or buf.dtype != flat.dtype or buf.device != flat.device:
+            buf = self._buf = torch.empty_like(flat)
+        return torch.abs(flat, out=buf)
 
 
 class ThresholdCompressor:
@@ -123,3 +156,9 @@ class ThresholdCompressor:
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         return _decode(payload, ctx)
+
+    def decompress_add(self, payload: torch.Tensor, ctx, out: torch.Tensor, alpha: float = 1.0,
+                       add: bool = True) -> torch.Tensor:
+        if not add:
+            out.zero_()
+        return _scatter_add(payload, out, alpha)
