@@ -1,5 +1,6 @@
-"""Elastic training: sampler re-sharding, commit/restore/sync on real ranks, and a kill-three-workers soak
-through `phalanx run --max-restarts` compared with an uninterrupted single-process run."""
+"""Elastic training: sampler re-sharding, commit/restore/sync on real ranks, a kill-three-workers soak
+through `phalanx run --max-restarts` (TorchElastic group restarts) and a discovery-driven grow 2 -> 3
+(in-process), compared with an uninterrupted single-process run."""
 
 import argparse
 import os
@@ -284,6 +285,7 @@ DISCOVERY_WORKER = textwrap.dedent("""
     import torch
     import phalanx as px
     from phalanx import elastic
+    from phalanx.elastic import inprocess
 
     TOTAL, COMMIT, G, N_DATA, GROW_AT = 24, 4, 12, 96, 6
 
@@ -313,7 +315,6 @@ DISCOVERY_WORKER = textwrap.dedent("""
 
     def main(out, hosts_file):
         px.init()
-        r, n = px.rank(), px.size()
         x, y = data()
         model, opt = make()
         state = elastic.TorchState(model, opt, sampler=elastic.ElasticSampler(N_DATA, seed=1), step=0,
@@ -324,26 +325,27 @@ DISCOVERY_WORKER = textwrap.dedent("""
 
         @elastic.run
         def train(state):
+            r, n = px.rank(), px.size()  # read inside: the job re-forms in-process at another size
             if r == 0:
                 with open(os.path.join(out, "events.txt"), "a") as f:
-                    f.write(f"start {state.step} {n} {state.batch} {changes}\\n")
+                    f.write(f"start {state.step} {n} {state.batch} {changes} {os.getpid()}\\n")
             while state.step < TOTAL:
                 step(model, opt, state.sampler, x, y, n, state.batch)
                 state.step += 1
                 if r == 0 and n == 2 and state.step == GROW_AT:
                     with open(hosts_file, "w") as f:
                         f.write("localhost:3\\n")        # a third slot appears
-                    for _ in range(1200):                  # wait (a bounded number of polls, no hang)
-                        if open(os.environ["PHALANX_RESIZE_FILE"]).read().strip() == "3":
-                            break                          # until the launcher has seen it
-                        time.sleep(0.05)
+                    for _ in range(6000):                  # wait (a bounded number of polls, no hang)
+                        if inprocess._latest() > inprocess.generation():
+                            break                          # until the launcher started and published it
+                        time.sleep(0.01)
                     else:
-                        raise AssertionError("the launcher never polled the discovery script")
+                        raise AssertionError("the launcher never admitted a third worker")
                 if state.step % COMMIT == 0:
                     state.commit()
 
         train(state)
-        if r == 0:
+        if px.rank() == 0:
             torch.save([p.detach() for p in model.parameters()], os.path.join(out, "final.pt"))
         px.shutdown()
 
@@ -368,12 +370,12 @@ def test_discovery_script_grows_the_job_at_the_next_commit(tmp_path):
     report = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"
     print(f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")  # shown in full by pytest on a failure
     assert proc.returncode == 0, report
-    assert "resizing from 2 to 3 workers" in proc.stdout, report
-    starts = [line.split(maxsplit=4) for line in (tmp_path / "events.txt").read_text().splitlines()]
-    # first group: 2 workers, 6 samples each; second: 3 workers from the commit at step 8 (GROW_AT 6 ->
-    # next commit), 4 samples each, after the hook saw 2 -> 3; no step lost or repeated
+    assert "2 -> 3 workers at the next commit" in proc.stdout, report
+    starts = [line.split() for line in (tmp_path / "events.txt").read_text().splitlines()]
+    # first: 2 workers, 6 samples each; then in the same rank-0 process, 3 workers from the commit at
+    # step 8 (GROW_AT 6 -> next commit), 4 samples each, after the hook saw 2 -> 3; no step lost or repeated
     assert [s[1:4] for s in starts] == [["0", "2", "6"], ["8", "3", "4"]], (starts, report)
-    assert starts[1][4] == "[(2, 3)]"
+    assert " ".join(starts[1][4:6]) == "[(2, 3)]" and starts[0][-1] == starts[1][-1], starts
     ns = {}
     exec(compile(DISCOVERY_WORKER, "worker", "exec"), ns)
     model, opt = ns["make"]()

@@ -240,7 +240,11 @@ def _leave_group() -> None:
 
 
 def _exit_now(code: int) -> None:
-    """End the worker here with ``code`` after the normal exit hooks (see run._exit_for_resize)."""
+    """End the worker here with ``code`` after the normal exit hooks .
+
+    Unwinding a ``SystemExit`` through the training frames instead lets interpreter teardown
+    destroy c10d objects in arbitrary order, which sometimes aborts ("terminate called without
+    an active exception")."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -13,7 +13,7 @@ import argparse
 import math
 import os
 
-__all__ = ["add_elastic_arguments", "elastic_launch_options", "discovery_options"]
+__all__ = ["add_elastic_arguments", "elastic_launch_options"]
 
 
 def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,8 +63,8 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
         out["max_restarts"] = restarts
         env["PHALANX_MAX_RESTARTS"] = str(restarts)
     if elastic and args.host_discovery_script is None:
-        # TorchElastic counts nodes (agents), each running -np workers here. (With a discovery
-        # script the launcher itself resizes the group: see discovery_options.)
+        # TorchElastic counts nodes (agents), each running -np workers here; used by the group
+        # restart path (phalanx run itself runs elastic jobs in-process: elastic/supervisor.py)
         out["min_nodes"] = max(1, math.ceil((min_np or np) / np))
         out["max_nodes"] = max(out["min_nodes"], math.ceil((max_np or np) / np))
         if out["max_nodes"] > out["min_nodes"]:
@@ -72,11 +72,3 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
             # (re)start; late nodes are admitted at the next restart anyway, so wait 2 s
             out["rdzv_extra"] = {"last_call_timeout": 2}
     return out
-
-
-def discovery_options(args: argparse.Namespace, np: int) -> dict | None:
-    """``launch_with_discovery`` keywords when ``--host-discovery-script`` is given, else None."""
-    if args.host_discovery_script is None:
-        return None
-    return {"script": os.path.abspath(args.host_discovery_script), "min_np": args.min_np or 1,
-            "max_np": args.max_np or np, "interval_s": args.discovery_interval}

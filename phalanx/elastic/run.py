@@ -1,27 +1,32 @@
-"""``phalanx.elastic.run(train_fn)(state)``: Horovod's elastic retry loop on TorchElastic's restarts.
+"""``phalanx.elastic.run(train_fn)(state)``: Horovod's elastic retry loop.
 
-Horovod's loop (``horovod/common/elastic.py``) catches a peer failure inside
-the surviving processes, re-forms the ring and retries from the last commit.
-Under TorchElastic the agent does the re-forming: when any worker exits, it
-stops the rest and starts a new worker group (up to ``--max-restarts`` times,
-with ``--min-np``..``--max-np`` workers). So the loop is split in two::
+Two recovery paths; the log says which one ran ("path: in-process" / "path: group restart"):
 
-    agent:   start group ─ worker dies ─ stop group ─ re-rendezvous ─ start group (restart 1) …
-    worker:  run(train_fn)(state):  restore() last commit (snapshot) → sync() → train_fn(state)
-                                    on a collective error: log where, exit non-zero → agent restarts
+* **in-process** (``phalanx run --min-np/--max-np`` or ``--host-discovery-script``): the
+  launcher starts every worker itself (:mod:`phalanx.elastic.supervisor`). When one dies,
+  the survivors' next collective raises; this loop catches it, leaves the broken group,
+  re-forms with the others on the launcher's store (:mod:`phalanx.elastic.inprocess`),
+  rolls back to the last commit from memory, ``sync()`` s and calls ``train_fn`` again —
+  same processes, no torch re-import. Workers the launcher adds (a replacement, a new
+  host) are admitted when ``commit()`` raises ``MembershipChanged``; they get the state
+  from rank 0 in ``sync()``::
 
-Inside one process the loop still retries on :class:`HostsUpdatedInterrupt`
-(raised by a user at a commit to re-sync a changed state) after rolling back to
-the last commit. Under ``--host-discovery-script`` a commit may raise
-:class:`~phalanx.elastic.discovery.ResizeRequested`: the workers then exit 0 and
-the launcher starts a group of the new size from that commit (see discovery.py).
+      worker:  restore() → sync() → train_fn(state) … collective error (peer died) →
+               re-form (new rank/size) → restore() the commit in memory → sync() → train_fn(state) …
+
+* **group restart** (``phalanx run --max-restarts N`` alone, and the fallback when a
+  worker cannot re-form in-process): TorchElastic's agent stops every worker and starts a
+  new group; ``restore()`` loads the last commit's snapshot and training resumes there.
+
+Inside one process the loop also retries on :class:`HostsUpdatedInterrupt` (raised by a
+user at a commit to re-sync a changed state) after rolling back to the last commit.
 
 Example::
 
     @phalanx.elastic.run
     def train(state):
         for state.step in range(state.step, 100):
-            ...
+            ...                          # read px.rank()/px.size() here: they change at a re-form
             if state.step % 10 == 0:
                 state.commit()
 
@@ -30,17 +35,14 @@ Example::
 
 from __future__ import annotations
 
-import atexit
 import functools
 import gc
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from phalanx.elastic import inprocess
-from phalanx.elastic.discovery import ResizeRequested
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
 
@@ -82,10 +84,6 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             except inprocess.MembershipChanged:
                 # the launcher admitted or removed workers: everyone re-forms at this very commit
                 reform = "workers joining or leaving at a commit"
-            except ResizeRequested as req:
-                # The launcher restarts the group at the new size; it resumes from this very commit.
-                log.warning("%s: the commit is saved; ending this worker group", req)
-                _exit_for_resize()
             except HostsUpdatedInterrupt:
                 log.warning("hosts updated: rolling back to the last commit and re-syncing")
                 state.restore()
@@ -128,19 +126,3 @@ def _reform_or_fall_back(reform: Callable[[], float]) -> None:
                   "the group from the last commit (path: group restart)", type(err).__name__, err,
                   inprocess.REFORM_FAILED_EXIT)
         inprocess._exit_now(inprocess.REFORM_FAILED_EXIT)
-
-
-def _exit_for_resize() -> None:
-    """End this worker with status 0 right here: run the exit hooks (async checkpoint writer,
-    timeline, runtime shutdown) as a normal exit would, then ``os._exit``. Unwinding a
-    ``SystemExit`` through the training frames instead lets interpreter teardown destroy c10d
-    objects in arbitrary order, which sometimes aborted ("terminate called without an active
-    exception", exit 134) and made the agent restart the group at the old size."""
-    from phalanx import runtime
-
-    atexit._run_exitfuncs()
-    if runtime.is_initialized():
-        runtime.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

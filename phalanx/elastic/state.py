@@ -1,15 +1,16 @@
 """Elastic state (Horovod's model): ``commit()`` a known-good point, ``restore()`` it, ``sync()`` it to all.
 
-Horovod keeps the last commit in the memory of the surviving workers. phalanx
-runs on TorchElastic, whose agent restarts the *whole* worker group after a
-failure, so memory does not survive; a commit is therefore also a fast local
-snapshot through :mod:`phalanx.checkpoint` (by default under ``/dev/shm``,
-without fsync), which the restarted group loads — resharded when the world
-size changed.
+As in Horovod, the last commit stays in the memory of each worker: after a failure
+the survivors of an in-process elastic job (``phalanx run --min-np/--max-np``) roll
+back to it without any I/O. A commit is also a fast local snapshot through
+:mod:`phalanx.checkpoint` (by default under ``/dev/shm``, without fsync), which a
+group restarted by TorchElastic (``--max-restarts``, or the fallback) loads —
+resharded when the world size changed. Under the in-process launcher a commit also
+asks the store (rank 0, one broadcast) whether workers join or leave.
 
     step:   1   2   3   4   5   6   7   8   9
                     ^commit     ^commit   x rank 2 killed
-    agent restarts all workers -> restore() loads the commit at step 6
+    survivors re-form (or the agent restarts all) -> restore() the commit at step 6
     steps lost = 8 - 6 (at most the commit interval)
 
 Example::
@@ -113,29 +114,10 @@ class TorchState:
                     for k, v in self._pieces.items()}
         object.__setattr__(self, "_memory", snapshot)
         self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
-        self._check_resize()
         from phalanx.elastic import inprocess
 
         if inprocess.membership_changed():  # in-process elastic: workers join or leave at this commit
             raise inprocess.MembershipChanged()
-
-    def _check_resize(self) -> None:
-        """Under ``--host-discovery-script``: raise ResizeRequested on every rank if the launcher wants
-        another worker count (rank 0 reads the request; one small broadcast per commit)."""
-        from phalanx.elastic.discovery import RESIZE_ENV, ResizeRequested, resize_requested
-
-        if not os.environ.get(RESIZE_ENV):
-            return
-        from phalanx import runtime
-
-        size = runtime.size() if runtime.is_initialized() else 1
-        wanted = resize_requested() if size == 1 or runtime.rank() == 0 else None
-        if size > 1:
-            from phalanx.comm.collectives import broadcast_object
-
-            wanted = broadcast_object(wanted, root_rank=0)
-        if wanted is not None and wanted != size:
-            raise ResizeRequested(size, wanted)
 
     def restore(self) -> bool:
         """Roll back to the last commit: from memory if this process made it, else from the snapshot."""

@@ -1,17 +1,17 @@
 """``hvd.elastic``: Horovod's elastic API (run, TorchState, ElasticSampler) on :mod:`phalanx.elastic`.
 
 Horovod keeps the last commit in the memory of the surviving workers and
-re-forms its ring in-process. phalanx runs on TorchElastic, whose agent
-restarts the whole worker group after a failure (``phalanx run --max-restarts
-N``, ``--min-np``/``--max-np``), so a commit is also a snapshot the restarted
-group loads. What a Horovod script sees is the same loop::
+re-forms its ring in-process; so does phalanx under ``phalanx run --min-np/--max-np``
+(or ``--host-discovery-script``). Under ``--max-restarts`` alone TorchElastic's agent
+restarts the whole group instead, so a commit is also a snapshot the restarted group
+loads. What a Horovod script sees is the same loop::
 
     Horovod:  sync → train … worker lost → restore (memory) → reset → on_reset() → sync → train …
-    phalanx:  restore → sync → train … worker lost → agent restarts the group →
-              restore (snapshot) → on_reset() → sync → train …
+    phalanx:  restore → sync → train … worker lost → survivors re-form in-process →
+              restore (memory) → on_reset() → sync → train …   (or: group restart → snapshot)
 
 Differences, all documented in docs/horovod.md: ``check_host_updates()`` has
-nothing to check (host changes reach the job as a group restart), ``save()``
+nothing to check (``commit()`` itself asks the launcher for joiners), ``save()``
 also writes the snapshot, and the sampler drops the tail of an epoch that does
 not split evenly instead of padding it with repeated samples.
 
@@ -50,9 +50,9 @@ __all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "Horo
 
 
 class HorovodInternalError(RuntimeError):
-    """Horovod's error for a failed collective. Under phalanx a failed collective ends the
-    process and the agent restarts the group, so this is never raised; it exists so that
-    ``except hvd.elastic.HorovodInternalError`` clauses keep working."""
+    """Horovod's error for a failed collective. ``hvd.elastic.run`` handles a failed collective
+    itself (in-process re-form, or a group restart), so this is never raised; it exists so
+    that ``except hvd.elastic.HorovodInternalError`` clauses keep working."""
 
 
 class TorchState(_elastic.TorchState):
@@ -83,7 +83,7 @@ class TorchState(_elastic.TorchState):
             callback()
 
     def check_host_updates(self) -> None:
-        """Nothing to check: under phalanx a changed host set restarts the group (TorchElastic)."""
+        """Nothing to check here: ``commit()`` asks the launcher whether workers join or leave."""
 
     def save(self) -> None:
         """Remember this point in memory and as a snapshot a restarted group loads."""

@@ -115,8 +115,6 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
 
     def fallback(n: int, restarts: int) -> int:
         env = {**spec.env, "PHALANX_MAX_RESTARTS": str(restarts)}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         return launch(dataclasses.replace(spec, nproc_per_node=n, min_nodes=1, max_nodes=1, rdzv_extra={},
                                           max_restarts=restarts, run_id=sup.run_id, env=env), command)
 
