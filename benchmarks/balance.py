@@ -247,6 +247,8 @@ def main() -> None:
     print(f"balanced vs uniform: {speed:.2f}x samples/s (goal >= 1.3; by median step time "
           f"{med('uniform', 'step_ms') / med('balanced', 'step_ms'):.2f}x), sigma reduced {sigma:.1f}x "
           f"(goal >= 5; window sigma {wsigma:.1f}x), accuracy {dacc:+.4f}; balanced vs torch DDP: {vs_ddp:.2f}x samples/s")
+    paired = statistics.median(b["samples_per_s"] / u["samples_per_s"] for u, b in zip(runs["uniform"], runs["balanced"]))
+    print(f"median of the per-repeat ratios balanced/uniform (each repeat's arms ran back to back): {paired:.2f}x samples/s")
     print("per repeat samples/s uniform/balanced/DDP: " + ", ".join(
         f"{u['samples_per_s']:.0f}/{b['samples_per_s']:.0f}/{d['samples_per_s']:.0f}"
         for u, b, d in zip(runs["uniform"], runs["balanced"], runs["torch DDP"])))
