@@ -7,20 +7,22 @@ Each repeat, on N real gloo ranks (loopback, or the simulated hosts):
   1. calibrate alpha/beta from backend allreduces of 8 B .. 16 MB (calibrate.measure_link:
      interleaved rounds, warm-up dropped, median, relative-error fit), once on float32
      payloads and once on float16 (the backend sums each dtype at its own speed);
-  2. calibrate the overlap e (calibrate.measure_overlap): a plain training step alone, the
-     gradient's bytes allreduced alone (in as many buckets as the layout), and those
-     allreduces launched asynchronously under the step;
+  2. calibrate the overlap e and the waiting term (calibrate.measure_overlap): the plain
+     model's backward alone, the gradient's bytes allreduced alone (in as many buckets as
+     the layout), the backward then the allreduces, and the allreduces launched
+     asynchronously under the backward;
   3. time fp16 compress+decompress per byte -> codec cost;
   4. time, interleaved in rounds, the plain step (compute) and the DataParallel step with
      compression none and fp16; medians;
   5. predict the DataParallel step with plan.predict from 1-4 (buckets overlapping backward
-     by the measured e); also with e = 1 (communication assumed free to hide), for contrast.
+     by the measured e, plus the measured waiting); also with e = 1 and no waiting, for contrast.
 Prints predicted vs measured and the error; the goal is within 20%.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,10 +41,10 @@ def _model(hidden):
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
-def _body(hidden, batch, bucket_mb, rounds=7, steps=5):
+def _body(hidden, batch, bucket_mb, rounds=12, steps=5):
     n = px.size()
-    link, samples = calibrate.measure_link(dtype=torch.float32)
-    link_half, _ = calibrate.measure_link(dtype=torch.float16)
+    link, samples = calibrate.measure_link(dtype=torch.float32, rounds=21)
+    link_half, _ = calibrate.measure_link(dtype=torch.float16, rounds=21)
     x, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
     net = _model(hidden)
     params = sum(p.numel() for p in net.parameters())
@@ -61,7 +63,7 @@ def _body(hidden, batch, bucket_mb, rounds=7, steps=5):
         loss.pop().backward()
         opts["plain"][1].zero_grad()
 
-    overlap, probe = calibrate.measure_overlap(backward, nbytes=params * 4, buckets=buckets,
+    overlap, probe = calibrate.measure_overlap(backward, nbytes=params * 4, buckets=buckets, rounds=31,
                                                prepare=lambda: loss.append(
                                                    torch.nn.functional.cross_entropy(net(x), y)))
     flat = torch.randn(params)
@@ -82,7 +84,8 @@ def _body(hidden, batch, bucket_mb, rounds=7, steps=5):
     compute = med[0]
     out = {}
     for comp, measured in zip(("none", "fp16"), med[1:]):
-        spec = plan.ModelSpec(params=params, compute_s=compute * n)  # compute_s is per global batch on one rank
+        # compute_s is per global batch on one rank
+        spec = plan.ModelSpec(params=params, compute_s=compute * n, wait_s=probe["wait_s"])
         # calibrated on the whole world, so the link is the slowest one a flat ring crosses
         wire = link_half if comp == "fp16" else link
         cluster = cost.Cluster(hosts=px.cross_size(), ranks_per_host=n // px.cross_size(), intra=wire, inter=wire,
@@ -91,8 +94,8 @@ def _body(hidden, batch, bucket_mb, rounds=7, steps=5):
         codecs = {"fp16": (0.5, codec)}
         pred = plan.predict(spec, cluster, layout, codecs=codecs)
         out[comp] = (pred.step_s, measured)
-        out[comp + "_free"] = plan.predict(spec, cost.Cluster(cluster.hosts, cluster.ranks_per_host, wire, wire),
-                                           layout, codecs=codecs).step_s
+        free = cost.Cluster(cluster.hosts, cluster.ranks_per_host, wire, wire)  # e = 1, no waiting term
+        out[comp + "_free"] = plan.predict(dataclasses.replace(spec, wait_s=0.0), free, layout, codecs=codecs).step_s
         out[comp + "_parts"] = {k: v * 1e3 for k, v in pred.parts.items() if k.endswith("_s")}
     for name in ("none", "fp16"):
         opts[name][0]._engine.remove_hooks()
@@ -161,7 +164,8 @@ def main() -> None:
         probe = res["probe_ms"]
         print(f"repeat {r}: alpha {res['alpha_us']:.0f} us, {res['gbps']:.2f} Gbit/s (fp16 payloads: alpha "
               f"{res['alpha_fp16_us']:.0f} us, {res['gbps_fp16']:.2f} Gbit/s); overlap e {res['overlap']:.2f} "
-              f"(compute {probe['compute_s']:.1f}, allreduce {probe['comm_s']:.1f}, both {probe['both_s']:.1f} ms); "
+              f"(compute {probe['compute_s']:.1f}, allreduce {probe['comm_s']:.1f}, one after the other "
+              f"{probe['serial_s']:.1f}, both {probe['both_s']:.1f}, so waiting {probe['wait_s']:.1f} ms); "
               f"compute {res['compute_ms']:.1f} ms, {res['params'] / 1e6:.2f}M params; predicted parts (ms) "
               f"none {_fmt(res.get('none_parts'))} fp16 {_fmt(res.get('fp16_parts'))}", flush=True)
     print(f"\n{'compression':>11} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   (median of {args.repeats})")
@@ -169,7 +173,7 @@ def main() -> None:
         pred = statistics.median(r[comp][0] for r in rows) * 1e3
         meas = statistics.median(r[comp][1] for r in rows) * 1e3
         print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}")
-    print("\nthe same, had communication been free to hide behind backward (overlap e = 1):")
+    print("\nthe same without the measured overlap and waiting terms (e = 1, waiting 0):")
     for comp in ("none", "fp16"):
         pred = statistics.median(r[comp + "_free"] for r in rows) * 1e3
         meas = statistics.median(r[comp][1] for r in rows) * 1e3

@@ -107,6 +107,10 @@ def test_plan_search_respects_memory_and_ranks_by_time():
     serial = plan.predict(model, dataclasses.replace(cl, overlap=0.0), plan.Layout(8, zero=3))
     assert serial.parts["exposed_s"] == pytest.approx(serial.parts["grad_sync_s"])
     assert serial.step_s > none.step_s and "overlap 0.00" in serial.why
+    waits = plan.predict(dataclasses.replace(model, wait_s=0.01), cl, plan.Layout(8, zero=3))
+    assert waits.step_s == pytest.approx(none.step_s + 0.01) and "waiting 10.0 ms" in waits.why
+    alone = plan.predict(dataclasses.replace(model, wait_s=0.01), cl, plan.Layout(1, pp=8, micro_batches=8))
+    assert alone.parts["wait_s"] == 0.0  # no gradient sync, nothing to wait for
     with pytest.raises(ValueError, match="world size"):
         plan.predict(model, cl, plan.Layout(3))
     with pytest.raises(ValueError, match="memory-gb"):
@@ -198,8 +202,11 @@ def test_autotune_on_data_parallel_two_ranks():
     link, samples, e, parts = results[0][4]
     assert [m for m, _ in samples] == [8, 2**16, 2**20] and all(t > 0 for _, t in samples)
     assert link.alpha_s >= 0 and link.beta_s > 0 and -1 <= e <= 1
-    assert set(parts) == {"compute_s", "comm_s", "both_s"} and min(parts.values()) > 0
-    assert e == cost.fit_overlap(parts["compute_s"], parts["comm_s"], parts["both_s"])
+    assert set(parts) == {"compute_s", "comm_s", "serial_s", "both_s", "wait_s"}
+    assert min(parts.values()) >= 0 and parts["wait_s"] == max(0.0, parts["serial_s"] - parts["compute_s"] -
+                                                                 parts["comm_s"])
+    assert e == cost.fit_overlap(parts["compute_s"], max(parts["serial_s"] - parts["compute_s"], parts["comm_s"]),
+                                 parts["both_s"])
     for best, log, sizes, params, _ in results:
         assert best == 0.001
         assert [v for v, _ in log] == [0.001, 0.004, 1]

@@ -4,8 +4,9 @@
   timed in interleaved rounds (warm-up rounds dropped, median per size, slowest rank),
   fitted in relative error (:func:`phalanx.planner.cost.fit_link`).
 - :func:`measure_overlap`: how much of an allreduce hides behind compute on these cores
-  (``cost.Cluster.overlap``), from compute alone, the allreduce alone and both at once,
-  interleaved the same way (:func:`phalanx.planner.cost.fit_overlap`).
+  (``cost.Cluster.overlap``), from compute alone, the allreduce alone, one after the
+  other and both at once, interleaved the same way (:func:`phalanx.planner.cost.fit_overlap`);
+  and the waiting a collective right after compute adds (``plan.ModelSpec.wait_s``).
 
 Interleaving matters on a shared machine: a burst of load then lands on every size (or
 on all three timings) of one round instead of biasing one of them; the median drops it.
@@ -16,6 +17,7 @@ Example (every rank)::
     link, samples = calibrate.measure_link()
     e, parts = calibrate.measure_overlap(lambda: train_step(plain_model), nbytes=4 * n_params)
     cluster = cost.Cluster(hosts=1, ranks_per_host=px.size(), intra=link, inter=link, overlap=e)
+    spec = plan.ModelSpec(params=n_params, compute_s=..., wait_s=parts["wait_s"])
 """
 
 from __future__ import annotations
@@ -82,15 +84,22 @@ def measure_link(sizes: Sequence[int] = DEFAULT_SIZES, *, dtype: torch.dtype = t
 def measure_overlap(compute: Callable[[], object], nbytes: int, *, buckets: int = 1,
                     prepare: Callable[[], object] | None = None, dtype: torch.dtype = torch.float32,
                     rounds: int = 11, warmup: int = 2, group=None) -> tuple[float, dict[str, float]]:
-    """Share of the allreduce of ``nbytes`` (in ``buckets`` equal messages) that hides behind ``compute()``.
+    """Share of the allreduce of ``nbytes`` (in ``buckets`` equal messages) that hides behind ``compute()``,
+    and what synchronising right after compute costs beyond the collective itself.
 
-    ``compute`` should be the work communication would overlap in training (a plain,
-    non-distributed training step of the model is the natural choice); ``buckets`` as
-    many as the layout will send, since each launch has its own cost on the compute
-    thread. ``prepare`` runs untimed before each ``compute`` (e.g. the forward, when
-    ``compute`` is the backward communication overlaps in training). Returns ``e`` (see :func:`phalanx.planner.cost.fit_overlap`; negative when
-    running both at once costs more than one after the other) and the three medians
-    ``{"compute_s", "comm_s", "both_s"}`` (slowest rank).
+    Four timings per round, interleaved: ``compute`` alone (C); the allreduces alone, after
+    a barrier (A); ``compute`` then the allreduces (S, serial); the allreduces launched
+    asynchronously, then ``compute``, then the waits (T). ``wait_s = S - C - A`` is the
+    waiting a collective after compute adds (ranks finish compute at different moments,
+    and the communication threads start cold); ``e = fit_overlap(C, S - C, T)``.
+
+    ``compute`` should be the work communication would overlap in training (the backward
+    of the plain, non-distributed model, with ``prepare`` running its forward untimed
+    before each timing); ``buckets`` as many as the layout will send, since each launch
+    has its own cost on the compute thread. Returns ``e`` (see
+    :func:`phalanx.planner.cost.fit_overlap`; negative when running both at once costs
+    more than one after the other) and the medians ``{"compute_s", "comm_s", "serial_s",
+    "both_s", "wait_s"}`` (slowest rank).
     """
     _check(rounds, warmup, group)
     if buckets < 1:
@@ -102,13 +111,17 @@ def measure_overlap(compute: Callable[[], object], nbytes: int, *, buckets: int 
         for buf in bufs:
             dist.all_reduce(buf, group=group)
 
+    def serial() -> None:
+        compute()
+        comm()
+
     def both() -> None:
         works = [dist.all_reduce(buf, group=group, async_op=True) for buf in bufs]
         compute()
         for work in works:
             work.wait()
 
-    fns = {"compute_s": compute, "comm_s": comm, "both_s": both}
+    fns = {"compute_s": compute, "comm_s": comm, "serial_s": serial, "both_s": both}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(warmup + rounds):
         for key, fn in fns.items():
@@ -121,4 +134,6 @@ def measure_overlap(compute: Callable[[], object], nbytes: int, *, buckets: int 
             if r >= warmup:
                 times[key].append(took)
     slow = dict(zip(fns, _slowest([statistics.median(times[k]) for k in fns], group)))
-    return cost.fit_overlap(slow["compute_s"], slow["comm_s"], slow["both_s"]), slow
+    c, a, s = slow["compute_s"], slow["comm_s"], slow["serial_s"]
+    slow["wait_s"] = max(0.0, s - c - a)
+    return cost.fit_overlap(c, max(s - c, a), slow["both_s"]), slow

@@ -9,6 +9,7 @@ predicts::
          + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume;
                                                                          # only cluster.overlap of it can hide
          + codec time of the compression
+         + waiting: what a collective right after compute costs beyond itself (measured)
 
 and the memory per rank of parameters, gradients and Adam state (ZeRO shards
 them over dp). Each prediction carries a one-line *why*.
@@ -58,6 +59,9 @@ class ModelSpec:
     """Adam in fp32: two moments"""
     backward_fraction: float = 2 / 3
     """share of compute_s spent in backward, the window gradient sync can hide in"""
+    wait_s: float = 0.0
+    """per step, what a collective right after compute costs beyond its own time: waiting for
+    the slowest rank, cold communication threads (measure: calibrate.measure_overlap's wait_s)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +118,18 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     exposed = cost.overlapped_exposure([bucket_s] * n_buckets, compute * model.backward_fraction, cluster.overlap)
     memory = cost.zero_memory(model.params / (layout.pp * layout.tp), layout.zero, layout.dp,
                               model.bytes_per_param, model.optim_bytes_per_param)
-    step = compute + tp_time + exposed
+    wait = model.wait_s if layout.dp > 1 else 0.0
+    step = compute + tp_time + exposed + wait
     bubble = cost.pipeline_bubble(layout.pp, layout.micro_batches)
     why = (f"compute {compute * 1e3:.1f} ms" + (f" (bubble {bubble:.0%})" if layout.pp > 1 else "")
            + f"; grad sync {comm_total * 1e3:.1f} ms in {n_buckets} bucket(s) over "
            + f"{'inter' if dpc.hosts > 1 else 'intra'}-host links, {exposed * 1e3:.1f} ms exposed"
            + (f" (overlap {cluster.overlap:.2f})" if cluster.overlap < 1 else "")
+           + (f"; waiting {wait * 1e3:.1f} ms" if wait else "")
            + (f"; tp allreduces {tp_time * 1e3:.1f} ms" if layout.tp > 1 else "")
            + f"; {memory / 2**30:.2f} GiB/rank")
     parts = {"compute_s": compute, "tp_s": tp_time, "grad_sync_s": comm_total, "exposed_s": exposed,
-             "bubble": bubble}
+             "wait_s": wait, "bubble": bubble}
     return Prediction(layout, step, memory, parts, why)
 
 
