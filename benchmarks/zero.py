@@ -1,6 +1,7 @@
 """ZeRO stages vs torch's peers, same model, one run: peak memory per rank and samples/s.
 
 Run:  python benchmarks/zero.py [--np 2] [--layers 8] [--width 1024] [--batch 64] [--steps 8] [--repeats 3]
+                                 [--configs ddp,phalanx-stage2]   (a subset; default all)
       MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/zero.py ...   (RSS close to live bytes, see below)
 
 Peers: stage 1 vs DDP + ``ZeroRedundancyOptimizer``; stage 3 vs FSDP2 ``fully_shard``
@@ -109,27 +110,32 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list, a subset of " + ",".join(CONFIGS))
     a = ap.parse_args()
+    configs = [c for c in a.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {CONFIGS}")
     psi = a.layers * (a.width * a.width + a.width)
     print(f"model: {a.layers} x Linear({a.width},{a.width}), {psi / 1e6:.1f}M params, Adam fp32, np={a.np}, "
           f"global batch {a.batch * a.np}, {a.steps} timed steps, {a.repeats} repeats (interleaved), "
           f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}")
-    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(a.repeats):
-        order = CONFIGS if rep % 2 == 0 else CONFIGS[::-1]
+        order = configs if rep % 2 == 0 else configs[::-1]
         for c in order:
             res = px.run(_bench, np=a.np, args=(c, a.layers, a.width, a.batch, a.steps), timeout=600)
             runs[c].append({"samples_s": statistics.mean(r["samples_s"] for r in res),
                             "peak": max(r["peak"] for r in res), "model_bytes": res[0]["model_bytes"]})
     med = {c: {k: statistics.median(r[k] for r in runs[c]) if runs[c][0][k] is not None else None
-               for k in ("samples_s", "peak", "model_bytes")} for c in CONFIGS}
+               for k in ("samples_s", "peak", "model_bytes")} for c in configs}
     print("\n| config | samples/s | peak MiB/rank | model bytes MiB/rank | vs peer (mem, speed) |")
     print("|---|---|---|---|---|")
-    for c in CONFIGS:
+    for c in configs:
         m = med[c]
         mb = f"{m['model_bytes'] / 2**20:.1f}" if m["model_bytes"] is not None else "-"
         vs = ""
-        if c in PEER:
+        if PEER.get(c) in med:
             p = med[PEER[c]]
             vs = f"{m['peak'] / p['peak']:.2f}x mem, {m['samples_s'] / p['samples_s']:.2f}x speed vs {PEER[c]}"
         print(f"| {c} | {m['samples_s']:.0f} | {m['peak'] / 2**20:.0f} | {mb} | {vs} |")

@@ -105,6 +105,8 @@ class BucketReduction:
       copies the gradients into the bucket's flat (zeros for a missing one).
     - ``finish(bucket)``: from ``engine.wait()`` for every bucket, in order (a bucket finished
       earlier, e.g. to bound memory in flight, has ``handle`` back at ``None``).
+    - ``on_grad(p, bucket)``: optional, each gradient the moment it is in (in a pass that
+      reduces), before its bucket is marked: e.g. copy it into a send buffer and drop it.
     - ``complete(bucket)``: optional, the moment the bucket's last gradient is in, even if an
       earlier bucket holds up its launch (only with ``plan=``).
     - ``end_of_backward(synced)``: at the start of every backward's end-of-backward callback.
@@ -280,6 +282,7 @@ class GradientEngine:
                                           on_complete=getattr(reduction, "complete", None))
         else:
             self.buckets = BucketManager(dense, int(bucket_mb * 2**20), self._launch)
+        self._on_grad = getattr(reduction, "on_grad", None)
         if reduction is not None:
             reduction.bind(self)
         self._passes = 0
@@ -319,6 +322,8 @@ class GradientEngine:
             bucket = self.buckets._bucket_of.get(id(p))
             if bucket is not None:
                 self._used.add(id(p))
+                if self._on_grad is not None:
+                    self._on_grad(p, bucket)
                 self.buckets.mark_ready(p)
 
     def _end_of_backward(self) -> None:

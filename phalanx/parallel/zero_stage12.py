@@ -12,13 +12,15 @@ in where a gradient lives until its reduction:
   padded flat (DDP's ``gradient_as_bucket_view``), so autograd accumulates in place and
   nothing is copied. Micro-batches accumulate locally; only the backward that ends the
   accumulation (``backward_passes_per_step``) reduce-scatters straight from the flats.
-- Stage 2 (P_os+g): the engine's bucket flats get no storage. When a bucket is complete,
-  its gradients are copied into a pooled send buffer and dropped (``p.grad = None``) and
-  the reduce-scatter is launched; at most ``max_in_flight`` buffers (one, as FSDP2) are in
-  flight, and the pool is freed after backward, so full-size gradient memory is never held::
+- Stage 2 (P_os+g): the engine's bucket flats get no storage. Each gradient, as it
+  arrives (the engine's ``on_grad``), is copied into its bucket's pooled send buffer and
+  dropped (``p.grad = None``); a complete bucket is reduce-scattered. At most
+  ``max_in_flight`` buffers (one, as FSDP2) are in flight plus the one filling, and the
+  pool is freed after backward, so full-size gradient memory is never held::
 
-    backward:  p9.grad, p8.grad in → bucket 0 complete → copy, drop grads → reduce_scatter(async) ┐ overlaps
-               p7.grad … in        → bucket 1 complete → wait bucket 0 (→ shard) → copy → launch 1 ┘ the rest
+    backward:  p9.grad → bucket 0 buf ┐ complete → reduce_scatter(async) → shard[bucket 0] ┐ overlaps
+               p8.grad → bucket 0 buf ┘                                                    │ the rest
+               p7.grad → bucket 1 buf (waits bucket 0 first) … complete → reduce_scatter ──┘ of backward
     end:       launch what is left (in bucket order) · wait · shard /= N
     step():    inner optimizer on the fp32 shard → allgather into each unit's param flat
 
@@ -81,6 +83,9 @@ class ShardReduction(BucketReduction):
         self.reduced = False  # stage 1: the flats' contents are already in the shard
         self._reduced_pass = -1  # the backward pass that reduced them
         self._pool: list[torch.Tensor] = []  # stages 2, 3: send buffers, reused within a backward
+        self._bufs: dict[int, torch.Tensor] = {}  # bucket index -> send buffer being filled
+        self._written: dict[int, set[int]] = {}
+        self._offset = {id(p): off for _, u in self.order for p, off in zip(u.params, u.offsets)}
         self._capacity = max((u.padded for _, u in self.order), default=0)
         self._finished = 0
 
@@ -162,37 +167,55 @@ class ShardReduction(BucketReduction):
                 self._pool.clear()
                 self._finished = 0
 
-    def _copy_out(self, bucket) -> torch.Tensor:
-        """Stages 2, 3: the bucket's gradients in a pooled send buffer, and the gradients dropped.
-
-        At most ``max_in_flight`` buffers are in flight (the oldest is finished first), plus
-        the one filled here; the buffers are reused within a backward and freed after it.
-        """
+    def _acquire(self, bucket) -> torch.Tensor:
+        """A pooled send buffer for ``bucket``: at most ``max_in_flight`` are in flight (the
+        oldest is finished first) plus the one filling; reused within a backward, freed after it."""
         while len(self._in_flight) >= self.max_in_flight:
             self.finish(self._in_flight[0])
-        p0 = bucket.params[0]
         if self._pool:
-            buf = self._pool.pop()[: bucket.padded]
-        else:
-            buf = torch.empty(self._capacity, dtype=p0.dtype, device=p0.device)[: bucket.padded]
-        grads, views = [], []
+            return self._pool.pop()[: bucket.padded]
+        p0 = bucket.params[0]
+        return torch.empty(self._capacity, dtype=p0.dtype, device=p0.device)[: bucket.padded]
+
+    def on_grad(self, p: torch.Tensor, bucket) -> None:
+        """Stages 2, 3: copy the gradient into its bucket's send buffer and drop it at once."""
+        if self.keep_full:
+            return
+        i = bucket.index
+        buf = self._bufs.get(i)
+        if buf is None:
+            buf = self._bufs[i] = self._acquire(bucket)
+            self._written[i] = set()
+        off = self._offset[id(p)]
+        buf[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        self._written[i].add(id(p))
+        p.grad = None  # the non-owned part of this gradient is never kept
+
+    def _copy_out(self, bucket) -> torch.Tensor:
+        """Stages 2, 3 at launch: the bucket's send buffer, with zeros where no gradient came."""
+        i = bucket.index
+        buf = self._bufs.pop(i, None)
+        written = self._written.pop(i, set())
+        if buf is None:
+            buf = self._acquire(bucket)
         for p, off in zip(bucket.params, bucket.offsets):
-            g, n = p.grad, p.numel()
-            if g is None:
+            if id(p) in written:
+                continue
+            n = p.numel()
+            if p.grad is None:
                 buf[off : off + n].zero_()
-            else:
-                grads.append(g.reshape(-1))
-                views.append(buf[off : off + n])
-                p.grad = None  # the non-owned part of this gradient is never kept
+            else:  # accumulated outside a reducing pass
+                buf[off : off + n].copy_(p.grad.reshape(-1))
+                p.grad = None
         buf[bucket.numel :].zero_()
-        if grads:
-            torch._foreach_copy_(views, grads)
         return buf
 
     # -- driven by the optimizer -----------------------------------------------------------------
     def zero(self) -> None:
         self._fresh = [True] * len(self.order)
         self._pool.clear()
+        self._bufs.clear()
+        self._written.clear()
         self._finished = 0
         for s in self.grad_shards:
             if s is not None:
