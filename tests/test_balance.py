@@ -275,6 +275,8 @@ def test_sizes_converge_and_follow_a_speed_change():
     assert outs[0]["trace"] == outs[1]["trace"], "ranks disagree on the split"
     out = outs[0]
     trace, changes = out["trace"], out["changes"]
+    # the first exchange (step 2) jumps to the measured split (42/22; damped half way it would be 37/27)
+    assert trace[0] == [32, 32] and trace[1][0] >= 40, trace[:3]
     # stable speeds: the split reaches the speed-proportional one (43/21 of 64) and stays there
     assert trace[59] == [43, 21], trace[:60]
     assert all(c < 40 for c in changes if c < 60), changes
