@@ -8,11 +8,16 @@ directory with fsync on both sides) interleaves phalanx and DCP each repeat and 
   * load MiB/s            phalanx.checkpoint.load           vs dcp.load
   * blocked by async save phalanx save(async_=True) return  vs dcp.async_save return
     (the time the training loop is stopped; the write finishes in the background)
-Part 2: `phalanx run -np 4 --max-restarts 1` of a small training job whose rank 1 SIGKILLs itself
-at step 12 (commit every 5 steps); recovery = time from the kill to the next completed step, split
-into: agent notices, stops the group, re-rendezvous, spawns (until the new rank 0 runs Python) ->
-import torch and phalanx -> px.init (waits for all 4 ranks) -> build model and optimizer (the first
-torch optimizer imports torch._dynamo) -> restore the commit + sync -> first step.
+Part 2: a 4-worker training job whose rank 1 SIGKILLs itself at step 12 (commit every 5 steps);
+recovery = time from the kill to the next completed step, by both paths, interleaved per repeat:
+  * group restart: `phalanx run -np 4 --max-restarts 1` (TorchElastic stops every worker and starts
+    a new group), split into: agent notices, stops the group, re-rendezvous, spawns (until the new
+    rank 0 runs Python) -> import torch and phalanx -> px.init (waits for all 4 ranks) -> build model
+    and optimizer (the first torch optimizer imports torch._dynamo) -> restore the commit + sync ->
+    first step;
+  * in-process: `phalanx run -np 4 --min-np 2 --max-np 4 --max-restarts 0` (the 3 survivors keep
+    their processes; no replacement), split into: error seen, group left, re-formed, commit restored
+    from memory and synced (kill -> train_fn called again) -> first step.
 """
 
 # ruff: noqa: E402  (the process start time is taken before the imports)
@@ -118,8 +123,14 @@ def _recovery_worker(out: str) -> None:
             f.write(f"boot {state.step} {restart} {_BOOT:.4f}\nimported {state.step} {restart} {imported:.4f}\n"
                     f"inited {state.step} {restart} {inited:.4f}\nbuilt {state.step} {restart} {built:.4f}\n")
 
+    from phalanx.elastic import inprocess
+
     @elastic.run
     def train(state):
+        nonlocal restart
+        if inprocess.active():
+            restart = inprocess.generation()  # the in-process path: same process, next generation
+        r = px.rank()
         if r == 0:
             event("resumed")
         while state.step < STEPS:
@@ -142,10 +153,12 @@ def _recovery_worker(out: str) -> None:
     train(state)
 
 
-def _recovery_once() -> tuple[float, int, dict]:
+def _recovery_once(path: str = "restart") -> tuple[float, int, dict]:
     out = tempfile.mkdtemp(prefix="phalanx-recovery-")
     try:
-        cmd = [sys.executable, "-m", "phalanx", "run", "-np", "4", "--max-restarts", "1",
+        flags = ["--max-restarts", "1"] if path == "restart" else ["--min-np", "2", "--max-np", "4",
+                                                                   "--max-restarts", "0"]
+        cmd = [sys.executable, "-m", "phalanx", "run", "-np", "4", *flags,
                sys.executable, os.path.abspath(__file__), "--recovery-worker", out]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
@@ -154,6 +167,11 @@ def _recovery_once() -> tuple[float, int, dict]:
         kill_t = next(float(e[3]) for e in events if e[0] == "kill")
         after = [e for e in events if e[0] == "done" and int(e[2]) == 1]
         lost = KILL_STEP - (int(after[0][1]) - 1)
+        if path == "inprocess":
+            resumed = next(float(e[3]) for e in events if e[0] == "resumed" and int(e[2]) == 1)
+            phases = {"error, leave, re-form, restore+sync": resumed - kill_t,
+                      "first step": float(after[0][3]) - resumed}
+            return float(after[0][3]) - kill_t, lost, phases
         at = {e[0]: float(e[3]) for e in events if int(e[2]) == 1 and e[0] in ("boot", "imported", "inited", "built", "resumed")}
         phases = {"agent stop+rendezvous+spawn": at["boot"] - kill_t, "import torch+phalanx": at["imported"] - at["boot"],
                   "init (all 4 ranks)": at["inited"] - at["imported"],
@@ -202,14 +220,22 @@ def main() -> None:
     if args.repeats:
         _io_part(args)
     if args.recovery_repeats:
-        rec = [_recovery_once() for _ in range(args.recovery_repeats)]
-        times = [t for t, _, _ in rec]
-        print(f"recovery after SIGKILL of 1 of 4 workers (kill -> next completed step): median "
-              f"{statistics.median(times):.2f} s over {len(times)} runs {[round(t, 2) for t in times]}; "
-              f"steps lost {[s for _, s, _ in rec]} (commit every {COMMIT_EVERY})")
-        print("  median split: " + ", ".join(f"{k} {statistics.median(p[k] for _, _, p in rec):.2f} s"
-                                             for k in rec[0][2]))
-
+        runs = {"restart": [], "inprocess": []}
+        for _ in range(args.recovery_repeats):  # interleaved: both paths see the same machine state
+            for path in runs:
+                runs[path].append(_recovery_once(path))
+        med = {}
+        for path, rec in runs.items():
+            times = [t for t, _, _ in rec]
+            med[path] = statistics.median(times)
+            name = {"restart": "group restart (TorchElastic)", "inprocess": "in-process (survivors kept)"}[path]
+            print(f"recovery after SIGKILL of 1 of 4 workers, {name} (kill -> next completed step): median "
+                  f"{med[path]:.2f} s over {len(times)} runs {[round(t, 2) for t in times]}; "
+                  f"steps lost {[s for _, s, _ in rec]} (commit every {COMMIT_EVERY})")
+            print("  median split: " + ", ".join(f"{k} {statistics.median(p[k] for _, _, p in rec):.2f} s"
+                                                 for k in rec[0][2]))
+        print(f"recovery in-process / group restart: {med['inprocess'] / med['restart']:.3f} "
+              f"({med['restart'] / med['inprocess']:.1f}x faster)")
 
 if __name__ == "__main__":
     main()
