@@ -125,6 +125,47 @@ def _bench(hidden, epochs, repeats, configs, batch=64):
     return out
 
 
+def _codec_floor(configs, numel, repeats=15) -> dict:
+    """CPU cost of each phalanx codec on ``numel`` values, one thread, no communication: the
+    error-feedback add + compress of this rank's gradient, and decoding both ranks' payloads
+    into one buffer (what the 2-rank allgather path does). Median ms of ``repeats``."""
+    from phalanx.comm.compressed import _decode, _parts
+    from phalanx.comm.compression import get_compressor
+    from phalanx.comm.error_feedback import compress_residual
+
+    torch.set_num_threads(1)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3
+    out_buf = torch.empty(numel)
+    floor = {}
+    for c in configs:
+        if c not in PHALANX or c in ("none", "fp16", "bf16", "powersgd"):
+            continue
+        comp = get_compressor(c, **SETTINGS.get(c, {}))
+        accumulate, inner = _parts(comp)
+        enc, dec = [], []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            payload, ctx = compress_residual(inner, accumulate("g", grad))
+            t1 = time.perf_counter()
+            for r in range(2):
+                _decode(inner, payload, ctx, out_buf, 0.5, add=r > 0)
+            t2 = time.perf_counter()
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
+        floor[c] = {"compress_ms": statistics.median(enc[2:]) * 1e3, "decode_ms": statistics.median(dec[2:]) * 1e3,
+                    "payload": payload.numel()}
+    return floor
+
+
+def _rate_bytes_per_s(rate: str) -> float:
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        raise SystemExit(f"--rate {rate!r}: write it as tc does, e.g. 1gbit, 100mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] / 8
+
+
 def _on_cluster(args) -> dict:
     import subprocess
 
@@ -154,6 +195,9 @@ def main():
     ap.add_argument("--configs", default=",".join(PHALANX + DDP + FLOOR), help="comma-separated subset")
     ap.add_argument("--cluster", type=int, default=0, help="simulated hosts (root), one rank each")
     ap.add_argument("--rate", default="1gbit", help="simulated link rate")
+    ap.add_argument("--codec-floor", action="store_true",
+                    help="also time each codec alone (one thread, no network) and print the best step ratio "
+                         "vs DDP it allows: DDP step / (local step + codec ms + payload bytes / link rate)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
@@ -185,6 +229,24 @@ def main():
         fewer = f"{runs[0]['dense'] / nbytes:>9.1f}" if nbytes else f"{'-':>9}"
         print(f"{key:<20}{nbytes:>12.0f}{fewer}{step * 1e3:>10.2f}{base / step:>9.2f}x{acc:>10.4f}"
               f"   (wall {statistics.median(r['wall_s'] for r in runs):.0f} s)")
+    if a.codec_floor:
+        numel = sum(p.numel() for p in _model(a.hidden).parameters())
+        floor = _codec_floor(a.configs, numel)
+        med = {k: statistics.median(r["step_s"] for r in runs) * 1e3 for k, runs in res.items()}
+        link = _rate_bytes_per_s(a.rate) if a.cluster else None
+        print(f"\ncodec alone, one thread, {numel} values (error feedback + compress; decode of 2 payloads)")
+        print(f"{'codec':<12}{'compress ms':>12}{'decode ms':>11}{'ns/value':>10}{'wire ms':>9}{'bound vs ddp':>14}")
+        for c, f in floor.items():
+            codec = f["compress_ms"] + f["decode_ms"]
+            line = f"{c:<12}{f['compress_ms']:>12.2f}{f['decode_ms']:>11.2f}{codec * 1e6 / numel:>10.2f}"
+            if link and c in res and "ddp" in med and "local" in med:
+                wire_ms = statistics.median(r["bytes"] for r in res[c]) / link * 1e3
+                bound = med["ddp"] / (med["local"] + codec + wire_ms)
+                line += f"{wire_ms:>9.2f}{bound:>13.2f}x"
+            print(line)
+        if link and "ddp" in med and "local" in med:
+            print(f"(bound = ddp {med['ddp']:.1f} ms / (local {med['local']:.1f} ms + codec + wire at {a.rate}); "
+                  f"with a free codec the best any compressor can do is {med['ddp'] / med['local']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,15 @@ def _collectives_body():
             out["errors"][(cname, algo)] = (got - sim).abs().max().item()
             out["ratios"][(cname, algo)] = wire.ratio
             out[("result", cname, algo)] = got
+    # the allgather in pipelined pieces (1003 values: 4 pieces of whole 256-value chunks) gives the
+    # same result as in one piece, with error feedback too, written into out= (here the input itself)
+    for cname in ("int8", "sign"):
+        whole = allreduce_compressed(x, get_compressor(cname), name="p", algorithm="allgather")
+        y = x.clone()
+        c = get_compressor(cname)
+        got = allreduce_compressed(y, c, name="p", algorithm="allgather", piece_numel=256, out=y)
+        out[("pieces", cname)] = (got.data_ptr() == y.data_ptr(), (got - whole).abs().max().item(),
+                                  (got - exact).abs().max().item())
     # async: two handles in flight, waited in order; auto algorithm
     c = get_compressor("int8")
     h1 = allreduce_compressed(x, c, name="a", async_op=True)
@@ -117,6 +126,10 @@ def test_compressed_allreduce_matches_simulation(np):
             for cname, f in factor.items():
                 expect = f * (2 / np if algo == "allgather" else 1.0)
                 assert out["ratios"][(cname, algo)] > 0.8 * expect, (cname, algo, out["ratios"])
+        for cname in ("int8", "sign"):
+            in_place, vs_whole, vs_exact = out[("pieces", cname)]
+            assert in_place and vs_whole < 1e-6, (cname, out[("pieces", cname)])
+        assert out[("pieces", "int8")][2] < 0.05  # and it is the mean
         assert out["async"][0] < 0.05 and out["async"][1] < 0.1
         assert out["launch_bytes"][0] == out["launch_bytes"][1] > 0, out["launch_bytes"]
         assert "a" in out["ef_keys"] and "b" in out["ef_keys"]

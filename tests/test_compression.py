@@ -184,3 +184,31 @@ def test_registry_and_errors():
         allreduce_compressed(torch.ones(3), "int8", algorithm="ring")
     x = torch.randn(10)
     assert torch.equal(allreduce_compressed(x, "sign"), x)  # a world of one sends nothing
+
+
+def test_fused_error_feedback_and_decode_match_the_plain_forms():
+    # compress_ef / decompress_add (what allreduce_compressed uses) against compress / decompress,
+    # on sizes with whole 32-bit sign words, a partial last chunk and tiny chunks (amax ~1e-38)
+    gen = torch.Generator().manual_seed(7)
+    for n in (3000, 2 * 256 + 37):
+        x = torch.randn(n, generator=gen)
+        x[:256] = torch.randn(256, generator=gen) * 1e-38  # L / amax overflows: sent as zeros, kept
+        x[300:310] = 0.0
+        x[311] = -0.0
+        for c in (QuantizeCompressor(bits=8), QuantizeCompressor(bits=4), SignCompressor(),
+                  SignCompressor(two_level=False), SignCompressor(chunk=100), TopKCompressor(ratio=0.05)):
+            payload, ctx = c.compress(x)
+            y = c.decompress(payload, ctx)
+            assert torch.isfinite(y).all(), c
+            r = x.clone()
+            payload2, _ = c.compress_ef(r)
+            assert torch.equal(payload, payload2), c
+            torch.testing.assert_close(r, x - y, atol=1e-6, rtol=0)  # the residual, in place
+            out = torch.full((n,), 2.0)
+            c.decompress_add(payload, ctx, out, 0.25)
+            torch.testing.assert_close(out, 2.0 + 0.25 * y, atol=1e-6, rtol=0)
+            c.decompress_add(payload, ctx, out, 0.5, add=False)
+            torch.testing.assert_close(out, 0.5 * y, atol=1e-6, rtol=0)
+        # sign bits: the float's sign bit, 8 to a byte low bit first (the 32-bit words give the same bytes)
+        sign_bits = SignCompressor().compress(x)[0][: math.ceil(n / 8)]
+        assert torch.equal(sign_bits, pack_bits(x.view(torch.int32) >= 0, 1))

@@ -121,10 +121,12 @@ def _decode(inner, payload, ctx, out: torch.Tensor, alpha: float, add: bool) -> 
         torch.mul(y, alpha, out=out)
 
 
-PIECE_NUMEL = 1 << 20
+PIECE_NUMEL = 1 << 19
 """Values per piece when a large tensor goes through the allgather path in pieces (codecs
 with a per-chunk layout only: int8/int4/2-bit, sign), so that compressing piece i+1 and
-decoding piece i overlap piece i's transfer."""
+decoding piece i overlap piece i's transfer, and the codecs' temporaries stay small. On 2
+simulated hosts at 1 Gbit/s, 4.35M values: int8 84 ms in one piece, 43 ms in pieces of 1M,
+40 ms of 512K and 256K, 45 ms of 128K; sign 83, 21, 23, 29, 32 ms."""
 
 
 def _pieces(inner, numel: int, piece_numel: int | None) -> list[tuple[int, int]]:
