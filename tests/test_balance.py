@@ -259,7 +259,16 @@ def _convergence_body():
     events = timeline.stop()
     assert tl is not None
     sigmas = [rep.sigma_s for rep in bal.history]
+    # ranks configured differently (every=1 vs 2) meet in one exchange at steps 1 and 2: both refuse
+    odd = Balancer(8, every=1 + r, warmup=0)
+    mismatch = ""
+    try:
+        for _ in range(1 + r):
+            odd.record(compute_s=1e-3, samples=odd.local_batch)
+    except RuntimeError as err:
+        mismatch = str(err)
     return {
+        "mismatch": mismatch,
         "trace": trace,
         "changes": [i for i in range(1, len(trace)) if trace[i] != trace[i - 1]],
         "sigma_first": sigmas[0], "sigma_settled": sigmas[25], "sigma_after_swap": sigmas[30],
@@ -288,3 +297,4 @@ def test_sizes_converge_and_follow_a_speed_change():
     assert out["sigma_after_swap"] > out["sigma_settled"] * 5 and out["sigma_end"] < out["sigma_after_swap"] / 5
     assert out["reports"] == 60 and out["balance_events"] == 2 * 60  # one timeline span per rank per exchange
     assert "σ" in out["text"] and "wait ms" in out["text"]
+    assert all("different steps [1, 2]" in o["mismatch"] for o in outs), [o["mismatch"] for o in outs]

@@ -195,19 +195,27 @@ class Balancer:
 
     def _exchange(self) -> bool:
         t0 = time.perf_counter()
-        mine = torch.tensor([self._window], dtype=torch.float64)
+        mine = torch.tensor([self._window + [self.steps]], dtype=torch.float64)
         self._window = [0.0, 0.0, 0.0, 0]
         if self.world_size > 1:
             # One collective, straight to the backend: the checked allgather costs three round trips
             # (signature probe, sizes, data), 3-5 ms on gloo loopback per exchange (0.6-1 ms per step).
-            # Every rank reaches this point at the same step with the same (1, 4) float64 tensor.
+            # Every rank reaches this point at the same step with the same (1, 5) float64 tensor; the
+            # step number travels along, so ranks configured differently fail here with the reason.
             from phalanx.comm.collectives import all_gather_flat
 
-            out = torch.empty((self.world_size, 4), dtype=torch.float64)
+            out = torch.empty((self.world_size, 5), dtype=torch.float64)
             all_gather_flat(out, mine, group=self.group)
             rows = out.tolist()
+            steps = [int(r[4]) for r in rows]
+            if len(set(steps)) > 1:
+                raise RuntimeError(
+                    f"Balancer: the ranks exchanged timings at different steps {steps}: every rank needs the "
+                    "same every= and warmup= and one record() per step (DataParallel / DistributedOptimizer "
+                    "record for you), and load_state_dict() on every rank or none")
         else:
             rows = mine.tolist()
+        rows = [r[:4] for r in rows]
         compute = [c / max(n, 1) for c, _, _, n in rows]
         wait = [w / max(n, 1) for _, w, _, n in rows]
         speed = [s / c if c > 0 and s > 0 else 0.0 for c, _, s, _ in rows]
