@@ -6,7 +6,7 @@ Run:  flock /tmp/phalanx-bench.lock python benchmarks/balance.py --repeats 5
 --epochs epochs, every arm on the same permutations. Rank 1 gets an injected
 delay proportional to its batch: a sleep of k seconds per sample of its local
 batch in forward. k is calibrated at the start of every arm, in that run's own
-processes (the two vCPUs' relative speed moves from run to run by up to ±10%):
+processes (the two vCPUs' relative speed moved by 0.80-1.13x from run to run):
 both ranks time --calib-steps forward+backward passes at the uniform split on a
 copy of the model, k = (2 t0 - t1) / n; a second round with rank 1 sleeping k n
 first (as it will in training) corrects k the same way. The printed "slowdown"
