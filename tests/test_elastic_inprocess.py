@@ -77,7 +77,8 @@ WORKER = textwrap.dedent(f"""
             while state.step < TOTAL:
                 step(model, opt, state.sampler, x, y, px.size())
                 state.step += 1
-                if mode == "kill" and inprocess.generation() == 0 and state.step == KILL_AT and px.rank() == 2:
+                first_group = inprocess.generation() == 0 and elastic.restart_count() == 0
+                if mode == "kill" and first_group and state.step == KILL_AT and px.rank() == 2:
                     event("kill")
                     os.kill(os.getpid(), signal.SIGKILL)
                 if mode == "kill" and px.rank() == 0 and inprocess.generation() == 1 and not waited:
@@ -167,6 +168,27 @@ def test_too_few_workers_stop_the_job_with_a_clear_error(tmp_path):
     assert proc.returncode != 0
     assert "fewer than --min-np 2" in proc.stderr and "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "final.pt").exists()
+
+
+def test_survivors_that_cannot_reform_fall_back_to_a_group_restart(tmp_path):
+    # --min-np 4: the 3 survivors must wait for the replacement, but may wait only 1 s
+    # (PHALANX_ELASTIC_REFORM_TIMEOUT) while it imports torch: they exit 75 and the launcher
+    # restarts the whole group on TorchElastic from the last snapshot
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "4", "--min-np", "4", "--max-restarts", "1",
+           "--timeout", "60", sys.executable, str(script), str(tmp_path), "kill"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PHALANX_ELASTIC_REFORM_TIMEOUT": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    report = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, report
+    assert "recovery path: group restart on TorchElastic" in proc.stderr, report
+    ev = _events(tmp_path / "events.txt")
+    kill_t = next(e["t"] for e in ev if e["what"] == "kill")
+    first = {e["pid"] for e in ev if e["what"] == "start" and e["t"] < kill_t}
+    ends = [e for e in ev if e["what"] == "end"]
+    assert len(first) == 4 and len(ends) == 4 and not first & {e["pid"] for e in ends}, report  # all restarted
+    _check_final(tmp_path)
 
 
 # ---------------------------------------------------------------- a remote host appears mid-run

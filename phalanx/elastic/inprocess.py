@@ -104,7 +104,8 @@ def _context() -> _Ctx:
 
 
 def generation() -> int:
-    return _context().gen
+    """The generation this worker is in (0 at the start, and outside an in-process elastic job)."""
+    return _context().gen if active() else 0
 
 
 def _get(key: str) -> bytes | None:
