@@ -42,7 +42,8 @@ __all__ = ["SignCompressor"]
 
 
 class SignCompressor:
-    """Sign, bit-packed, with per-chunk reconstruction values (``x >= 0`` is sent as the "up" value)."""
+    """Sign, bit-packed, with per-chunk reconstruction values (a clear sign bit is sent as "up":
+    every ``x >= 0`` except ``-0.0``, which counts as down)."""
 
     summable = False
     fixed_size = True
