@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -130,9 +131,12 @@ class Supervisor:
     def _base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _PER_RANK_VARS}
         env.update(self.env)
-        # the workers import the phalanx this launcher runs (also when it is not installed)
+        # the workers import the phalanx this launcher runs (also from a source checkout that is
+        # not installed); a site-packages install is on their path already, and putting
+        # site-packages on PYTHONPATH would put it ahead of the standard library
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if root not in {*site.getsitepackages(), site.getusersitepackages()}:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(self.wanted, 1))))
         env.update({"PHALANX_LAUNCHER": "run", "TORCHELASTIC_RUN_ID": self.run_id,
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "true",

@@ -123,10 +123,6 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.update(spec.env)
     os.environ["PHALANX_LAUNCHER"] = "run"
-    # the workers import the phalanx this launcher runs (also when it is not installed for them)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
