@@ -1,5 +1,10 @@
 """Environment detection for each launcher, the world of one, and init/shutdown cycles."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -132,3 +137,27 @@ def test_process_group_is_shut_down_at_exit_when_the_script_forgets():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "initialized at exit: False" in out.stdout
+
+
+def test_exit_hook_stops_gloo_threads_even_after_dynamo_import():
+    # torch.optim imports torch._dynamo at the first step; imported while a gloo group exists, it
+    # kept the group alive past destroy_process_group(), and its threads' teardown at process exit
+    # sometimes aborted a finished job. init() imports it first; the threads must be gone.
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc/self/task (Linux) to list the process's threads")
+    code = textwrap.dedent("""
+        import os, torch, phalanx as px
+        px.init()
+        model = torch.nn.Linear(4, 4)
+        model(torch.randn(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()   # imports torch._dynamo
+        from phalanx import runtime
+        runtime._shutdown_at_exit()
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        print("THREADS", sorted(names))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("THREADS"))
+    assert "pt_gloo_runloop" not in line and "gloo_tcp_loop" not in line, line

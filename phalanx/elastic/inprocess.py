@@ -333,6 +333,7 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
         os.environ[theirs] = os.environ[ours]
     timeout = datetime.timedelta(seconds=ctx.timeout_s)
     before = _group_sockets(ctx.store_port)
+    runtime.import_dynamo_first()
     dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
                             world_size=len(members), timeout=timeout)
     ctx.group_sockets = _group_sockets(ctx.store_port) - before
