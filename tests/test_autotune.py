@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import torch
-from conftest import run_job
 from torch import nn
 
 import phalanx as px
@@ -75,7 +74,7 @@ def test_phalanx_run_autotune_flag(tmp_path):
     cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--autotune", "--autotune-log-file", str(log_file),
            "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "1", sys.executable, str(script)]
     env = dict(__import__("os").environ, PHALANX_AUTOTUNE_BUCKETS_MB="0.001,1", PHALANX_AUTOTUNE_ROUNDS="1")
-    proc = run_job(cmd, timeout=120, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "[0]: best" in proc.stdout and "[1]: best" in proc.stdout
     assert len(log_file.read_text().splitlines()) == 3

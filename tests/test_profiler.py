@@ -7,12 +7,12 @@ allreduce (the spans a data-parallel engine emits), with the timeline on.
 import collections
 import json
 import os
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from conftest import run_job
 
 import phalanx as px
 from phalanx import trace
@@ -187,8 +187,8 @@ def test_phalanx_run_timeline_flag(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
     out = tmp_path / "tl.json"
-    proc = run_job([sys.executable, "-m", "phalanx", "run", "-np", "2", "--timeline", str(out),
-                    sys.executable, str(script)], timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "--timeline", str(out),
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     events = data["traceEvents"]
