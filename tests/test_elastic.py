@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import elastic_job
 import pytest
 import torch
 
@@ -171,29 +172,7 @@ WORKER = textwrap.dedent(f"""
 
     TOTAL, COMMIT, G, N_DATA = {TOTAL}, {COMMIT}, {G}, {N_DATA}
 
-    def data():
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(N_DATA, 8, generator=g, dtype=torch.float64)
-        return x, torch.sin(3 * x[:, :1]) + x[:, 1:2] ** 2
-
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def step(model, opt, sampler, x, y, n):
-        if sampler.processed >= N_DATA - N_DATA % G:
-            sampler.set_epoch(sampler.epoch + 1)
-        idx = sampler.indices[: G // n]
-        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        if n > 1:
-            for p in model.parameters():
-                px.allreduce(p.grad, op=px.Average, inplace=True)
-        opt.step()
-        sampler.record_batch(G // n)
-        sampler.reset()
+""") + elastic_job.HELPERS + textwrap.dedent("""
 
     def main(out, kills):
         px.init()
@@ -206,22 +185,22 @@ WORKER = textwrap.dedent(f"""
 
         def event(text):
             with open(os.path.join(out, "events.txt"), "a") as f:
-                f.write(f"{{text}} restart={{restart}} rank={{r}} t={{time.time():.4f}}\\n")
+                f.write(f"{text} restart={restart} rank={r} t={time.time():.4f}\\n")
 
         @elastic.run
         def train(state):
             if r == 0:
-                event(f"start step={{state.step}}")
+                event(f"start step={state.step}")
             while state.step < TOTAL:
                 step(model, opt, state.sampler, x, y, n)
                 state.step += 1
                 if restart < len(kills) and state.step == kills[restart][0] and r == kills[restart][1]:
-                    event(f"kill step={{state.step}}")
+                    event(f"kill step={state.step}")
                     os.kill(os.getpid(), signal.SIGKILL)
                 if state.step % COMMIT == 0:
                     state.commit()
                 if r == 0:
-                    event(f"done step={{state.step}}")
+                    event(f"done step={state.step}")
 
         train(state)
         if r == 0:
@@ -232,17 +211,6 @@ WORKER = textwrap.dedent(f"""
         kills = [tuple(map(int, k.split(":"))) for k in sys.argv[2].split(",") if k]
         main(sys.argv[1], kills)
 """)
-
-
-def _reference_params():
-    ns = {}
-    exec(compile(WORKER, "worker", "exec"), ns)  # the worker's own model/data/step, in one process
-    model, opt = ns["make"]()
-    x, y = ns["data"]()
-    sampler = elastic.ElasticSampler(N_DATA, seed=1, rank=0, world_size=1)
-    for _ in range(TOTAL):
-        ns["step"](model, opt, sampler, x, y, 1)
-    return [p.detach() for p in model.parameters()], model
 
 
 def test_soak_kill_three_workers_same_final_params(tmp_path):
@@ -268,7 +236,7 @@ def test_soak_kill_three_workers_same_final_params(tmp_path):
     print(f"\nkills (step, rank): {kills}; resumed at steps {starts[1:]}; steps lost per failure: {lost}")
     assert all(0 <= n <= COMMIT for n in lost), lost  # at most the steps since the last commit
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    reference, _ = _reference_params()
+    reference, _ = elastic_job.reference(WORKER, TOTAL, N_DATA)
     for got, want in zip(final, reference):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     ns = {}

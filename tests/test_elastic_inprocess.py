@@ -8,10 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import elastic_job
 import pytest
 import torch
 
-from phalanx import elastic
 from phalanx.testing.cluster import IFNAME, SimCluster, requirements_missing
 
 TOTAL, COMMIT, G, N_DATA, KILL_AT = 28, 4, 12, 96, 10
@@ -25,29 +25,7 @@ WORKER = textwrap.dedent(f"""
 
     TOTAL, COMMIT, G, N_DATA, KILL_AT = {TOTAL}, {COMMIT}, {G}, {N_DATA}, {KILL_AT}
 
-    def data():
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(N_DATA, 8, generator=g, dtype=torch.float64)
-        return x, torch.sin(3 * x[:, :1]) + x[:, 1:2] ** 2
-
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def step(model, opt, sampler, x, y, n):
-        if sampler.processed >= N_DATA - N_DATA % G:
-            sampler.set_epoch(sampler.epoch + 1)
-        idx = sampler.indices[: G // n]           # the global batch G is split over the ranks there are
-        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        if n > 1:
-            for p in model.parameters():
-                px.allreduce(p.grad, op=px.Average, inplace=True)
-        opt.step()
-        sampler.record_batch(G // n)
-        sampler.reset()
+""") + elastic_job.HELPERS + textwrap.dedent("""
 
     def wait_for_next_generation():
         # (rank 0) hold on until the launcher has published the joiner, so it is admitted at the next commit
@@ -67,8 +45,8 @@ WORKER = textwrap.dedent(f"""
 
         def event(what):
             with open(os.path.join(out, "events.txt"), "a") as f:
-                f.write(f"{{what}} step={{state.step}} rank={{px.rank()}} size={{px.size()}} pid={{os.getpid()}} "
-                        f"gen={{inprocess.generation()}} net={{net}} t={{time.time():.4f}}\\n")
+                f.write(f"{what} step={state.step} rank={px.rank()} size={px.size()} pid={os.getpid()} "
+                        f"gen={inprocess.generation()} net={net} t={time.time():.4f}\\n")
 
         @elastic.run
         def train(state):
@@ -102,17 +80,6 @@ WORKER = textwrap.dedent(f"""
 """)
 
 
-def _reference():
-    ns = {}
-    exec(compile(WORKER, "worker", "exec"), ns)  # the worker's own model/data/step, in one process
-    model, opt = ns["make"]()
-    x, y = ns["data"]()
-    sampler = elastic.ElasticSampler(N_DATA, seed=1, rank=0, world_size=1)
-    for _ in range(TOTAL):
-        ns["step"](model, opt, sampler, x, y, 1)
-    return [p.detach() for p in model.parameters()]
-
-
 def _events(path):
     rows = []
     for line in path.read_text().splitlines():
@@ -124,7 +91,7 @@ def _events(path):
 
 def _check_final(out):
     final = torch.load(out / "final.pt", weights_only=True)
-    for got, want in zip(final, _reference()):
+    for got, want in zip(final, elastic_job.reference(WORKER, TOTAL, N_DATA)[0]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
