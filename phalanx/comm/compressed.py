@@ -214,10 +214,19 @@ def allreduce_compressed(
     if shapes is not None and hasattr(compressor, "reduce_many"):
         views = [v.view(shape) for v, shape in
                  zip(tensor.detach().reshape(-1).split([math.prod(s) for s in shapes]), shapes)]
-        outs, sent = compressor.reduce_many(views, group=group, name=name)
+        direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
+                  and out.numel() == tensor.numel())
+        targets = None
+        if direct:
+            targets = [v.view(shape) for v, shape in
+                       zip(out.view(-1).split([math.prod(s) for s in shapes]), shapes)]
+        outs, sent = compressor.reduce_many(views, group=group, name=name, outs=targets)
         wire.add(sent, wire_dense)
-        out = torch.cat([o.reshape(-1) for o in outs]).view(tensor.shape)
-        return _finished(out if average else out * n, async_op)
+        if direct:
+            return _finished(out if average else out.mul_(n), async_op)
+        res = torch.cat([o.reshape(-1) for o in outs]).view(tensor.shape)
+        res = res if average else res * n
+        return _finished(res if out is None else out.copy_(res.view(out.shape)), async_op)
     if hasattr(compressor, "reduce"):
         out, sent = compressor.reduce(tensor, group=group, name=name)
         wire.add(sent, wire_dense)

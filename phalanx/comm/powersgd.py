@@ -116,18 +116,27 @@ class PowerSGDCompressor:
         out = approx.reshape(-1)[: tensor.numel()].to(tensor.dtype).reshape(tensor.shape)
         return out, 2 * (world - 1) * nbytes // world if world > 1 else 0
 
-    def reduce_many(self, tensors: Sequence[torch.Tensor], *, group=None,
-                    name: str = "default") -> tuple[list[torch.Tensor], int]:
+    def reduce_many(self, tensors: Sequence[torch.Tensor], *, group=None, name: str = "default",
+                    outs: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], int]:
         """PowerSGD per tensor, batched: one allreduce for all P factors, one for all Q factors.
 
         Each tensor is compressed as its own ``(shape[0], rest)`` matrix (conv kernels
         flattened), as in Vogels et al. and torch's ``powerSGD_hook``; a flat bucket viewed
         as one near-square matrix would mix rows of different layers. Vectors (biases,
         norms) and matrices that rank ``r`` would not shrink at least 2x go uncompressed in
-        one extra allreduce. Returns the averaged tensors and the bytes this rank sent.
+        one extra allreduce. ``outs``: float32 tensors of the same shapes to write the
+        averages into (they may be the inputs themselves: each input is read, into its
+        residual or its P factor, before its output is written). Returns the averaged
+        tensors and the bytes this rank sent.
+
+        With error feedback the residual buffer is updated in place (``r += g``, the factors
+        are computed from it, ``r -= P Q^T``): the same values as ``correct``/``update`` in
+        ``ResidualMemory``, without a new matrix-sized tensor per step.
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        outs: list[torch.Tensor | None] = [None] * len(tensors)
+        if outs is not None and len(outs) != len(tensors):
+            raise ValueError(f"reduce_many: {len(outs)} outs for {len(tensors)} tensors")
+        result: list[torch.Tensor | None] = [None] * len(tensors)
         dense, low, where = [], [], []  # (index, tensor) | (key, matrix, r) with its index
         for i, t in enumerate(tensors):
             rows = t.shape[0] if t.dim() > 1 else 1
@@ -139,7 +148,7 @@ class PowerSGDCompressor:
             key = f"{name}.{i}"
             matrix = t.detach().reshape(rows, cols).float()
             if self.error_feedback:
-                matrix = self.memory.correct(key, matrix)
+                matrix = self._accumulate(key, matrix)
             low.append((key, matrix, r))
             where.append(i)
         nbytes = 0
@@ -147,18 +156,34 @@ class PowerSGDCompressor:
             flat = _mean(torch.cat([t.detach().reshape(-1).float() for _, t in dense]), group, world)
             nbytes += flat.numel() * 4
             for (i, t), part in zip(dense, flat.split([t.numel() for _, t in dense])):
-                outs[i] = part.to(t.dtype).view(t.shape)
+                if outs is not None:
+                    result[i] = outs[i].copy_(part.view(outs[i].shape))
+                else:
+                    result[i] = part.to(t.dtype).view(t.shape)
         if low:
-            approxs, low_bytes = self._power_step(low, group, world)
+            targets = None if outs is None else [outs[i].view(m.shape) for i, (_, m, _) in zip(where, low)]
+            approxs, low_bytes = self._power_step(low, group, world, targets)
             nbytes += low_bytes
             for i, approx in zip(where, approxs):
-                outs[i] = approx.to(tensors[i].dtype).view(tensors[i].shape)
-        return outs, 2 * (world - 1) * nbytes // world if world > 1 else 0  # type: ignore[return-value]
+                result[i] = outs[i] if outs is not None else approx.to(tensors[i].dtype).view(tensors[i].shape)
+        return result, 2 * (world - 1) * nbytes // world if world > 1 else 0  # type: ignore[return-value]
 
-    def _power_step(self, items, group, world: int) -> tuple[list[torch.Tensor], int]:
+    def _accumulate(self, key: str, matrix: torch.Tensor) -> torch.Tensor:
+        """The residual buffer of ``key`` with ``matrix`` added in place (a copy of it the first time)."""
+        res = self.memory.residuals.get(key)
+        if res is None or res.shape != matrix.shape or res.dtype != matrix.dtype:
+            res = matrix.clone()
+            self.memory.residuals[key] = res
+        else:
+            res.add_(matrix)
+        return res
+
+    def _power_step(self, items, group, world: int, targets=None) -> tuple[list[torch.Tensor], int]:
         """One warm-started power iteration for each ``(key, matrix, r)``, all P factors in one
-        allreduce and all Q factors in another; updates the warm starts and the residuals.
-        Returns the averaged approximations and the bytes of P and Q."""
+        allreduce and all Q factors in another; updates the warm starts and the residuals
+        (``matrix`` is the residual buffer with error feedback: it is left holding
+        ``matrix - P Q^T``). ``targets``: where to write each approximation. Returns the
+        averaged approximations and the bytes of P and Q."""
         qs = []
         for key, matrix, r in items:
             q = self.q_memory.get(key)
@@ -173,11 +198,14 @@ class PowerSGDCompressor:
         flat_q = _mean(torch.cat([q.reshape(-1) for q in qs]), group, world)
         qs = [q.view(q_old.shape) for q, q_old in zip(flat_q.split([q.numel() for q in qs]), qs)]
         approxs = []
-        for p, q, (key, matrix, _) in zip(ps, qs, items):
+        for j, (p, q, (key, matrix, _)) in enumerate(zip(ps, qs, items)):
             self.q_memory[key] = q.clone()  # warm start for the next step
-            approx = p @ q.t()
+            if targets is None:
+                approx = p @ q.t()
+            else:  # the input may be the target: with error feedback off it was read above (M Q, M^T P)
+                approx = torch.mm(p, q.t(), out=targets[j])
             if self.error_feedback:
-                self.memory.update(key, matrix, approx)
+                matrix.sub_(approx)  # the residual buffer: what was not sent
             approxs.append(approx)
         return approxs, (flat_p.numel() + flat_q.numel()) * 4
 

@@ -370,8 +370,16 @@ class GradientEngine:
         if self._guard_finite:
             flag = self._nonfinite.to(torch.float32).reshape(1)
             self._nonfinite = torch.zeros((), dtype=torch.bool)
-            self._extra.append(("finite", allreduce(flag, op=ReduceOp.MAX, group=self.group, async_op=True,
-                                                    name="dp.nonfinite", inplace=True)))
+            if self.buckets.rebuilt:
+                # Steady state, as for the flat buckets: no mismatch probe. The probe is a blocking
+                # round trip queued behind the buckets' payloads on the same connections, so it
+                # held the step until the whole gradient was through and none of it could be
+                # decoded while later pieces were still on the wire.
+                handle = Handle(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+            else:
+                handle = allreduce(flag, op=ReduceOp.MAX, group=self.group, async_op=True, name="dp.nonfinite",
+                                   inplace=True)
+            self._extra.append(("finite", handle))
 
     def _finish_finite(self, flag: torch.Tensor) -> None:
         """Some rank saw inf/NaN: every rank gets NaN gradients, so GradScaler skips everywhere.
@@ -462,8 +470,10 @@ class GradientEngine:
             bucket.flat.zero_()
         else:
             self._gather_grads(bucket)
-            if self._guard_finite:
-                self._nonfinite |= ~torch.isfinite(bucket.flat).all()
+            if self._guard_finite and bucket.flat.numel():
+                # min and max carry NaN and ±inf: one pass and no temporaries (isfinite(flat).all()
+                # made 4.35M-value bool masks, 7.5 ms a step on one core against 0.7 ms)
+                self._nonfinite |= ~torch.isfinite(torch.stack(torch.aminmax(bucket.flat))).all()
         i, nbytes = bucket.index, bucket.nbytes
         op, pre, post = self._scales()
         name = f"dp.bucket{i}"
@@ -477,7 +487,8 @@ class GradientEngine:
                 handle = compressed.allreduce_compressed(bucket.flat, self.compressor, group=self.group,
                                                          async_op=True, name=name,
                                                          average=op is ReduceOp.AVERAGE,
-                                                         shapes=[p.shape for p in bucket.params])
+                                                         shapes=[p.shape for p in bucket.params],
+                                                         out=bucket.flat)
             self.bytes_sent += compressed.wire.bytes_sent - before
             bucket.handle = (handle, None, post)
             return
