@@ -22,9 +22,7 @@ Prints predicted vs measured and the error; the goal is within 20%.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import statistics
 import time
@@ -43,8 +41,6 @@ def _model(hidden):
 
 def _body(hidden, batch, bucket_mb, rounds=12, steps=5):
     n = px.size()
-    link, samples = calibrate.measure_link(dtype=torch.float32, rounds=21)
-    link_half, _ = calibrate.measure_link(dtype=torch.float16, rounds=21)
     x, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
     net = _model(hidden)
     params = sum(p.numel() for p in net.parameters())
@@ -56,16 +52,22 @@ def _body(hidden, batch, bucket_mb, rounds=12, steps=5):
         opt.step()
         opt.zero_grad()
 
-    buckets = max(1, math.ceil(params * 4 / (bucket_mb * 2**20)))  # as many launches as plan.predict counts
-    loss = []  # the probe overlaps communication with backward, as DataParallel does: forward untimed
+    loss = []  # the probes overlap communication with backward, as DataParallel does: forward untimed
 
     def backward():
         loss.pop().backward()
         opts["plain"][1].zero_grad()
 
-    overlap, probe = calibrate.measure_overlap(backward, nbytes=params * 4, buckets=buckets, rounds=31,
-                                               prepare=lambda: loss.append(
-                                                   torch.nn.functional.cross_entropy(net(x), y)))
+    def forward():
+        loss.append(torch.nn.functional.cross_entropy(net(x), y))
+
+    # the layout's own buckets, back to back and under backward, on the payload dtype of each layout
+    probes = {comp: calibrate.measure_buckets(list(net.parameters()), backward, bucket_mb=bucket_mb, prepare=forward,
+                                              dtype=torch.float16 if comp == "fp16" else torch.float32, rounds=21)
+              for comp in ("none", "fp16")}
+    # for contrast: the link from isolated messages of assorted sizes (8 B .. 16 MB)
+    isolated = {"none": calibrate.measure_link(dtype=torch.float32, rounds=15)[0],
+                "fp16": calibrate.measure_link(dtype=torch.float16, rounds=15)[0]}
     flat = torch.randn(params)
     flat.half().float()
     codec = statistics.median(_timed(lambda: flat.half().float()) for _ in range(15)) / (params * 4)
@@ -82,28 +84,34 @@ def _body(hidden, batch, bucket_mb, rounds=12, steps=5):
     med = px.allreduce(torch.tensor([statistics.median(times[k]) for k in opts], dtype=torch.float64),
                        op=px.Max).tolist()
     compute = med[0]
-    out = {}
+    out = {"compute_ms": compute * 1e3, "params": params, "codec_ns_per_byte": codec * 1e9}
+    engine_buckets = [b.nbytes for b in opts["none"][0]._engine.buckets.buckets]
     for comp, measured in zip(("none", "fp16"), med[1:]):
-        # compute_s is per global batch on one rank
-        spec = plan.ModelSpec(params=params, compute_s=compute * n, wait_s=probe["wait_s"])
+        probe = probes[comp]
+        link, e = probe.fit(n)
+        # compute_s is per global batch on one rank; backward is the probe's share of the plain step
+        spec = plan.ModelSpec(params=params, compute_s=compute * n, wait_s=probe.wait_s,
+                              tensor_bytes=probe.tensor_bytes, backward_fraction=min(1.0, probe.compute_s / compute))
         # calibrated on the whole world, so the link is the slowest one a flat ring crosses
-        wire = link_half if comp == "fp16" else link
-        cluster = cost.Cluster(hosts=px.cross_size(), ranks_per_host=n // px.cross_size(), intra=wire, inter=wire,
-                               overlap=overlap)
+        cluster = cost.Cluster(hosts=px.cross_size(), ranks_per_host=n // px.cross_size(), intra=link, inter=link,
+                               overlap=e)
         layout = plan.Layout(dp=n, compression=comp, bucket_mb=bucket_mb)
         codecs = {"fp16": (0.5, codec)}
         pred = plan.predict(spec, cluster, layout, codecs=codecs)
+        iso = cost.Cluster(cluster.hosts, cluster.ranks_per_host, isolated[comp], isolated[comp], overlap=e)
         out[comp] = (pred.step_s, measured)
-        free = cost.Cluster(cluster.hosts, cluster.ranks_per_host, wire, wire)  # e = 1, no waiting term
-        out[comp + "_free"] = plan.predict(dataclasses.replace(spec, wait_s=0.0), free, layout, codecs=codecs).step_s
+        out[comp + "_isolated"] = plan.predict(spec, iso, layout, codecs=codecs).step_s
         out[comp + "_parts"] = {k: v * 1e3 for k, v in pred.parts.items() if k.endswith("_s")}
+        out[comp + "_probe"] = {"alpha_us": link.alpha_s * 1e6,
+                                "gbps": 8 / link.beta_s / 1e9 if link.beta_s else float("inf"), "e": e,
+                                "buckets_kb": [round(b / 1e3) for b in probe.bucket_bytes],
+                                "bucket_ms": [round(t * 1e3, 2) for t in probe.bucket_s],
+                                **{k: getattr(probe, k) * 1e3 for k in
+                                   ("compute_s", "comm_s", "serial_s", "both_s", "wait_s")}}
+    out["engine_buckets_kb"] = [round(b / 1e3) for b in engine_buckets]
     for name in ("none", "fp16"):
         opts[name][0]._engine.remove_hooks()
-    return {"alpha_us": link.alpha_s * 1e6, "gbps": 8 / link.beta_s / 1e9 if link.beta_s else float("inf"),
-            "alpha_fp16_us": link_half.alpha_s * 1e6,
-            "gbps_fp16": 8 / link_half.beta_s / 1e9 if link_half.beta_s else float("inf"),
-            "overlap": overlap, "probe_ms": {k: v * 1e3 for k, v in probe.items()},
-            "compute_ms": compute * 1e3, "params": params, **out}
+    return out
 
 
 def _timed(fn) -> float:
@@ -161,24 +169,34 @@ def main() -> None:
         else:
             res = px.run(_body, np=args.np, args=(args.hidden, args.batch, args.bucket_mb), timeout=600)[0]
         rows.append(res)
-        probe = res["probe_ms"]
-        print(f"repeat {r}: alpha {res['alpha_us']:.0f} us, {res['gbps']:.2f} Gbit/s (fp16 payloads: alpha "
-              f"{res['alpha_fp16_us']:.0f} us, {res['gbps_fp16']:.2f} Gbit/s); overlap e {res['overlap']:.2f} "
-              f"(compute {probe['compute_s']:.1f}, allreduce {probe['comm_s']:.1f}, one after the other "
-              f"{probe['serial_s']:.1f}, both {probe['both_s']:.1f}, so waiting {probe['wait_s']:.1f} ms); "
-              f"compute {res['compute_ms']:.1f} ms, {res['params'] / 1e6:.2f}M params; predicted parts (ms) "
-              f"none {_fmt(res.get('none_parts'))} fp16 {_fmt(res.get('fp16_parts'))}", flush=True)
-    print(f"\n{'compression':>11} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   (median of {args.repeats})")
+        print(f"repeat {r}: compute {res['compute_ms']:.1f} ms, {res['params'] / 1e6:.2f}M params, codec "
+              f"{res['codec_ns_per_byte']:.2f} ns/B, DataParallel's buckets {res['engine_buckets_kb']} KB", flush=True)
+        for comp in ("none", "fp16"):
+            p = res[comp + "_probe"]
+            print(f"  {comp:>4}: buckets {p['buckets_kb']} KB back to back {p['bucket_ms']} ms -> alpha "
+                  f"{p['alpha_us']:.0f} us, {p['gbps']:.2f} Gbit/s; backward {p['compute_s']:.1f}, buckets "
+                  f"{p['comm_s']:.1f}, one after the other {p['serial_s']:.1f} (waiting {p['wait_s']:.1f}), "
+                  f"launched from hooks {p['both_s']:.1f} ms -> e {p['e']:.2f}; predicted parts (ms) "
+                  f"{_fmt(res[comp + '_parts'])}; predicted {res[comp][0] * 1e3:.2f} measured "
+                  f"{res[comp][1] * 1e3:.2f} ({(res[comp][0] - res[comp][1]) / res[comp][1]:+.1%})", flush=True)
+    print(f"\n{'compression':>11} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   "
+          f"(median of {args.repeats}; every repeat's error)")
+    ok = True
     for comp in ("none", "fp16"):
+        errs = [(r[comp][0] - r[comp][1]) / r[comp][1] for r in rows]
+        ok &= all(abs(e) <= 0.20 for e in errs)
         pred = statistics.median(r[comp][0] for r in rows) * 1e3
         meas = statistics.median(r[comp][1] for r in rows) * 1e3
-        print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}")
-    print("\nthe same without the measured overlap and waiting terms (e = 1, waiting 0):")
+        print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}   "
+              + " ".join(f"{e:+.1%}" for e in errs))
+    print(f"every repeat within 20%: {'yes' if ok else 'NO'}")
+    print("\nthe same buckets, e and waiting, with the link from isolated messages (8 B .. 16 MB) instead:")
     for comp in ("none", "fp16"):
-        pred = statistics.median(r[comp + "_free"] for r in rows) * 1e3
+        errs = [(r[comp + "_isolated"] - r[comp][1]) / r[comp][1] for r in rows]
+        pred = statistics.median(r[comp + "_isolated"] for r in rows) * 1e3
         meas = statistics.median(r[comp][1] for r in rows) * 1e3
-        print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}")
-
+        print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}   "
+              + " ".join(f"{e:+.1%}" for e in errs))
 
 if __name__ == "__main__":
     main()

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "Link", "Cluster", "seed_estimate", "ring_allreduce", "reducescatter", "allgather",
-    "hierarchical_allreduce", "allreduce", "compressed_allreduce", "overlapped_exposure",
+    "hierarchical_allreduce", "allreduce", "compressed_allreduce", "bucket_sizes", "ready_fractions", "overlapped_exposure",
     "zero_comm", "zero_memory", "pipeline_bubble", "pipeline_step", "tp_comm",
     "amdahl", "fit_amdahl", "fit_link", "fit_overlap",
 ]
@@ -163,10 +163,50 @@ def compressed_allreduce(nbytes: float, cluster: Cluster, ratio: float, codec_s_
     return allreduce(nbytes * ratio, cluster, hierarchical) + nbytes * codec_s_per_byte
 
 
-def overlapped_exposure(bucket_comm_s: Sequence[float], backward_s: float, overlap: float = 1.0) -> float:
-    """Communication left after backward when bucket ``k`` (of B) is ready at ``backward * k/B``.
+def bucket_sizes(tensor_bytes: Sequence[float], bucket_bytes: float) -> list[float]:
+    """The buckets data parallel sends, from the gradients' sizes in the order they arrive.
 
-    Buckets go one at a time, as one process group's collectives do::
+    The engine's rule (``phalanx.comm.buckets.BucketManager``): fill a bucket in arrival
+    order and start a new one when the next gradient would take it past ``bucket_bytes``
+    (a gradient larger than that gets a bucket of its own). With 4 MiB buckets, gradients
+    of 40 KB, 4 MiB and 1 MB make three buckets, not ``ceil(total / 4 MiB) = 2``.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    out: list[float] = []
+    size, filled = 0.0, False
+    for nbytes in tensor_bytes:
+        if filled and size + nbytes > bucket_bytes:
+            out.append(size)
+            size, filled = 0.0, False
+        size += nbytes
+        filled = True
+    if filled:
+        out.append(size)
+    return out
+
+
+def _tail(bucket_comm_s: Sequence[float], backward_s: float, ready: Sequence[float] | None) -> float:
+    n = len(bucket_comm_s)
+    if not n:
+        return 0.0
+    if ready is None:
+        ready = [k / n for k in range(1, n + 1)]
+    elif len(ready) != n:
+        raise ValueError(f"ready needs one fraction per bucket: {len(ready)} for {n} buckets")
+    free = 0.0
+    for r, c in zip(ready, bucket_comm_s):
+        free = max(free, backward_s * r) + c
+    return max(0.0, free - backward_s)
+
+
+def overlapped_exposure(bucket_comm_s: Sequence[float], backward_s: float, overlap: float = 1.0,
+                        ready: Sequence[float] | None = None) -> float:
+    """Communication left after backward when bucket ``k`` is ready at ``backward * ready[k]``.
+
+    ``ready`` defaults to ``k/B`` for bucket ``k`` of B (equal buckets, backward spread
+    evenly); :func:`ready_fractions` gives it for unequal buckets. Buckets go one at a
+    time, as one process group's collectives do::
 
         backward ▕███████████████████████▏
         buckets        ▕b0▏  ▕b1▏   ▕b2─────▏   <- exposed = end of last bucket - end of backward
@@ -176,26 +216,45 @@ def overlapped_exposure(bucket_comm_s: Sequence[float], backward_s: float, overl
     """
     if not -1.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [-1, 1], got {overlap}")
-    n = len(bucket_comm_s)
-    free = 0.0
-    for k, c in enumerate(bucket_comm_s, start=1):
-        free = max(free, backward_s * k / n) + c
-    tail = max(0.0, free - backward_s) if n else 0.0
+    tail = _tail(bucket_comm_s, backward_s, ready)
     return (1.0 - overlap) * float(sum(bucket_comm_s)) + overlap * tail
 
 
-def fit_overlap(compute_s: float, comm_s: float, both_s: float) -> float:
+def ready_fractions(bucket_bytes: Sequence[float]) -> list[float]:
+    """When each bucket is complete, as a fraction of backward: its share of the bytes so far
+    (backward's work on a dense layer grows with its parameters)."""
+    total = float(sum(bucket_bytes))
+    if total <= 0:
+        return [1.0] * len(bucket_bytes)
+    done, out = 0.0, []
+    for b in bucket_bytes:
+        done += b
+        out.append(done / total)
+    return out
+
+
+def fit_overlap(compute_s: float, comm_s: float, both_s: float, tail_s: float | None = None) -> float:
     """The share ``e`` of communication that hides behind compute, from three timings.
 
-    ``compute_s`` alone, ``comm_s`` (one allreduce) alone, and ``both_s``: the allreduce
-    launched asynchronously, then the same compute, then the wait. Perfect overlap takes
-    ``max(C, A)``, none ``C + A``; ``e = (C + A - T) / min(C, A)``, clipped to [-1, 1]
-    (negative: running both at once cost more than running them one after the other).
+    ``compute_s`` alone, ``comm_s`` (the allreduces) alone, and ``both_s``: the allreduces
+    launched asynchronously, the same compute, then the waits. The model says
+    ``both = C + A - e * (A - tail)``, where ``tail`` is what would be left after compute
+    with perfect overlap; so ``e = (C + A - T) / (A - tail)``, clipped to [-1, 1]
+    (negative: running both at once cost more than one after the other).
+
+    ``tail_s=None``: everything launched before compute starts, so ``tail = max(0, A - C)``
+    and ``e = (C + A - T) / min(C, A)``. Buckets launched as backward makes them ready
+    leave a longer tail: pass ``overlapped_exposure(buckets, C, 1.0, ready)`` (what
+    :func:`phalanx.planner.plan.predict` will use), and the model reproduces ``T``.
     """
     if min(compute_s, comm_s) <= 0:
         raise ValueError(f"fit_overlap needs positive compute and communication times, got "
                          f"{compute_s} and {comm_s}")
-    return min(1.0, max(-1.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
+    tail = max(0.0, comm_s - compute_s) if tail_s is None else tail_s
+    hideable = comm_s - tail
+    if hideable <= 0:
+        return 1.0  # nothing could hide: any e predicts the same
+    return min(1.0, max(-1.0, (compute_s + comm_s - both_s) / hideable))
 
 
 def zero_comm(param_bytes: float, stage: int, cluster: Cluster) -> float:
@@ -256,19 +315,23 @@ def fit_amdahl(workers: Sequence[float], speedups: Sequence[float]) -> float:
     return min(1.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / den))
 
 
-def fit_link(samples: Sequence[tuple[float, float]], n: int) -> Link:
+def fit_link(samples: Sequence[tuple[float, float]], n: int, relative: bool = True) -> Link:
     """Calibrate alpha and beta from measured ring allreduces ``[(nbytes, seconds), ...]`` on ``n`` ranks.
 
-    Least squares on ``t = a * 2(n-1) + b * 2(n-1)/n * nbytes`` in *relative* error (each
-    row divided by its ``t``): a plain fit lets the largest message's noise set the
-    intercept (alpha swung 0.1-1.6 ms on loopback that way); relative weights let the
-    small messages fix alpha and the large ones beta. Both clipped at zero.
+    Least squares on ``t = a * 2(n-1) + b * 2(n-1)/n * nbytes``. ``relative=True`` (for
+    isolated messages of assorted sizes) in *relative* error, each row divided by its
+    ``t``: a plain fit lets the largest message's noise set the intercept (alpha swung
+    0.1-1.6 ms on loopback that way); relative weights let the small messages fix alpha
+    and the large ones beta. ``relative=False`` (for one layout's buckets timed back to
+    back): plain least squares, whose residuals sum to zero, so the fitted link gives
+    the buckets' total time as measured. Both clipped at zero.
     """
     if n < 2 or len(samples) < 2:
         raise ValueError("fit_link needs n >= 2 ranks and at least two message sizes")
     if any(t <= 0 for _, t in samples):
         raise ValueError(f"fit_link needs positive times, got {[t for _, t in samples]}")
-    rows = [(2 * (n - 1) / t, 2 * (n - 1) / n * m / t, 1.0) for m, t in samples]
+    w = [1.0 / t if relative else 1.0 for _, t in samples]
+    rows = [(2 * (n - 1) * k, 2 * (n - 1) / n * m * k, t * k) for (m, t), k in zip(samples, w)]
     s11 = sum(a * a for a, _, _ in rows)
     s12 = sum(a * b for a, b, _ in rows)
     s22 = sum(b * b for _, b, _ in rows)
@@ -281,4 +344,6 @@ def fit_link(samples: Sequence[tuple[float, float]], n: int) -> Link:
     beta = (s11 * y2 - s12 * y1) / det
     if alpha < 0:  # latency below noise: refit bandwidth alone
         alpha, beta = 0.0, y2 / s22
-    return Link(alpha_s=alpha, beta_s=max(beta, 0.0))
+    elif beta < 0:  # larger messages no slower (noise): a latency per message alone
+        alpha, beta = y1 / s11, 0.0
+    return Link(alpha_s=alpha, beta_s=beta)

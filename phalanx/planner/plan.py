@@ -62,6 +62,15 @@ class ModelSpec:
     wait_s: float = 0.0
     """per step, what a collective right after compute costs beyond its own time: waiting for
     the slowest rank, cold communication threads (measure: calibrate.measure_overlap's wait_s)"""
+    tensor_bytes: tuple[float, ...] = ()
+    """optional: each gradient's bytes in the order backward produces them (reversed
+    ``model.parameters()`` for a sequential model); then the buckets are the engine's
+    (``cost.bucket_sizes``), each ready when its bytes are done (``cost.ready_fractions``),
+    instead of ``ceil(bytes / bucket)`` equal buckets ready at even steps of backward"""
+
+    def __post_init__(self) -> None:
+        if any(b <= 0 for b in self.tensor_bytes):
+            raise ValueError(f"ModelSpec.tensor_bytes must all be positive byte counts, got {self.tensor_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +120,18 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     grad_bytes = model.params * model.bytes_per_param / (layout.pp * layout.tp)
     ratio, codec = codecs[layout.compression]
     dpc = _dp_cluster(cluster, layout.dp, layout.pp * layout.tp)
-    n_buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
-    per_bucket = grad_bytes / n_buckets
-    bucket_s = cost.compressed_allreduce(per_bucket, dpc, ratio, codec) * (1.5 if layout.zero == 3 else 1.0)
-    comm_total = bucket_s * n_buckets
-    exposed = cost.overlapped_exposure([bucket_s] * n_buckets, compute * model.backward_fraction, cluster.overlap)
+    if model.tensor_bytes:
+        shard = grad_bytes / sum(model.tensor_bytes)  # tensors split evenly over pp x tp (and dtype)
+        sizes = cost.bucket_sizes([b * shard for b in model.tensor_bytes], layout.bucket_mb * 2**20)
+        ready = cost.ready_fractions(sizes)
+    else:
+        n = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
+        sizes, ready = [grad_bytes / n] * n, None
+    n_buckets = len(sizes)
+    bucket_times = [cost.compressed_allreduce(b, dpc, ratio, codec) * (1.5 if layout.zero == 3 else 1.0)
+                    for b in sizes]
+    comm_total = sum(bucket_times)
+    exposed = cost.overlapped_exposure(bucket_times, compute * model.backward_fraction, cluster.overlap, ready)
     memory = cost.zero_memory(model.params / (layout.pp * layout.tp), layout.zero, layout.dp,
                               model.bytes_per_param, model.optim_bytes_per_param)
     wait = model.wait_s if layout.dp > 1 else 0.0
