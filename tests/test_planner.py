@@ -1,5 +1,6 @@
 """Cost-model formulas against hand-computed cases, the plan search, calibration and autotune on real ranks."""
 
+import copy
 import dataclasses
 import math
 
@@ -62,6 +63,20 @@ def test_collective_formulas_by_hand():
     assert cost.overlapped_exposure([0.1] * 3, 0.3, overlap=-0.5) == pytest.approx(0.45 - 0.05)
     # C = 10, A = 4: perfect overlap T = 10 -> 1; serial T = 14 -> 0; T = 12 -> 0.5; T = 16 -> -0.5
     assert [cost.fit_overlap(10, 4, t) for t in (10, 14, 12, 16, 30)] == pytest.approx([1, 0, 0.5, -0.5, -1])
+    # unequal buckets, ready when their bytes are done: 0.1 s ready at 0.15, 0.2 s ready at 0.3 (backward 0.3)
+    # -> b0 ends .25, b1 runs .3-.5: tail 0.2; e = 0.5 -> 0.5 * 0.3 + 0.5 * 0.2
+    assert cost.ready_fractions([1, 1, 2]) == pytest.approx([0.25, 0.5, 1.0])
+    assert cost.overlapped_exposure([0.1, 0.2], 0.3, ready=[0.5, 1.0]) == pytest.approx(0.2)
+    assert cost.overlapped_exposure([0.1, 0.2], 0.3, overlap=0.5, ready=[0.5, 1.0]) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="one fraction per bucket"):
+        cost.overlapped_exposure([0.1, 0.2], 0.3, ready=[1.0])
+    # ... and e back from T = C + A - e (A - tail) = 0.3 + 0.3 - 0.5 * 0.1
+    assert cost.fit_overlap(0.3, 0.3, 0.55, tail_s=0.2) == pytest.approx(0.5)
+    assert cost.fit_overlap(0.3, 0.3, 0.9, tail_s=0.3) == 1.0  # nothing could hide: e is moot
+    # the engine's bucket rule: a new bucket when the next gradient would go past the size
+    assert cost.bucket_sizes([1, 2, 3, 4], 5) == [3, 3, 4]
+    assert cost.bucket_sizes([45e3, 4 * 2**20, 1e6], 4 * 2**20) == [45e3, 4 * 2**20, 1e6]  # 3 buckets, not 2
+    assert cost.bucket_sizes([9, 1], 5) == [9, 1] and cost.bucket_sizes([], 5) == []
     with pytest.raises(ValueError, match="overlap"):
         cost.Cluster(1, 2, intra, inter, overlap=1.5)
     with pytest.raises(ValueError, match="positive"):
@@ -84,6 +99,12 @@ def test_fits_recover_known_parameters():
     exact = [(m, cost.ring_allreduce(m, 2, link)) for m in (8, 1e5, 1e6, 1e7)]
     noisy = exact[:2] + [(1e6, exact[2][1] * 1.5), exact[3]]
     assert cost.fit_link(noisy, 2).alpha_s == pytest.approx(2e-4, rel=0.02)
+    # plain least squares (one layout's buckets back to back): the fitted times sum to the measured ones
+    train = [(45e3, 2e-3), (4.2e6, 4e-3), (1e6, 3e-3)]
+    fit = cost.fit_link(train, 2, relative=False)
+    assert sum(cost.ring_allreduce(m, 2, fit) for m, _ in train) == pytest.approx(9e-3)
+    assert cost.fit_link(samples, 4, relative=False).alpha_s == pytest.approx(2e-4)
+    assert cost.fit_link([(1e3, 2e-3), (1e6, 1e-3)], 2, relative=False).beta_s == 0.0  # bigger no slower
     with pytest.raises(ValueError, match="parallel fraction"):
         cost.amdahl(1.5, 2)
 
@@ -113,6 +134,21 @@ def test_plan_search_respects_memory_and_ranks_by_time():
     assert alone.parts["wait_s"] == 0.0  # no gradient sync, nothing to wait for
     with pytest.raises(ValueError, match="world size"):
         plan.predict(model, cl, plan.Layout(3))
+    # the engine's buckets from the gradients' sizes: 1 MB then 2 MB with 1.5 MB buckets on 2 ranks,
+    # alpha 1 ms, beta 1 ns/B: 3 ms + 4 ms; backward 10 ms (half of 20), ready at 1/3 and 1: b0 3.3-6.3 ms,
+    # b1 10-14 ms, tail 4 ms; e = 1 -> 20 + 4 ms, e = 0 -> 20 + 7 ms
+    link = cost.Link(alpha_s=1e-3, beta_s=1e-9)
+    two = cost.Cluster(1, 2, link, link)
+    spec = plan.ModelSpec(params=0.75e6, compute_s=0.04, backward_fraction=0.5, tensor_bytes=(1e6, 2e6))
+    lay = plan.Layout(2, bucket_mb=1.5e6 / 2**20)
+    assert plan.predict(spec, two, lay).parts["grad_sync_s"] == pytest.approx(7e-3)
+    assert plan.predict(spec, two, lay).step_s == pytest.approx(0.024)
+    assert plan.predict(spec, dataclasses.replace(two, overlap=0.0), lay).step_s == pytest.approx(0.027)
+    # without tensor_bytes: two equal 1.5 MB buckets (3.5 ms each) ready at 5 and 10 ms: tail 3.5 ms
+    equal = plan.predict(dataclasses.replace(spec, tensor_bytes=()), two, lay)
+    assert equal.step_s == pytest.approx(0.0235)
+    with pytest.raises(ValueError, match="tensor_bytes"):
+        plan.ModelSpec(params=1, tensor_bytes=(4, 0))
     with pytest.raises(ValueError, match="memory-gb"):
         plan.search(model, cost.Cluster(1, 1, cl.intra, cl.inter, memory_bytes=1e6))
 
@@ -183,7 +219,22 @@ def _autotuned_dp():
     e, parts = calibrate.measure_overlap(lambda: [a @ b for _ in range(20)], 2**18, buckets=2, rounds=3, warmup=1)
     with pytest.raises(ValueError, match="two different sizes"):
         calibrate.measure_link((8, 8))
-    probes = (link, samples, e, parts)
+    # the layout's own buckets: gradients of 8 + 512 | 256 | 2048 B at 600-byte buckets, as the engine packs them
+    torch.manual_seed(1)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    dp = px.DataParallel(copy.deepcopy(plain), bucket_mb=600 / 2**20)
+    for _ in range(2):  # the first step re-buckets from the order gradients arrived in
+        dp(x[:4]).sum().backward()
+    engine = [b.nbytes for b in dp._engine.buckets.buckets]
+    dp._engine.remove_hooks()
+    loss = []
+    bucket_probes = [calibrate.measure_buckets(list(plain.parameters()), lambda: loss.pop().backward(),
+                                               bucket_mb=600 / 2**20, prepare=lambda: loss.append(plain(x).sum()),
+                                               dtype=dtype, rounds=3, warmup=1)
+                     for dtype in (torch.float32, torch.float16)]
+    with pytest.raises(ValueError, match="bucket_mb"):
+        calibrate.measure_buckets(list(plain.parameters()), lambda: None, bucket_mb=0)
+    probes = (link, samples, e, parts, engine, bucket_probes)
     return tuner.best, tuner.log, sizes, [p.detach().clone() for p in net.parameters()], probes
 
 
@@ -199,7 +250,19 @@ def test_autotune_on_data_parallel_two_ranks():
         opt.step()
         opt.zero_grad()
     assert all(r[4] == results[0][4] for r in results)  # probes: agreed on the slowest rank, same fit
-    link, samples, e, parts = results[0][4]
+    link, samples, e, parts, engine, (b32, b16) = results[0][4]
+    assert engine == [520, 256, 2048]
+    assert list(b32.bucket_bytes) == engine and list(b16.bucket_bytes) == [260, 128, 1024]
+    assert sorted(b32.tensor_bytes) == [8, 256, 512, 2048] and b16.tensor_bytes == b32.tensor_bytes
+    for probe in (b32, b16):
+        assert len(probe.bucket_s) == 3 and min(probe.bucket_s) > 0 and probe.compute_s > 0
+        assert probe.wait_s == max(0.0, probe.serial_s - probe.compute_s - probe.comm_s)
+        fit, e_b = probe.fit(2)
+        assert fit.alpha_s >= 0 and fit.beta_s >= 0 and -1 <= e_b <= 1
+        # the fit keeps the buckets' total time (plain least squares, or alpha alone when clipped)
+        total = sum(cost.ring_allreduce(m, 2, fit) for m in probe.bucket_bytes)
+        if fit.alpha_s > 0:
+            assert total == pytest.approx(sum(probe.bucket_s))
     assert [m for m, _ in samples] == [8, 2**16, 2**20] and all(t > 0 for _, t in samples)
     assert link.alpha_s >= 0 and link.beta_s > 0 and -1 <= e <= 1
     assert set(parts) == {"compute_s", "comm_s", "serial_s", "both_s", "wait_s"}
