@@ -45,6 +45,27 @@ def _t_matmul(matrix: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (p.t() @ matrix).t().contiguous()
 
 
+def _outer_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``p @ q.T`` (n x r times r x m, r small) into ``out`` (a new tensor when None).
+
+    As ``r`` rank-1 updates (one ``mul`` and ``r - 1`` ``addcmul_``): on CPU, one thread,
+    2048 x 2048 at rank 4, 0.99 ms against 3.2 ms for ``torch.mm`` (MKL's kernel for an
+    inner dimension of 4 runs at a third of the memory bandwidth the elementwise form gets).
+    Every rank runs the same ops on the same averaged factors, so the result is bitwise the
+    same everywhere.
+    """
+    if out is None:
+        out = torch.empty(p.shape[0], q.shape[0], dtype=p.dtype, device=p.device)
+    r = p.shape[1]
+    if r > 8:
+        return torch.mm(p, q.t(), out=out)
+    qt = q.t().contiguous()  # a strided row of q^T made reduce_many on the MLP bucket 17.0 ms instead of 8.8
+    torch.mul(p[:, :1], qt[:1], out=out)
+    for i in range(1, r):
+        out.addcmul_(p[:, i : i + 1], qt[i : i + 1])
+    return out
+
+
 class PowerSGDCompressor:
     """Rank-``rank`` PowerSGD with warm start and error feedback (``error_feedback=True``)."""
 
@@ -200,10 +221,8 @@ class PowerSGDCompressor:
         approxs = []
         for j, (p, q, (key, matrix, _)) in enumerate(zip(ps, qs, items)):
             self.q_memory[key] = q.clone()  # warm start for the next step
-            if targets is None:
-                approx = p @ q.t()
-            else:  # the input may be the target: with error feedback off it was read above (M Q, M^T P)
-                approx = torch.mm(p, q.t(), out=targets[j])
+            # the input may be the target: with error feedback off it was read above (M Q, M^T P)
+            approx = _outer_into(p, q, None if targets is None else targets[j])
             if self.error_feedback:
                 matrix.sub_(approx)  # the residual buffer: what was not sent
             approxs.append(approx)
