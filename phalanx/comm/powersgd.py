@@ -133,7 +133,7 @@ class PowerSGDCompressor:
         if self.error_feedback:
             matrix = self.memory.correct(name, matrix)
         r = min(self.rank, *matrix.shape)
-        (approx,), nbytes = self._power_step([(name, matrix, r)], group, world)
+        (approx,), nbytes, _ = self._power_step([(name, matrix, r)], group, world)
         out = approx.reshape(-1)[: tensor.numel()].to(tensor.dtype).reshape(tensor.shape)
         return out, 2 * (world - 1) * nbytes // world if world > 1 else 0
 
@@ -173,20 +173,22 @@ class PowerSGDCompressor:
             low.append((key, matrix, r))
             where.append(i)
         nbytes = 0
-        if dense:
-            flat = _mean(torch.cat([t.detach().reshape(-1).float() for _, t in dense]), group, world)
-            nbytes += flat.numel() * 4
+        # the uncompressed tensors travel in the P factors' allreduce (one round trip fewer)
+        flat = torch.cat([t.detach().reshape(-1).float() for _, t in dense]) if dense else None
+        if low:
+            targets = None if outs is None else [outs[i].view(m.shape) for i, (_, m, _) in zip(where, low)]
+            approxs, nbytes, flat = self._power_step(low, group, world, targets, flat)
+            for i, approx in zip(where, approxs):
+                result[i] = outs[i] if outs is not None else approx.to(tensors[i].dtype).view(tensors[i].shape)
+        elif flat is not None:
+            flat = _mean(flat, group, world)
+            nbytes = flat.numel() * 4
+        if flat is not None:
             for (i, t), part in zip(dense, flat.split([t.numel() for _, t in dense])):
                 if outs is not None:
                     result[i] = outs[i].copy_(part.view(outs[i].shape))
                 else:
                     result[i] = part.to(t.dtype).view(t.shape)
-        if low:
-            targets = None if outs is None else [outs[i].view(m.shape) for i, (_, m, _) in zip(where, low)]
-            approxs, low_bytes = self._power_step(low, group, world, targets)
-            nbytes += low_bytes
-            for i, approx in zip(where, approxs):
-                result[i] = outs[i] if outs is not None else approx.to(tensors[i].dtype).view(tensors[i].shape)
         return result, 2 * (world - 1) * nbytes // world if world > 1 else 0  # type: ignore[return-value]
 
     def _accumulate(self, key: str, matrix: torch.Tensor) -> torch.Tensor:
@@ -199,12 +201,13 @@ class PowerSGDCompressor:
             res.add_(matrix)
         return res
 
-    def _power_step(self, items, group, world: int, targets=None) -> tuple[list[torch.Tensor], int]:
+    def _power_step(self, items, group, world: int, targets=None, extra: torch.Tensor | None = None):
         """One warm-started power iteration for each ``(key, matrix, r)``, all P factors in one
         allreduce and all Q factors in another; updates the warm starts and the residuals
         (``matrix`` is the residual buffer with error feedback: it is left holding
-        ``matrix - P Q^T``). ``targets``: where to write each approximation. Returns the
-        averaged approximations and the bytes of P and Q."""
+        ``matrix - P Q^T``). ``targets``: where to write each approximation; ``extra``: a flat
+        tensor averaged in the same allreduce as the P factors. Returns the averaged
+        approximations, the bytes sent (P, Q and ``extra``) and the averaged ``extra``."""
         qs = []
         for key, matrix, r in items:
             q = self.q_memory.get(key)
@@ -213,7 +216,10 @@ class PowerSGDCompressor:
                 q = torch.randn(matrix.shape[1], r, generator=gen).to(matrix.device)
             qs.append(q)
         ps = [(q.t().contiguous() @ m.t()).t() for q, (_, m, _) in zip(qs, items)]  # M @ Q, CPU-fast order
-        flat_p = _mean(torch.cat([p.reshape(-1) for p in ps]), group, world)
+        head = [] if extra is None else [extra.reshape(-1)]
+        flat_p = _mean(torch.cat(head + [p.reshape(-1) for p in ps]), group, world)
+        if extra is not None:
+            extra, flat_p = flat_p[: extra.numel()], flat_p[extra.numel() :]
         ps = [torch.linalg.qr(p.view(p_old.shape)).Q for p, p_old in zip(flat_p.split([p.numel() for p in ps]), ps)]
         qs = [_t_matmul(m, p) for p, (_, m, _) in zip(ps, items)]
         flat_q = _mean(torch.cat([q.reshape(-1) for q in qs]), group, world)
@@ -226,7 +232,7 @@ class PowerSGDCompressor:
             if self.error_feedback:
                 matrix.sub_(approx)  # the residual buffer: what was not sent
             approxs.append(approx)
-        return approxs, (flat_p.numel() + flat_q.numel()) * 4
+        return approxs, (flat_p.numel() + flat_q.numel() + (0 if extra is None else extra.numel())) * 4, extra
 
     def state_dict(self) -> dict:
         return {
