@@ -4,19 +4,20 @@ Run: python benchmarks/cost_model.py [--np 2] [--hidden 1024] [--repeats 3]
      python benchmarks/cost_model.py --cluster 2 --rate 1gbit     (root: simulated hosts, 1 rank each)
 
 Each repeat, on N real gloo ranks (loopback, or the simulated hosts):
-  1. calibrate alpha/beta from backend allreduces of 8 B .. 16 MB (calibrate.measure_link:
-     interleaved rounds, warm-up dropped, median, relative-error fit), once on float32
-     payloads and once on float16 (the backend sums each dtype at its own speed);
-  2. calibrate the overlap e and the waiting term (calibrate.measure_overlap): the plain
-     model's backward alone, the gradient's bytes allreduced alone (in as many buckets as
-     the layout), the backward then the allreduces, and the allreduces launched
-     asynchronously under the backward;
-  3. time fp16 compress+decompress per byte -> codec cost;
-  4. time, interleaved in rounds, the plain step (compute) and the DataParallel step with
+  1. calibrate on the layout's own buckets (calibrate.measure_buckets), once on float32
+     payloads (compression none) and once on float16 (fp16): the buckets DataParallel will
+     make (the engine's rule, from the order the plain model's gradients arrive), sent back
+     to back with no compute -> alpha/beta by plain least squares; the backward alone, then
+     the buckets; and each bucket launched from a gradient hook as the engine does -> the
+     overlap e and the waiting term. Communication only is timed for the link; nothing is
+     fitted to the measured DataParallel step;
+  2. time fp16 compress+decompress per byte -> codec cost;
+  3. time, interleaved in rounds, the plain step (compute) and the DataParallel step with
      compression none and fp16; medians;
-  5. predict the DataParallel step with plan.predict from 1-4 (buckets overlapping backward
-     by the measured e, plus the measured waiting); also with e = 1 and no waiting, for contrast.
-Prints predicted vs measured and the error; the goal is within 20%.
+  4. predict the DataParallel step with plan.predict from 1-3 (the same buckets, ready as
+     their bytes are done); also with the link from isolated messages (calibrate.measure_link,
+     8 B .. 16 MB), for contrast.
+Prints every repeat's parts, predicted vs measured and the error; the goal is every repeat within 20%.
 """
 
 from __future__ import annotations
