@@ -13,8 +13,17 @@ the peers are torch DDP, DDP + ``fp16_compress_hook`` and DDP + ``powerSGD_hook`
 sent per step (phalanx: counted by the engine; DDP: the fp32 / fp16 / P+Q sizes a
 ring allreduce sends; ``local``: no communication, the compute floor), median step time (forward + backward with its gradient
 reduction + optimizer step; configurations interleaved inside every repeat),
-final test accuracy. On loopback the wire is nearly free; the simulated 1 Gbit/s
-link (``phalanx.testing.cluster``, tc tbf) is where compression must pay off.
+final test accuracy; ratios vs DDP and vs both torch hooks. On loopback the wire is nearly
+free; the simulated 1 Gbit/s link (``phalanx.testing.cluster``, tc tbf) is where compression
+must pay off.
+
+Why this model is bandwidth-bound: a 2048x2048 middle layer holds 96% of its 4.35M
+parameters, and at a small batch the compute per parameter is a few ns (forward, backward
+and the SGD step together: ``local``, 12-18 ms a step at global batch 8 on this machine)
+while the fp32 gradient costs 32 ns per parameter on a 1 Gbit/s ring of two: uncompressed,
+a step is ~90% communication. ``--wire-floor`` measures each payload alone on the network,
+``--codec-floor`` each codec alone on one core: the best ratio a compressor can reach here is
+DDP / (local + its wire time), with a free codec.
 """
 
 from __future__ import annotations
@@ -116,13 +125,47 @@ def _one(config, hidden, epochs, skip, batch=64):
             "dense": _ddp_bytes("ddp", params, n), "wall_s": time.perf_counter() - wall0}
 
 
-def _bench(hidden, epochs, repeats, configs, batch=64):
+def _bench(hidden, epochs, repeats, configs, batch=64, wire_floor=False):
     torch.set_num_threads(1)  # one core per rank on the 2-core machine
     out = {}
     for _ in range(repeats):
         for c in configs:  # interleaved: each repeat runs every configuration once
             out.setdefault(c, []).append(_one(c, hidden, epochs, skip=3, batch=batch))
+    if wire_floor:
+        sizes = {c: statistics.median(r["bytes"] for r in out[c]) for c in configs if c in PHALANX}
+        out["_wire"] = [_wire_floor(sizes)]
     return out
+
+
+def _wire_floor(sizes: dict, repeats: int = 15) -> dict:
+    """Milliseconds the payload alone takes on this network: each config's bytes per step sent
+    as an allgather (2 ranks: what each rank sends is what it receives) in the pieces the
+    compressed path uses (at most ``PIECE_NUMEL`` bytes each), nothing else running. Median of
+    ``repeats``, the slowest rank's. PowerSGD's bytes go as one allgather here; it really sends
+    them in two sequential allreduces, so its floor is a little higher than shown."""
+    from phalanx.comm.collectives import all_gather_flat
+    from phalanx.comm.compressed import PIECE_NUMEL
+
+    n = px.size()
+    res = {}
+    for c, nbytes in sizes.items():
+        if not nbytes:
+            continue
+        per_rank = int(nbytes) // max(1, n - 1)
+        pieces = max(1, -(-per_rank // PIECE_NUMEL))  # ~1 byte per value for int8: PIECE_NUMEL bytes a piece
+        chunk = -(-per_rank // pieces)
+        bufs = [(torch.zeros(chunk, dtype=torch.uint8), torch.empty(n * chunk, dtype=torch.uint8))
+                for _ in range(pieces)]
+        times = []
+        for _ in range(repeats + 2):
+            px.barrier()
+            t0 = time.perf_counter()
+            works = [all_gather_flat(o, i, async_op=True) for i, o in bufs]
+            for w in works:
+                w.wait()
+            times.append(time.perf_counter() - t0)
+        res[c] = px.allreduce(torch.tensor([statistics.median(times[2:])]), op=px.Max).item() * 1e3
+    return res
 
 
 def _codec_floor(configs, numel, repeats=15) -> dict:
@@ -179,6 +222,8 @@ def _on_cluster(args) -> dict:
                "--ssh-config", c.ssh_config, "--network-interface", IFNAME, "--", sys.executable,
                "-m", "benchmarks.compression", "--worker", "--hidden", str(args.hidden), "--epochs", str(args.epochs),
                "--repeats", str(args.repeats), "--configs", ",".join(args.configs), "--batch", str(args.batch)]
+        if args.wire_floor:
+            cmd.append("--wire-floor")
         # run as a module from the repository root: the workers find phalanx (and this file) on
         # their cwd even where phalanx is not installed (ssh does not forward PYTHONPATH)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
@@ -201,6 +246,10 @@ def main():
     ap.add_argument("--codec-floor", action="store_true",
                     help="also time each codec alone (one thread, no network) and print the best step ratio "
                          "vs DDP it allows: DDP step / (local step + codec ms + payload bytes / link rate)")
+    ap.add_argument("--wire-floor", action="store_true",
+                    help="also time each compressed config's bytes per step alone on the network (an allgather "
+                         "in the same pieces) and print the best step ratio vs DDP a free codec would allow: "
+                         "DDP step / (local step + that wire time)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
@@ -209,7 +258,7 @@ def main():
         raise SystemExit(f"unknown config(s) {unknown}; choose from {PHALANX + DDP + FLOOR}")
     if a.worker:  # under `phalanx run` on the simulated cluster
         px.init()
-        res = _bench(a.hidden, a.epochs, a.repeats, a.configs, a.batch)
+        res = _bench(a.hidden, a.epochs, a.repeats, a.configs, a.batch, a.wire_floor)
         if px.rank() == 0:
             print("RESULT", json.dumps(res), flush=True)
         px.shutdown()
@@ -218,24 +267,34 @@ def main():
         res = _on_cluster(a)
         where = f"{a.cluster} simulated hosts, {a.rate} links, 1 rank each"
     else:
-        res = px.run(_bench, np=a.np, args=(a.hidden, a.epochs, a.repeats, a.configs, a.batch), timeout=3600)[0]
+        res = px.run(_bench, np=a.np, args=(a.hidden, a.epochs, a.repeats, a.configs, a.batch, a.wire_floor),
+                     timeout=3600)[0]
         where = f"{a.np} ranks, gloo loopback"
+    wire = res.pop("_wire", [{}])[0]
     base_key = "ddp" if "ddp" in res else next(iter(res))
-    base = statistics.median(r["step_s"] for r in res[base_key])
+    med = {k: statistics.median(r["step_s"] for r in runs) * 1e3 for k, runs in res.items()}
+    peers = [k for k in ("ddp+fp16_hook", "ddp+powersgd_hook") if k in med and k != base_key]
     print(f"{where}, MLP hidden {a.hidden}, global batch {a.batch}, {a.epochs} epochs, "
           f"median of {a.repeats} interleaved repeats")
-    print(f"{'config':<20}{'bytes/step':>12}{'x fewer':>9}{'step ms':>10}{'vs ' + base_key:>10}{'test acc':>10}")
+    print(f"{'config':<20}{'bytes/step':>12}{'x fewer':>9}{'step ms':>10}{'vs ' + base_key:>10}"
+          + "".join(f"{'vs ' + k.split('+')[1].replace('_hook', ' hook').replace('powersgd', 'psgd'):>14}"
+                    for k in peers) + f"{'test acc':>10}")
     for key, runs in res.items():
-        step = statistics.median(r["step_s"] for r in runs)
         nbytes = statistics.median(r["bytes"] for r in runs)
         acc = statistics.median(r["acc"] for r in runs)
         fewer = f"{runs[0]['dense'] / nbytes:>9.1f}" if nbytes else f"{'-':>9}"
-        print(f"{key:<20}{nbytes:>12.0f}{fewer}{step * 1e3:>10.2f}{base / step:>9.2f}x{acc:>10.4f}"
-              f"   (wall {statistics.median(r['wall_s'] for r in runs):.0f} s)")
+        print(f"{key:<20}{nbytes:>12.0f}{fewer}{med[key]:>10.2f}{med[base_key] / med[key]:>9.2f}x"
+              + "".join(f"{med[k] / med[key]:>13.2f}x" for k in peers)
+              + f"{acc:>10.4f}   (wall {statistics.median(r['wall_s'] for r in runs):.0f} s)")
+    if wire:
+        print("\npayload alone on the network (allgather of the bytes per step in the same pieces, median of 15):")
+        print(f"{'config':<12}{'wire ms':>9}{'bound vs ddp':>14}   (bound = ddp / (local + wire): a free codec)")
+        for c, ms in wire.items():
+            bound = f"{med['ddp'] / (med['local'] + ms):>13.2f}x" if "ddp" in med and "local" in med else ""
+            print(f"{c:<12}{ms:>9.2f}{bound}")
     if a.codec_floor:
         numel = sum(p.numel() for p in _model(a.hidden).parameters())
         floor = _codec_floor(a.configs, numel)
-        med = {k: statistics.median(r["step_s"] for r in runs) * 1e3 for k, runs in res.items()}
         link = _rate_bytes_per_s(a.rate) if a.cluster else None
         print(f"\ncodec alone, one thread, {numel} values in the pieces the allgather path uses "
               "(error feedback + compress; decode of 2 payloads)")
