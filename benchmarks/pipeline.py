@@ -2,9 +2,16 @@
 torch.distributed.pipelining, and the cost-balanced split vs the uniform one — all in one run on
 p = 2 CPU ranks (gloo, 1 thread each).
 
-Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 10] [--stages 2]
+Run:  python benchmarks/pipeline.py [--width 256] [--hidden 1024] [--blocks 16] [--micro-rows 64]
+                                    [--repeats 10] [--stages 2] [--sections bubble,throughput,split]
       (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock nice -n -10 …` on the shared
       2-core box, so the two ranks get the cores they would own on a dedicated machine)
+
+The bubble/throughput model is shaped like a real one, so that its stages can be equal: a cheap
+input projection Linear(64, 256), 16 identical heavy blocks (a transformer's residual feed-forward
+x + W2 relu(W1 x), hidden 1024), a cheap head Linear(256, 64) and the MSE loss. Every heavy block
+then computes its input's gradient (the first is fed by the input projection), and the 18 blocks
+split finely enough for the cost-balanced partitioner to equalize the stages ((0, 9, 18) at p = 2).
 
 1. Bubble, m = 1, 2, 4, 8, phalanx 1F1B. Every stage keeps the start and end of each
    forward and backward (``PipelineStage.last_timeline``; one host, so the
@@ -22,19 +29,20 @@ Run:  python benchmarks/pipeline.py [--width 1024] [--micro-rows 64] [--repeats 
 
      bound     phalanx.parallel.pipeline.bubble_bound: the formula generalised to these
                stages, each stage's median forward and backward replayed with zero
-               communication. (p-1)/(v·m+p-1) assumes every stage costs the same; these
-               do not quite: the first stage's first layer computes no input gradient
-               and the last stage computes the loss, and 8 equal blocks split only 4 + 4.
+               communication. (p-1)/(v·m+p-1) assumes every stage costs the same.
 
    The stages are cut by the cost-balanced partitioner (measured time, the loss counted
    on the last block, the first block without input gradient, as in the pipeline); its
-   per-stage costs are printed. Interleaved 1F1B (v = 2 chunks per rank) is measured the
-   same way.
+   per-stage costs are printed, and each stage's median forward / backward in the pipeline
+   next to each bubble. "1f1b/ahead1" is the same 1F1B with ``recv_ahead=1`` (each receive
+   posted one action ahead, between two computes: the executor before it posted the step's
+   receives while idle). Interleaved 1F1B (v = 2 chunks per rank, the 18 blocks cut into 2p
+   cost-balanced pieces) is measured the same way.
 2. Throughput at m = 8 on the same stages (same weights): phalanx 1F1B vs
    torch.distributed.pipelining.Schedule1F1B (and phalanx interleaved 1F1B), repeats
    interleaved, medians.
-3. A model with one block 6x heavier than the others: the min-bottleneck split on
-   measured time and on FLOPs vs the uniform split, phalanx 1F1B step time, interleaved.
+3. A model of 8 x Linear(1024)+ReLU blocks, the first 6x heavier: the min-bottleneck split
+   on measured time and on FLOPs vs the uniform split, phalanx 1F1B step time, interleaved.
 """
 
 import argparse
@@ -47,10 +55,12 @@ from torch import nn
 
 import phalanx as px
 from phalanx.parallel.pipeline import (
+    Partition,
     PipelineStage,
     bubble_bound,
     bubble_fraction,
     get_schedule,
+    min_bottleneck_split,
     partition,
     replay,
 )
@@ -58,8 +68,27 @@ from phalanx.parallel.pipeline import (
 MS = (1, 2, 4, 8)
 
 
-def _cases(p):  # interleaved: 2 chunks, m a multiple of p
-    return [("1f1b", m) for m in MS] + [("interleaved_1f1b", m) for m in (2, 4, 8) if m % p == 0]
+def _cases(p):  # interleaved: 2 chunks, m a multiple of p; "/ahead1": receives posted one action ahead only
+    return ([("1f1b", m) for m in MS] + [("1f1b/ahead1", m) for m in MS]
+            + [("interleaved_1f1b", m) for m in (2, 4, 8) if m % p == 0])
+
+
+class FeedForward(nn.Module):
+    """A transformer's feed-forward block: ``x + W2 relu(W1 x)`` (hidden = 4 x width)."""
+
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _model(width, hidden, n, io):
+    """The bubble/throughput model, shaped like a real one: a cheap input projection (io -> width),
+    n identical heavy blocks, a cheap head (width -> io); the loss on the head's output."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(io, width), *[FeedForward(width, hidden) for _ in range(n)], nn.Linear(width, io))
 
 
 def _blocks(width, n, heavy=0):
@@ -92,7 +121,7 @@ def _bubble_parts(timelines, chunks=1):
     return 1.0 - busy / span, 1.0 - busy / ideal_span
 
 
-def _rank_body(P, width, micro_rows, repeats, sections):
+def _rank_body(P, cfg, sections):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
@@ -100,25 +129,29 @@ def _rank_body(P, width, micro_rows, repeats, sections):
     torch.set_num_threads(1)
     r = px.rank()
     last = r == P - 1
-    model = _blocks(width, 8)
+    micro_rows, repeats = cfg["micro_rows"], cfg["repeats"]
+    model = _model(cfg["width"], cfg["hidden"], cfg["blocks"], cfg["io"])
 
     def batch(m):
         g = torch.Generator().manual_seed(m)
-        return torch.randn(m * micro_rows, width, generator=g), torch.randn(m * micro_rows, width, generator=g)
+        return (torch.randn(m * micro_rows, cfg["io"], generator=g),
+                torch.randn(m * micro_rows, cfg["io"], generator=g))
 
-    # The cost-balanced split (measured time, loss on the last block); rank 0 measures alone and decides.
+    # The cost-balanced split (measured time, loss on the last block); rank 0 measures alone and decides,
+    # for p stages (1F1B) and for 2p pieces (interleaved, rank r runs pieces r and r + p).
     plan = None
     if r == 0:
         sample, target = batch(1)
         plan = partition(model, P, method="time", sample=sample, loss_fn=_loss, target=target)
-    bounds, costs = px.broadcast_object((plan.bounds, plan.stage_costs) if plan else None, root_rank=0)
+        plan = (plan.bounds, plan.stage_costs, min_bottleneck_split(plan.block_costs, 2 * P), plan.block_costs)
+    bounds, costs, bounds2, block_cost = px.broadcast_object(plan, root_rank=0)
     stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])
     px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
-    # interleaved: the same 8 blocks in 2P pieces; this rank runs pieces r and r + P
-    chunks = partition(model, 2 * P, method="uniform").split(model)[r::P]
-    stages = {"1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None)}
+    chunks = Partition(bounds2, block_cost).split(model)[r::P]
+    stages = {"1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None),
+              "1f1b/ahead1": PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None, recv_ahead=1)}
     out = {"timelines": {}, "px": [], "torch": [], "interleaved": [], "uniform": [], "time": [], "flops": [],
-           "plan": (bounds, costs)}
+           "plan": (bounds, costs, bounds2)}
 
     # 1. bubble: keep each step's compute timeline; the parent lines the stages up
     batches = {m: batch(m) for m in MS}
@@ -126,7 +159,7 @@ def _rank_body(P, width, micro_rows, repeats, sections):
         for name, m in _cases(P):  # interleaved, so a burst of load on the machine hits every case alike
             x, y = batches[m]
             px.barrier()
-            stages[name].step(x, y, num_microbatches=m, schedule=name)
+            stages[name].step(x, y, num_microbatches=m, schedule=name.split("/")[0])
             model.zero_grad()
             if rep:  # the first round is a warm-up
                 out["timelines"].setdefault((name, m), []).append(stages[name].last_timeline)
@@ -165,8 +198,9 @@ def _rank_body(P, width, micro_rows, repeats, sections):
     # 3. one heavy block: measured-time and FLOP-count splits vs the uniform split
     if "split" not in sections:
         return out
-    heavy = _blocks(width, 8, heavy=6)
-    sample = torch.randn(micro_rows, width)
+    heavy = _blocks(cfg["split_width"], 8, heavy=6)
+    sample = torch.randn(micro_rows, cfg["split_width"])
+    x, y = torch.randn(m * micro_rows, cfg["split_width"]), torch.randn(m * micro_rows, cfg["split_width"])
     splits = {}
     for method in ("uniform", "time", "flops"):
         bounds = px.broadcast_object(partition(heavy, P, method=method, sample=sample).bounds, root_rank=0)
@@ -189,7 +223,11 @@ def _rank_body(P, width, micro_rows, repeats, sections):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=256, help="the heavy blocks' width (bubble, throughput)")
+    ap.add_argument("--hidden", type=int, default=1024, help="the heavy blocks' hidden width")
+    ap.add_argument("--blocks", type=int, default=16, help="number of heavy blocks")
+    ap.add_argument("--io-width", type=int, default=64, help="model input and output width (cheap ends)")
+    ap.add_argument("--split-width", type=int, default=1024, help="Linear width of the one-heavy-block model")
     ap.add_argument("--micro-rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stages", type=int, default=2, help="p (ranks); > 2 oversubscribes a 2-core machine")
@@ -197,14 +235,17 @@ def main():
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     P = a.stages
-    res = px.run(_rank_body, np=P, args=(P, a.width, a.micro_rows, a.repeats, sections), timeout=1800)
+    cfg = {"width": a.width, "hidden": a.hidden, "blocks": a.blocks, "io": a.io_width, "micro_rows": a.micro_rows,
+           "repeats": a.repeats, "split_width": a.split_width}
+    res = px.run(_rank_body, np=P, args=(P, cfg, sections), timeout=1800)
 
-    bounds, costs = res[0]["plan"]
-    print(f"p={P} stages, 8 blocks of Linear({a.width},{a.width})+ReLU, {a.micro_rows} rows per micro-batch, "
-          f"{a.repeats} repeats (median)")
+    bounds, costs, bounds2 = res[0]["plan"]
+    print(f"p={P} stages; model Linear({a.io_width},{a.width}), {a.blocks} x FeedForward({a.width}, hidden "
+          f"{a.hidden}, residual), head Linear({a.width},{a.io_width}), MSE loss; {a.micro_rows} rows per "
+          f"micro-batch, {a.repeats} repeats (median)")
     print(f"1F1B stages: cost-balanced split {bounds} (measured time, loss on the last block); partitioner's "
           f"stage costs (forward+backward of one micro-batch, run alone) "
-          f"{' / '.join(f'{c * 1e3:.1f}' for c in costs)} ms\n")
+          f"{' / '.join(f'{c * 1e3:.1f}' for c in costs)} ms; interleaved pieces {bounds2}\n")
     if "bubble" in sections:
         print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
               "| replay (zero comm) | bound for these stages | measured / bound | median F / B per stage (ms) |")
@@ -221,7 +262,7 @@ def main():
             fb.append(tuple(sum(statistics.median(act.end_s - act.start_s for act in spans
                                                   if act.kind == k and act.chunk == c) for c in range(v))
                             for k in "FB"))
-        bound = bubble_bound(fb, m, name)
+        bound = bubble_bound(fb, m, name.split("/")[0])
         print(f"| {name} | {m} | {formula:.3f} | {measured:.3f} | {measured / formula:.2f} | {ideal:.3f} "
               f"| {bound:.3f} | {measured / bound:.2f} | {' '.join(f'{f * 1e3:.1f}/{b * 1e3:.1f}' for f, b in fb)} |")
 

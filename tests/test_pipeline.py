@@ -183,14 +183,14 @@ def _pipeline_runs(cases):
 
     p, s = px.size(), px.rank()
     results = {}
-    for schedule, m, ckpt in cases:
+    for schedule, m, ckpt, *ahead in cases:  # ahead: recv_ahead (default None: all of the step's)
         model = _model(p)
         v = getattr(get_schedule(schedule), "chunks", 1)
         pieces = partition(model, p * v, method="uniform").split(model)
         chunks = pieces[s::p]  # virtual stage c·p + s
         params = [t for ch in chunks for t in ch.parameters()]
         stage = PipelineStage(chunks if v > 1 else chunks[0], s, p, loss_fn=_loss if s == p - 1 else None,
-                              checkpoint=ckpt)
+                              checkpoint=ckpt, recv_ahead=ahead[0] if ahead else None)
         opt = torch.optim.SGD(params, lr=0.1)
         losses = []
         for step in range(STEPS):
@@ -200,7 +200,7 @@ def _pipeline_runs(cases):
             opt.zero_grad()
             losses.append(None if loss is None else loss.item())
         named = {k: t.clone() for ch in chunks for k, t in ch.state_dict().items()}  # keys keep block names
-        results[(schedule, m, ckpt)] = (losses, named)
+        results[(schedule, m, ckpt, *ahead)] = (losses, named)
     return results
 
 
@@ -222,6 +222,7 @@ def _reference(p):
 def test_gpipe_and_1f1b_match_one_process(np):
     cases = [(sched, m, False) for sched in ("gpipe", "1f1b") for m in (1, 4, 8)] + [("1f1b", 4, True)]
     cases += [("interleaved_1f1b", m, False) for m in (np, 8)] + [("interleaved_1f1b", 4, True)]
+    cases += [("1f1b", 8, False, 1), ("interleaved_1f1b", 8, False, 1)]  # receives posted one action ahead only
     results = distributed(_pipeline_runs, np=np, args=(cases,), timeout=180)
     ref_losses, ref_params = _reference(np)
     for case in cases:
