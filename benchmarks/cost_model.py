@@ -15,14 +15,15 @@ Each repeat, on N real gloo ranks (loopback, or the simulated hosts):
   3. time, interleaved in rounds, the plain step (compute) and the DataParallel step with
      compression none and fp16; medians;
   4. predict the DataParallel step with plan.predict from 1-3 (the same buckets, ready as
-     their bytes are done); also with the link from isolated messages (calibrate.measure_link,
-     8 B .. 16 MB), for contrast.
+     their bytes are done); for contrast, one term changed at a time: the link from isolated
+     messages (calibrate.measure_link, 8 B .. 16 MB), e = 0, equal buckets.
 Prints every repeat's parts, predicted vs measured and the error; the goal is every repeat within 20%.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -101,7 +102,12 @@ def _body(hidden, batch, bucket_mb, rounds=12, steps=5):
         pred = plan.predict(spec, cluster, layout, codecs=codecs)
         iso = cost.Cluster(cluster.hosts, cluster.ranks_per_host, isolated[comp], isolated[comp], overlap=e)
         out[comp] = (pred.step_s, measured)
+        # contrasts, from the same calibration: one term changed at a time
         out[comp + "_isolated"] = plan.predict(spec, iso, layout, codecs=codecs).step_s
+        out[comp + "_serial"] = plan.predict(spec, dataclasses.replace(cluster, overlap=0.0), layout,
+                                             codecs=codecs).step_s
+        out[comp + "_equal"] = plan.predict(dataclasses.replace(spec, tensor_bytes=()), cluster, layout,
+                                            codecs=codecs).step_s
         out[comp + "_parts"] = {k: v * 1e3 for k, v in pred.parts.items() if k.endswith("_s")}
         out[comp + "_probe"] = {"alpha_us": link.alpha_s * 1e6,
                                 "gbps": 8 / link.beta_s / 1e9 if link.beta_s else float("inf"), "e": e,
@@ -191,13 +197,16 @@ def main() -> None:
         print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}   "
               + " ".join(f"{e:+.1%}" for e in errs))
     print(f"every repeat within 20%: {'yes' if ok else 'NO'}")
-    print("\nthe same buckets, e and waiting, with the link from isolated messages (8 B .. 16 MB) instead:")
-    for comp in ("none", "fp16"):
-        errs = [(r[comp + "_isolated"] - r[comp][1]) / r[comp][1] for r in rows]
-        pred = statistics.median(r[comp + "_isolated"] for r in rows) * 1e3
-        meas = statistics.median(r[comp][1] for r in rows) * 1e3
-        print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}   "
-              + " ".join(f"{e:+.1%}" for e in errs))
+    for key, what in (("isolated", "the link from isolated messages (8 B .. 16 MB)"),
+                      ("serial", "e = 0 (nothing hides behind backward)"),
+                      ("equal", "ceil(bytes / bucket) equal buckets ready at even steps of backward")):
+        print(f"\ncontrast, every other term as above but {what}:")
+        for comp in ("none", "fp16"):
+            errs = [(r[comp + "_" + key] - r[comp][1]) / r[comp][1] for r in rows]
+            pred = statistics.median(r[comp + "_" + key] for r in rows) * 1e3
+            meas = statistics.median(r[comp][1] for r in rows) * 1e3
+            print(f"{comp:>11} {pred:>13.2f} {meas:>12.2f} {(pred - meas) / meas:>+7.1%}   "
+                  + " ".join(f"{e:+.1%}" for e in errs))
 
 if __name__ == "__main__":
     main()
