@@ -153,6 +153,36 @@ def test_plan_search_respects_memory_and_ranks_by_time():
         plan.search(model, cost.Cluster(1, 1, cl.intra, cl.inter, memory_bytes=1e6))
 
 
+def _two_linears():
+    return torch.nn.Sequential(torch.nn.Linear(4, 2**18), torch.nn.Linear(2**18, 1))
+
+
+def test_plan_command_buckets_a_model_like_the_engine(capsys):
+    import argparse
+
+    from phalanx.launcher import plan_cmd
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.register(parser.add_subparsers())
+
+    def run(*argv):
+        args = parser.parse_args(["plan", *argv])
+        return args.func(args), capsys.readouterr()
+
+    # gradients arrive last layer first: bias 4 B, weight 1 MiB, bias 1 MiB, weight 4 MiB
+    params, sizes = plan_cmd._model_sizes(f"{__name__}:_two_linears")
+    assert params == 6 * 2**18 + 1 and sizes == (4, 2**20, 2**20, 4 * 2**20)
+    # at 1 MiB buckets: [4 B], [1 MiB], [1 MiB], [4 MiB] (ceil(6 MiB / 1 MiB) = 7 equal ones before)
+    spec = plan.ModelSpec(params=params, tensor_bytes=sizes)
+    two = cost.Cluster(1, 2, ETH, ETH)
+    assert "in 4 bucket(s)" in plan.predict(spec, two, plan.Layout(2, bucket_mb=1)).why
+    rc, out = run("--model", f"{__name__}:_two_linears", "--ranks-per-host", "2", "--top", "1")
+    assert rc == 0 and "1.6M params" in out.out
+    assert "in 4 bucket(s)" in out.out and "in 7 bucket(s)" not in out.out  # the model's buckets, not equal ones
+    rc, out = run("--model", "torch.nn:ReLU")
+    assert rc == 2 and "no trainable parameters" in out.err
+
+
 def test_autotuner_keeps_the_fastest_and_logs():
     applied = []
     fake = {1: 0.3, 4: 0.1, 16: 0.2}

@@ -38,19 +38,24 @@ def register(subparsers) -> None:
     p.set_defaults(func=main)
 
 
-def _count_params(spec: str) -> int:
+def _model_sizes(spec: str) -> tuple[int, tuple[float, ...]]:
+    """Trainable parameters, and each one's gradient bytes in the order backward produces them
+    (reversed definition order, as for a sequential model): the engine's buckets come from these."""
     module, _, attr = spec.partition(":")
     if not attr:
         raise ValueError(f"--model {spec!r}: use MODULE:FACTORY, e.g. torch.nn:Transformer")
     model = getattr(importlib.import_module(module), attr)()
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() for p in params), tuple(float(p.numel() * 4) for p in reversed(params) if p.numel())
 
 
 def main(args: argparse.Namespace) -> int:
     from phalanx.planner import cost, plan
 
     try:
-        params = _count_params(args.model) if args.model else args.params
+        params, tensor_bytes = _model_sizes(args.model) if args.model else (args.params, ())
+        if args.model and not params:
+            raise ValueError(f"--model {args.model}: the model has no trainable parameters")
         if not params:
             raise ValueError("give --params N or --model MODULE:FACTORY")
         cluster = cost.Cluster(
@@ -60,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
             memory_bytes=args.memory_gb * 2**30, overlap=args.overlap,
         )
         spec = plan.ModelSpec(params=params, layers=args.layers, compute_s=args.compute_ms / 1e3,
-                              act_bytes_per_layer=args.act_mb * 1e6)
+                              act_bytes_per_layer=args.act_mb * 1e6, tensor_bytes=tensor_bytes)
         ranked = plan.search(spec, cluster)
     except (ValueError, ImportError, AttributeError) as err:
         print(f"phalanx plan: {err}", file=sys.stderr)
