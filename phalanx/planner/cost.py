@@ -18,13 +18,19 @@ Overlap. Buckets launched during backward hide behind it only if communication
 can progress while compute runs. Where it needs the same CPU cores (gloo over
 loopback, or more busy threads than cores), it cannot: a fraction ``1 - e`` of
 it is serialised with compute. ``e`` (``Cluster.overlap``) is measured, not
-assumed: time compute alone (C), one allreduce alone (A) and the allreduce
+assumed: time compute alone (C), the allreduces alone (A) and the allreduces
 launched asynchronously under the same compute (T); then
-``e = (C + A - T) / min(C, A)`` (``fit_overlap``; 1 = the shorter one hides
-completely, 0 = they add up, below 0 = together they cost more than one after the
-other: threads thrash on too few cores). The exposed communication is then::
+``e = (C + A - T) / (A - tail)`` (``fit_overlap``; ``tail`` is what perfect overlap
+leaves after compute, ``max(0, A - C)`` when all is launched up front; 1 = hidden
+as far as it can be, 0 = they add up, below 0 = together they cost more than one
+after the other: threads thrash on too few cores). The exposed communication is then::
 
     exposed = (1 - e) * sum(bucket times) + e * (the tail left after backward, buckets fully async)
+
+Data parallel's buckets are not equal: ``bucket_sizes`` packs the gradients as the
+engine does, and ``ready_fractions`` makes each ready when its share of the bytes is
+done (``plan.ModelSpec.tensor_bytes``; ``calibrate.measure_buckets`` measures it all
+on the job's own buckets).
 
 ZeRO (Rajbhandari et al. 2020): stages 1 and 2 move what an allreduce moves
 (reduce-scatter of gradients + allgather of parameters); stage 3 gathers the
