@@ -69,7 +69,7 @@ MS = (1, 2, 4, 8)
 
 
 def _cases(p):  # interleaved: 2 chunks, m a multiple of p; "/ahead1": receives posted one action ahead only
-    return ([("1f1b", m) for m in MS] + [("1f1b/ahead1", m) for m in MS]
+    return ([("1f1b", m) for m in MS] + [("eager_1f1b", m) for m in MS] + [("1f1b/ahead1", m) for m in MS]
             + [("interleaved_1f1b", m) for m in (2, 4, 8) if m % p == 0])
 
 
@@ -121,6 +121,32 @@ def _bubble_parts(timelines, chunks=1):
     return 1.0 - busy / span, 1.0 - busy / ideal_span
 
 
+def _exchange(cfg, n=300):
+    """What one hop costs here: each rank posts a receive, computes ~1 ms, sends one activation-sized
+    message (or 1 KB) to the other and waits for the other's; the wait's percentiles (ms)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pg, peer = dist.group.WORLD, 1 - px.rank()
+    w, a = torch.randn(cfg["width"], cfg["hidden"]), torch.randn(cfg["micro_rows"], cfg["width"])
+    res = {}
+    for numel in (cfg["micro_rows"] * cfg["width"], 256):
+        t, buf, waits = torch.randn(numel), torch.empty(numel), []
+        for _ in range(n):
+            px.barrier()
+            rw = pg.recv([buf], peer, 0)
+            for _ in range(10):
+                (a @ w).relu_()
+            sw = pg.send([t], peer, 0)
+            t0 = time.perf_counter()
+            rw.wait()
+            waits.append(time.perf_counter() - t0)
+            sw.wait()
+        waits.sort()
+        res[numel * 4] = [waits[int(q * (n - 1))] * 1e3 for q in (0.5, 0.9, 0.99, 1.0)]
+    return res
+
+
 def _rank_body(P, cfg, sections):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
@@ -148,9 +174,9 @@ def _rank_body(P, cfg, sections):
     stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])
     px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
     chunks = Partition(bounds2, block_cost).split(model)[r::P]
-    stages = {"1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None),
+    stages = {"1f1b": px_stage, "eager_1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None),
               "1f1b/ahead1": PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None, recv_ahead=1)}
-    out = {"timelines": {}, "px": [], "torch": [], "interleaved": [], "uniform": [], "time": [], "flops": [],
+    out = {"timelines": {}, "px": [], "torch": [], "eager": [], "interleaved": [], "uniform": [], "time": [], "flops": [],
            "plan": (bounds, costs, bounds2)}
 
     # 1. bubble: keep each step's compute timeline; the parent lines the stages up
@@ -163,6 +189,9 @@ def _rank_body(P, cfg, sections):
             model.zero_grad()
             if rep:  # the first round is a warm-up
                 out["timelines"].setdefault((name, m), []).append(stages[name].last_timeline)
+
+    if "exchange" in sections and P == 2:
+        out["exchange"] = _exchange(cfg)
 
     # 2. phalanx vs torch.distributed.pipelining on the same stage weights
     m = 8
@@ -182,6 +211,10 @@ def _rank_body(P, cfg, sections):
         px_stage.step(x, y, num_microbatches=m, schedule="1f1b")
         stage_mod.zero_grad()
 
+    def eager_step():
+        px_stage.step(x, y, num_microbatches=m, schedule="eager_1f1b")
+        stage_mod.zero_grad()
+
     def interleaved_step():
         stages["interleaved_1f1b"].step(x, y, num_microbatches=m, schedule="interleaved_1f1b")
         model.zero_grad()
@@ -189,10 +222,12 @@ def _rank_body(P, cfg, sections):
     if "throughput" in sections:
         torch_step()
         px_step()
+        eager_step()
         interleaved_step()
     for _ in range(repeats if "throughput" in sections else 0):
         out["px"].append(_timed(px_step))
         out["torch"].append(_timed(torch_step))
+        out["eager"].append(_timed(eager_step))
         out["interleaved"].append(_timed(interleaved_step))
 
     # 3. one heavy block: measured-time and FLOP-count splits vs the uniform split
@@ -231,7 +266,8 @@ def main():
     ap.add_argument("--micro-rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stages", type=int, default=2, help="p (ranks); > 2 oversubscribes a 2-core machine")
-    ap.add_argument("--sections", default="bubble,throughput,split", help="comma-separated subset to run")
+    ap.add_argument("--sections", default="bubble,throughput,split",
+                    help="comma-separated subset to run (also: exchange, p = 2 only: one hop's wait percentiles)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     P = a.stages
@@ -269,6 +305,12 @@ def main():
     def med(key):  # a step ends when its slowest rank ends
         return statistics.median(max(r[key][i] for r in res) for i in range(a.repeats))
 
+    if "exchange" in sections and P == 2:
+        print("\n| one hop: both ranks compute ~1 ms, then exchange | wait p50 | p90 | p99 | max (ms) |")
+        print("|---|---|---|---|---|")
+        for r in res:
+            for nbytes, q in r["exchange"].items():
+                print(f"| rank {res.index(r)}, {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q) + " |")
     if "throughput" in sections:
         _print_throughput(med, a.micro_rows)
     if "split" in sections:
@@ -276,14 +318,15 @@ def main():
 
 
 def _print_throughput(med, micro_rows):
-    px_s, torch_s, il_s = med("px"), med("torch"), med("interleaved")
+    px_s, torch_s, il_s, eager_s = med("px"), med("torch"), med("interleaved"), med("eager")
     rows = 8 * micro_rows
     print("\n| m=8 | step (ms) | samples/s |")
     print("|---|---|---|")
     print(f"| phalanx 1F1B | {px_s * 1e3:.1f} | {rows / px_s:,.0f} |")
     print(f"| torch.distributed.pipelining Schedule1F1B | {torch_s * 1e3:.1f} | {rows / torch_s:,.0f} |")
     print(f"| phalanx interleaved 1F1B, 2 chunks | {il_s * 1e3:.1f} | {rows / il_s:,.0f} |")
-    print(f"\nphalanx / torch throughput ratio (1F1B): {torch_s / px_s:.2f}x; "
+    print(f"| phalanx eager 1F1B | {eager_s * 1e3:.1f} | {rows / eager_s:,.0f} |")
+    print(f"\nphalanx / torch throughput ratio (1F1B): {torch_s / px_s:.2f}x, (eager 1F1B): {torch_s / eager_s:.2f}x; "
           f"interleaved / 1F1B: {px_s / il_s:.2f}x")
 
 

@@ -118,7 +118,7 @@ def test_bubble_bound_generalises_the_formula_to_unequal_stages():
         bubble_bound([(1.0,)], 2)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b"])
 def test_schedule_invariants(name):
     sched = get_schedule(name)
     v = getattr(sched, "chunks", 1)
@@ -134,6 +134,8 @@ def test_schedule_invariants(name):
                 peak = max(peak, in_flight)
             if name == "1f1b":
                 assert peak <= min(p - s, m)  # the point of 1F1B: at most p - s micro-batches alive
+            if name == "eager_1f1b":  # one more, except on the last stage
+                assert peak <= min(p - s + (s < p - 1), m)
         # On an ideal network with equal costs (B = 2F) the schedule deadlocks nowhere and idles
         # exactly the formula's fraction (p-1)/(v·m+p-1).
         acts = [sched.actions(s, p, m) for s in range(p)]
@@ -223,6 +225,7 @@ def test_gpipe_and_1f1b_match_one_process(np):
     cases = [(sched, m, False) for sched in ("gpipe", "1f1b") for m in (1, 4, 8)] + [("1f1b", 4, True)]
     cases += [("interleaved_1f1b", m, False) for m in (np, 8)] + [("interleaved_1f1b", 4, True)]
     cases += [("1f1b", 8, False, 1), ("interleaved_1f1b", 8, False, 1)]  # receives posted one action ahead only
+    cases += [("eager_1f1b", m, False) for m in (1, 8)]
     results = distributed(_pipeline_runs, np=np, args=(cases,), timeout=180)
     ref_losses, ref_params = _reference(np)
     for case in cases:

@@ -1,7 +1,7 @@
 """Pipeline parallelism: split a model by layers across ranks and stream micro-batches through.
 
 * :mod:`.partition` — balanced split (uniform / parameters / time / flops, exact min-bottleneck)
-* :mod:`.schedules` — GPipe, 1F1B and interleaved 1F1B, with their timelines drawn; ideal-network replay
+* :mod:`.schedules` — GPipe, 1F1B, eager 1F1B and interleaved 1F1B, with their timelines drawn; ideal-network replay
 * :mod:`.stage` — one stage's executor (p2p activations/gradients, loss, accumulation)
 
 Example::
@@ -20,6 +20,7 @@ from phalanx.parallel.pipeline.partition import (
 )
 from phalanx.parallel.pipeline.schedules import (
     SCHEDULES,
+    EagerOneFOneB,
     GPipe,
     Interleaved1F1B,
     OneFOneB,
@@ -39,6 +40,7 @@ __all__ = [
     "partition",
     "uniform_split",
     "SCHEDULES",
+    "EagerOneFOneB",
     "GPipe",
     "Interleaved1F1B",
     "OneFOneB",

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Schedule", "GPipe", "OneFOneB", "Interleaved1F1B", "SCHEDULES", "get_schedule", "bubble_fraction",
+__all__ = ["Schedule", "GPipe", "OneFOneB", "EagerOneFOneB", "Interleaved1F1B", "SCHEDULES", "get_schedule", "bubble_fraction",
            "bubble_bound", "replay", "draw"]
 
 Action = tuple  # (kind, micro-batch) or (kind, micro-batch, chunk)
@@ -94,16 +94,39 @@ class OneFOneB:
     """
 
     name = "1f1b"
+    extra_warmup = 0
 
     def actions(self, stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
         _check(stage, num_stages, num_microbatches)
         m = num_microbatches
-        warmup = min(num_stages - stage - 1, m)
+        warmup = min(num_stages - stage - 1 + (self.extra_warmup if stage < num_stages - 1 else 0), m)
         out: list[Action] = [("F", i) for i in range(warmup)]
         for k in range(m - warmup):
             out += [("F", warmup + k), ("B", k)]
         out += [("B", i) for i in range(m - warmup, m)]
         return out
+
+
+class EagerOneFOneB(OneFOneB):
+    """1F1B with one more warm-up forward on every stage but the last (``"eager_1f1b"``).
+
+    In plain 1F1B with equal stages the steady state has no slack: stage s sends
+    the activation of micro-batch i+1 and at once needs the gradient of micro-batch
+    i, so every micro-batch pays two transfers (there and back) on the critical
+    path. One forward more in flight gives each stage the next activation before it
+    is needed: a transfer then delays the pipeline once, not once per micro-batch.
+    On an ideal network it is 1F1B's timeline (same bubble, (p-1)/(m+p-1)); the
+    price is one more micro-batch of activations held on stages 0 … p-2. p = 4, m = 6::
+
+        stage 0 | F0 F1 F2 F3 F4 .  .  B0 F5 B1 .  B2 .  B3 .  B4 .  B5
+        stage 1 | .  F0 F1 F2 F3 .  B0 F4 B1 F5 B2 .  B3 .  B4 .  B5
+        stage 2 | .  .  F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5
+        stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5
+                  -------------------------------------------------------------> time
+    """
+
+    name = "eager_1f1b"
+    extra_warmup = 1
 
 
 class Interleaved1F1B:
@@ -163,7 +186,8 @@ def _check(stage: int, num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
 
-SCHEDULES: dict[str, Schedule] = {"gpipe": GPipe(), "1f1b": OneFOneB(), "interleaved_1f1b": Interleaved1F1B(2)}
+SCHEDULES: dict[str, Schedule] = {"gpipe": GPipe(), "1f1b": OneFOneB(), "eager_1f1b": EagerOneFOneB(),
+                                  "interleaved_1f1b": Interleaved1F1B(2)}
 
 
 def get_schedule(schedule: str | Schedule) -> Schedule:
