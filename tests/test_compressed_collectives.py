@@ -109,6 +109,18 @@ def _collectives_body():
     expect = torch.cat([(p @ (mbar.t() @ p).t()).reshape(-1), mean_of(bias).reshape(-1),
                         mean_of(kernel).reshape(-1)])
     out["powersgd_bucket"] = (got - expect).abs().max().item()
+    # out= (DataParallel passes its bucket, i.e. the input itself): the same bits as a new result,
+    # over two steps with error feedback (residual updated in place, factors warm-started)
+    same = []
+    for ef in (True, False):
+        c_new, c_out = (get_compressor("powersgd", rank=3, error_feedback=ef) for _ in range(2))
+        for step in range(2):
+            g = flat * (1 + step)
+            ref = allreduce_compressed(g, c_new, name="o", shapes=shapes)
+            y = g.clone()
+            res = allreduce_compressed(y, c_out, name="o", shapes=shapes, out=y)
+            same.append(res.data_ptr() == y.data_ptr() and torch.equal(res, ref))
+    out["powersgd_out"] = same
     out["sum"] = (allreduce_compressed(x, get_compressor("int8", error_feedback=False), average=False) - n * exact).abs().max().item()
     return out
 
@@ -139,6 +151,7 @@ def test_compressed_allreduce_matches_simulation(np):
         assert out["warm0"] < 1e-6 and out["warm1"] > 1e-3
         assert out["powersgd"] < 1e-4 and out["powersgd_ratio"] > 4.0
         assert out["powersgd_bucket"] < 1e-4, out["powersgd_bucket"]
+        assert all(out["powersgd_out"]), out["powersgd_out"]
         assert out["sum"] < 0.1
     for key in results[0]:  # every rank ends with the same tensors
         if isinstance(key, tuple) and key[0] == "result":
