@@ -6,6 +6,7 @@ collective must perform, so the check is exact, not "close to the mean".
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -121,6 +122,19 @@ def _collectives_body():
             res = allreduce_compressed(y, c_out, name="o", shapes=shapes, out=y)
             same.append(res.data_ptr() == y.data_ptr() and torch.equal(res, ref))
     out["powersgd_out"] = same
+    # parts= (DataParallel's gradients, read without a copy into the bucket): the same bits as the
+    # flat input, over two error-feedback steps, for the paths that read them and those that copy
+    same = []
+    for cname in ("int8", "sign", "powersgd"):
+        c_flat, c_parts = get_compressor(cname), get_compressor(cname)
+        for step in range(2):
+            g = flat * (1 + step)
+            ref = allreduce_compressed(g, c_flat, name="q", shapes=shapes)
+            pieces = [t.clone().view(sh) for t, sh in zip(g.split([math.prod(sh) for sh in shapes]), shapes)]
+            buf = torch.full_like(g, float("nan"))  # its content must not matter
+            res = allreduce_compressed(buf, c_parts, name="q", shapes=shapes, out=buf, parts=pieces)
+            same.append((cname, step, torch.equal(res, ref)))
+    out["parts"] = same
     out["sum"] = (allreduce_compressed(x, get_compressor("int8", error_feedback=False), average=False) - n * exact).abs().max().item()
     return out
 
@@ -152,6 +166,7 @@ def test_compressed_allreduce_matches_simulation(np):
         assert out["powersgd"] < 1e-4 and out["powersgd_ratio"] > 4.0
         assert out["powersgd_bucket"] < 1e-4, out["powersgd_bucket"]
         assert all(out["powersgd_out"]), out["powersgd_out"]
+        assert all(ok for *_, ok in out["parts"]), out["parts"]
         assert out["sum"] < 0.1
     for key in results[0]:  # every rank ends with the same tensors
         if isinstance(key, tuple) and key[0] == "result":

@@ -184,6 +184,7 @@ def allreduce_compressed(
     shapes=None,
     out: torch.Tensor | None = None,
     piece_numel: int | None = None,
+    parts=None,
 ):
     """Average (``average=True``) or sum ``tensor`` over ``group`` with compressed payloads.
 
@@ -199,6 +200,12 @@ def allreduce_compressed(
     input is fully read, into the error-feedback buffer or the payloads, before anything is
     written); DataParallel passes its bucket so no copy back is needed. ``piece_numel``:
     values per piece of the pipelined allgather (default :data:`PIECE_NUMEL`).
+
+    ``parts``: the input as separate tensors whose concatenation (flattened) is the value to
+    reduce; ``tensor`` is then only the buffer of that size (its content is ignored). Paths
+    that can read them directly do (PowerSGD's per-tensor factors, the allgather path's
+    error-feedback add); the others first copy them into ``tensor``. DataParallel passes its
+    parameters' gradients so it need not copy them into the bucket first.
     """
     if algorithm not in ("auto", "allgather", "two_phase"):
         raise ValueError(f"algorithm must be 'auto', 'allgather' or 'two_phase', got {algorithm!r}")
@@ -206,14 +213,29 @@ def allreduce_compressed(
     name = "default" if name is None else str(name)
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     warm = compressor.tick(name) if hasattr(compressor, "tick") else False
+    if parts is not None:
+        parts = [t.detach() for t in parts]
+        if sum(t.numel() for t in parts) != tensor.numel():
+            raise ValueError(f"allreduce_compressed(parts=...): {sum(t.numel() for t in parts)} values in the parts "
+                             f"for a tensor of {tensor.numel()}")
+        accumulate, _ = _parts(compressor)
+        direct = not (warm or compressor.summable or n == 1) and (
+            (shapes is not None and hasattr(compressor, "reduce_many"))
+            or (accumulate is not None and not hasattr(compressor, "reduce")
+                and (algorithm == "allgather" or (algorithm == "auto" and
+                                                  choose_algorithm(compressor, tensor.numel(), n) == "allgather"))))
+        if not direct:  # this path reads the flat tensor: fill it
+            views = list(tensor.detach().reshape(-1).split([t.numel() for t in parts]))
+            torch._foreach_copy_(views, [t.reshape(-1) for t in parts])
+            parts = None
     if n == 1:
         return _finished(tensor.clone(), async_op)
     wire_dense = _ring_bytes(tensor.numel() * 4, n)
     if warm or compressor.summable:
         return _allreduce_summable(tensor, None if warm else compressor, group, n, average, async_op, wire_dense)
     if shapes is not None and hasattr(compressor, "reduce_many"):
-        views = [v.view(shape) for v, shape in
-                 zip(tensor.detach().reshape(-1).split([math.prod(s) for s in shapes]), shapes)]
+        src = tensor.detach().reshape(-1).split([math.prod(s) for s in shapes]) if parts is None else parts
+        views = [v.reshape(shape) for v, shape in zip(src, shapes)]
         direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
                   and out.numel() == tensor.numel())
         targets = None
@@ -236,7 +258,7 @@ def allreduce_compressed(
     flat = tensor.detach().reshape(-1)
     if algorithm == "allgather":
         return _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense, out,
-                               piece_numel)
+                               piece_numel, parts)
     res = _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense)
     if out is None:
         return res
@@ -288,11 +310,16 @@ def _gather_bytes(payload: torch.Tensor, group, n: int, known: list[int] | None)
     return work, out, counts, width
 
 
-def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, dense, out, piece_numel):
+def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, dense, out, piece_numel,
+                    parts=None):
     """Every rank's payload to every rank, in pieces: piece i is on the wire while piece i+1
-    is compressed, and piece i is decoded while later ones are still arriving."""
+    is compressed, and piece i is decoded while later ones are still arriving. ``parts``
+    (error feedback on): added into the residual buffer straight from the given tensors."""
     accumulate, inner = _parts(compressor)
-    src = accumulate(name, flat) if accumulate is not None else flat
+    if parts is not None:
+        src = compressor.accumulate_parts(name, parts, flat.numel())
+    else:
+        src = accumulate(name, flat) if accumulate is not None else flat
     fixed = getattr(inner, "fixed_size", False)
     launched, sent = [], 0
     for a, b in _pieces(inner, flat.numel(), piece_numel):

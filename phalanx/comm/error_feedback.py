@@ -135,6 +135,16 @@ class ErrorFeedback:
             res.add_(tensor.detach())
         return res
 
+    def accumulate_parts(self, key: str, parts, numel: int) -> torch.Tensor:
+        """:meth:`accumulate` of the concatenation of ``parts`` (flattened), without building it:
+        each part is added into its slice of the residual buffer (one fused ``_foreach_add_``)."""
+        res = self.memory.residuals.get(key)
+        if res is None or res.shape != (numel,) or res.dtype != torch.float32 or res.device != parts[0].device:
+            res = self.memory.residuals[key] = torch.cat([t.reshape(-1).float() for t in parts])
+        else:
+            torch._foreach_add_(list(res.split([t.numel() for t in parts])), [t.reshape(-1) for t in parts])
+        return res
+
     def compress(self, tensor: torch.Tensor, name: str = "default"):
         if not self.enabled:
             return self.inner.compress(tensor)

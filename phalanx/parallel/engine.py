@@ -366,6 +366,17 @@ class GradientEngine:
         self._launch_finite_flag()
         self._pending = True
 
+    def _check_finite(self, tensors) -> None:
+        """Note in ``_nonfinite`` whether any of ``tensors`` holds inf or NaN (lossy codecs only).
+
+        min and max carry NaN and ±inf: one pass and no temporaries (``isfinite(flat).all()``
+        made 4.35M-value bool masks, 7.5 ms a step on one core against 0.7 ms)."""
+        if not self._guard_finite:
+            return
+        for t in tensors:
+            if t.numel():
+                self._nonfinite |= ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
     def _launch_finite_flag(self) -> None:
         if self._guard_finite:
             flag = self._nonfinite.to(torch.float32).reshape(1)
@@ -466,18 +477,24 @@ class GradientEngine:
         if self.reduction is not None:
             self.reduction.launch(bucket)
             return
-        if self._shadowing:
-            bucket.flat.zero_()
-        else:
-            self._gather_grads(bucket)
-            if self._guard_finite and bucket.flat.numel():
-                # min and max carry NaN and ±inf: one pass and no temporaries (isfinite(flat).all()
-                # made 4.35M-value bool masks, 7.5 ms a step on one core against 0.7 ms)
-                self._nonfinite |= ~torch.isfinite(torch.stack(torch.aminmax(bucket.flat))).all()
         i, nbytes = bucket.index, bucket.nbytes
         op, pre, post = self._scales()
+        lossy = not getattr(self.compressor, "summable", True)
+        parts = None
+        if lossy and not self._shadowing and pre == 1.0:
+            # the compressed collective reads the gradients themselves (no copy into the bucket
+            # first: 1.4 ms a step for 4.35M values) and writes the average into the bucket
+            grads = [p.grad for p in bucket.params]
+            if all(g is not None and g.layout is torch.strided and g.dtype == bucket.flat.dtype
+                   and g.is_contiguous() for g in grads):
+                parts = grads
+        if self._shadowing:
+            bucket.flat.zero_()
+        elif parts is None:
+            self._gather_grads(bucket)
+            self._check_finite([bucket.flat])
         name = f"dp.bucket{i}"
-        if not getattr(self.compressor, "summable", True):
+        if lossy:
             from phalanx.comm import compressed
 
             if pre != 1.0:
@@ -488,8 +505,10 @@ class GradientEngine:
                                                          async_op=True, name=name,
                                                          average=op is ReduceOp.AVERAGE,
                                                          shapes=[p.shape for p in bucket.params],
-                                                         out=bucket.flat)
+                                                         out=bucket.flat, parts=parts)
             self.bytes_sent += compressed.wire.bytes_sent - before
+            if parts is not None:  # while the payload is on the wire (the gradients stay as they are)
+                self._check_finite(parts)
             bucket.handle = (handle, None, post)
             return
         with trace.span("compress", "comm", bucket=i, bytes=nbytes):
