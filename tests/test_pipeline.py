@@ -185,15 +185,23 @@ def _pipeline_runs(cases):
 
     p, s = px.size(), px.rank()
     results = {}
-    for schedule, m, ckpt, *ahead in cases:  # ahead: recv_ahead (default None: all of the step's)
+    for case in cases:  # (schedule, m, checkpoint[, recv_ahead (default None: all)[, pass-through stage]])
+        schedule, m, ckpt = case[:3]
+        ahead = case[3] if len(case) > 3 else None
         model = _model(p)
         v = getattr(get_schedule(schedule), "chunks", 1)
-        pieces = partition(model, p * v, method="uniform").split(model)
+        if len(case) > 4 and case[4]:
+            # stage 1 is nn.Identity: the activation it sends is the very buffer it received, so that
+            # buffer must not be reused for a later receive while the send may still read it
+            pieces = partition(model, p - 1, method="uniform").split(model)
+            pieces.insert(1, nn.Sequential(nn.Identity()))
+        else:
+            pieces = partition(model, p * v, method="uniform").split(model)
         chunks = pieces[s::p]  # virtual stage c·p + s
         params = [t for ch in chunks for t in ch.parameters()]
         stage = PipelineStage(chunks if v > 1 else chunks[0], s, p, loss_fn=_loss if s == p - 1 else None,
-                              checkpoint=ckpt, recv_ahead=ahead[0] if ahead else None)
-        opt = torch.optim.SGD(params, lr=0.1)
+                              checkpoint=ckpt, recv_ahead=ahead)
+        opt = torch.optim.SGD(params or [torch.zeros(1, requires_grad=True)], lr=0.1)  # nn.Identity has none
         losses = []
         for step in range(STEPS):
             x, y = _batch(step)
@@ -202,7 +210,7 @@ def _pipeline_runs(cases):
             opt.zero_grad()
             losses.append(None if loss is None else loss.item())
         named = {k: t.clone() for ch in chunks for k, t in ch.state_dict().items()}  # keys keep block names
-        results[(schedule, m, ckpt, *ahead)] = (losses, named)
+        results[case] = (losses, named)
     return results
 
 
@@ -226,6 +234,8 @@ def test_gpipe_and_1f1b_match_one_process(np):
     cases += [("interleaved_1f1b", m, False) for m in (np, 8)] + [("interleaved_1f1b", 4, True)]
     cases += [("1f1b", 8, False, 1), ("interleaved_1f1b", 8, False, 1)]  # receives posted one action ahead only
     cases += [("eager_1f1b", m, False) for m in (1, 8)]
+    if np == 4:
+        cases += [("1f1b", 8, False, None, True), ("gpipe", 4, False, 1, True)]  # a pass-through stage
     results = distributed(_pipeline_runs, np=np, args=(cases,), timeout=180)
     ref_losses, ref_params = _reference(np)
     for case in cases:
