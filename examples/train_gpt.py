@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved_1f1b"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "eager_1f1b", "gpipe", "interleaved_1f1b"])
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                     help="ZeRO stage on the data-parallel axis (0: plain data parallel)")
     ap.add_argument("--microbatches", type=int, default=4)
