@@ -123,7 +123,11 @@ def _bubble_parts(timelines, chunks=1):
 
 def _exchange(cfg, n=300):
     """What one hop costs here: each rank posts a receive, computes ~1 ms, sends one activation-sized
-    message (or 1 KB) to the other and waits for the other's; the wait's percentiles (ms)."""
+    message (or 1 KB) to the other and waits for the other's. Per message size, the wait's
+    percentiles (ms), and the delay once both sides were ready: from the later of the peer's send
+    (its CLOCK_MONOTONIC time rides in the message; one machine, one clock) and this rank's wait
+    start, to the message in hand. The wait includes the peer's compute running late; the delay
+    is the transfer alone."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -131,19 +135,21 @@ def _exchange(cfg, n=300):
     w, a = torch.randn(cfg["width"], cfg["hidden"]), torch.randn(cfg["micro_rows"], cfg["width"])
     res = {}
     for numel in (cfg["micro_rows"] * cfg["width"], 256):
-        t, buf, waits = torch.randn(numel), torch.empty(numel), []
+        t, buf, waits, late = torch.randn(numel), torch.empty(numel), [], []
         for _ in range(n):
             px.barrier()
             rw = pg.recv([buf], peer, 0)
             for _ in range(10):
                 (a @ w).relu_()
+            t.view(torch.float64)[0] = time.monotonic()
             sw = pg.send([t], peer, 0)
             t0 = time.perf_counter()
+            ready = time.monotonic()
             rw.wait()
             waits.append(time.perf_counter() - t0)
+            late.append(time.monotonic() - max(ready, float(buf.view(torch.float64)[0])))
             sw.wait()
-        waits.sort()
-        res[numel * 4] = [waits[int(q * (n - 1))] * 1e3 for q in (0.5, 0.9, 0.99, 1.0)]
+        res[numel * 4] = [sorted(v)[int(q * (n - 1))] * 1e3 for v in (waits, late) for q in (0.5, 0.9, 0.99, 1.0)]
     return res
 
 
@@ -306,8 +312,9 @@ def main():
         return statistics.median(max(r[key][i] for r in res) for i in range(a.repeats))
 
     if "exchange" in sections and P == 2:
-        print("\n| one hop: both ranks compute ~1 ms, then exchange | wait p50 | p90 | p99 | max (ms) |")
-        print("|---|---|---|---|---|")
+        print("\n| one hop: both ranks compute ~1 ms, then exchange | wait p50 | p90 | p99 | max (ms) "
+              "| delay once both ready p50 | p90 | p99 | max (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in res:
             for nbytes, q in r["exchange"].items():
                 print(f"| rank {res.index(r)}, {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q) + " |")
