@@ -147,6 +147,11 @@ def test_ps_modes_on_four_ranks(tmp_path):
     assert 0.45 < per_step["async"] / per_step["sync"] < 0.6, per_step
     steps = sum(w["acc_sync"]["stats"]["steps"] for w in workers)
     assert all(s["acc_sync"]["stats"]["pushes"] == steps for s in servers)
+    # 5. replies a worker has read are freed (gloo marks a send complete only once waited on):
+    # over a whole run each server keeps at most two replies per worker alive, not one per pull
+    for s in servers:
+        for run in ("acc_sync", "acc_async", "acc_ssp", "bound_async"):
+            assert 1 <= s[run]["stats"]["max_in_flight"] <= 2, (run, s[run]["stats"]["max_in_flight"])
 
 
 def _silent_then_dead(flag_dir):

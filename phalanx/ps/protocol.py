@@ -62,7 +62,7 @@ TAG_REQ = 7101
 TAG_DATA = 7102
 TAG_REPLY = 7103
 TAG_REPLY_DATA = 7104
-HEADER_LEN = 6
+HEADER_LEN = 7  # op, clock, version, meta bytes, tensors, arg, replies read (see Op)
 
 
 class Op(enum.IntEnum):
@@ -73,6 +73,10 @@ class Op(enum.IntEnum):
     #           arg = 1: also a PULL at clock + 1 (saves the worker's next request)
     DONE = 3  # worker leaves; the server stops counting it for sync / SSP
     PARAMS = 4  # server's answer to PULL; version = shard version sent
+    # Every worker -> server frame also carries in its last field how many PARAMS replies the
+    # worker has read from that server so far: the server then waits on (and frees) the sends of
+    # those replies. gloo reports a send complete only once it is waited on, so without this the
+    # server could not tell a delivered reply from one in flight and kept every one alive.
 
 
 class PSError(RuntimeError):
@@ -153,10 +157,12 @@ def send_frame(
     timeout_s: float = 300.0,
     what: str = "send",
     wait: bool = True,
+    read: int = 0,
 ):
     """Send one frame; returns ``(works, bytes_sent)``. With ``wait=False`` the caller
     keeps ``works`` (and so the buffers) alive and waits on them later. ``packed`` is
-    the output of :func:`pack` when one payload goes to many peers (compressed once)."""
+    the output of :func:`pack` when one payload goes to many peers (compressed once).
+    ``read``: replies the sender has read from ``dst`` so far (worker -> server frames)."""
     tag_head, tag_data = (TAG_REPLY, TAG_REPLY_DATA) if reply else (TAG_REQ, TAG_DATA)
     if packed is None and tensor is not None:
         packed = pack(tensor, compressor, f"{'reply' if reply else 'req'}{dst}")
@@ -165,7 +171,7 @@ def send_frame(
         meta = b""  # the receiver still has it
     elif cache is not None and tensors:
         cache.sent[dst] = meta
-    header = torch.tensor([int(op), clock, version, len(meta), len(tensors), arg], dtype=torch.int64)
+    header = torch.tensor([int(op), clock, version, len(meta), len(tensors), arg, read], dtype=torch.int64)
     bufs = [header]
     if meta:
         bufs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))

@@ -95,6 +95,7 @@ class ServerStats:
     version: int = 0  # updates applied to the shard, over every session (restored from checkpoints)
     staleness: dict[int, int] = dataclasses.field(default_factory=dict)  # histogram
     clock_gap: dict[int, int] = dataclasses.field(default_factory=dict)  # c - min_clock at each grant
+    max_in_flight: int = 0  # most replies to one worker sent and not yet acknowledged as read
     max_gap: int = 0
 
     def as_dict(self) -> dict:
@@ -152,7 +153,9 @@ class ParameterServer:
         self._contributions = 0
         self._round = 0  # sync rounds completed in this session (clocks restart at 0 on resume)
         self._held: list[tuple[int, int]] = []  # (worker, clock) pulls not yet granted
-        self._sends: dict[int, list] = collections.defaultdict(list)  # replies in flight per worker
+        # replies in flight per worker, oldest first: (reply number, [(work, buffer), ...])
+        self._sends: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._replied: dict[int, int] = collections.defaultdict(int)  # replies sent per worker
         self._packed: tuple[int, tuple] | None = None  # (version, payload): compressed once per version
 
     # -- shard <-> flat --------------------------------------------------------------------
@@ -195,6 +198,7 @@ class ParameterServer:
             t1 = time.perf_counter()
             self.stats.idle_s += t1 - t0
             op = header[0]
+            self._release(src, header[6])
             if src not in self.clocks:
                 raise PSError(f"server rank {self.rank}: message from rank {src}, which is not a worker "
                               f"(workers={self.workers}); did two jobs share ranks?")
@@ -215,7 +219,7 @@ class ParameterServer:
             self._grant_held()
             self.stats.busy_s += time.perf_counter() - t1
         for w in list(self._sends):
-            self._drain(w, block=True)
+            self._drain(w)
         return self.stats
 
     def _on_pull(self, src: int, clock: int) -> None:
@@ -276,27 +280,29 @@ class ParameterServer:
             self.stats.max_gap = max(self.stats.max_gap, gap)
             if self._packed is None or self._packed[0] != self.version:
                 self._packed = (self.version, pack(self._flat(), self.pull_compressor))
-            self._drain(worker, block=False)
             works, nbytes = send_frame(worker, Op.PARAMS, clock=clock, version=self.version,
                                        packed=self._packed[1], reply=True, cache=self.cache, wait=False)
-            self._sends[worker].extend(works)
+            self._sends[worker].append((self._replied[worker], works))
+            self._replied[worker] += 1
+            self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._sends[worker]))
             self.stats.bytes_out += nbytes
         self._held = still
 
-    def _drain(self, worker: int, block: bool) -> None:
-        """Forget replies to ``worker`` that completed; with ``block``, wait for all of them.
-
-        Never blocks in the loop: with prefetched pulls a worker may have two replies
-        unread while it is itself blocked sending us a push.
-        """
-        pending = self._sends.pop(worker, [])
-        if block:
-            for work, _buf in pending:
+    def _release(self, worker: int, read: int) -> None:
+        """Wait on (and so free) the sends of the replies ``worker`` says it has read: they are
+        delivered, so the waits return at once. gloo reports a send complete only once waited on,
+        so this acknowledgement is what bounds the replies (and parameter copies) kept alive."""
+        pending = self._sends.get(worker)
+        while pending and pending[0][0] < read:
+            for work, _buf in pending.popleft()[1]:
                 wait_work(work, self.timeout_s, f"server rank {self.rank} sending parameters to worker rank {worker}")
-            return
-        still = [(w, b) for w, b in pending if not w.is_completed()]
-        if still:
-            self._sends[worker] = still
+
+    def _drain(self, worker: int) -> None:
+        """Wait for every reply to ``worker`` still in flight (the end of a session)."""
+        self._replied.pop(worker, None)  # a next session's worker counts its reads from 0
+        for _number, works in self._sends.pop(worker, ()):
+            for work, _buf in works:
+                wait_work(work, self.timeout_s, f"server rank {self.rank} sending parameters to worker rank {worker}")
 
     # -- checkpoint (through phalanx.checkpoint: run_ps hands this object to a CheckpointManager) --
     def state_dict(self) -> dict:

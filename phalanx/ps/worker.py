@@ -93,6 +93,7 @@ class PSWorker:
         self.clock = 0
         self._versions = [0] * len(self.servers)
         self._asked = [0] * len(self.servers)  # pulls asked of each server whose answer is not read yet
+        self._read = [0] * len(self.servers)  # PARAMS replies read from each server (acknowledged in every frame)
         self._push_works: list = []  # push sends in flight; their buffers live as long as they do
         self._closed = False
         self.stats = WorkerStats(worker=self.index)
@@ -105,7 +106,8 @@ class PSWorker:
         t0 = time.perf_counter()
         for i, s in enumerate(self.servers):  # ask every server first, so they work in parallel
             if not self._asked[i]:
-                send_frame(s, Op.PULL, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "asking"))
+                send_frame(s, Op.PULL, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "asking"),
+                           read=self._read[i])
                 self._asked[i] = 1
         for i, (s, params) in enumerate(zip(self.servers, self.shards)):
             for _ in range(self._asked[i]):  # more than one if push() ran twice since the last pull()
@@ -121,6 +123,7 @@ class PSWorker:
                                           cache=self.cache, what=self._what(s, "waiting for parameters from"))
         if header[0] != Op.PARAMS:
             raise PSError(f"{self._what(s, 'got op ' + str(header[0]) + ' from')}, expected PARAMS")
+        self._read[i] += 1
         drift = max(header[2] - self._versions[i] - 1, 0)
         if self.clock:  # how many other updates landed since our last pull (async drift)
             self.stats.staleness[drift] = self.stats.staleness.get(drift, 0) + 1
@@ -153,7 +156,8 @@ class PSWorker:
                     if params else None)
             works, nbytes = send_frame(s, Op.PUSH, clock=self.clock, version=self._versions[i], tensor=flat,
                                        arg=int(self.prefetch), compressor=self.compressor, cache=self.cache,
-                                       timeout_s=self.timeout_s, wait=False, what=self._what(s, "pushing to"))
+                                       timeout_s=self.timeout_s, wait=False, what=self._what(s, "pushing to"),
+                                       read=self._read[i])
             self._push_works.extend((work, buf, s) for work, buf in works)
             self._asked[i] += int(self.prefetch)
             self.stats.push_bytes += nbytes
@@ -169,8 +173,9 @@ class PSWorker:
         self._closed = True
         if any(self._asked) or self._push_works:
             self.pull()
-        for s in self.servers:
-            send_frame(s, Op.DONE, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "leaving"))
+        for i, s in enumerate(self.servers):
+            send_frame(s, Op.DONE, clock=self.clock, timeout_s=self.timeout_s, what=self._what(s, "leaving"),
+                       read=self._read[i])
 
 
 def roles(world_size: int, num_servers: int) -> tuple[list[int], list[int]]:
