@@ -294,7 +294,9 @@ def test_autotune_on_data_parallel_two_ranks():
         if fit.alpha_s > 0:
             assert total == pytest.approx(sum(probe.bucket_s))
     assert [m for m, _ in samples] == [8, 2**16, 2**20] and all(t > 0 for _, t in samples)
-    assert link.alpha_s >= 0 and link.beta_s > 0 and -1 <= e <= 1
+    # beta may clip to 0 when 1 MB is timed no slower than 8 B (3 noisy rounds on loopback): the
+    # fit itself is checked on hand-made samples above
+    assert link.alpha_s >= 0 and link.beta_s >= 0 and -1 <= e <= 1
     assert set(parts) == {"compute_s", "comm_s", "serial_s", "both_s", "wait_s"}
     assert min(parts.values()) >= 0 and parts["wait_s"] == max(0.0, parts["serial_s"] - parts["compute_s"] -
                                                                  parts["comm_s"])

@@ -50,6 +50,24 @@ def _check(rounds: int, warmup: int, group) -> int:
     return dist.get_world_size(group)
 
 
+def _interleaved_times(fns, warmup: int, rounds: int, prepare, group) -> dict[str, list[float]]:
+    """Time each of ``fns`` (key -> fn(kept)) once per round, interleaved, each after a barrier;
+    ``prepare()`` runs before every timing but the communication-only one. Keeps rounds after
+    ``warmup``; ``kept`` tells a function whether this round is kept."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + rounds):
+        for key, fn in fns.items():
+            if prepare is not None and key != "comm_s":
+                prepare()
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn(r >= warmup)
+            took = time.perf_counter() - t0
+            if r >= warmup:
+                times[key].append(took)
+    return times
+
+
 def _slowest(medians: Sequence[float], group) -> list[float]:
     """Each timing's median on the slowest rank (a collective ends when its last rank does)."""
     t = torch.tensor(list(medians), dtype=torch.float64)
@@ -127,17 +145,8 @@ def measure_overlap(compute: Callable[[], object], nbytes: int, *, buckets: int 
             work.wait()
 
     fns = {"compute_s": compute, "comm_s": comm, "serial_s": serial, "both_s": both}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(warmup + rounds):
-        for key, fn in fns.items():
-            if prepare is not None and key != "comm_s":
-                prepare()
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            fn()
-            took = time.perf_counter() - t0
-            if r >= warmup:
-                times[key].append(took)
+    times = _interleaved_times({k: (lambda kept, fn=fn: fn()) for k, fn in fns.items()}, warmup, rounds,
+                               prepare, group)
     slow = dict(zip(fns, _slowest([statistics.median(times[k]) for k in fns], group)))
     c, a, s = slow["compute_s"], slow["comm_s"], slow["serial_s"]
     slow["wait_s"] = max(0.0, s - c - a)
@@ -274,22 +283,10 @@ def measure_buckets(params: Sequence[torch.nn.Parameter], compute: Callable[[], 
             works.pop(0).wait()
 
     hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
-    fns = {"compute_s": compute, "comm_s": None, "serial_s": serial, "both_s": both}
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    fns = {"compute_s": lambda kept: compute(), "comm_s": comm, "serial_s": lambda kept: serial(),
+           "both_s": lambda kept: both()}
     try:
-        for r in range(warmup + rounds):
-            for key, fn in fns.items():
-                if prepare is not None and key != "comm_s":
-                    prepare()
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                if fn is None:
-                    comm(r >= warmup)
-                else:
-                    fn()
-                took = time.perf_counter() - t0
-                if r >= warmup:
-                    times[key].append(took)
+        times = _interleaved_times(fns, warmup, rounds, prepare, group)
     finally:
         for h in hooks:
             h.remove()
