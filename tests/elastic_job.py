@@ -6,6 +6,7 @@ import textwrap
 from phalanx import elastic
 
 # Pasted into a worker script that defines TOTAL, G, N_DATA and imports torch and phalanx as px.
+# step(..., batch) takes this rank's batch as set by a world-change hook (default G // n).
 HELPERS = textwrap.dedent("""
     def data():
         g = torch.Generator().manual_seed(0)
@@ -17,10 +18,11 @@ HELPERS = textwrap.dedent("""
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    def step(model, opt, sampler, x, y, n):
+    def step(model, opt, sampler, x, y, n, batch=None):
+        batch = G // n if batch is None else batch  # the global batch G is split over the ranks there are
         if sampler.processed >= N_DATA - N_DATA % G:
             sampler.set_epoch(sampler.epoch + 1)
-        idx = sampler.indices[: G // n]           # the global batch G is split over the ranks there are
+        idx = sampler.indices[:batch]
         loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
@@ -28,7 +30,7 @@ HELPERS = textwrap.dedent("""
             for p in model.parameters():
                 px.allreduce(p.grad, op=px.Average, inplace=True)
         opt.step()
-        sampler.record_batch(G // n)
+        sampler.record_batch(batch)
         sampler.reset()
 """)
 

@@ -248,39 +248,16 @@ def test_soak_kill_three_workers_same_final_params(tmp_path):
 # ---------------------------------------------------------------- host discovery: grow 2 -> 3 at a commit
 
 
-DISCOVERY_WORKER = textwrap.dedent("""
+DISC_TOTAL, DISC_N_DATA = 24, 96
+DISCOVERY_WORKER = textwrap.dedent(f"""
     import os, sys, time
     import torch
     import phalanx as px
     from phalanx import elastic
     from phalanx.elastic import inprocess
 
-    TOTAL, COMMIT, G, N_DATA, GROW_AT = 24, 4, 12, 96, 6
-
-    def data():
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(N_DATA, 8, generator=g, dtype=torch.float64)
-        return x, torch.sin(3 * x[:, :1]) + x[:, 1:2] ** 2
-
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def step(model, opt, sampler, x, y, n, batch):
-        if sampler.processed >= N_DATA - N_DATA % G:
-            sampler.set_epoch(sampler.epoch + 1)
-        idx = sampler.indices[:batch]
-        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        if n > 1:
-            for p in model.parameters():
-                px.allreduce(p.grad, op=px.Average, inplace=True)
-        opt.step()
-        sampler.record_batch(batch)
-        sampler.reset()
-
+    TOTAL, COMMIT, G, N_DATA, GROW_AT = {DISC_TOTAL}, 4, 12, {DISC_N_DATA}, 6
+""") + elastic_job.HELPERS + textwrap.dedent("""
     def main(out, hosts_file):
         px.init()
         x, y = data()
@@ -344,13 +321,6 @@ def test_discovery_script_grows_the_job_at_the_next_commit(tmp_path):
     # step 8 (GROW_AT 6 -> next commit), 4 samples each, after the hook saw 2 -> 3; no step lost or repeated
     assert [s[1:4] for s in starts] == [["0", "2", "6"], ["8", "3", "4"]], (starts, report)
     assert " ".join(starts[1][4:6]) == "[(2, 3)]" and starts[0][-1] == starts[1][-1], starts
-    ns = {}
-    exec(compile(DISCOVERY_WORKER, "worker", "exec"), ns)
-    model, opt = ns["make"]()
-    x, y = ns["data"]()
-    sampler = elastic.ElasticSampler(ns["N_DATA"], seed=1, rank=0, world_size=1)
-    for _ in range(ns["TOTAL"]):
-        ns["step"](model, opt, sampler, x, y, 1, ns["G"])
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for got, want in zip(final, model.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    for got, want in zip(final, elastic_job.reference(DISCOVERY_WORKER, DISC_TOTAL, DISC_N_DATA)[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
