@@ -213,27 +213,32 @@ def allreduce_compressed(
     name = "default" if name is None else str(name)
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     warm = compressor.tick(name) if hasattr(compressor, "tick") else False
+    if n == 1:
+        path = "local"
+    elif warm or compressor.summable:
+        path = "summable"
+    elif shapes is not None and hasattr(compressor, "reduce_many"):
+        path = "reduce_many"
+    elif hasattr(compressor, "reduce"):
+        path = "reduce"
+    else:
+        path = choose_algorithm(compressor, tensor.numel(), n) if algorithm == "auto" else algorithm
     if parts is not None:
         parts = [t.detach() for t in parts]
         if sum(t.numel() for t in parts) != tensor.numel():
             raise ValueError(f"allreduce_compressed(parts=...): {sum(t.numel() for t in parts)} values in the parts "
                              f"for a tensor of {tensor.numel()}")
-        accumulate, _ = _parts(compressor)
-        direct = not (warm or compressor.summable or n == 1) and (
-            (shapes is not None and hasattr(compressor, "reduce_many"))
-            or (accumulate is not None and not hasattr(compressor, "reduce")
-                and (algorithm == "allgather" or (algorithm == "auto" and
-                                                  choose_algorithm(compressor, tensor.numel(), n) == "allgather"))))
+        direct = path == "reduce_many" or (path == "allgather" and _parts(compressor)[0] is not None)
         if not direct:  # this path reads the flat tensor: fill it
             views = list(tensor.detach().reshape(-1).split([t.numel() for t in parts]))
             torch._foreach_copy_(views, [t.reshape(-1) for t in parts])
             parts = None
-    if n == 1:
+    if path == "local":
         return _finished(tensor.clone(), async_op)
     wire_dense = _ring_bytes(tensor.numel() * 4, n)
-    if warm or compressor.summable:
+    if path == "summable":
         return _allreduce_summable(tensor, None if warm else compressor, group, n, average, async_op, wire_dense)
-    if shapes is not None and hasattr(compressor, "reduce_many"):
+    if path == "reduce_many":
         src = tensor.detach().reshape(-1).split([math.prod(s) for s in shapes]) if parts is None else parts
         views = [v.reshape(shape) for v, shape in zip(src, shapes)]
         direct = (out is not None and out.dtype == torch.float32 and out.is_contiguous()
@@ -249,14 +254,12 @@ def allreduce_compressed(
         res = torch.cat([o.reshape(-1) for o in outs]).view(tensor.shape)
         res = res if average else res * n
         return _finished(res if out is None else out.copy_(res.view(out.shape)), async_op)
-    if hasattr(compressor, "reduce"):
+    if path == "reduce":
         out, sent = compressor.reduce(tensor, group=group, name=name)
         wire.add(sent, wire_dense)
         return _finished(out if average else out * n, async_op)
-    if algorithm == "auto":
-        algorithm = choose_algorithm(compressor, tensor.numel(), n)
     flat = tensor.detach().reshape(-1)
-    if algorithm == "allgather":
+    if path == "allgather":
         return _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense, out,
                                piece_numel, parts)
     res = _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense)
