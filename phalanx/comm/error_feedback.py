@@ -64,6 +64,17 @@ class ResidualMemory:
             return tensor.clone()
         return tensor + res.to(tensor.dtype)
 
+    def accumulate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The fp32 residual buffer of ``key`` with ``tensor`` added in place (fused error feedback:
+        the caller compresses it and leaves what was not sent in the same buffer). A missing (or
+        differently shaped) residual starts as a copy of ``tensor`` in fp32."""
+        res = self.residuals.get(key)
+        if res is None or res.shape != tensor.shape or res.dtype != torch.float32 or res.device != tensor.device:
+            res = self.residuals[key] = tensor.detach().float().clone(memory_format=torch.contiguous_format)
+        else:
+            res.add_(tensor.detach())
+        return res
+
     def update(self, key: str, corrected: torch.Tensor, approx: torch.Tensor) -> None:
         """Remember what compression dropped: ``corrected - approx``."""
         self.residuals[key] = (corrected - approx).detach()
@@ -125,15 +136,9 @@ class ErrorFeedback:
 
         Fused error feedback: compress it with :func:`compress_residual` (or slices of it),
         which leaves the new residual in the same buffer, so no step allocates a corrected
-        copy or a residual. A missing (or differently shaped) residual starts as a copy of
-        ``tensor`` in fp32.
+        copy or a residual (:meth:`ResidualMemory.accumulate`).
         """
-        res = self.memory.residuals.get(key)
-        if res is None or res.shape != tensor.shape or res.dtype != torch.float32 or res.device != tensor.device:
-            res = self.memory.residuals[key] = tensor.detach().float().clone(memory_format=torch.contiguous_format)
-        else:
-            res.add_(tensor.detach())
-        return res
+        return self.memory.accumulate(key, tensor)
 
     def accumulate_parts(self, key: str, parts, numel: int) -> torch.Tensor:
         """:meth:`accumulate` of the concatenation of ``parts`` (flattened), without building it:

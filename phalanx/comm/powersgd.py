@@ -169,7 +169,7 @@ class PowerSGDCompressor:
             key = f"{name}.{i}"
             matrix = t.detach().reshape(rows, cols).float()
             if self.error_feedback:
-                matrix = self._accumulate(key, matrix)
+                matrix = self.memory.accumulate(key, matrix)
             low.append((key, matrix, r))
             where.append(i)
         nbytes = 0
@@ -190,16 +190,6 @@ class PowerSGDCompressor:
                 else:
                     result[i] = part.to(t.dtype).view(t.shape)
         return result, 2 * (world - 1) * nbytes // world if world > 1 else 0  # type: ignore[return-value]
-
-    def _accumulate(self, key: str, matrix: torch.Tensor) -> torch.Tensor:
-        """The residual buffer of ``key`` with ``matrix`` added in place (a copy of it the first time)."""
-        res = self.memory.residuals.get(key)
-        if res is None or res.shape != matrix.shape or res.dtype != matrix.dtype:
-            res = matrix.clone()
-            self.memory.residuals[key] = res
-        else:
-            res.add_(matrix)
-        return res
 
     def _power_step(self, items, group, world: int, targets=None, extra: torch.Tensor | None = None):
         """One warm-started power iteration for each ``(key, matrix, r)``, all P factors in one
