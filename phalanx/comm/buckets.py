@@ -28,7 +28,27 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Bucket", "BucketManager"]
+__all__ = ["Bucket", "BucketManager", "pack"]
+
+
+def pack(sizes: Sequence[float], limit: float, breaks: Sequence[bool] | None = None) -> list[list[int]]:
+    """The packing rule of :class:`BucketManager`, on sizes alone: positions of ``sizes``
+    grouped in order, a new group started when the next item would take the current one past
+    ``limit`` or where ``breaks[k]`` says item ``k`` cannot join its predecessor's group (another
+    dtype or device). An item larger than ``limit`` gets a group of its own. The planner's cost
+    model packs a model it only knows by its gradients' sizes with it."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0.0
+    for k, nbytes in enumerate(sizes):
+        if current and (size + nbytes > limit or (breaks is not None and breaks[k])):
+            groups.append(current)
+            current, size = [], 0.0
+        current.append(k)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
 
 
 class Bucket:
@@ -104,22 +124,10 @@ class BucketManager:
     def _build(self, order: Sequence[int]) -> None:
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for i in order:
-            p = self.params[i]
-            nbytes = p.numel() * p.element_size()
-            if current and (
-                size + nbytes > self.bucket_bytes
-                or p.dtype != current[0].dtype
-                or p.device != current[0].device
-            ):
-                self._add(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self._add(current)
+        ps = [self.params[i] for i in order]
+        breaks = [k > 0 and (p.dtype != ps[k - 1].dtype or p.device != ps[k - 1].device) for k, p in enumerate(ps)]
+        for group in pack([p.numel() * p.element_size() for p in ps], self.bucket_bytes, breaks):
+            self._add([ps[k] for k in group])
         self.next_to_launch = 0
 
     def _add(self, params: list[torch.nn.Parameter]) -> None:

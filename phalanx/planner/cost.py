@@ -55,6 +55,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from phalanx.comm.buckets import pack
+
 __all__ = [
     "Link", "Cluster", "seed_estimate", "ring_allreduce", "reducescatter", "allgather",
     "hierarchical_allreduce", "allreduce", "compressed_allreduce", "bucket_sizes", "ready_fractions", "overlapped_exposure",
@@ -172,24 +174,14 @@ def compressed_allreduce(nbytes: float, cluster: Cluster, ratio: float, codec_s_
 def bucket_sizes(tensor_bytes: Sequence[float], bucket_bytes: float) -> list[float]:
     """The buckets data parallel sends, from the gradients' sizes in the order they arrive.
 
-    The engine's rule (``phalanx.comm.buckets.BucketManager``): fill a bucket in arrival
-    order and start a new one when the next gradient would take it past ``bucket_bytes``
-    (a gradient larger than that gets a bucket of its own). With 4 MiB buckets, gradients
-    of 40 KB, 4 MiB and 1 MB make three buckets, not ``ceil(total / 4 MiB) = 2``.
+    The engine's rule (:func:`phalanx.comm.buckets.pack`, as ``BucketManager`` packs): fill a
+    bucket in arrival order and start a new one when the next gradient would take it past
+    ``bucket_bytes`` (a gradient larger than that gets a bucket of its own). With 4 MiB
+    buckets, gradients of 40 KB, 4 MiB and 1 MB make three buckets, not ``ceil(total / 4 MiB) = 2``.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    out: list[float] = []
-    size, filled = 0.0, False
-    for nbytes in tensor_bytes:
-        if filled and size + nbytes > bucket_bytes:
-            out.append(size)
-            size, filled = 0.0, False
-        size += nbytes
-        filled = True
-    if filled:
-        out.append(size)
-    return out
+    return [float(sum(tensor_bytes[k] for k in group)) for group in pack(tensor_bytes, bucket_bytes)]
 
 
 def _tail(bucket_comm_s: Sequence[float], backward_s: float, ready: Sequence[float] | None) -> float:
