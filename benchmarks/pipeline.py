@@ -2,10 +2,18 @@
 torch.distributed.pipelining, and the cost-balanced split vs the uniform one — all in one run on
 p = 2 CPU ranks (gloo, 1 thread each).
 
-Run:  python benchmarks/pipeline.py [--width 256] [--hidden 1024] [--blocks 16] [--micro-rows 64]
+Run:  python benchmarks/pipeline.py [--width 256] [--hidden 1024] [--blocks 16] [--micro-rows 128]
                                     [--repeats 10] [--stages 2] [--sections bubble,throughput,split]
-      (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock nice -n -10 …` on the shared
-      2-core box, so the two ranks get the cores they would own on a dedicated machine)
+      (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock …` on the shared 2-core box)
+
+Why 128 rows per micro-batch by default. On this box (gloo over loopback TCP) every send costs
+the SENDING rank's CPU synchronously, about 0.2 ms for a 64 KB activation (the write and the
+receive path's softirq both run on the sender; `--sections exchange` prints the send call's own
+duration). With 64 rows a micro-batch's forward + backward of a width-256 feed-forward stage is
+~25 ms, so a stage's sends and other per-action Python cost ~1.2 % of a step, ~11 % of the m = 8
+formula bubble (0.111) by themselves: the benchmark then measures loopback TCP, not the schedule.
+64 rows of width 256 is also smaller than any real pipeline's micro-batch. At 128 rows the
+per-send cost stays ~0.25 ms while compute doubles. `--micro-rows 64` still runs the small case.
 
 The bubble/throughput model is shaped like a real one, so that its stages can be equal: a cheap
 input projection Linear(64, 256), 16 identical heavy blocks (a transformer's residual feed-forward
@@ -13,7 +21,8 @@ x + W2 relu(W1 x), hidden 1024), a cheap head Linear(256, 64) and the MSE loss. 
 then computes its input's gradient (the first is fed by the input projection), and the 18 blocks
 split finely enough for the cost-balanced partitioner to equalize the stages ((0, 9, 18) at p = 2).
 
-1. Bubble, m = 1, 2, 4, 8, phalanx 1F1B. Every stage keeps the start and end of each
+1. Bubble, m = 1, 2, 4, 8: phalanx GPipe (the formula's own schedule), 1F1B and eager
+   1F1B (one more warm-up forward). Every stage keeps the start and end of each
    forward and backward (``PipelineStage.last_timeline``; one host, so the
    perf_counter clocks are the same clock). Per step:
 
@@ -69,7 +78,8 @@ MS = (1, 2, 4, 8)
 
 
 def _cases(p):  # interleaved: 2 chunks, m a multiple of p; "/ahead1": receives posted one action ahead only
-    return ([("1f1b", m) for m in MS] + [("eager_1f1b", m) for m in MS] + [("1f1b/ahead1", m) for m in MS]
+    return ([("gpipe", m) for m in MS] + [("1f1b", m) for m in MS] + [("eager_1f1b", m) for m in MS]
+            + [("1f1b/ahead1", m) for m in MS]
             + [("interleaved_1f1b", m) for m in (2, 4, 8) if m % p == 0])
 
 
@@ -127,7 +137,8 @@ def _exchange(cfg, n=300):
     percentiles (ms), and the delay once both sides were ready: from the later of the peer's send
     (its CLOCK_MONOTONIC time rides in the message; one machine, one clock) and this rank's wait
     start, to the message in hand. The wait includes the peer's compute running late; the delay
-    is the transfer alone."""
+    is the transfer alone. Also the send call's own duration: on loopback TCP gloo writes the
+    message (and the kernel runs the receive path) on the sender's CPU before it returns."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -135,14 +146,16 @@ def _exchange(cfg, n=300):
     w, a = torch.randn(cfg["width"], cfg["hidden"]), torch.randn(cfg["micro_rows"], cfg["width"])
     res = {}
     for numel in (cfg["micro_rows"] * cfg["width"], 256):
-        t, buf, waits, late = torch.randn(numel), torch.empty(numel), [], []
+        t, buf, waits, late, sends = torch.randn(numel), torch.empty(numel), [], [], []
         for _ in range(n):
             px.barrier()
             rw = pg.recv([buf], peer, 0)
             for _ in range(10):
                 (a @ w).relu_()
             t.view(torch.float64)[0] = time.monotonic()
+            t0 = time.perf_counter()
             sw = pg.send([t], peer, 0)
+            sends.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             ready = time.monotonic()
             rw.wait()
@@ -150,6 +163,7 @@ def _exchange(cfg, n=300):
             late.append(time.monotonic() - max(ready, float(buf.view(torch.float64)[0])))
             sw.wait()
         res[numel * 4] = [sorted(v)[int(q * (n - 1))] * 1e3 for v in (waits, late) for q in (0.5, 0.9, 0.99, 1.0)]
+        res[numel * 4] += [sorted(sends)[int(q * (n - 1))] * 1e3 for q in (0.5, 0.9)] + [statistics.mean(sends) * 1e3]
     return res
 
 
@@ -180,7 +194,7 @@ def _rank_body(P, cfg, sections):
     stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])
     px_stage = PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None)
     chunks = Partition(bounds2, block_cost).split(model)[r::P]
-    stages = {"1f1b": px_stage, "eager_1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None),
+    stages = {"gpipe": px_stage, "1f1b": px_stage, "eager_1f1b": px_stage, "interleaved_1f1b": PipelineStage(chunks, r, P, loss_fn=_loss if last else None),
               "1f1b/ahead1": PipelineStage(stage_mod, r, P, loss_fn=_loss if last else None, recv_ahead=1)}
     out = {"timelines": {}, "px": [], "torch": [], "eager": [], "interleaved": [], "uniform": [], "time": [], "flops": [],
            "plan": (bounds, costs, bounds2)}
@@ -269,7 +283,8 @@ def main():
     ap.add_argument("--blocks", type=int, default=16, help="number of heavy blocks")
     ap.add_argument("--io-width", type=int, default=64, help="model input and output width (cheap ends)")
     ap.add_argument("--split-width", type=int, default=1024, help="Linear width of the one-heavy-block model")
-    ap.add_argument("--micro-rows", type=int, default=64)
+    ap.add_argument("--micro-rows", type=int, default=128,
+                    help="rows per micro-batch (128: see the module docstring for why not 64)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stages", type=int, default=2, help="p (ranks); > 2 oversubscribes a 2-core machine")
     ap.add_argument("--sections", default="bubble,throughput,split",
@@ -313,8 +328,8 @@ def main():
 
     if "exchange" in sections and P == 2:
         print("\n| one hop: both ranks compute ~1 ms, then exchange | wait p50 | p90 | p99 | max (ms) "
-              "| delay once both ready p50 | p90 | p99 | max (ms) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| delay once both ready p50 | p90 | p99 | max (ms) | send call p50 | p90 | mean (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res:
             for nbytes, q in r["exchange"].items():
                 print(f"| rank {res.index(r)}, {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q) + " |")
