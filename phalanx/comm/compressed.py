@@ -185,6 +185,7 @@ def allreduce_compressed(
     out: torch.Tensor | None = None,
     piece_numel: int | None = None,
     parts=None,
+    on_piece=None,
 ):
     """Average (``average=True``) or sum ``tensor`` over ``group`` with compressed payloads.
 
@@ -206,6 +207,12 @@ def allreduce_compressed(
     that can read them directly do (PowerSGD's per-tensor factors, the allgather path's
     error-feedback add); the others first copy them into ``tensor``. DataParallel passes its
     parameters' gradients so it need not copy them into the bucket first.
+
+    ``on_piece(start, stop)``: called once elements ``[start, stop)`` of ``out`` hold their
+    final average, while later pieces may still be on the wire (the allgather path writing
+    straight into ``out`` only; it is called for no piece otherwise, and the caller handles
+    the whole result after ``wait()``). DataParallel steps the optimizer there
+    (``overlap_optimizer``).
     """
     if algorithm not in ("auto", "allgather", "two_phase"):
         raise ValueError(f"algorithm must be 'auto', 'allgather' or 'two_phase', got {algorithm!r}")
@@ -261,7 +268,7 @@ def allreduce_compressed(
     flat = tensor.detach().reshape(-1)
     if path == "allgather":
         return _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense, out,
-                               piece_numel, parts)
+                               piece_numel, parts, on_piece)
     res = _two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, wire_dense)
     if out is None:
         return res
@@ -314,18 +321,22 @@ def _gather_bytes(payload: torch.Tensor, group, n: int, known: list[int] | None)
 
 
 def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op, dense, out, piece_numel,
-                    parts=None):
+                    parts=None, on_piece=None):
     """Every rank's payload to every rank, in pieces: piece i is on the wire while piece i+1
     is compressed, and piece i is decoded while later ones are still arriving. ``parts``
-    (error feedback on): added into the residual buffer straight from the given tensors."""
+    (error feedback on): added into the residual buffer straight from the given tensors, one
+    piece at a time, so the first piece leaves after its own share of the add."""
     accumulate, inner = _parts(compressor)
+    add_piece = None
     if parts is not None:
-        src = compressor.accumulate_parts(name, parts, flat.numel())
+        src, add_piece = compressor.accumulate_parts(name, parts, flat.numel(), lazy=True)
     else:
         src = accumulate(name, flat) if accumulate is not None else flat
     fixed = getattr(inner, "fixed_size", False)
     launched, sent = [], 0
     for a, b in _pieces(inner, flat.numel(), piece_numel):
+        if add_piece is not None:
+            add_piece(a, b)
         payload, ctx = _compress(inner, accumulate, name, src[a:b])
         known = [payload.numel()] * n if fixed else None
         work, buf, counts, width = _gather_bytes(payload, group, n, known)
@@ -342,6 +353,8 @@ def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op,
             seg = total[a:b]
             for r in range(n):  # in rank order on every rank: bitwise the same sum everywhere
                 _decode(inner, buf[r * width : r * width + counts[r]], ctx, seg, alpha, add=r > 0)
+            if direct and on_piece is not None:
+                on_piece(a, b)
         if direct:
             return out
         result = total.to(tensor.dtype).reshape(tensor.shape)

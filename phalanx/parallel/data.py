@@ -79,6 +79,12 @@ class DataParallel(nn.Module):
     (DDP's option of the same name); a ``p.grad`` kept across steps is then overwritten by
     the next reduction. Smaller gradients, and all of them with ``False``, are copied.
 
+    ``overlap_optimizer=opt`` (SGD, Adam, AdamW) steps ``opt`` on each piece of the averaged
+    gradient as soon as it is final, while the rest is still on the wire
+    (:mod:`phalanx.parallel.overlap`); keep calling ``opt.step()``, which then steps only
+    what was not stepped yet. Not with gradient clipping or ``GradScaler``: the update
+    runs before the whole gradient is known.
+
     Example::
 
         model = px.DataParallel(net, bucket_mb=25, compression="fp16")
@@ -103,6 +109,7 @@ class DataParallel(nn.Module):
         algorithm: str | None = None,
         balance=None,
         gradient_as_bucket_view: bool = True,
+        overlap_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -123,6 +130,12 @@ class DataParallel(nn.Module):
         self._all_params = list(module.parameters())
         self._trainable = tuple(p.requires_grad for p in self._all_params)
         self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
+        self.overlap = None
+        if overlap_optimizer is not None:
+            from phalanx.parallel.overlap import OptimizerOverlap
+
+            self.overlap = OptimizerOverlap(overlap_optimizer, [p for _, p in self._trainable_named()])
+            self._engine.overlap = self.overlap
         from phalanx.parallel.balance import attach
 
         self.balancer = attach(self._engine, balance, group)  # docs/load_balancing.md
@@ -152,6 +165,7 @@ class DataParallel(nn.Module):
         self._engine._passes, self._engine.require_sync = old._passes, old.require_sync
         self._engine.sample_weight, self._engine.bytes_sent = old.sample_weight, old.bytes_sent
         self._engine.balancer = old.balancer
+        self._engine.overlap = old.overlap
 
     def forward(self, *args, **kwargs):
         if trace.enabled():

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -297,6 +298,9 @@ class GradientEngine:
         # Called with the seconds since the previous synchronised step ended, once per step,
         # after the gradients are in place and nothing is in flight (settings may change here).
         self.step_hooks: list[Callable[[float], None]] = []
+        # phalanx.parallel.overlap.OptimizerOverlap: steps the optimizer on each piece of the
+        # averaged gradient as it is final (DataParallel(overlap_optimizer=...)).
+        self.overlap = None
         self._backward_start: float | None = None  # set by DataParallel's traced forward
         self._last_step_end: float | None = None
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
@@ -479,6 +483,7 @@ class GradientEngine:
             return
         i, nbytes = bucket.index, bucket.nbytes
         op, pre, post = self._scales()
+        bucket.stepped = 0  # elements the optimizer overlap has stepped in this iteration
         lossy = not getattr(self.compressor, "summable", True)
         parts = None
         if lossy and not self._shadowing and pre == 1.0:
@@ -500,12 +505,15 @@ class GradientEngine:
             if pre != 1.0:
                 bucket.flat.mul_(pre)
             before = compressed.wire.bytes_sent
+            on_piece = None
+            if self.overlap is not None and post == 1.0 and not self._shadowing:
+                on_piece = functools.partial(self._step_piece, bucket)
             with trace.span("allreduce_launch", "comm", bucket=i, bytes=nbytes):
                 handle = compressed.allreduce_compressed(bucket.flat, self.compressor, group=self.group,
                                                          async_op=True, name=name,
                                                          average=op is ReduceOp.AVERAGE,
                                                          shapes=[p.shape for p in bucket.params],
-                                                         out=bucket.flat, parts=parts)
+                                                         out=bucket.flat, parts=parts, on_piece=on_piece)
             self.bytes_sent += compressed.wire.bytes_sent - before
             if parts is not None:  # while the payload is on the wire (the gradients stay as they are)
                 self._check_finite(parts)
@@ -566,6 +574,19 @@ class GradientEngine:
                 views.append(view)
         if grads:
             torch._foreach_copy_(grads, views)
+        if self.overlap is not None and not self._shadowing and getattr(bucket, "stepped", 0) == 0:
+            self._step_piece(bucket, 0, bucket.numel)  # the whole bucket, while later ones are in flight
+
+    def _step_piece(self, bucket: Bucket, start: int, stop: int) -> None:
+        """Step the optimizer on elements [start, stop) of ``bucket``: their average is final."""
+        items = []
+        for p, off in zip(bucket.params, bucket.offsets):
+            lo, hi = max(start, off), min(stop, off + p.numel())
+            if lo < hi and p.grad is not None:
+                items.append((p, lo - off, hi - off, bucket.flat[lo:hi]))
+        bucket.stepped = getattr(bucket, "stepped", 0) + (stop - start)
+        with trace.span("optimizer_piece", "compute", bucket=bucket.index, values=stop - start):
+            self.overlap.step_pieces(items)
 
     def wait(self) -> None:
         """Finish every launched collective and write the averaged gradients into ``p.grad``."""
