@@ -6,14 +6,17 @@ Run:  python benchmarks/pipeline.py [--width 256] [--hidden 1024] [--blocks 16] 
                                     [--repeats 10] [--stages 2] [--sections bubble,throughput,split]
       (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock …` on the shared 2-core box)
 
-Why 128 rows per micro-batch by default. On this box (gloo over loopback TCP) every send costs
-the SENDING rank's CPU synchronously, about 0.2 ms for a 64 KB activation (the write and the
-receive path's softirq both run on the sender; `--sections exchange` prints the send call's own
-duration). With 64 rows a micro-batch's forward + backward of a width-256 feed-forward stage is
-~25 ms, so a stage's sends and other per-action Python cost ~1.2 % of a step, ~11 % of the m = 8
-formula bubble (0.111) by themselves: the benchmark then measures loopback TCP, not the schedule.
-64 rows of width 256 is also smaller than any real pipeline's micro-batch. At 128 rows the
-per-send cost stays ~0.25 ms while compute doubles. `--micro-rows 64` still runs the small case.
+Why 128 rows per micro-batch by default. On this box (gloo over loopback TCP) a send costs the
+SENDING rank's CPU before the call returns (the write and the receive path's softirq run on the
+sender), and the cost is mostly per call, not per byte: `--sections exchange` measured a send
+call as a stage makes it at 0.13 ms mean for 64 KB, 0.18-0.19 ms for 128 KB and 0.10-0.16 ms for
+1 KB; timed inside the pipeline (an instrumented copy of the stage) 0.19-0.22 ms per 64 KB send,
+0.22-0.28 ms per 128 KB send. With 64 rows a stage's forward + backward of one micro-batch is
+~21 ms; at m = 8 its 8 sends plus ~0.1 ms of other per-action Python are ~2.6 ms of a ~210 ms
+step, ~1.2 % of the step = ~11 % of the formula's bubble (0.111) by themselves, so the benchmark
+measured loopback TCP more than the schedule. 64 rows of width 256 is also smaller than any real
+pipeline's micro-batch. At 128 rows compute doubles (~39 ms) and the sends barely grow.
+`--micro-rows 64` still runs the small case.
 
 The bubble/throughput model is shaped like a real one, so that its stages can be equal: a cheap
 input projection Linear(64, 256), 16 identical heavy blocks (a transformer's residual feed-forward
@@ -137,8 +140,7 @@ def _exchange(cfg, n=300):
     percentiles (ms), and the delay once both sides were ready: from the later of the peer's send
     (its CLOCK_MONOTONIC time rides in the message; one machine, one clock) and this rank's wait
     start, to the message in hand. The wait includes the peer's compute running late; the delay
-    is the transfer alone. Also the send call's own duration: on loopback TCP gloo writes the
-    message (and the kernel runs the receive path) on the sender's CPU before it returns."""
+    is the transfer alone. Then :func:`_send_cost`."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -146,16 +148,14 @@ def _exchange(cfg, n=300):
     w, a = torch.randn(cfg["width"], cfg["hidden"]), torch.randn(cfg["micro_rows"], cfg["width"])
     res = {}
     for numel in (cfg["micro_rows"] * cfg["width"], 256):
-        t, buf, waits, late, sends = torch.randn(numel), torch.empty(numel), [], [], []
+        t, buf, waits, late = torch.randn(numel), torch.empty(numel), [], []
         for _ in range(n):
             px.barrier()
             rw = pg.recv([buf], peer, 0)
             for _ in range(10):
                 (a @ w).relu_()
             t.view(torch.float64)[0] = time.monotonic()
-            t0 = time.perf_counter()
             sw = pg.send([t], peer, 0)
-            sends.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             ready = time.monotonic()
             rw.wait()
@@ -163,8 +163,36 @@ def _exchange(cfg, n=300):
             late.append(time.monotonic() - max(ready, float(buf.view(torch.float64)[0])))
             sw.wait()
         res[numel * 4] = [sorted(v)[int(q * (n - 1))] * 1e3 for v in (waits, late) for q in (0.5, 0.9, 0.99, 1.0)]
-        res[numel * 4] += [sorted(sends)[int(q * (n - 1))] * 1e3 for q in (0.5, 0.9)] + [statistics.mean(sends) * 1e3]
+    res["send"] = _send_cost(pg, peer, a, w, n)
     return res
+
+
+def _send_cost(pg, peer, a, w, n):
+    """The CPU a send costs its sender, as a pipeline stage sends: the sender computes ~1 ms and
+    sends one message while the receiver, its receive posted, computes ~1 ms (its own action) and
+    then waits. The ranks take turns sending. On loopback TCP gloo writes the message, and the
+    kernel runs the receive path, on the sender's CPU before the send call returns: that time is
+    lost to the sending stage's compute. Per message size: the send call's p50, p90, mean (ms)."""
+    out = {}
+    for numel in (a.numel(), 256):
+        t, buf, took = torch.randn(numel), torch.empty(numel), []
+        for k in range(2 * n):
+            sender = k % 2
+            px.barrier()
+            rw = pg.recv([buf], peer, 1) if px.rank() != sender else None
+            for _ in range(10):
+                (a @ w).relu_()
+            if rw is None:
+                t0 = time.perf_counter()
+                sw = pg.send([t], peer, 1)
+                took.append(time.perf_counter() - t0)
+                sw.wait()
+            else:
+                rw.wait()
+        took.sort()
+        out[numel * 4] = [took[len(took) // 2] * 1e3, took[int(0.9 * (len(took) - 1))] * 1e3,
+                          statistics.mean(took) * 1e3]
+    return out
 
 
 def _rank_body(P, cfg, sections):
@@ -328,11 +356,18 @@ def main():
 
     if "exchange" in sections and P == 2:
         print("\n| one hop: both ranks compute ~1 ms, then exchange | wait p50 | p90 | p99 | max (ms) "
-              "| delay once both ready p50 | p90 | p99 | max (ms) | send call p50 | p90 | mean (ms) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| delay once both ready p50 | p90 | p99 | max (ms) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in res:
             for nbytes, q in r["exchange"].items():
-                print(f"| rank {res.index(r)}, {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q) + " |")
+                if nbytes != "send":
+                    print(f"| rank {res.index(r)}, {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q) + " |")
+        print("\n| one send, as a stage sends (the peer computes, its receive posted) | send call p50 | p90 "
+              "| mean (ms) | mean x 8 (ms, one stage's sends per step at m = 8) |\n|---|---|---|---|---|")
+        for r in res:
+            for nbytes, q in r["exchange"]["send"].items():
+                print(f"| rank {res.index(r)} sends {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q)
+                      + f" | {q[2] * 8:.2f} |")
     if "throughput" in sections:
         _print_throughput(med, a.micro_rows)
     if "split" in sections:
