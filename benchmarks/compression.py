@@ -7,7 +7,9 @@ Every configuration trains the same MLP on digits (64 -> hidden -> hidden -> 10;
 the default hidden 2048 that is 4.3M parameters, 17 MB of fp32 gradients per step,
 one bucket) with SGD + momentum and a cosine learning-rate decay, global batch 64
 (``--batch``).
-phalanx runs through ``DataParallel(compression=name)`` at the registry defaults;
+phalanx runs through ``DataParallel(compression=name)`` at the registry defaults
+(``name+overlap``, e.g. ``int8+overlap``: with ``overlap_optimizer=`` the SGD step runs on each
+piece of the gradient as it is decoded, while later pieces are still on the wire);
 the peers are torch DDP, DDP + ``fp16_compress_hook`` and DDP + ``powerSGD_hook``
 (rank 4, like phalanx's default). Reported per configuration: bytes this rank
 sent per step (phalanx: counted by the engine; DDP: the fp32 / fp16 / P+Q sizes a
@@ -45,6 +47,13 @@ FLOOR = ["local"]  # no gradient communication at all: the compute floor of a st
 SETTINGS = {"threshold": {"threshold": 0.01}}  # no model-independent default (see docs/compression.md)
 PSGD_RANK = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _phalanx(config: str) -> bool:
+    """A phalanx configuration: a compressor name, optionally ``+overlap`` (DataParallel's
+    ``overlap_optimizer``: SGD stepped on each piece of the gradient as it is decoded)."""
+    name, plus, extra = config.partition("+")
+    return name in PHALANX and (not plus or extra == "overlap")
 
 
 def _model(hidden):
@@ -90,10 +99,13 @@ def _one(config, hidden, epochs, skip, batch=64):
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=PSGD_RANK,
                                                 start_powerSGD_iter=2)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    else:
-        comp = get_compressor(config, **SETTINGS.get(config, {}))
-        model = px.DataParallel(net, compression=comp, bucket_mb=1024)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:  # "int8" or "int8+overlap": the optimizer stepped on each piece as it arrives
+        name, _, overlap = config.partition("+")
+        comp = get_compressor(name, **SETTINGS.get(name, {}))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        model = px.DataParallel(net, compression=comp, bucket_mb=1024, overlap_optimizer=opt if overlap else None)
+    if config in DDP + FLOOR:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     local = batch // n
     steps = len(xtr) // batch
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * steps)
@@ -110,7 +122,7 @@ def _one(config, hidden, epochs, skip, batch=64):
             opt.step()
             times.append(time.perf_counter() - t0)
             sched.step()
-            if config in PHALANX:
+            if _phalanx(config):
                 sent.append(model.bytes_sent - before)
     if config in DDP:
         sent = [_ddp_bytes(config, params, n)]
@@ -253,9 +265,10 @@ def main():
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.configs = [c for c in a.configs.split(",") if c]
-    unknown = [c for c in a.configs if c not in PHALANX + DDP + FLOOR]
+    unknown = [c for c in a.configs if c not in DDP + FLOOR and not _phalanx(c)]
     if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; choose from {PHALANX + DDP + FLOOR}")
+        raise SystemExit(f"unknown config(s) {unknown}; choose from {PHALANX + DDP + FLOOR} (phalanx ones also "
+                         "with '+overlap', e.g. int8+overlap)")
     if a.worker:  # under `phalanx run` on the simulated cluster
         px.init()
         res = _bench(a.hidden, a.epochs, a.repeats, a.configs, a.batch, a.wire_floor)
