@@ -7,6 +7,8 @@ equal (the same arithmetic, element by element), and without compression both eq
 process training on the whole batch.
 """
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -38,7 +40,7 @@ def _batch(step, n):
     return torch.randn(n * B, 8, generator=g), torch.randint(0, 5, (n * B,), generator=g)
 
 
-def _train(make_opt, compression, overlap, steps=STEPS, scheduler=False):
+def _train(make_opt, compression, overlap, steps=STEPS, scheduler=False, accumulate=1):
     r, n = px.rank(), px.size()
     net = _net()
     opt = make_opt(net.parameters())
@@ -48,9 +50,11 @@ def _train(make_opt, compression, overlap, steps=STEPS, scheduler=False):
     hooks = []
     opt.register_step_post_hook(lambda *a: hooks.append(1))
     for step in range(steps):
-        x, y = _batch(step, n)
         opt.zero_grad()
-        nn.functional.cross_entropy(dp(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B]).backward()
+        for j in range(accumulate):  # gradient accumulation: only the last backward communicates
+            x, y = _batch(step * accumulate + j, n)
+            with dp.no_sync() if j < accumulate - 1 else contextlib.nullcontext():
+                nn.functional.cross_entropy(dp(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B]).backward()
         opt.step()
         if sched is not None:
             sched.step()
@@ -78,6 +82,9 @@ def _body():
     plain, _, _ = _train(OPTIMIZERS["sgd_momentum"], "int8", False, scheduler=True)
     over, _, _ = _train(OPTIMIZERS["sgd_momentum"], "int8", True, scheduler=True)
     out["scheduler/int8"] = _diff(plain, over)
+    plain, _, _ = _train(OPTIMIZERS["adam"], "int8", False, accumulate=3)
+    over, _, _ = _train(OPTIMIZERS["adam"], "int8", True, accumulate=3)
+    out["no_sync/int8"] = _diff(plain, over)
 
     # one process on the whole batch (uncompressed)
     ref = _net()
@@ -94,10 +101,11 @@ def _body():
     for key, build in {
         "lbfgs": lambda net: torch.optim.LBFGS(net.parameters()),
         "missing": lambda net: torch.optim.SGD(list(net.parameters())[:2], lr=0.1),
+        "unused": lambda net: torch.optim.SGD(net.parameters(), lr=0.1),
     }.items():
         net = _net()
         try:
-            DataParallel(net, overlap_optimizer=build(net))
+            DataParallel(net, overlap_optimizer=build(net), find_unused_parameters=key == "unused")
         except (TypeError, ValueError) as e:
             errors[key] = str(e)
     out["errors"] = errors
@@ -119,3 +127,4 @@ def test_overlapped_optimizer_matches_the_plain_step():
                 assert value == 0.0, f"rank {r} {key}: overlapped vs plain step, max |param diff| = {value}"
         assert "LBFGS is not supported" in out["errors"]["lbfgs"], out["errors"]
         assert "not in the optimizer" in out["errors"]["missing"], out["errors"]
+        assert "find_unused_parameters" in out["errors"]["unused"], out["errors"]
