@@ -40,7 +40,7 @@ def _batch(step, n):
     return torch.randn(n * B, 8, generator=g), torch.randint(0, 5, (n * B,), generator=g)
 
 
-def _train(make_opt, compression, overlap, steps=STEPS, scheduler=False, accumulate=1):
+def _train(make_opt, compression, overlap, steps=STEPS, scheduler=False, accumulate=1, reload=False):
     r, n = px.rank(), px.size()
     net = _net()
     opt = make_opt(net.parameters())
@@ -58,6 +58,10 @@ def _train(make_opt, compression, overlap, steps=STEPS, scheduler=False, accumul
         opt.step()
         if sched is not None:
             sched.step()
+        if reload and step == 2:  # a resume: load_state_dict replaces the param-group dicts
+            state = opt.state_dict()
+            state["param_groups"][0]["lr"] *= 0.5
+            opt.load_state_dict(state)
     return net, dp, len(hooks)
 
 
@@ -85,6 +89,9 @@ def _body():
     plain, _, _ = _train(OPTIMIZERS["adam"], "int8", False, accumulate=3)
     over, _, _ = _train(OPTIMIZERS["adam"], "int8", True, accumulate=3)
     out["no_sync/int8"] = _diff(plain, over)
+    plain, _, _ = _train(OPTIMIZERS["sgd_momentum"], "int8", False, reload=True)
+    over, _, _ = _train(OPTIMIZERS["sgd_momentum"], "int8", True, reload=True)
+    out["load_state_dict/int8"] = _diff(plain, over)
 
     # one process on the whole batch (uncompressed)
     ref = _net()

@@ -70,8 +70,9 @@ class OptimizerOverlap:
                     raise ValueError(f"overlap_optimizer: {flag}=True is not supported; create the optimizer "
                                      f"with {flag}=False")
         self.optimizer = optimizer
-        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        missing = [i for i, p in enumerate(params) if id(p) not in self._group_of]
+        self._groups_key: tuple = ()
+        self._group_of_cache: dict[int, dict] = {}
+        missing = [i for i, p in enumerate(params) if id(p) not in self._group_of()]
         if missing:
             raise ValueError(f"overlap_optimizer: {len(missing)} trainable parameter(s) of the model (index "
                              f"{missing[:5]}) are not in the optimizer; build it from model.parameters()")
@@ -90,9 +91,17 @@ class OptimizerOverlap:
         optimizer.step = types.MethodType(step, optimizer)  # instance attribute: this optimizer only
         self.pieces = 0  # pieces stepped so far (tests, benchmarks)
 
+    def _group_of(self) -> dict[int, dict]:
+        """id(param) -> its current param group (``load_state_dict`` replaces the group dicts)."""
+        key = tuple(id(g) for g in self.optimizer.param_groups)
+        if key != self._groups_key:
+            self._groups_key = key
+            self._group_of_cache = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return self._group_of_cache
+
     def ready(self, p: torch.nn.Parameter) -> bool:
         """Whether ``p`` can be stepped in pieces now: its state exists (after its first step)."""
-        group = self._group_of.get(id(p))
+        group = self._group_of().get(id(p))
         if group is None or not p.is_contiguous():
             return False
         state = self.optimizer.state.get(p)
@@ -108,8 +117,9 @@ class OptimizerOverlap:
         opt = self.optimizer
         groups, state = [], {}
         by_group: dict[int, dict] = {}
+        group_of = self._group_of()
         for p, start, stop, grad in items:
-            g = self._group_of[id(p)]
+            g = group_of[id(p)]
             fake = by_group.get(id(g))
             if fake is None:
                 fake = by_group[id(g)] = {**g, "params": []}
