@@ -118,6 +118,17 @@ def test_bubble_bound_generalises_the_formula_to_unequal_stages():
         bubble_bound([(1.0,)], 2)
 
 
+def test_gpipe_bound_pays_each_phases_slower_stage():
+    # Equal F + B per stage, skewed in opposite directions: 1F1B's steady state runs at max(F + B), the
+    # formula; GPipe's forward phase at max(F), its backward phase at max(B). p = 2, m = 8, by hand:
+    # stage 1's forwards end at 12 + 8·14 = 124, its backwards at 124 + 8·26 = 332; stage 0's backwards
+    # start at 124 + 26 = 150 and take 8·28 -> span 374, busy 8·40 = 320 on each stage.
+    skewed = [(12.0, 28.0), (14.0, 26.0)]
+    assert abs(bubble_bound(skewed, 8, "gpipe") - (1 - 320 / 374)) < 1e-9
+    for name in ("1f1b", "eager_1f1b"):
+        assert abs(bubble_bound(skewed, 8, name) - bubble_fraction(2, 8)) < 1e-9, name
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b"])
 def test_schedule_invariants(name):
     sched = get_schedule(name)
