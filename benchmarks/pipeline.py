@@ -44,7 +44,8 @@ split finely enough for the cost-balanced partitioner to equalize the stages ((0
                communication. (p-1)/(v·m+p-1) assumes every stage costs the same.
 
    The stages are cut by the cost-balanced partitioner (measured time, the loss counted
-   on the last block, the first block without input gradient, as in the pipeline); its
+   on the last block, the first block without input gradient, as in the pipeline; each
+   block's time the median of 3 rounds of ``block_costs``, robust to a burst of load); its
    per-stage costs are printed, and each stage's median forward / backward in the pipeline
    next to each bubble. "1f1b/ahead1" is the same 1F1B with ``recv_ahead=1`` (each receive
    posted one action ahead, between two computes: the executor before it posted the step's
@@ -69,6 +70,7 @@ import phalanx as px
 from phalanx.parallel.pipeline import (
     Partition,
     PipelineStage,
+    block_costs,
     bubble_bound,
     bubble_fraction,
     get_schedule,
@@ -212,11 +214,16 @@ def _rank_body(P, cfg, sections):
                 torch.randn(m * micro_rows, cfg["io"], generator=g))
 
     # The cost-balanced split (measured time, loss on the last block); rank 0 measures alone and decides,
-    # for p stages (1F1B) and for 2p pieces (interleaved, rank r runs pieces r and r + p).
+    # for p stages (1F1B) and for 2p pieces (interleaved, rank r runs pieces r and r + p). Each block's
+    # time is the median of 3 rounds of block_costs (what partition(method="time") measures once): blocks
+    # are timed one after another, so a burst of load during one round skews a contiguous run of blocks
+    # and with it the split (one run at 128 rows cut (0, 8, 18) from a single round: stages 20 % apart).
     plan = None
     if r == 0:
         sample, target = batch(1)
-        plan = partition(model, P, method="time", sample=sample, loss_fn=_loss, target=target)
+        rounds = [block_costs(model, "time", sample, loss_fn=_loss, target=target) for _ in range(3)]
+        plan = Partition(min_bottleneck_split([statistics.median(c) for c in zip(*rounds)], P),
+                         tuple(statistics.median(c) for c in zip(*rounds)))
         plan = (plan.bounds, plan.stage_costs, min_bottleneck_split(plan.block_costs, 2 * P), plan.block_costs)
     bounds, costs, bounds2, block_cost = px.broadcast_object(plan, root_rank=0)
     stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])
@@ -330,7 +337,8 @@ def main():
           f"micro-batch, {a.repeats} repeats (median)")
     print(f"1F1B stages: cost-balanced split {bounds} (measured time, loss on the last block); partitioner's "
           f"stage costs (forward+backward of one micro-batch, run alone) "
-          f"{' / '.join(f'{c * 1e3:.1f}' for c in costs)} ms; interleaved pieces {bounds2}\n")
+          f"{' / '.join(f'{c * 1e3:.1f}' for c in costs)} ms (per block: median of 3 rounds); interleaved pieces "
+          f"{bounds2}\n")
     if "bubble" in sections:
         print("| schedule | m | formula (p-1)/(v·m+p-1) | measured bubble | measured / formula "
               "| replay (zero comm) | bound for these stages | measured / bound | median F / B per stage (ms) |")
