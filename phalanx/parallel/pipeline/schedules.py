@@ -216,15 +216,22 @@ def bubble_bound(stage_costs: Sequence[tuple[float, float]], num_microbatches: i
     network (zero transfer time): the schedule is replayed with these costs and
     the bubble is ``1 - mean(busy) / span``, the formula's definition. Equal
     costs give ``(p-1)/(m+p-1)``; otherwise every micro-batch also pays the
-    slowest stage's excess on the others. For GPipe and 1F1B with the slowest
-    stage last (the usual case: it also computes the loss), with ``t_s = F_s + B_s``::
+    slowest stage's excess on the others. For 1F1B with the slowest stage last
+    (the usual case: it also computes the loss), with ``t_s = F_s + B_s``::
 
         span = sum(t) + (m - 1) · max(t)        bubble = 1 - m · mean(t) / span
+
+    GPipe runs its forward phase at the slowest *forward* and its backward phase
+    at the slowest *backward*, so it pays about ``(m - 1) · (max F + max B)``: the
+    same when one stage is slowest in both, more when the stages are balanced in
+    total but skewed per phase (the second example below: 0.144 for GPipe).
 
     Example::
 
         bubble_bound([(1, 2), (1, 2)], 8)        # 0.111 = (p-1)/(m+p-1)
         bubble_bound([(1, 1.8), (1, 2.2)], 8)    # 0.155: the last stage 13 % slower
+        bubble_bound([(12, 28), (14, 26)], 8)            # 0.111: equal totals
+        bubble_bound([(12, 28), (14, 26)], 8, "gpipe")   # 0.144: skewed per phase
     """
     sched = get_schedule(schedule)
     v = getattr(sched, "chunks", 1)
