@@ -47,17 +47,19 @@ class _InfOnce:
         return loss
 
 
-def _fit(per_rank_batch, precision="fp32", inf=False, warmup=False):
+def _fit(per_rank_batch, precision="fp32", inf=False, warmup=False, overlap=False):
     x, y, xt, yt = load_digits()
     model = _model()
     rec = _RecordLR()
     callbacks = [rec] + ([LRWarmup(warmup_epochs=1, scale_by_size=True)] if warmup else [])
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                       _InfOnce() if inf else nn.CrossEntropyLoss(), (x, y), (xt, yt),
-                      batch_size=per_rank_batch, precision=precision, callbacks=callbacks, progress=False)
+                      batch_size=per_rank_batch, precision=precision, callbacks=callbacks, progress=False,
+                      overlap_optimizer=overlap)
     history = trainer.fit(epochs=5 if not warmup else 2)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return history[-1], params, trainer.state.skipped_steps, rec.lrs, trainer.state.step
+    pieces = trainer.model.overlap.pieces if trainer.model.overlap is not None else 0
+    return history[-1], params, trainer.state.skipped_steps, rec.lrs, trainer.state.step, pieces
 
 
 def _two_rank_checks():
@@ -66,13 +68,26 @@ def _two_rank_checks():
     inf = _fit(32, inf=True)
     warm = _fit(32, warmup=True)
     inf16 = _fit(32, precision="fp16", inf=True)  # GradScaler on: both ranks skip and back off alike
-    return plain, bf16, inf, warm, inf16
+    # the optimizer stepped piece by piece during backward: the same parameters, bit for bit
+    overlap = _fit(32, overlap=True)
+    errors = []
+    try:  # a non-finite gradient was already applied: the step cannot be skipped, so it says so
+        _fit(32, inf=True, overlap=True)
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        _fit(32, precision="fp16", overlap=True)
+    except ValueError as e:
+        errors.append(str(e))
+    return plain, bf16, inf, warm, inf16, (torch.equal(overlap[1], plain[1]), errors, overlap[5])
 
 
 def test_trainer_on_two_ranks_matches_one_rank_with_the_same_global_batch():
     results = distributed(_two_rank_checks, np=2, timeout=240)
     single = distributed(_fit, np=1, args=(64,))[0]
-    (m1, p1, _, _, _), (mb, pb, _, _, _), (mi, pi, skipped, _, steps_inf), (_, _, _, lrs, steps), _ = results[0]
+    (m1, p1, *_), (mb, pb, *_), (mi, pi, skipped, _, steps_inf, _), (_, _, _, lrs, steps, _), _, ov = results[0]
+    assert ov[0] and ov[2] > 0, f"Trainer(overlap_optimizer=True): same parameters {ov[0]}, pieces stepped {ov[2]}"
+    assert len(ov[1]) == 2 and "already applied" in ov[1][0] and "GradScaler" in ov[1][1], ov[1]
     # same global batch, same updates: the parameters agree with the one-rank run
     torch.testing.assert_close(p1, single[1], atol=1e-4, rtol=1e-4)
     assert abs(m1["val_accuracy"] - single[0]["val_accuracy"]) < 0.01

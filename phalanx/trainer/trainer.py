@@ -66,6 +66,7 @@ class Trainer:
         seed: int = 0,
         progress: bool = True,
         balance=False,
+        overlap_optimizer: bool = False,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
@@ -78,8 +79,15 @@ class Trainer:
             _checkpoint_children(model)
         from phalanx.parallel import balance as _balance  # balance=True: docs/load_balancing.md
 
+        if overlap_optimizer and (precision == "fp16" or max_grad_norm is not None):
+            raise ValueError("overlap_optimizer=True steps the optimizer on each piece of the gradient as it "
+                             "arrives, before the whole gradient is known: it cannot be combined with "
+                             f"precision='fp16' (GradScaler) or max_grad_norm (clipping); got precision={precision!r}, "
+                             f"max_grad_norm={max_grad_norm!r}")
+        self.overlap = bool(overlap_optimizer)
         self.model = DataParallel(model, topology=self.topology, compression=compression,
-                                  balance=_balance.as_balancer(balance, batch_size * self.topology.size))
+                                  balance=_balance.as_balancer(balance, batch_size * self.topology.size),
+                                  overlap_optimizer=optimizer if overlap_optimizer else None)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.train_data, self.val_data = train_data, val_data
@@ -142,6 +150,12 @@ class Trainer:
         # Gradients were averaged across ranks during backward (DataParallel).
         self.scaler.unscale_(self.optimizer)
         if not self._all_ranks_finite():
+            if self.overlap:
+                raise RuntimeError(
+                    f"step {self.state.step}: a gradient was inf/NaN on some rank, and with overlap_optimizer=True "
+                    "the optimizer had already applied it during backward (the parameters are no longer finite); "
+                    "the step cannot be skipped. Train with overlap_optimizer=False to skip such steps, or find "
+                    "the cause (learning rate, loss, data).")
             # One rank's inf/NaN: every rank skips, and the loss scale backs off alike.
             self.state.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
