@@ -165,6 +165,16 @@ def test_breakdown_hand_made_spans():
     assert r0.bytes_sent == 100
     assert r1.straggler_s == 0 and r1.comm_s == pytest.approx(0.1) and r1.other_s == pytest.approx(0.2)
 
+    # the optimizer stepped on decoded pieces inside the wait (overlap_optimizer) is compute, not comm
+    overlap = breakdown.from_events([
+        x("step", "step", 0.0, 1.0, step=0),
+        x("backward", "compute", 0.0, 0.4),
+        x("allreduce_wait", "comm", 0.4, 0.9),
+        x("optimizer_piece", "compute", 0.5, 0.6, in_wait=True),
+        x("optimizer_piece", "compute", 0.7, 0.8, in_wait=True),
+    ]).for_rank(0)[0]
+    assert overlap.compute_s == pytest.approx(0.6) and overlap.comm_s == pytest.approx(0.3)
+
 
 def test_trace_is_free_when_off():
     assert not trace.enabled()

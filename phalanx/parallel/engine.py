@@ -585,7 +585,7 @@ class GradientEngine:
             if lo < hi and p.grad is not None:
                 items.append((p, lo - off, hi - off, bucket.flat[lo:hi]))
         bucket.stepped = getattr(bucket, "stepped", 0) + (stop - start)
-        with trace.span("optimizer_piece", "compute", bucket=bucket.index, values=stop - start):
+        with trace.span("optimizer_piece", "compute", bucket=bucket.index, values=stop - start, in_wait=True):
             self.overlap.step_pieces(items)
 
     def wait(self) -> None:

@@ -15,8 +15,11 @@ Span conventions (categories of :func:`phalanx.trace.span`):
                count only where no compute or data span covers them — that is
                the part *not* hidden behind backward.
 
-Each instant of a step is charged to exactly one bucket, by priority
-data > blocking comm > compute > overlappable comm > other, so the parts add up
+A "compute" span with ``args["in_wait"]`` (work done while the rank waits for
+the wire, e.g. the optimizer stepped on each decoded piece:
+``DataParallel(overlap_optimizer=...)``) is charged as compute even inside a
+blocking comm span. Each instant of a step is charged to exactly one bucket, by priority
+data > compute in a wait > blocking comm > compute > overlappable comm > other, so the parts add up
 to the step time by construction; ``other`` is what no span covered (Python
 overhead between spans) and stays small when a loop is fully instrumented.
 
@@ -147,7 +150,7 @@ def _split_step(lo: float, hi: float, spans: list[dict[str, Any]]):
             if blocking:
                 ready = a if ready is None else min(ready, a)
         elif cat == "compute":
-            kinds["compute"].append((a, b))
+            kinds["work" if e.get("args", {}).get("in_wait") else "compute"].append((a, b))
             if name == "backward":
                 ready = b if ready is None else min(ready, b)
     merged = {k: _union(v) for k, v in kinds.items()}
@@ -158,6 +161,8 @@ def _split_step(lo: float, hi: float, spans: list[dict[str, Any]]):
             continue
         if _covered(merged.get("data", []), a):
             secs["data"] += b - a
+        elif _covered(merged.get("work", []), a):
+            secs["compute"] += b - a
         elif _covered(merged.get("block", []), a) or (
             not _covered(merged.get("compute", []), a) and _covered(merged.get("async", []), a)
         ):
