@@ -138,7 +138,6 @@ class DataParallel(nn.Module):
                 raise ValueError("overlap_optimizer cannot be combined with find_unused_parameters=True: whether a "
                                  "parameter was used on any rank (and must keep grad=None) is known only after "
                                  "every bucket; drop one of the two")
-
             self.overlap = OptimizerOverlap(overlap_optimizer, [p for _, p in self._trainable_named()])
             self._engine.overlap = self.overlap
         from phalanx.parallel.balance import attach
