@@ -301,6 +301,7 @@ class GradientEngine:
         # phalanx.parallel.overlap.OptimizerOverlap: steps the optimizer on each piece of the
         # averaged gradient as it is final (DataParallel(overlap_optimizer=...)).
         self.overlap = None
+        self._stepped: dict[int, int] = {}  # bucket index -> elements the overlap stepped this iteration
         self._backward_start: float | None = None  # set by DataParallel's traced forward
         self._last_step_end: float | None = None
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
@@ -483,7 +484,7 @@ class GradientEngine:
             return
         i, nbytes = bucket.index, bucket.nbytes
         op, pre, post = self._scales()
-        bucket.stepped = 0  # elements the optimizer overlap has stepped in this iteration
+        self._stepped[i] = 0
         lossy = not getattr(self.compressor, "summable", True)
         parts = None
         if lossy and not self._shadowing and pre == 1.0:
@@ -574,7 +575,7 @@ class GradientEngine:
                 views.append(view)
         if grads:
             torch._foreach_copy_(grads, views)
-        if self.overlap is not None and not self._shadowing and getattr(bucket, "stepped", 0) == 0:
+        if self.overlap is not None and not self._shadowing and self._stepped.get(i, 0) == 0:
             self._step_piece(bucket, 0, bucket.numel)  # the whole bucket, while later ones are in flight
 
     def _step_piece(self, bucket: Bucket, start: int, stop: int) -> None:
@@ -584,7 +585,7 @@ class GradientEngine:
             lo, hi = max(start, off), min(stop, off + p.numel())
             if lo < hi and p.grad is not None:
                 items.append((p, lo - off, hi - off, bucket.flat[lo:hi]))
-        bucket.stepped = getattr(bucket, "stepped", 0) + (stop - start)
+        self._stepped[bucket.index] = self._stepped.get(bucket.index, 0) + stop - start
         with trace.span("optimizer_piece", "compute", bucket=bucket.index, values=stop - start, in_wait=True):
             self.overlap.step_pieces(items)
 
