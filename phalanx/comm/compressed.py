@@ -329,7 +329,7 @@ def _allgather_path(flat, tensor, compressor, group, n, name, average, async_op,
     accumulate, inner = _parts(compressor)
     add_piece = None
     if parts is not None:
-        src, add_piece = compressor.accumulate_parts(name, parts, flat.numel(), lazy=True)
+        src, add_piece = compressor.accumulate_parts(name, parts, flat.numel())
     else:
         src = accumulate(name, flat) if accumulate is not None else flat
     fixed = getattr(inner, "fixed_size", False)

@@ -140,21 +140,17 @@ class ErrorFeedback:
         """
         return self.memory.accumulate(key, tensor)
 
-    def accumulate_parts(self, key: str, parts, numel: int, lazy: bool = False):
-        """:meth:`accumulate` of the concatenation of ``parts`` (flattened), without building it:
-        each part is added into its slice of the residual buffer (one fused ``_foreach_add_``).
-
-        ``lazy=True`` returns ``(buffer, add)`` instead and adds nothing yet: ``add(start, stop)``
-        adds the parts' values for elements ``[start, stop)``, so a caller compressing piece by
-        piece adds each piece just before compressing it (every element exactly once)."""
+    def accumulate_parts(self, key: str, parts, numel: int):
+        """:meth:`accumulate` of the concatenation of ``parts`` (flattened), without building it,
+        one piece at a time: returns ``(buffer, add)``; ``add(start, stop)`` adds the parts'
+        values for elements ``[start, stop)`` into the residual buffer (one fused
+        ``_foreach_add_``), so a caller compressing piece by piece adds each piece just before
+        compressing it (every element exactly once)."""
         res = self.memory.residuals.get(key)
         flats = [t.reshape(-1) for t in parts]
         if res is None or res.shape != (numel,) or res.dtype != torch.float32 or res.device != parts[0].device:
             res = self.memory.residuals[key] = torch.cat([t.float() for t in flats])
-            return (res, lambda start, stop: None) if lazy else res  # it already holds the parts
-        if not lazy:
-            torch._foreach_add_(list(res.split([t.numel() for t in flats])), flats)
-            return res
+            return res, lambda start, stop: None  # it already holds the parts
         offsets = [0]
         for t in flats:
             offsets.append(offsets[-1] + t.numel())
