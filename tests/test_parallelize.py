@@ -80,6 +80,9 @@ def _combos(combos):
             losses.append(pm.step(x[rows], y[rows]).item())
             opt.step()
             opt.zero_grad()
+        if pp > 1:  # gradients travel on the mesh's second pipeline group, activations on the first
+            assert all(link.grad_group is mesh.pp_grad_group and link.group is mesh.pp_group
+                       and mesh.pp_grad_group is not mesh.pp_group for link in pm.stage.links)
         results[(dp, pp, tp, m, schedule, dp_impl)] = (px.rank(), losses, gather_tp_state_dict(pm.module, mesh.tp_group))
     return results
 

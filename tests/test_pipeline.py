@@ -208,6 +208,8 @@ def test_stage_rejects_a_schedule_that_does_not_fit_its_chunks():
         PipelineStage(two[0], 1, 2)
     with pytest.raises(ValueError, match="does not split"):
         PipelineStage(two[0], 0, 2).step(torch.zeros(5, 2), num_microbatches=2)
+    with pytest.raises(ValueError, match="grad_group='mine'"):
+        PipelineStage(two[0], 0, 2, grad_group="mine")
 
 
 # -- real ranks ---------------------------------------------------------------------------
@@ -231,9 +233,10 @@ def _pipeline_runs(cases):
 
     p, s = px.size(), px.rank()
     results = {}
-    for case in cases:  # (schedule, m, checkpoint[, recv_ahead (default None: all)[, pass-through stage]])
+    for case in cases:  # (schedule, m, checkpoint[, recv_ahead (None: all)[, pass-through stage[, grad_group]]])
         schedule, m, ckpt = case[:3]
         ahead = case[3] if len(case) > 3 else None
+        grad_group = case[5] if len(case) > 5 else "own"  # None: gradients share the activations' group
         model = _model(p)
         v = getattr(get_schedule(schedule), "chunks", 1)
         if len(case) > 4 and case[4]:
@@ -246,7 +249,7 @@ def _pipeline_runs(cases):
         chunks = pieces[s::p]  # virtual stage c·p + s
         params = [t for ch in chunks for t in ch.parameters()]
         stage = PipelineStage(chunks if v > 1 else chunks[0], s, p, loss_fn=_loss if s == p - 1 else None,
-                              checkpoint=ckpt, recv_ahead=ahead)
+                              checkpoint=ckpt, recv_ahead=ahead, grad_group=grad_group)
         opt = torch.optim.SGD(params or [torch.zeros(1, requires_grad=True)], lr=0.1)  # nn.Identity has none
         losses = []
         for step in range(STEPS):
@@ -256,7 +259,8 @@ def _pipeline_runs(cases):
             opt.zero_grad()
             losses.append(None if loss is None else loss.item())
         named = {k: t.clone() for ch in chunks for k, t in ch.state_dict().items()}  # keys keep block names
-        results[case] = (losses, named)
+        own = all(link._pg[True][0] is not link._pg[False][0] for link in stage.links)  # resolved at first use
+        results[case] = (losses, named, own)
     return results
 
 
@@ -280,12 +284,15 @@ def test_gpipe_and_1f1b_match_one_process(np):
     cases += [("interleaved_1f1b", m, False) for m in (np, 8)] + [("interleaved_1f1b", 4, True)]
     cases += [("1f1b", 8, False, 1), ("interleaved_1f1b", 8, False, 1)]  # receives posted one action ahead only
     cases += [("eager_1f1b", m, False) for m in (1, 8)]
+    cases += [("1f1b", 4, False, None, False, None), ("interleaved_1f1b", 8, False, None, False, None)]  # one group
     if np == 4:
         cases += [("1f1b", 8, False, None, True), ("gpipe", 4, False, 1, True)]  # a pass-through stage
     results = distributed(_pipeline_runs, np=np, args=(cases,), timeout=180)
     ref_losses, ref_params = _reference(np)
     for case in cases:
         losses = results[-1][case][0]
+        shared = len(case) > 5 and case[5] is None
+        assert all(r[case][2] == (not shared) for r in results), f"{case}: gradients on their own group: {not shared}"
         assert all(v is None for r in results[:-1] for v in r[case][0]), "only the last stage reports the loss"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0,
                                    msg=lambda msg, case=case: f"{case}: losses differ: {msg}")

@@ -67,6 +67,12 @@ class DeviceMesh:
                     g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
                     if self.rank in ranks:
                         self._groups[dim] = g
+            # A second group per pipeline for its gradients (PipelineStage's grad_group: on gloo one
+            # connection per direction, so neighbours sending to each other at once never stall).
+            for ranks in self.groups("pp") if pp > 1 else ():
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._groups["pp_grad"] = g
 
     def groups(self, dim: str):
         """Yield the rank lists of every group along ``dim`` ("dp", "pp" or "tp")."""
@@ -86,6 +92,11 @@ class DeviceMesh:
         if dim not in _DIMS:
             raise ValueError(f"dim={dim!r}: use one of {_DIMS}")
         return self._groups.get(dim)
+
+    @property
+    def pp_grad_group(self):
+        """This rank's second pipeline group, for gradients (``None`` when pp = 1 or torch.distributed is not up)."""
+        return self._groups.get("pp_grad")
 
     dp_group = property(lambda self: self.group("dp"))
     pp_group = property(lambda self: self.group("pp"))

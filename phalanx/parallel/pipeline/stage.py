@@ -23,6 +23,9 @@ Data flow for stage s of p (activations right, gradients left)::
   while it idles, not between two computes. Receives are posted in action
   order, so each stream matches its messages in order. Waits are bounded by
   the process group timeout.
+* Activations and gradients travel on two process groups (``grad_group``):
+  one gloo connection per direction, because two neighbours sending to each
+  other at once over one connection stalled a send by 4-7 ms here.
 * Receive buffers are recycled: a gradient's buffer once its backward has run,
   an activation's once the backward of its micro-batch has sent the input's
   gradient (its ``.grad`` is dropped first, so nothing accumulates into a
@@ -106,13 +109,15 @@ class StageLink:
         link.send_activation(y, pending)          # to rank 1
     """
 
-    def __init__(self, ranks: Sequence[int], index: int, group=None, *, tagged: bool = False) -> None:
+    def __init__(self, ranks: Sequence[int], index: int, group=None, *, grad_group=None,
+                 tagged: bool = False) -> None:
         self.ranks, self.index, self.group, self.tagged = list(ranks), index, group, tagged
+        self.grad_group = group if grad_group is None else grad_group
         self._recv_header: tuple[torch.dtype, tuple[int, ...]] | None = None
         self._sent_header = False
         self.sent_like: torch.Tensor | None = None  # a meta tensor shaped like the activations sent
         self._free: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # gradient? -> spare buffers
-        self._pg = None  # (process group, group rank of the previous stage, of the next), resolved at first use
+        self._pg = None  # gradient? -> (process group, group rank of the previous stage, of the next), at first use
 
     @property
     def knows_shape(self) -> bool:
@@ -128,10 +133,14 @@ class StageLink:
     def _p2p(self, t: torch.Tensor, offset: int, tag: int, send: bool):
         # The process group's own send/recv: dist.isend/irecv re-resolve the group and re-check the
         # arguments on every call, Python that runs on the stage's critical path once per message.
+        # Gradients (sent to the previous stage, received from the next) travel on grad_group.
         if self._pg is None:
-            pg = self.group if self.group is not None else dist.group.WORLD
-            self._pg = (pg, dist.get_group_rank(pg, self._peer(-1)), dist.get_group_rank(pg, self._peer(1)))
-        pg, prev, nxt = self._pg
+            self._pg = {}
+            for gradient, group in ((False, self.group), (True, self.grad_group)):
+                pg = group if group is not None else dist.group.WORLD
+                self._pg[gradient] = (pg, dist.get_group_rank(pg, self._peer(-1)),
+                                      dist.get_group_rank(pg, self._peer(1)))
+        pg, prev, nxt = self._pg[(offset < 0) == send]
         peer = nxt if offset > 0 else prev
         return pg.send([t], peer, tag) if send else pg.recv([t], peer, tag)
 
@@ -194,6 +203,17 @@ class PipelineStage:
     ``recv_ahead`` bounds the receives a stage posts ahead when it is about to
     wait (``None``: all of the step's; each holds one input-sized buffer, so a
     stage keeps up to m input buffers instead of p; 1 posts only the next).
+    ``grad_group`` carries the gradients (activations go on ``group``):
+    ``"own"`` (default) makes a second group of the pipeline's ranks at the
+    first step (``dist.new_group(..., use_local_synchronization=True)``: every
+    stage's first step makes it, so make the pipeline's stages on every rank
+    in the same order); a process group uses that one (``DeviceMesh`` makes one
+    per pipeline, ``pp_grad_group``); pass ``group`` itself to share one.
+    Why two: on gloo, one connection per pair of ranks carries both directions,
+    and when two neighbours send to each other at the same moment (in 1F1B's
+    steady state an activation one way, a gradient the other) a send can stall
+    for 4-7 ms (measured on loopback; ``benchmarks/pipeline.py``); a
+    connection per direction never did.
     """
 
     def __init__(
@@ -208,6 +228,7 @@ class PipelineStage:
         checkpoint: bool = False,
         no_sync=None,
         recv_ahead: int | None = None,
+        grad_group="own",
     ) -> None:
         ranks = list(range(num_stages)) if ranks is None else [int(r) for r in ranks]
         if len(ranks) != num_stages:
@@ -234,7 +255,13 @@ class PipelineStage:
         # it, so gradients are reduced once per step, not once per micro-batch.
         self.no_sync = no_sync
         v = len(self.chunks)
-        self.links = [StageLink(ranks, c * num_stages + stage_index, group, tagged=v > 1) for c in range(v)]
+        if isinstance(grad_group, str) and grad_group != "own":
+            raise ValueError(f"grad_group={grad_group!r}: pass 'own' (a group of its own, made at the first "
+                             "step), a process group, or the activations' group to share it")
+        self._own_grad_group = isinstance(grad_group, str)
+        self.links = [StageLink(ranks, c * num_stages + stage_index, group,
+                                grad_group=None if self._own_grad_group else grad_group, tagged=v > 1)
+                      for c in range(v)]
         self.busy_s = 0.0  # compute seconds in the last step
         self.last_timeline: list[Span] = []  # the last step's forwards and backwards, in order
 
@@ -290,6 +317,12 @@ class PipelineStage:
         ts = self._chunks(targets, m, "targets") if self.is_last else None
         device = self._device()
         actions = self._actions(schedule, m)
+        if self._own_grad_group:  # once, before any message: every stage of the pipeline is here
+            self._own_grad_group = False
+            if self.num_stages > 1 and dist.is_initialized():
+                grad_group = dist.new_group(sorted(set(self.ranks)), use_local_synchronization=True)
+                for link in self.links:
+                    link.grad_group = grad_group
         last_virtual = len(self.chunks) * self.num_stages - 1
         last_backward = max(k for k, a in enumerate(actions) if a[0] == "B")
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
