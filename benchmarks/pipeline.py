@@ -114,6 +114,46 @@ def _blocks(width, n, heavy=0):
     return nn.Sequential(*blocks)
 
 
+class _Spin(torch.autograd.Function):
+    """Identity whose forward costs exactly ``fwd_s`` and backward ``bwd_s`` seconds of busy CPU."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s, bwd_s):
+        ctx.bwd_s = bwd_s
+        _busy(fwd_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _busy(ctx.bwd_s)
+        return grad.clone(), None, None
+
+
+_SPIN = torch.ones(32, 32)
+
+
+def _busy(seconds):
+    """Real work (32 x 32 matmuls, resident in L1: no memory traffic to share with the other rank)
+    until ``seconds`` of wall time have passed: a compute of fixed duration, whatever the machine's
+    neighbours do to its speed."""
+    end, out = time.perf_counter() + seconds, torch.empty(32, 32)
+    while time.perf_counter() < end:
+        torch.mm(_SPIN, _SPIN, out=out)
+
+
+class FixedCost(nn.Module):
+    """A stage body of fixed cost: forward ``fwd_ms``, backward ``bwd_ms`` (the formula's assumption,
+    made exact), with a learnable scale so that the stage has a parameter and a gradient."""
+
+    def __init__(self, fwd_ms, bwd_ms):
+        super().__init__()
+        self.fwd_s, self.bwd_s = fwd_ms / 1e3, bwd_ms / 1e3
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return _Spin.apply(x, self.fwd_s, self.bwd_s) * self.scale
+
+
 def _loss(out, y):
     return (out - y).pow(2).mean()
 
@@ -196,6 +236,58 @@ def _send_cost(pg, peer, a, w, n):
     return out
 
 
+FIXED = ("gpipe", "1f1b", "eager_1f1b", "torch ScheduleGPipe", "torch Schedule1F1B")
+
+
+def _fixed(P, cfg, repeats):
+    """Section 4: the formula's own assumption made exact. Every stage's body is :class:`FixedCost`
+    (forward F, backward B of busy CPU whatever the machine does to compute speed; stage 0 adds the
+    cheap input Linear, the last stage the cheap head and the loss), the activations the real model's
+    (micro_rows x width float32, sent for real). What remains between the measured bubble and the
+    formula is the schedule and its transport: transfers, posting, wake-ups, Python. The same stages
+    under torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, interleaved with ours. Returns
+    {(schedule, m): [step seconds]} and {(phalanx schedule, m): [timelines]}."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    r, last, rows = px.rank(), px.rank() == P - 1, cfg["micro_rows"]
+    torch.manual_seed(0)
+    body = nn.Sequential(*([nn.Linear(cfg["io"], cfg["width"])] if r == 0 else []), FixedCost(*cfg["fixed_ms"]),
+                         *([nn.Linear(cfg["width"], cfg["io"])] if last else []))
+    ours = PipelineStage(body, r, P, loss_fn=_loss if last else None)
+    theirs_mod = copy.deepcopy(body)
+    theirs = TorchStage(theirs_mod, r, P, torch.device("cpu"), group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(1)
+    data = {m: (torch.randn(m * rows, cfg["io"], generator=g), torch.randn(m * rows, cfg["io"], generator=g))
+            for m in MS}
+    torch_sched = {("torch ScheduleGPipe", m): ScheduleGPipe(theirs, m, loss_fn=_loss) for m in MS}
+    torch_sched.update({("torch Schedule1F1B", m): Schedule1F1B(theirs, m, loss_fn=_loss) for m in MS if m >= P})
+
+    def step(name, m):
+        x, y = data[m]
+        if name.startswith("torch"):
+            sched = torch_sched[(name, m)]
+            sched.step(x) if r == 0 else (sched.step(target=y, losses=[]) if last else sched.step())
+            theirs_mod.zero_grad()
+        else:
+            ours.step(x, y, num_microbatches=m, schedule=name)
+            body.zero_grad()
+
+    times, lines = {}, {}
+    for rep in range(repeats + 1):
+        for name in FIXED:
+            for m in MS:
+                if name.startswith("torch") and (name, m) not in torch_sched:
+                    continue
+                t = _timed(lambda name=name, m=m: step(name, m))
+                if rep:  # the first round is a warm-up
+                    times.setdefault((name, m), []).append(t)
+                    if not name.startswith("torch"):
+                        lines.setdefault((name, m), []).append(ours.last_timeline)
+    return times, lines
+
+
 def _rank_body(P, cfg, sections):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
@@ -242,6 +334,8 @@ def _rank_body(P, cfg, sections):
             if rep:  # the first round is a warm-up
                 out["timelines"].setdefault((name, m), []).append(stages[name].last_timeline)
 
+    if "fixed" in sections:
+        out["fixed"] = _fixed(P, cfg, repeats)
     if "exchange" in sections and P == 2:
         out["exchange"] = _exchange(cfg)
 
@@ -319,13 +413,16 @@ def main():
                     help="rows per micro-batch (128: see the module docstring for why not 64)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stages", type=int, default=2, help="p (ranks); > 2 oversubscribes a 2-core machine")
-    ap.add_argument("--sections", default="bubble,throughput,split",
+    ap.add_argument("--fixed-ms", default="15,30",
+                    help="fixed section: each stage's forward,backward in ms (the real stages' are ~15,30 at 128 rows)")
+    ap.add_argument("--sections", default="bubble,throughput,split,fixed",
                     help="comma-separated subset to run (also: exchange, p = 2 only: one hop's wait percentiles)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     P = a.stages
     cfg = {"width": a.width, "hidden": a.hidden, "blocks": a.blocks, "io": a.io_width, "micro_rows": a.micro_rows,
-           "repeats": a.repeats, "split_width": a.split_width}
+           "repeats": a.repeats, "split_width": a.split_width,
+           "fixed_ms": tuple(float(v) for v in a.fixed_ms.split(","))}
     res = px.run(_rank_body, np=P, args=(P, cfg, sections), timeout=1800)
 
     bounds, costs, bounds2 = res[0]["plan"]
@@ -373,10 +470,45 @@ def main():
             for nbytes, q in r["exchange"]["send"].items():
                 print(f"| rank {res.index(r)} sends {nbytes:,} bytes | " + " | ".join(f"{v:.2f}" for v in q)
                       + f" | {q[2] * 8:.2f} |")
+    if "fixed" in sections:
+        _print_fixed(res, P, cfg["fixed_ms"], a.repeats)
     if "throughput" in sections:
         _print_throughput(med, a.micro_rows)
     if "split" in sections:
         _print_split(med, res[0]["bounds"], P)
+
+
+def _print_fixed(res, P, fixed_ms, repeats):
+    f_ms, b_ms = fixed_ms
+    # A stage's real cost per micro-batch: the spin plus its Linear, loss and autograd bookkeeping, the same
+    # work under either library: the median forward + backward in phalanx's timelines, mean over the stages.
+    fb = statistics.mean(statistics.median(a.end_s - a.start_s for k in res[s]["fixed"][1] for t in res[s]["fixed"][1][k]
+                                           for a in t if a.kind == kind) for s in range(P) for kind in "FB") * 2
+    print(f"\nFixed-cost stages (section 4): every stage's forward {f_ms:g} ms, backward {b_ms:g} ms of busy CPU "
+          f"(with its Linear, loss and autograd: F+B = {fb * 1e3:.1f} ms), real activations sent; step bubble = "
+          "1 - m(F+B) / step time (the slowest rank's, barrier to return: the schedule's setup and the barrier's "
+          "skew count too), median; timeline bubble as in section 1 (phalanx only)\n")
+    print("| schedule | m | formula | step (ms) | ideal (m+p-1)(F+B) | step bubble | / formula "
+          "| timeline bubble | / formula |\n|---|---|---|---|---|---|---|---|---|")
+    steps = {}
+    for name in FIXED:
+        for m in MS:
+            if (name, m) not in res[0]["fixed"][0]:
+                continue
+            t = statistics.median(max(r["fixed"][0][(name, m)][i] for r in res) for i in range(repeats))
+            steps[(name, m)] = t
+            formula, bubble = bubble_fraction(P, m), 1 - m * fb / t
+            line = (f"| {name} | {m} | {formula:.3f} | {t * 1e3:.1f} | {(m + P - 1) * fb * 1e3:.0f} "
+                    f"| {bubble:.3f} | {bubble / formula:.2f} |")
+            if name.startswith("torch"):
+                print(line + " - | - |")
+                continue
+            tl = statistics.median(_bubble_parts([r["fixed"][1][(name, m)][i] for r in res])[0] for i in range(repeats))
+            print(line + f" {tl:.3f} | {tl / formula:.2f} |")
+    pairs = [("gpipe", "torch ScheduleGPipe"), ("1f1b", "torch Schedule1F1B"), ("eager_1f1b", "torch Schedule1F1B")]
+    print("\nphalanx / torch throughput on fixed-cost stages: " + "; ".join(
+        f"{ours} vs {theirs}: " + ", ".join(f"m={m} {steps[(theirs, m)] / steps[(ours, m)]:.2f}x"
+                                            for m in MS if (theirs, m) in steps) for ours, theirs in pairs))
 
 
 def _print_throughput(med, micro_rows):
