@@ -56,6 +56,15 @@ split finely enough for the cost-balanced partitioner to equalize the stages ((0
    interleaved, medians.
 3. A model of 8 x Linear(1024)+ReLU blocks, the first 6x heavier: the min-bottleneck split
    on measured time and on FLOPs vs the uniform split, phalanx 1F1B step time, interleaved.
+4. ``fixed``: the formula's assumption made exact. Every stage's body costs a fixed F and B
+   (``--fixed-ms 15,30``, about the real stages' at 128 rows) of busy CPU on L1-resident data,
+   whatever the machine's neighbours do to compute speed, and the real model's activations are
+   sent. On this VM the real stages' forward and backward move by 10-50 % from minute to minute
+   (the replay with zero transfer time in section 1 is itself off the formula by that much), so
+   this is where the schedule and its transport are measured against the formula: phalanx GPipe,
+   1F1B, eager 1F1B (and the last two with gradients sharing the activations' process group,
+   ``grad_group=None``), then torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the
+   same stages, interleaved; timeline bubble (phalanx) and step-time bubble (both libraries).
 """
 
 import argparse
@@ -236,7 +245,8 @@ def _send_cost(pg, peer, a, w, n):
     return out
 
 
-FIXED = ("gpipe", "1f1b", "eager_1f1b", "torch ScheduleGPipe", "torch Schedule1F1B")
+FIXED = ("gpipe", "1f1b", "eager_1f1b", "1f1b/one group", "eager_1f1b/one group", "torch ScheduleGPipe",
+         "torch Schedule1F1B")  # "/one group": gradients share the activations' process group (grad_group)
 
 
 def _fixed(P, cfg, repeats):
@@ -256,6 +266,7 @@ def _fixed(P, cfg, repeats):
     body = nn.Sequential(*([nn.Linear(cfg["io"], cfg["width"])] if r == 0 else []), FixedCost(*cfg["fixed_ms"]),
                          *([nn.Linear(cfg["width"], cfg["io"])] if last else []))
     ours = PipelineStage(body, r, P, loss_fn=_loss if last else None)
+    shared = PipelineStage(body, r, P, loss_fn=_loss if last else None, grad_group=None)
     theirs_mod = copy.deepcopy(body)
     theirs = TorchStage(theirs_mod, r, P, torch.device("cpu"), group=dist.group.WORLD)
     g = torch.Generator().manual_seed(1)
@@ -271,7 +282,8 @@ def _fixed(P, cfg, repeats):
             sched.step(x) if r == 0 else (sched.step(target=y, losses=[]) if last else sched.step())
             theirs_mod.zero_grad()
         else:
-            ours.step(x, y, num_microbatches=m, schedule=name)
+            (shared if name.endswith("/one group") else ours).step(x, y, num_microbatches=m,
+                                                                    schedule=name.split("/")[0])
             body.zero_grad()
 
     times, lines = {}, {}
@@ -284,7 +296,8 @@ def _fixed(P, cfg, repeats):
                 if rep:  # the first round is a warm-up
                     times.setdefault((name, m), []).append(t)
                     if not name.startswith("torch"):
-                        lines.setdefault((name, m), []).append(ours.last_timeline)
+                        stage = shared if name.endswith("/one group") else ours
+                        lines.setdefault((name, m), []).append(stage.last_timeline)
     return times, lines
 
 
