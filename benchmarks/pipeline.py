@@ -500,9 +500,10 @@ def _print_fixed(res, P, fixed_ms, repeats):
     print(f"\nFixed-cost stages (section 4): every stage's forward {f_ms:g} ms, backward {b_ms:g} ms of busy CPU "
           f"(with its Linear, loss and autograd: F+B = {fb * 1e3:.1f} ms), real activations sent; step bubble = "
           "1 - m(F+B) / step time (the slowest rank's, barrier to return: the schedule's setup and the barrier's "
-          "skew count too), median; timeline bubble as in section 1 (phalanx only)\n")
+          "skew count too), median; timeline bubble and its replay with zero transfer time (the schedule alone) "
+          "as in section 1 (phalanx only)\n")
     print("| schedule | m | formula | step (ms) | ideal (m+p-1)(F+B) | step bubble | / formula "
-          "| timeline bubble | / formula |\n|---|---|---|---|---|---|---|---|---|")
+          "| timeline bubble | / formula | replay (zero comm) | / formula |\n|---|---|---|---|---|---|---|---|---|---|---|")
     steps = {}
     for name in FIXED:
         for m in MS:
@@ -514,10 +515,11 @@ def _print_fixed(res, P, fixed_ms, repeats):
             line = (f"| {name} | {m} | {formula:.3f} | {t * 1e3:.1f} | {(m + P - 1) * fb * 1e3:.0f} "
                     f"| {bubble:.3f} | {bubble / formula:.2f} |")
             if name.startswith("torch"):
-                print(line + " - | - |")
+                print(line + " - | - | - | - |")
                 continue
-            tl = statistics.median(_bubble_parts([r["fixed"][1][(name, m)][i] for r in res])[0] for i in range(repeats))
-            print(line + f" {tl:.3f} | {tl / formula:.2f} |")
+            parts = [_bubble_parts([r["fixed"][1][(name, m)][i] for r in res]) for i in range(repeats)]
+            tl, ideal = (statistics.median(p[k] for p in parts) for k in range(2))
+            print(line + f" {tl:.3f} | {tl / formula:.2f} | {ideal:.3f} | {ideal / formula:.2f} |")
     pairs = [("gpipe", "torch ScheduleGPipe"), ("1f1b", "torch Schedule1F1B"), ("eager_1f1b", "torch Schedule1F1B")]
     print("\nphalanx / torch throughput on fixed-cost stages: " + "; ".join(
         f"{ours} vs {theirs}: " + ", ".join(f"m={m} {steps[(theirs, m)] / steps[(ours, m)]:.2f}x"
