@@ -65,6 +65,8 @@ split finely enough for the cost-balanced partitioner to equalize the stages ((0
    1F1B, eager 1F1B (and the last two with gradients sharing the activations' process group,
    ``grad_group=None``), then torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the
    same stages, interleaved; timeline bubble (phalanx) and step-time bubble (both libraries).
+5. ``noise``: the same stage's forward + backward of 8 micro-batches in one process with no
+   communication, 20 times: how far this machine's compute moves from step to step.
 """
 
 import argparse
@@ -301,6 +303,27 @@ def _fixed(P, cfg, repeats):
     return times, lines
 
 
+def _compute_noise(cfg, steps=20):
+    """Section 5: how steady this machine's compute is, with no pipeline and no communication. One
+    process, one thread, times the last real stage's forward + backward of m = 8 micro-batches
+    ``steps`` times. The formula assumes every stage costs the same every time; at m = 8 its bubble
+    is 11 % of the step, so a 1 % change in a stage's compute moves the measured bubble by ~9 % of
+    the formula. Returns each step's seconds."""
+    torch.set_num_threads(1)
+    model = _model(cfg["width"], cfg["hidden"], cfg["blocks"], cfg["io"])
+    stage = nn.Sequential(*list(model.children())[len(model) // 2 :])
+    xs = [torch.randn(cfg["micro_rows"], cfg["width"], requires_grad=True) for _ in range(8)]
+    y = torch.randn(cfg["micro_rows"], cfg["io"])
+    took = []
+    for k in range(steps + 2):  # two warm-up steps
+        t0 = time.perf_counter()
+        for x in xs:
+            _loss(stage(x), y).backward()
+        if k >= 2:
+            took.append(time.perf_counter() - t0)
+    return took
+
+
 def _rank_body(P, cfg, sections):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage as TorchStage
@@ -428,7 +451,7 @@ def main():
     ap.add_argument("--stages", type=int, default=2, help="p (ranks); > 2 oversubscribes a 2-core machine")
     ap.add_argument("--fixed-ms", default="15,30",
                     help="fixed section: each stage's forward,backward in ms (the real stages' are ~15,30 at 128 rows)")
-    ap.add_argument("--sections", default="bubble,throughput,split,fixed",
+    ap.add_argument("--sections", default="bubble,throughput,split,fixed,noise",
                     help="comma-separated subset to run (also: exchange, p = 2 only: one hop's wait percentiles)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
@@ -485,6 +508,15 @@ def main():
                       + f" | {q[2] * 8:.2f} |")
     if "fixed" in sections:
         _print_fixed(res, P, cfg["fixed_ms"], a.repeats)
+    if "noise" in sections:
+        took = sorted(_compute_noise(cfg))
+        med = statistics.median(took)
+        print(f"\nCompute noise (section 5; one process, no communication): the last stage's forward + backward "
+              f"of 8 micro-batches, {len(took)} times: median {med * 1e3:.1f} ms, min {took[0] * 1e3:.1f}, "
+              f"max {took[-1] * 1e3:.1f}; p10-p90 {(took[len(took) // 10] / med - 1) * 100:+.1f} % / "
+              f"{(took[len(took) * 9 // 10] / med - 1) * 100:+.1f} % of the median = "
+              f"{(took[len(took) * 9 // 10] - took[len(took) // 10]) / med / bubble_fraction(2, 8) * 100:.0f} % "
+              "of the m = 8 formula bubble (p = 2)")
     if "throughput" in sections:
         _print_throughput(med, a.micro_rows)
     if "split" in sections:
