@@ -510,12 +510,12 @@ def main():
         _print_fixed(res, P, cfg["fixed_ms"], a.repeats)
     if "noise" in sections:
         took = sorted(_compute_noise(cfg))
-        med = statistics.median(took)
+        mid = statistics.median(took)
         print(f"\nCompute noise (section 5; one process, no communication): the last stage's forward + backward "
-              f"of 8 micro-batches, {len(took)} times: median {med * 1e3:.1f} ms, min {took[0] * 1e3:.1f}, "
-              f"max {took[-1] * 1e3:.1f}; p10-p90 {(took[len(took) // 10] / med - 1) * 100:+.1f} % / "
-              f"{(took[len(took) * 9 // 10] / med - 1) * 100:+.1f} % of the median = "
-              f"{(took[len(took) * 9 // 10] - took[len(took) // 10]) / med / bubble_fraction(2, 8) * 100:.0f} % "
+              f"of 8 micro-batches, {len(took)} times: median {mid * 1e3:.1f} ms, min {took[0] * 1e3:.1f}, "
+              f"max {took[-1] * 1e3:.1f}; p10-p90 {(took[len(took) // 10] / mid - 1) * 100:+.1f} % / "
+              f"{(took[len(took) * 9 // 10] / mid - 1) * 100:+.1f} % of the median = "
+              f"{(took[len(took) * 9 // 10] - took[len(took) // 10]) / mid / bubble_fraction(2, 8) * 100:.0f} % "
               "of the m = 8 formula bubble (p = 2)")
     if "throughput" in sections:
         _print_throughput(med, a.micro_rows)
