@@ -158,8 +158,8 @@ def parallelize(
     pieces = [OrderedDict(children[bounds[k] : bounds[k + 1]]) for k in range(s, len(bounds) - 1, mesh.pp)]
     stage_module = nn.Sequential(OrderedDict(kv for piece in pieces for kv in piece.items()))
     stage = PipelineStage(stage_module if chunks == 1 else [nn.Sequential(piece) for piece in pieces], s, mesh.pp,
-                          ranks=mesh.pp_ranks, group=mesh.pp_group, grad_group=mesh.pp_grad_group, loss_fn=loss_fn if s == mesh.pp - 1 else None,
-                          checkpoint=checkpoint)
+                          ranks=mesh.pp_ranks, group=mesh.pp_group, grad_group=mesh.pp_grad_group,
+                          loss_fn=loss_fn if s == mesh.pp - 1 else None, checkpoint=checkpoint)
     pm = ParallelModel(stage_module, stage, mesh, num_microbatches, schedule, bounds)
 
     # 4. Data parallel or ZeRO over the ranks holding the same (stage, TP shard). Last,
