@@ -1,4 +1,5 @@
-"""Environment detection for each launcher, the world of one, and init/shutdown cycles."""
+"""Environment detection for each launcher, the settings checked at init, the world of one, and
+init/shutdown cycles."""
 
 import os
 import subprocess
@@ -9,8 +10,39 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx import settings
+from phalanx.log import current_rank, log0, print0, set_rank
 from phalanx.runtime import PhalanxRuntimeError, detect_environment, expand_nodelist
+from phalanx.settings import SettingsError
 from phalanx.testing import distributed
+
+_LAUNCHERS = [
+    # (name, environment, (rank, size, local_rank, local_size, cross_rank, cross_size, master_addr, source))
+    ("phalanx run", {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                     "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "4000", "PHALANX_LAUNCHER": "1"},
+     (3, 4, 1, 2, 1, 2, "10.0.0.5", "phalanx")),
+    ("torchrun", {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"},
+     (2, 4, 0, 2, 1, 2, "127.0.0.1", "torchrun")),
+    ("slurm", {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+               "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "3(x2)"},
+     (5, 6, 2, 3, 1, 2, "n1", "slurm")),
+    ("openmpi", {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     (1, 2, 1, 2, 0, 1, "127.0.0.1", "openmpi")),
+    ("pmi", {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+             "MASTER_ADDR": "h0"},
+     (3, 4, 1, 2, 1, 2, "h0", "pmi")),
+    ("none", {"PATH": "/usr/bin"}, (0, 1, 0, 1, 0, 1, "127.0.0.1", "single")),
+]
+
+
+@pytest.mark.parametrize("name,env,expected", _LAUNCHERS, ids=[launcher[0] for launcher in _LAUNCHERS])
+def test_environment_detection_table(name, env, expected):
+    info = detect_environment(env)
+    got = (info.rank, info.size, info.local_rank, info.local_size, info.cross_rank, info.cross_size,
+           info.master_addr, info.source)
+    assert got == expected, name
+    assert 1024 <= info.master_port < 65536
 
 
 def test_torchrun_environment():
@@ -95,8 +127,9 @@ def test_world_of_one_init_shutdown_init(monkeypatch):
 
 def test_bad_timeout_is_rejected(monkeypatch):
     monkeypatch.setenv("PHALANX_TIMEOUT", "soon")
-    with pytest.raises(PhalanxRuntimeError, match="PHALANX_TIMEOUT"):
+    with pytest.raises(SettingsError, match="PHALANX_TIMEOUT='soon'"):
         px.init()
+    assert not px.is_initialized()
 
 
 def _topology_and_reinit():
@@ -161,3 +194,135 @@ def test_exit_hook_stops_gloo_threads_even_after_dynamo_import():
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("THREADS"))
     assert "pt_gloo_runloop" not in line and "gloo_tcp_loop" not in line, line
+
+
+# ---------------------------------------------------------------- settings: read once, every bad value one line
+
+_BAD_SETTINGS = [
+    # (variable, value, what the line must also name among the accepted values)
+    ("PHALANX_BACKEND", "ncl", "gloo | nccl"),
+    ("PHALANX_LOG_LEVEL", "LOUD", "DEBUG | INFO | WARNING | ERROR | CRITICAL"),
+    ("PHALANX_DEVICE", "cuda:0" if not torch.cuda.is_available() else "cuda:99", "cpu"),
+    ("PHALANX_DEVICE", "gpu", "cpu"),
+    ("PHALANX_CHECK_COLLECTIVES", "nope", "1/0, true/false"),
+    ("PHALANX_BUCKET_MB", "big", "a number > 0"),
+    ("PHALANX_BUCKET_MB", "0", "a number > 0"),
+    ("PHALANX_TIMEOUT", "soon", "a number > 0"),
+    ("PHALANX_TIMEOUT", "-5", "a number > 0"),
+    ("PHALANX_ALGORITHM", "rign", "auto | ring | hierarchical | flat"),
+    ("PHALANX_CHECKPOINT_CHECKSUM", "md5", "crc32 | sha256"),
+    ("PHALANX_CHECKPOINT_FORMAT", "pickle", "safetensors | torch"),
+]
+
+
+@pytest.mark.parametrize("var,value,accepted", _BAD_SETTINGS, ids=[f"{v}={x}" for v, x, _ in _BAD_SETTINGS])
+def test_every_bad_setting_gets_one_line_naming_it(var, value, accepted):
+    with pytest.raises(SettingsError) as err:
+        settings.load({var: value})
+    line = str(err.value)
+    assert "\n" not in line
+    assert f"{var}={value!r}" in line and accepted in line, line
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"backend": "ncl"}, "init(backend='ncl')"),
+    ({"device": "tpu"}, "init(device='tpu')"),
+    ({"timeout": "30"}, "init(timeout='30')"),
+    ({"timeout": 0}, "init(timeout=0)"),
+])
+def test_bad_init_arguments_are_named(kwargs, named, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SettingsError, match=__import__("re").escape(named)):
+        px.init(**kwargs)
+    assert not px.is_initialized()
+
+
+def test_good_settings_are_read_once_into_one_object():
+    s = settings.load({"PHALANX_BACKEND": "GLOO", "PHALANX_DEVICE": "cpu", "PHALANX_TIMEOUT": "12.5",
+                       "PHALANX_LOG_LEVEL": "trace", "PHALANX_CHECK_COLLECTIVES": "off",
+                       "PHALANX_BUCKET_MB": "4", "PHALANX_ALGORITHM": "ring"})
+    assert (s.backend, s.device, s.timeout_s, s.log_level) == ("gloo", torch.device("cpu"), 12.5, "DEBUG")
+    assert (s.check_collectives, s.bucket_mb, s.algorithm) == (False, 4.0, "ring")
+    assert settings.load({}) == settings.Settings()
+    assert settings.load({"PHALANX_TIMEOUT": "9"}, timeout=3).timeout_s == 3.0  # the argument wins
+
+
+def test_validators_for_constructor_arguments():
+    assert settings.choice("DataParallel(algorithm=)", "ring", settings.ALGORITHMS) == "ring"
+    with pytest.raises(SettingsError, match=r"DataParallel\(algorithm='rign'\) is not accepted; accepted: auto"):
+        settings.choice("DataParallel(algorithm=)", "rign", settings.ALGORITHMS)
+    assert settings.choice("op", "SUM", ("sum", "average"), case_sensitive=False) == "sum"
+    with pytest.raises(SettingsError, match="op=\\['sum'\\]"):
+        settings.choice("op", ["sum"], ("sum",))  # unhashable: refused, not a TypeError
+    assert settings.positive("DataParallel(bucket_mb=)", 2.5) == 2.5
+    with pytest.raises(SettingsError, match=r"bucket_mb='25'\) is not a number"):
+        settings.positive("DataParallel(bucket_mb=)", "25")  # an argument's string is a type mistake
+    assert settings.positive("PHALANX_BUCKET_MB", "25") == 25.0  # the environment's is parsed
+    assert settings.positive("Trainer(batch_size=)", 32, integer=True) == 32
+    for bad in (0, -1, 2.5, True, float("nan")):
+        with pytest.raises(SettingsError, match="Trainer"):
+            settings.positive("Trainer(batch_size=)", bad, integer=True)
+    assert settings.positive("x", 0, allow_zero=True) == 0
+    assert [settings.boolean("B", v) for v in ("1", "yes", "ON", True, "0", "false", "", 0)] == [True] * 4 + [False] * 4
+    with pytest.raises(SettingsError, match="B='nope'"):
+        settings.boolean("B", "nope")
+
+
+def _run_script(tmp_path, code, env_extra):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM", "OMPI", "PMI", "PHALANX_"))}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("var,value", [("PHALANX_BACKEND", "ncl"), ("PHALANX_LOG_LEVEL", "LOUD"),
+                                       ("PHALANX_CHECK_COLLECTIVES", "nope")])
+def test_bad_variable_under_plain_python_is_one_line_without_traceback(tmp_path, var, value):
+    out = _run_script(tmp_path, """
+        import phalanx as px
+        px.init()
+        print("trained")
+    """, {var: value})
+    assert out.returncode != 0 and "trained" not in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("phalanx: error: ") and f"{var}={value!r}" in lines[0], lines
+
+
+def test_other_errors_keep_their_traceback_and_init_logs_its_topology(tmp_path):
+    out = _run_script(tmp_path, """
+        import phalanx as px
+        px.init()
+        raise KeyError("mine")
+    """, {"PHALANX_LOG_LEVEL": "INFO"})
+    assert "Traceback" in out.stderr and "KeyError: 'mine'" in out.stderr
+    assert "[rank 0] phalanx.runtime: init: rank 0/1" in out.stderr
+    assert "backend gloo device cpu" in out.stderr
+
+
+def test_rank_zero_helpers(capsys, monkeypatch):
+    import logging
+
+    monkeypatch.delenv("RANK", raising=False)
+    records = []
+    catcher = logging.Handler()
+    catcher.emit = records.append
+    logging.getLogger("phalanx.user").addHandler(catcher)
+    try:
+        set_rank(1)
+        print0("from rank 1")
+        log0("log from rank 1")
+        set_rank(0)
+        assert current_rank() == 0
+        print0("from rank 0")
+        log0("log from %s", "rank 0")
+    finally:
+        set_rank(None)
+        logging.getLogger("phalanx.user").removeHandler(catcher)
+    assert capsys.readouterr().out == "from rank 0\n"
+    assert [r.getMessage() for r in records] == ["log from rank 0"]  # INFO shown at the default level
+    monkeypatch.setenv("SLURM_PROCID", "7")
+    assert current_rank() == 7

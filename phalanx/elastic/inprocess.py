@@ -78,7 +78,9 @@ _ctx: _Ctx | None = None
 
 
 def _timeout_s() -> float:
-    return float(os.environ.get("PHALANX_TIMEOUT") or 300.0)
+    from phalanx.settings import load  # before init(): PHALANX_TIMEOUT checked as init() checks it
+
+    return load().timeout_s
 
 
 def _reform_timeout_s(collective_s: float) -> float:

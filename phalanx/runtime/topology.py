@@ -1,0 +1,105 @@
+"""``Topology``: the job as seen from one rank, and the process groups that join its ranks.
+
+Example::
+
+    topo = px.init()
+    topo.hosts               # ((0, 1), (2, 3)): global ranks per host, host-major
+    topo.local_group()       # the ranks on this host
+    topo.cross_group()       # one rank per host, those with this local rank
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime.env import LaunchInfo, PhalanxRuntimeError
+from phalanx.settings import DEFAULT_TIMEOUT_S
+
+__all__ = ["Topology", "gather_hosts"]
+
+
+class _Groups:
+    """Lazily built process groups of one topology (not part of its identity)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        with self._lock:
+            if ranks not in self._cache:
+                # Only the members synchronise, so a group can be made on first use
+                # by the ranks that need it, without a world-wide barrier.
+                self._cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            return self._cache[ranks]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Immutable description of the job as seen from this rank.
+
+    ``hosts[h]`` lists the global ranks on host ``h`` (host-major order).
+    ``local_group()`` joins the ranks of this host, ``cross_group()`` the ranks
+    with this local rank on every host — the two levels of a hierarchical
+    collective. Groups are created on first use by their members. ``timeout_s``
+    is how long a collective waits for its peers (read once, at ``init()``).
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    backend: str
+    device: torch.device
+    hosts: tuple[tuple[int, ...], ...]
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    _groups: _Groups = dataclasses.field(default_factory=_Groups, compare=False, repr=False)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        """True when every host runs the same number of ranks."""
+        return len({len(h) for h in self.hosts}) == 1
+
+    def world_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    def local_group(self) -> dist.ProcessGroup:
+        """The ranks on this host."""
+        return self._groups.get(self.hosts[self.cross_rank])
+
+    def cross_group(self) -> dist.ProcessGroup:
+        """One rank per host: those whose local rank equals ours."""
+        peers = tuple(h[self.local_rank] for h in self.hosts if self.local_rank < len(h))
+        return self._groups.get(peers)
+
+    def group(self, ranks) -> dist.ProcessGroup:
+        """Any group of global ranks, created once and cached (members must call)."""
+        return self._groups.get(tuple(sorted(int(r) for r in ranks)))
+
+    def describe(self) -> str:
+        """One line for logs: ``rank 1/4 (local 1/2, host 0/2) gloo cpu hosts [2, 2] timeout 300s``."""
+        return (f"rank {self.rank}/{self.size} (local {self.local_rank}/{self.local_size}, "
+                f"host {self.cross_rank}/{self.cross_size}) backend {self.backend} device {self.device} "
+                f"ranks per host {[len(h) for h in self.hosts]} timeout {self.timeout_s:g}s")
+
+
+def gather_hosts(info: LaunchInfo, device: torch.device) -> tuple[tuple[int, ...], ...]:
+    """Which ranks share a host: one small allgather at start-up, robust to uneven hosts."""
+    if info.size == 1:
+        return ((0,),)
+    mine = torch.tensor([info.cross_rank, info.local_rank], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(info.size)]
+    dist.all_gather(every, mine)
+    by_host: dict[int, list[tuple[int, int]]] = {}
+    for r, t in enumerate(every):
+        host, local = (int(v) for v in t.tolist())
+        by_host.setdefault(host, []).append((local, r))
+    if sorted(by_host) != list(range(len(by_host))):
+        raise PhalanxRuntimeError(f"host (cross) ranks are not 0..n-1: {sorted(by_host)}")
+    return tuple(tuple(r for _, r in sorted(by_host[h])) for h in range(len(by_host)))
