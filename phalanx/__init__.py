@@ -36,6 +36,7 @@ from phalanx.comm.collectives import (
     set_mismatch_check,
 )
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
+from phalanx.log import log0, print0
 from phalanx.memory import memory_report
 from phalanx.parallel import balance
 from phalanx.parallel.data import DataParallel
@@ -103,6 +104,8 @@ __all__ = [
     "local_size",
     "cross_rank",
     "cross_size",
+    "print0",
+    "log0",
     # collectives
     "ReduceOp",
     "Sum",

@@ -1,9 +1,19 @@
 """Trainer on real ranks: same result as one rank with the same global batch, warm-up values,
-bf16 on CPU, and a forced inf that every rank skips."""
+bf16 on CPU, a forced inf that every rank skips; metrics averaged before any callback; every
+data form (tensors, Dataset of dicts, IterableDataset, DataLoader) against a one-process
+reference; refused input; progress lines and the README script under `phalanx run`."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 import phalanx as px
 from phalanx.demo import load_digits
@@ -18,6 +28,7 @@ from phalanx.trainer import (
     TensorBoard,
     Trainer,
 )
+from phalanx.trainer.data import DataError
 
 
 def _model():
@@ -128,6 +139,9 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch_and_rank_0_logs_tenso
     events = EventAccumulator(str(files[0])).Reload()
     logged = [e.value for e in events.Scalars("val_loss")]
     assert logged == pytest.approx([h["val_loss"] for h in results[0][1]], rel=1e-6)
+    # the training loss too is the ranks' average (each rank's shard gives its own loss)
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([h["loss"] for h in results[0][1]], rel=1e-6)
+    assert results[0][1] == results[1][1]
 
 
 # ---------------------------------------------------------------- resume, accumulation, clipping, recompute
@@ -167,9 +181,13 @@ def _trainer_features(root):
     sched = lambda opt: LRSchedule(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))  # noqa: E731
     full = _features_fit(data, 4, [sched, Checkpoint(f"{root}/full")], dropout=0.2)
     _features_fit(data, 2, [sched, Checkpoint(f"{root}/cut")], dropout=0.2)
+    if px.rank() == 0:  # the newest as earlier versions named it: still found and read
+        os.rename(f"{root}/cut/epoch-000000001", f"{root}/cut/step-000000001")
+    px.barrier()
     resumed = _features_fit(data, 4, [sched, Checkpoint(f"{root}/cut")], dropout=0.2)
     out["resume"] = (full[0], resumed[0], full[1], resumed[1], resumed[2].callbacks[-1].resumed_from,
-                     resumed[2].optimizer.param_groups[0]["lr"])
+                     resumed[2].optimizer.param_groups[0]["lr"],
+                     sorted(os.listdir(f"{root}/cut")) if px.rank() == 0 else None)  # rank 0 prunes
     # gradient accumulation: 2 x 16 per rank == 32 per rank
     out["accum"] = (_features_fit(data, 1, batch_size=16, grad_accum=2)[0], _features_fit(data, 1)[0])
     # clipping and activation checkpointing
@@ -185,8 +203,9 @@ def _trainer_features(root):
 def test_trainer_resume_accumulation_clipping_and_activation_checkpointing(tmp_path):
     results = distributed(_trainer_features, np=2, args=(str(tmp_path),), timeout=240)
     for out in results:
-        full, resumed, h_full, h_resumed, resumed_from, lr = out["resume"]
+        full, resumed, h_full, h_resumed, resumed_from, lr, kept = out["resume"]
         assert resumed_from is not None and resumed_from.endswith("step-000000001")
+        assert kept in (None, ["epoch-000000002", "epoch-000000003", "step-000000001"])  # by epoch, newest 3
         torch.testing.assert_close(resumed, full, rtol=0, atol=1e-6)  # model, momentum, RNG, scheduler
         assert [h["epoch"] for h in h_resumed] == [0, 1, 2, 3] and h_resumed == h_full
         assert abs(lr - 0.05 * 0.5 ** 4) < 1e-12
@@ -211,3 +230,243 @@ def test_trainer_resume_accumulation_clipping_and_activation_checkpointing(tmp_p
     ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(results[0]["clip"], ref, rtol=1e-5, atol=1e-6)
     assert (results[0]["clip"] - results[0]["recompute"][0]).abs().max() > 1e-3  # clipping did bite
+
+
+# ---------------------------------------------------------------- metrics averaged before any callback sees them
+
+class _RankLoss:
+    """A loss whose value depends only on (rank, epoch): the ranks see different losses."""
+
+    def __init__(self, table):
+        self.table, self.trainer = table, None
+
+    def __call__(self, out, y):
+        return out.sum() * 0 + self.table[px.rank()][self.trainer.state.epoch]
+
+
+class _Seen(Callback):
+    def __init__(self, stop_rank0_at=None):
+        self.seen, self.stop_rank0_at = [], stop_rank0_at
+
+    def on_epoch_end(self, trainer):
+        self.seen.append(trainer.state.metrics["loss"])
+        if px.rank() == 0 and trainer.state.epoch == self.stop_rank0_at:
+            trainer.state.stop = True  # one rank's own decision: every rank must still stop together
+
+
+def _uneven_losses():
+    x, y, _, _ = load_digits()
+    runs = {}
+    cases = {
+        # rank 0 alone would stop after epoch 1 (no gain); the average gains 0.5 an epoch: no stop
+        "improving": ([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, -1.0, -2.0]], None),
+        # rank 1 alone improves by 0.3; the average gains less than min_delta: both stop after epoch 1
+        "flat": ([[1.0, 1.0, 1.0, 1.0], [1.3, 1.0, 1.0, 1.0]], None),
+        # a user callback stops rank 0 only, at epoch 2: every rank stops there
+        "one rank stops": ([[1.0, 0.0, -1.0, -2.0], [1.0, 0.0, -1.0, -2.0]], 2),
+    }
+    for name, (table, stop_at) in cases.items():
+        model = _model()
+        loss = _RankLoss(table)
+        seen = _Seen(stop_at)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), loss, (x[:256], y[:256]),
+                          batch_size=32, callbacks=[seen, EarlyStopping("loss", patience=1, min_delta=0.21)],
+                          progress=False)
+        loss.trainer = trainer
+        runs[name] = (len(trainer.fit(epochs=4)), seen.seen)
+    return runs
+
+
+def test_metrics_are_averaged_before_user_callbacks_and_every_rank_stops_together():
+    results = distributed(_uneven_losses, np=2, timeout=240)
+    for runs in results:
+        assert runs["improving"] == (4, pytest.approx([1.0, 0.5, 0.0, -0.5])), runs["improving"]
+        assert runs["flat"] == (2, pytest.approx([1.15, 1.0])), runs["flat"]
+        assert runs["one rank stops"][0] == 3, runs["one rank stops"]
+
+
+# ---------------------------------------------------------------- data: every form, against one process
+
+class _DictSamples(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"image": self.x[i], "label": self.y[i]}
+
+
+class _Stream(IterableDataset):
+    def __init__(self, x, y):
+        self.x, self.y, self.epochs = x, y, []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+def _stack_pairs(items):
+    return torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _fit_data(data, epochs=2, model=None, loss=None, **kw):
+    model = model or _model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), loss or nn.CrossEntropyLoss(),
+                      data, progress=False, **kw)
+    trainer.fit(epochs)
+    return _params(model), trainer
+
+
+def _data_forms():
+    x, y, _, _ = load_digits()
+    x, y = x[:640], y[:640]
+    out = {"tensors": _fit_data((x, y), batch_size=32)[0]}
+    user = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, num_workers=1, pin_memory=False,
+                      collate_fn=_stack_pairs)
+    params, trainer = _fit_data(user)
+    kept = trainer.train_loader.loader
+    out["loader"] = (params, kept.num_workers, kept.collate_fn is user.collate_fn, len(kept))
+    out["dicts"] = _fit_data(_DictSamples(x, y), batch_size=32)[0]
+    stream = _Stream(x, y)
+    out["iterable"] = (_fit_data(stream, batch_size=32)[0], stream.epochs)
+    sampler = DistributedSampler(TensorDataset(x, y), num_replicas=px.size(), rank=px.rank(), seed=0)
+    out["sharded"] = (_fit_data(DataLoader(TensorDataset(x, y), batch_size=32, sampler=sampler))[0], sampler.epoch)
+    # [N, 1] targets stay [B, 1]; [N] targets against a [B, 1] output are named in a warning
+    reg = nn.Linear(64, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_data((x, y.float()[:, None]), epochs=1, model=reg, loss=nn.MSELoss(), batch_size=32)
+        out["column"] = [str(w.message) for w in caught if "broadcast" in str(w.message)]
+        _fit_data((x, y.float()), epochs=1, model=nn.Linear(64, 1), loss=nn.MSELoss(), batch_size=32)
+        out["flat"] = [str(w.message) for w in caught if "Trainer:" in str(w.message)]
+    errors = {}
+    for name, data, kw in [("list", [x, y], {}), ("small", (x[:40], y[:40]), {"batch_size": 32}),
+                           ("batch_size", (x, y), {"batch_size": "32"}), ("precision", (x, y), {"precision": "fp8"}),
+                           ("tuple", (x, y, y), {}), ("lengths", (x, y[:10]), {}), ("dict keys", [{"a": 1}] * 64, {}),
+                           ("loader batch", user, {"batch_size": 16}), ("object", object(), {})]:
+        try:
+            _fit_data(data, epochs=1, **kw)
+            errors[name] = None
+        except (DataError, ValueError) as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def _reference(shuffle):
+    x, y, _, _ = load_digits()
+    return _fit_data((x[:640], y[:640]), batch_size=64, shuffle=shuffle)[0]
+
+
+def test_trainer_trains_the_same_on_every_data_form_as_one_process_on_tensors():
+    results = distributed(_data_forms, np=2, timeout=300)
+    ref_shuffled, ref_in_order = distributed(_reference, np=1, args=(True,))[0], \
+        distributed(_reference, np=1, args=(False,))[0]
+    for out in results:
+        close = dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out["tensors"], ref_shuffled, **close)
+        params, workers, own_collate, batches = out["loader"]
+        torch.testing.assert_close(params, ref_shuffled, **close)  # re-sharded, shuffled as one process would
+        assert (workers, own_collate, batches) == (1, True, 10)  # the user's settings kept; 640 / 2 / 32
+        torch.testing.assert_close(out["dicts"], ref_shuffled, **close)  # {"image", "label"} samples
+        torch.testing.assert_close(out["iterable"][0], ref_in_order, **close)  # every 2nd item: in-order batches
+        assert out["iterable"][1] == [0, 1]  # set_epoch reached the IterableDataset
+        torch.testing.assert_close(out["sharded"][0], ref_shuffled, **close)  # the user's own sampler
+        assert out["sharded"][1] == 1  # set_epoch called each epoch
+        assert out["column"] == [] and len(out["flat"]) == 1 and "[32, 1]" in out["flat"][0] \
+            and "[32]" in out["flat"][0] and "[32, 32]" in out["flat"][0], out["flat"]
+        e = out["errors"]
+        assert "TensorDataset" in e["list"] and "tuple" in e["list"], e["list"]
+        assert "40 samples, fewer than one global batch" in e["small"] and "= 64" in e["small"], e["small"]
+        assert "Trainer(batch_size='32')" in e["batch_size"], e["batch_size"]
+        assert "Trainer(precision='fp8')" in e["precision"] and "bf16" in e["precision"], e["precision"]
+        assert "must be (inputs, targets)" in e["tuple"], e["tuple"]
+        assert "same number of samples" in e["lengths"], e["lengths"]
+        assert "split_batch" in e["dict keys"] and "['a']" in e["dict keys"], e["dict keys"]
+        assert "batch_size 32" in e["loader batch"], e["loader batch"]
+        assert "is a object" in e["object"] and "Dataset" in e["object"], e["object"]
+        assert all("\n" not in m for m in e.values())
+
+
+# ---------------------------------------------------------------- checkpoints: a named resume must exist; no stale prune
+
+def _checkpoint_refusals(root):
+    x, y, _, _ = load_digits()
+    data, out = (x[:256], y[:256]), {}
+    os.environ["PHALANX_RESUME_FROM"] = f"{root}/typo"
+    try:
+        _fit_data(data, 1, batch_size=32, callbacks=[Checkpoint(f"{root}/a")])
+    except ValueError as e:
+        out["missing"] = str(e)
+    finally:
+        del os.environ["PHALANX_RESUME_FROM"]
+    _fit_data(data, 3, batch_size=32, callbacks=[Checkpoint(f"{root}/old")])  # an earlier run: epochs 0-2
+    try:
+        _fit_data(data, 2, batch_size=32, callbacks=[Checkpoint(f"{root}/old", resume=False)])
+    except ValueError as e:
+        out["stale"] = str(e)
+    return out
+
+
+def test_resume_from_a_missing_directory_and_a_directory_of_a_newer_run_are_refused(tmp_path):
+    for out in distributed(_checkpoint_refusals, np=2, args=(str(tmp_path),), timeout=240):
+        assert "PHALANX_RESUME_FROM=" in out["missing"] and "typo" in out["missing"] \
+            and "is not a directory" in out["missing"], out
+        assert "epoch-000000002" in out["stale"] and "new directory" in out["stale"], out
+    assert not (tmp_path / "a").exists()  # nothing trained, nothing written
+
+
+# ---------------------------------------------------------------- under `phalanx run`: progress lines, the README script
+
+_TRAIN_SCRIPT = """
+import torch, phalanx as px
+from phalanx.demo import load_digits
+px.init()
+x, y, xt, yt = load_digits()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+trainer = px.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
+                     (x, y), (xt, yt), batch_size=32, log_every=10)
+trainer.fit(2)
+px.print0("done")
+"""
+
+
+def _phalanx_run(tmp_path, code):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    return subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(tmp_path):
+    out = _phalanx_run(tmp_path, _TRAIN_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    epochs = [ln for ln in lines if re.match(r"\[0\]: epoch \d/2: loss ", ln)]
+    assert len(epochs) == 2, out.stdout
+    assert all("val_accuracy" in ln and "samples/s" in ln for ln in epochs), epochs
+    assert any(re.match(r"\[0\]: epoch 1 batch 10/\d+: loss .* samples/s", ln) for ln in lines), out.stdout
+    assert not any(ln.startswith("[1]:") for ln in lines), out.stdout  # rank 0 only
+    assert "%|" not in out.stdout + out.stderr  # no bar redraws in a log
+    assert "[0]: done" in lines
+
+
+def test_readme_minimal_script_runs_under_phalanx_run(tmp_path):
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    code = re.search(r"```python\n(# train.py.*?)```", readme, re.S).group(1)
+    assert "DistributedSampler" in code and "set_epoch" in code
+    out = _phalanx_run(tmp_path, code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", out.stdout, re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
+    assert "[1]:" not in out.stdout

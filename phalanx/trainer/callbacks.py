@@ -13,10 +13,14 @@ Example::
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import torch
 
 from phalanx.comm import collectives as c
+from phalanx.log import get_logger
+from phalanx.settings import SettingsError
 
 __all__ = [
     "Callback",
@@ -57,7 +61,10 @@ class BroadcastInitialState(Callback):
 
 
 class MetricAverage(Callback):
-    """Average every epoch metric across ranks, so all ranks log and decide on the same numbers."""
+    """Average every epoch metric across ranks, so all ranks log and decide on the same numbers.
+
+    The Trainer runs it before every other callback (added when not given), so EarlyStopping,
+    TensorBoard and your own callbacks see the averaged values."""
 
     def on_epoch_end(self, trainer) -> None:
         metrics = trainer.state.metrics
@@ -65,8 +72,8 @@ class MetricAverage(Callback):
             return
         keys = sorted(metrics)
         values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        averaged = c.allreduce(values, op=c.Average, name="trainer.metrics")
-        trainer.state.metrics = dict(zip(keys, averaged.tolist()))
+        averaged = dict(zip(keys, c.allreduce(values, op=c.Average, name="trainer.metrics").tolist()))
+        trainer.state.metrics = {k: averaged[k] for k in metrics}  # sorted for the wire, shown in their order
 
 
 class LRWarmup(Callback):
@@ -87,7 +94,10 @@ class LRWarmup(Callback):
         # holds the warmed-up rate) still knows where the ramp started.
         self.base_lrs = [g.setdefault("warmup_base_lr", g["lr"]) for g in trainer.optimizer.param_groups]
         if self.steps_per_epoch is None:
-            self.steps_per_epoch = max(1, len(list(trainer._batches(trainer.train_data, 0))) // trainer.grad_accum)
+            self.steps_per_epoch = trainer.steps_per_epoch()
+            if self.steps_per_epoch is None:
+                raise SettingsError("LRWarmup: train_data has no length (an IterableDataset), so the steps of an "
+                                    "epoch are unknown; pass LRWarmup(steps_per_epoch=N)")
         self._apply(trainer, trainer.state.step)
 
     def lr_at(self, base_lr: float, step: int, size: int) -> float:
@@ -172,11 +182,12 @@ class Checkpoint(Callback):
 
     The state is the model, the optimizer, the GradScaler, every process's RNG streams, the
     trainer's position (epoch, step, history) and the state of callbacks that have one
-    (LR schedules, early stopping), written with :class:`phalanx.checkpoint.CheckpointManager`
-    (sharded, atomic, checksummed; ``async_=True`` returns after the CPU copy; the newest
-    ``keep`` are kept). With ``resume`` (default) ``fit`` first loads the newest intact
-    checkpoint under ``$PHALANX_RESUME_FROM`` (``phalanx run --resume-from DIR``) or else
-    ``directory``, and continues with the next epoch; a fresh directory starts from scratch.
+    (LR schedules, early stopping), written with :func:`phalanx.checkpoint.save` into
+    ``directory/epoch-N`` (sharded, atomic, checksummed; ``async_=True`` returns after the CPU
+    copy; the newest ``keep`` are kept). With ``resume`` (default) ``fit`` first loads the newest
+    intact checkpoint under ``$PHALANX_RESUME_FROM`` (``phalanx run --resume-from DIR``: it must
+    hold one, else a one-line error) or else ``directory`` (a fresh one starts from scratch), and
+    continues with the next epoch. Folders named ``step-N`` by earlier versions are read too.
     The trainer runs this callback's ``on_train_begin`` after the others', so the loaded state
     wins over what they set up (a new scheduler, the warm-up's first rate).
 
@@ -203,30 +214,57 @@ class Checkpoint(Callback):
                 "rng": RNGState(), "trainer": _TrainerPosition(trainer)}
 
     def on_train_begin(self, trainer) -> None:
-        if not self.resume:
-            return
-        import os
-
         from phalanx.checkpoint import load_latest
 
-        root = os.environ.get("PHALANX_RESUME_FROM") or self.directory
-        self.resumed_from = load_latest(root, self._state(trainer))
-        if self.resumed_from is not None and trainer.topology.rank == 0:
-            from phalanx.log import get_logger
+        named = os.environ.get("PHALANX_RESUME_FROM")
+        if self.resume:
+            self.resumed_from = load_latest(named or self.directory, self._state(trainer))
+            if named and self.resumed_from is None:
+                why = "holds no complete checkpoint" if os.path.isdir(named) else "is not a directory"
+                raise SettingsError(f"PHALANX_RESUME_FROM={named!r} (phalanx run --resume-from) {why}; accepted: "
+                                    "a directory holding a checkpoint (check the path, or leave the option out "
+                                    "to start afresh)")
+            if self.resumed_from is not None and trainer.topology.rank == 0:
+                get_logger(__name__).warning("resumed from %s: continuing with epoch %d",
+                                             self.resumed_from, trainer.state.epoch)
+        self._refuse_newer_run(trainer)
 
-            get_logger(__name__).warning("resumed from %s: continuing with epoch %d",
-                                         self.resumed_from, trainer.state.epoch)
+    def _refuse_newer_run(self, trainer) -> None:
+        """This run's checkpoints must be the newest in ``directory``, or they would be pruned at once
+        (and a later resume would load the older run's)."""
+        from phalanx.checkpoint import list_checkpoints
+
+        found = list_checkpoints(self.directory)
+        if trainer.topology.size > 1:
+            found = c.broadcast_object(found, root_rank=0)  # rank 0 prunes: its view decides
+        newest = _epoch_of(found[0]) if found else -1
+        resumed_here = self.resumed_from is not None and \
+            os.path.realpath(os.path.dirname(self.resumed_from)) == os.path.realpath(self.directory)
+        if newest >= trainer.state.epoch and not resumed_here:
+            raise SettingsError(f"Checkpoint({self.directory!r}) already holds {os.path.basename(found[0])} from "
+                                f"another run, newer than this run's first save (epoch {trainer.state.epoch}); "
+                                "it would prune this run's checkpoints: use a new directory, remove the old "
+                                "checkpoints, or resume from them (resume=True)")
 
     def on_epoch_end(self, trainer) -> None:
         if (trainer.state.epoch + 1) % self.every:
             return
-        self.manager.save(trainer.state.epoch, self._state(trainer), async_=self.async_)
+        from phalanx.checkpoint import save
+
+        epoch = trainer.state.epoch
+        save(os.path.join(self.directory, f"epoch-{epoch:09d}"), self._state(trainer), async_=self.async_,
+             meta={"epoch": epoch, "step": trainer.state.step}, on_done=self.manager.prune)
 
     def on_train_end(self, trainer) -> None:
         if self.async_:
             from phalanx.checkpoint import wait
 
             wait()  # the last save is on disk before fit() returns
+
+
+def _epoch_of(path: str) -> int:
+    match = re.search(r"(\d+)$", os.path.basename(path))  # epoch-N, and step-N of earlier versions
+    return int(match.group(1)) if match else -1
 
 
 class _TrainerPosition:

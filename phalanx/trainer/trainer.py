@@ -11,9 +11,11 @@ Example::
                       precision="bf16", callbacks=[LRWarmup(warmup_epochs=2)])
     history = trainer.fit(epochs=10)   # [{'epoch': 0, 'loss': …, 'val_loss': …, 'val_accuracy': …}, …]
 
-``train_data`` is a ``(inputs, targets)`` pair of tensors or any map-style
-dataset of ``(input, target)`` items; each rank reads its shard of every
-global batch (``batch_size`` is the per-rank batch, as in Horovod scripts).
+``train_data`` is a ``(inputs, targets)`` pair of tensors, any ``Dataset`` or
+``IterableDataset`` (samples as pairs or dicts), or a ``DataLoader`` (re-sharded,
+its settings kept); each rank reads its shard of every global batch
+(``batch_size`` is the per-rank batch, as in Horovod scripts). See
+:mod:`phalanx.trainer.data`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ import torch
 from torch import nn
 
 import phalanx.runtime as rt
+from phalanx import settings
 from phalanx.comm import collectives as c
 from phalanx.trainer.callbacks import Callback, Checkpoint, MetricAverage
+from phalanx.trainer.data import batch_len, check_shapes, make_epoch_data, to_device
+from phalanx.trainer.data import split_batch as pair_or_dict
+from phalanx.trainer.progress import Progress
 
 __all__ = ["Trainer", "TrainerState"]
 
@@ -56,7 +62,7 @@ class Trainer:
         val_data=None,
         *,
         callbacks: Sequence[Callback] = (),
-        batch_size: int = 32,
+        batch_size: int | None = None,
         precision: str = "fp32",
         grad_accum: int = 1,
         max_grad_norm: float | None = None,
@@ -67,14 +73,26 @@ class Trainer:
         progress: bool = True,
         balance=False,
         overlap_optimizer: bool = False,
+        log_every: int | None = None,
+        split_batch: Callable | None = None,
     ) -> None:
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
-        if grad_accum < 1 or batch_size < 1:
-            raise ValueError(f"grad_accum ({grad_accum}) and batch_size ({batch_size}) must be >= 1")
+        settings.choice("Trainer(precision=)", precision, tuple(_PRECISIONS))
+        grad_accum = settings.positive("Trainer(grad_accum=)", grad_accum, integer=True)
+        if batch_size is not None:
+            batch_size = settings.positive("Trainer(batch_size=)", batch_size, integer=True)
+        if log_every is not None:
+            log_every = settings.positive("Trainer(log_every=)", log_every, integer=True)
         from phalanx.parallel.data import DataParallel
 
         self.topology = rt.topology()
+        topo = self.topology
+        # The data first: bad input is refused before the model is wrapped (which talks to the other ranks).
+        self.train_loader, batch_size = make_epoch_data(
+            train_data, what="Trainer(train_data=)", rank=topo.rank, size=topo.size, batch_size=batch_size,
+            shuffle=shuffle, seed=seed, train=True)
+        self.val_loader = None if val_data is None else make_epoch_data(
+            val_data, what="Trainer(val_data=)", rank=topo.rank, size=topo.size, batch_size=batch_size,
+            shuffle=False, seed=seed, train=False)[0]
         if activation_checkpointing:
             _checkpoint_children(model)
         from phalanx.parallel import balance as _balance  # balance=True: docs/load_balancing.md
@@ -95,56 +113,94 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.dtype = _PRECISIONS[precision]
         self.scaler = torch.amp.GradScaler(self.topology.device.type, enabled=precision == "fp16")
-        self.callbacks = list(callbacks)
-        if not any(isinstance(cb, MetricAverage) for cb in self.callbacks):
-            self.callbacks.append(MetricAverage())
-        # Checkpoint callbacks run last: a resume at train begin overrides what the others set
-        # up (a fresh LR scheduler, the warm-up's first rate); at epoch end they see averaged metrics.
+        # MetricAverage runs first, so every other callback (EarlyStopping, TensorBoard, the user's)
+        # sees the metrics averaged across ranks. Checkpoint callbacks run last: a resume at train
+        # begin overrides what the others set up (a fresh LR scheduler, the warm-up's first rate).
+        averages = [cb for cb in callbacks if isinstance(cb, MetricAverage)] or [MetricAverage()]
+        self.callbacks = averages + [cb for cb in callbacks if not isinstance(cb, MetricAverage)]
         self.callbacks.sort(key=lambda cb: isinstance(cb, Checkpoint))
         self.shuffle, self.seed, self.progress = shuffle, seed, progress
+        self.log_every = log_every
+        self.split_batch = split_batch or pair_or_dict
         self.state = TrainerState()
+        self._shapes_checked = False
 
     # ------------------------------------------------------------------ the loop
     def fit(self, epochs: int) -> list[dict[str, float]]:
+        epochs = settings.positive("Trainer.fit(epochs=)", epochs, integer=True, allow_zero=True)
+        self._epochs = epochs
+        progress = Progress(enabled=self.progress, rank=self.topology.rank, size=self.topology.size,
+                            log_every=self.log_every)
         self._call("on_train_begin")
         for epoch in range(self.state.epoch, epochs):
             self.state.epoch = epoch
             self._call("on_epoch_begin")
-            self.state.metrics = {"loss": self._train_epoch(epoch)}
-            if self.val_data is not None:
-                self.state.metrics.update(self.evaluate(self.val_data))
-            self._call("on_epoch_end")  # MetricAverage makes metrics global here
+            self.state.metrics = {"loss": self._train_epoch(epoch, progress)}
+            progress.train_end()
+            if self.val_loader is not None:
+                self.state.metrics.update(self.evaluate(self.val_loader))
+            self._call("on_epoch_end")  # MetricAverage (first) makes the metrics global
             self.state.history.append({"epoch": epoch, **self.state.metrics})
-            if self.state.stop:
+            progress.epoch_end(self.state.metrics)
+            if self._any_rank(self.state.stop, "trainer.stop"):  # a rank's own callback may have stopped it
+                self.state.stop = True
                 break
         self._call("on_train_end")
         return self.state.history
 
-    def _train_epoch(self, epoch: int) -> float:
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps in one epoch (None for an IterableDataset without a length)."""
+        batches = len(self._epoch_batches(0)) if self.model.balancer is not None else self.train_loader.steps()
+        return None if batches is None else max(1, batches // self.grad_accum)
+
+    def _epoch_batches(self, epoch: int):
+        if self.model.balancer is not None:
+            return _balanced_batches(self, epoch)
+        return self.train_loader.epoch(epoch)
+
+    def _train_epoch(self, epoch: int, progress: Progress) -> float:
         self.model.train()
         total, batches = 0.0, 0
-        micro = list(self._batches(self.train_data, epoch)) if self.model.balancer is None else \
-            _balanced_batches(self, epoch)
-        bar = self._progress_bar(len(micro), epoch)
-        for i, (x, y) in enumerate(micro):
-            last_micro = (i + 1) % self.grad_accum == 0 or i + 1 == len(micro)
+        micro = self._epoch_batches(epoch)
+        count = len(micro) if self.model.balancer is not None else self.train_loader.steps()
+        progress.epoch_begin(epoch, self._epochs, count)
+        uneven = self.train_loader.uneven and self.model.balancer is None
+        stream = iter(micro)
+        i = 0
+        while True:
+            batch = next(stream, None)
+            if uneven and not self._all_ranks(batch is not None, "trainer.has_batch"):
+                break  # an IterableDataset ran out on some rank: every rank ends the epoch here
+            if batch is None:
+                break
+            x, y = self._to_device(batch)
+            last_micro = (i + 1) % self.grad_accum == 0 or (count is not None and i + 1 == count)
             self._call("on_step_begin")
             sync = contextlib.nullcontext() if last_micro else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    loss = self.loss_fn(self.model(x), y) / self.grad_accum
+                    out = self._forward(x)
+                    if not self._shapes_checked:
+                        self._shapes_checked = True
+                        check_shapes(out, y)
+                    loss = self.loss_fn(out, y) / self.grad_accum
                 self.scaler.scale(loss).backward()
             if last_micro:
                 self._optimizer_step()
                 self.state.step += 1
                 self._call("on_step_end")
-            total += loss.item() * self.grad_accum
+            value = loss.item() * self.grad_accum
+            total += value
             batches += 1
-            if bar is not None:
-                bar.update()
-        if bar is not None:
-            bar.close()
-        return total / max(batches, 1)
+            i += 1
+            progress.batch(batch_len(y), value)
+        if i % self.grad_accum and count is None:
+            # An iterable ran out inside an accumulation group: those gradients were never averaged.
+            self.optimizer.zero_grad(set_to_none=True)
+        if batches == 0:
+            raise settings.SettingsError(f"epoch {epoch}: Trainer(train_data=) gave rank {self.topology.rank} no "
+                                         "batch at all; an IterableDataset needs at least one full batch per rank")
+        return total / batches
 
     def _optimizer_step(self) -> None:
         # Gradients were averaged across ranks during backward (DataParallel).
@@ -173,57 +229,56 @@ class Trainer:
         flag = torch.tensor([1.0 if finite else 0.0], device=self.topology.device)
         return bool(c.allreduce(flag, op=c.Min, name="trainer.finite").item())
 
+    def _any_rank(self, flag: bool, name: str) -> bool:
+        if self.topology.size == 1:
+            return bool(flag)
+        t = torch.tensor([1.0 if flag else 0.0], device=self.topology.device)
+        return bool(c.allreduce(t, op=c.Max, name=name).item())
+
+    def _all_ranks(self, flag: bool, name: str) -> bool:
+        return not self._any_rank(not flag, name)
+
     @torch.no_grad()
     def evaluate(self, data) -> dict[str, float]:
-        """Loss and accuracy on this rank's shard of ``data`` (averaged by MetricAverage)."""
+        """Loss and accuracy over every rank's shard of ``data`` (summed over ranks: the global mean).
+
+        ``data`` takes the same forms as ``val_data``; every sample is counted once.
+        """
+        from phalanx.trainer.data import EpochData
+
+        if not isinstance(data, EpochData):
+            topo = self.topology
+            data = make_epoch_data(data, what="Trainer.evaluate(data=)", rank=topo.rank, size=topo.size,
+                                   batch_size=self.batch_size, shuffle=False, seed=self.seed, train=False)[0]
         self.model.eval()
         loss_sum, correct, count = 0.0, 0, 0
-        for x, y in self._batches(data, epoch=0, shuffle=False):
+        for batch in data.epoch(0):
+            x, y = self._to_device(batch)
             with self._autocast():
-                out = self.model(x)
-            loss_sum += float(self.loss_fn(out.float(), y)) * len(y)
-            if out.dim() == 2 and y.dtype == torch.int64:
+                out = self._forward(x)
+            n = batch_len(y)
+            loss_sum += float(self.loss_fn(out.float(), y)) * n
+            if torch.is_tensor(out) and out.dim() == 2 and y.dtype == torch.int64:
                 correct += int((out.argmax(1) == y).sum())
-            count += len(y)
+            count += n
         # Sum over ranks so the result is the global mean whatever the shard sizes.
         totals = c.allreduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64), op=c.Sum)
         loss_sum, correct, count = totals.tolist()
         return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
 
     # ------------------------------------------------------------------ helpers
-    def _batches(self, data, epoch: int, shuffle: bool | None = None):
-        """This rank's slice of each global batch; the same permutation on every rank."""
-        shuffle = self.shuffle if shuffle is None else shuffle
-        n_ranks, me = self.topology.size, self.topology.rank
-        length = len(data[0]) if isinstance(data, tuple) else len(data)
-        order = (torch.randperm(length, generator=torch.Generator().manual_seed(self.seed + epoch))
-                 if shuffle else torch.arange(length))
-        global_batch = self.batch_size * n_ranks
-        for start in range(0, length - global_batch + 1 if shuffle else length, global_batch):
-            idx = order[start + me * self.batch_size:][: self.batch_size]
-            if len(idx) == 0:
-                continue
-            yield self._fetch(data, idx)
+    def _to_device(self, batch):
+        x, y = self.split_batch(batch)
+        pinned = self.train_loader.loader.pin_memory and self.topology.device.type == "cuda"
+        return to_device(x, self.topology.device, pinned), to_device(y, self.topology.device, pinned)
 
-    def _fetch(self, data, idx):
-        device = self.topology.device
-        if isinstance(data, tuple):
-            return data[0][idx].to(device), data[1][idx].to(device)
-        items = [data[int(i)] for i in idx]
-        return (torch.stack([torch.as_tensor(a) for a, _ in items]).to(device),
-                torch.as_tensor([b for _, b in items]).to(device))
+    def _forward(self, x):
+        return self.model(**x) if isinstance(x, dict) else self.model(x)
 
     def _autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.topology.device.type, dtype=self.dtype)
-
-    def _progress_bar(self, total: int, epoch: int):
-        if not self.progress or self.topology.rank != 0:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=f"epoch {epoch}", leave=False, disable=None, mininterval=0.5)
 
     def _call(self, hook: str) -> None:
         for cb in self.callbacks:
@@ -234,7 +289,15 @@ def _balanced_batches(trainer: Trainer, epoch: int):
     """This rank's share of each global batch as re-split by the balancer (a lazy, sized sequence)."""
     from phalanx.parallel.balance import epoch_batches
 
-    return epoch_batches(trainer.model.balancer, trainer.train_data, epoch, trainer._fetch,
+    dataset = trainer.train_loader.dataset
+    collate = trainer.train_loader.loader.collate_fn
+
+    def fetch(data, idx):
+        if isinstance(data, torch.utils.data.TensorDataset):
+            return data[idx]
+        return collate([data[int(i)] for i in idx])
+
+    return epoch_batches(trainer.model.balancer, dataset, epoch, fetch,
                          shuffle=trainer.shuffle, seed=trainer.seed, accumulation=trainer.grad_accum)
 
 
