@@ -470,3 +470,38 @@ def test_readme_minimal_script_runs_under_phalanx_run(tmp_path):
     losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", out.stdout, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
     assert "[1]:" not in out.stdout
+
+
+class _Stream:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_progress_is_a_live_bar_on_a_terminal_and_lines_elsewhere_and_silent_off_rank_0():
+    from phalanx.trainer.progress import Progress
+
+    shown = {}
+    for name, tty, rank in [("terminal", True, 0), ("pipe", False, 0), ("rank 1", True, 1)]:
+        stream = _Stream(tty)
+        p = Progress(enabled=True, rank=rank, size=2, log_every=2, stream=stream)
+        p.epoch_begin(0, 3, 4)
+        for _ in range(4):
+            p.batch(32, 0.5)
+        p.train_end()
+        p.epoch_end({"loss": 0.5, "val_loss": 0.25})
+        shown[name] = stream.text
+    assert "\r" in shown["terminal"] and "epoch 1/3" in shown["terminal"]  # tqdm redraws in place
+    lines = shown["pipe"].splitlines()
+    assert "\r" not in shown["pipe"] and len(lines) == 3, lines  # batch 2, batch 4, the epoch
+    assert lines[0].startswith("epoch 1 batch 2/4: loss 0.5000 (rank 0) | ") and lines[0].endswith("samples/s")
+    assert lines[2].startswith("epoch 1/3: loss 0.5000 | val_loss 0.2500 | ") and "samples/s" in lines[2]
+    assert shown["rank 1"] == ""

@@ -10,6 +10,7 @@ from phalanx.trainer.callbacks import (
     MetricAverage,
     TensorBoard,
 )
+from phalanx.trainer.data import DataError
 from phalanx.trainer.trainer import Trainer, TrainerState
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "EarlyStopping",
     "Checkpoint",
     "TensorBoard",
+    "DataError",
 ]
