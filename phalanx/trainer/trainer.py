@@ -53,6 +53,15 @@ class TrainerState:
 
 
 class Trainer:
+    """A data-parallel training loop (docs/trainer.md).
+
+    ``train_data``/``val_data``: ``(inputs, targets)`` tensors, a Dataset, an IterableDataset or a
+    DataLoader (:mod:`phalanx.trainer.data`); ``batch_size`` is per rank (default 32, or the
+    DataLoader's). ``progress``: rank 0's bar on a terminal, else a line per epoch and every
+    ``log_every`` batches. ``split_batch(batch) -> (inputs, targets)`` for batches that are
+    neither pairs nor dicts with one target key. Arguments are checked here, in one line each.
+    """
+
     def __init__(
         self,
         model: nn.Module,
