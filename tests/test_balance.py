@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.parallel.balance import BalancedSampler, Balancer, load_sigma, split_sizes
+from phalanx.balance import BalancedSampler, Balancer, load_sigma, split_sizes
 from phalanx.testing import distributed
 
 TOL = 1e-6

@@ -12,7 +12,7 @@ int8 is 3.9x smaller than fp32, int4 7.5x, 2-bit 14x (chunk 256). Rounding is to
 nearest (error <= scale/2 per value) or, with ``stochastic=True``, up or down at
 random with the probability that makes it unbiased (``E[decompress] == x``).
 Payloads of different ranks have different scales, so they are not summable:
-``phalanx.comm.compressed.allreduce_compressed`` reduces them.
+``phalanx.comm.compressed_allreduce.allreduce_compressed`` reduces them.
 
 int8 also has the two fused forms ``allreduce_compressed`` uses: ``compress_ef(x)``
 compresses ``x`` and leaves in it, in place, what compression dropped (the error
@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from phalanx.comm.codec_types import ChunkedCodec, FixedSizePayload, FusedDecode, FusedResidual
 
 __all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "per_chunk", "to_bytes", "from_bytes"]
 
@@ -92,11 +94,10 @@ def per_chunk(values: torch.Tensor, chunk: int) -> torch.Tensor:
     return out.view(-1, chunk)
 
 
-class QuantizeCompressor:
+class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode):
     """Per-chunk scaled integer quantisation to ``bits`` in {8, 4, 2}."""
 
     summable = False
-    fixed_size = True
 
     def __init__(self, bits: int = 8, chunk: int = 256, stochastic: bool = False, seed: int | None = None) -> None:
         if bits not in (2, 4, 8):

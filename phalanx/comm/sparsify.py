@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from phalanx.comm.codec_types import FixedSizePayload, FusedDecode, FusedResidual
 from phalanx.comm.quantize import from_bytes, to_bytes
 
 __all__ = ["TopKCompressor", "ThresholdCompressor", "top_indices"]
@@ -76,11 +77,10 @@ def _decode(payload: torch.Tensor, ctx) -> torch.Tensor:
     return out.to(dtype).reshape(shape)
 
 
-class TopKCompressor:
+class TopKCompressor(FixedSizePayload, FusedResidual, FusedDecode):
     """Keep the ``ceil(ratio * n)`` largest-magnitude entries."""
 
     summable = False
-    fixed_size = True
 
     def __init__(self, ratio: float = 0.02) -> None:
         if not 0.0 < ratio <= 1.0:
@@ -131,11 +131,10 @@ class TopKCompressor:
         return torch.abs(flat, out=buf)
 
 
-class ThresholdCompressor:
-    """Keep every entry with ``|x| >= threshold`` (variable payload size)."""
+class ThresholdCompressor(FusedDecode):
+    """Keep every entry with ``|x| >= threshold`` (variable payload size: no ``payload_nbytes``)."""
 
     summable = False
-    fixed_size = False
 
     def __init__(self, threshold: float = 1e-3) -> None:
         if threshold <= 0:
@@ -145,9 +144,6 @@ class ThresholdCompressor:
 
     def __repr__(self) -> str:
         return f"ThresholdCompressor(threshold={self.threshold})"
-
-    def payload_nbytes(self, numel: int):
-        return None  # depends on the data
 
     def compress(self, tensor: torch.Tensor):
         flat = tensor.detach().reshape(-1)
