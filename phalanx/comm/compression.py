@@ -14,11 +14,5 @@ from phalanx.comm.codecs import (
     register_compressor,
 )
 
-__all__ = [
-    "Compressor",
-    "NoneCompressor",
-    "CastCompressor",
-    "register_compressor",
-    "get_compressor",
-    "available_compressors",
-]
+__all__ = ["Compressor", "NoneCompressor", "CastCompressor", "register_compressor", "get_compressor",
+           "available_compressors"]

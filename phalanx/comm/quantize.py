@@ -108,6 +108,7 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         self.levels = 2 ** (bits - 1) - 1
         self.name = "int8" if bits == 8 else ("int4" if bits == 4 else "2bit")
         self._gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._buf: torch.Tensor | None = None  # scratch kept between calls
 
     def __repr__(self) -> str:
         return f"QuantizeCompressor(bits={self.bits}, chunk={self.chunk}, stochastic={self.stochastic})"
@@ -166,7 +167,7 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         return self._int8_decode(payload, n, out, alpha, add)
 
     def _scratch(self, rows: int, like: torch.Tensor) -> torch.Tensor:
-        buf = getattr(self, "_buf", None)
+        buf = self._buf
         if buf is None or buf.numel() < rows * self.chunk or buf.device != like.device:
             buf = self._buf = torch.empty(rows * self.chunk, dtype=torch.float32, device=like.device)
         return buf[: rows * self.chunk].view(rows, self.chunk)

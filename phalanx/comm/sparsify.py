@@ -86,6 +86,7 @@ class TopKCompressor(FixedSizePayload, FusedResidual, FusedDecode):
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
         self.ratio = float(ratio)
+        self._buf: torch.Tensor | None = None  # scratch kept between calls
         self.name = "topk"
 
     def __repr__(self) -> str:
@@ -125,7 +126,7 @@ class TopKCompressor(FixedSizePayload, FusedResidual, FusedDecode):
 
     def _abs(self, flat: torch.Tensor) -> torch.Tensor:
         """|flat| in a scratch buffer kept between calls (a fresh 17 MB buffer costs its page faults)."""
-        buf = getattr(self, "_buf", None)
+        buf = self._buf
         if buf is None or buf.numel() != flat.numel() or buf.dtype != flat.dtype or buf.device != flat.device:
             buf = self._buf = torch.empty_like(flat)
         return torch.abs(flat, out=buf)
