@@ -145,7 +145,7 @@ class DataParallel(nn.Module):
         if trainable == self._trainable:
             return
         old = self._engine
-        if old._pending or old._queued:
+        if old.busy():
             raise RuntimeError("requires_grad changed while a gradient reduction was in flight; "
                                "change it between iterations (after optimizer.step())")
         changed = sum(a != b for a, b in zip(trainable, self._trainable))
@@ -153,10 +153,7 @@ class DataParallel(nn.Module):
         old.remove_hooks()
         self._trainable = trainable
         self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
-        self._engine._passes, self._engine.require_sync = old._passes, old.require_sync
-        self._engine.sample_weight, self._engine.bytes_sent = old.sample_weight, old.bytes_sent
-        self._engine.observer = old.observer
-        self._engine.overlap = old.overlap
+        self._engine.take_over(old)
 
     def forward(self, *args, **kwargs):
         if trace.enabled():
@@ -170,7 +167,7 @@ class DataParallel(nn.Module):
         engine = self._engine
         for t in _tensors_of(out):
             if t.requires_grad:
-                t.register_hook(lambda grad: setattr(engine, "_backward_start", time.perf_counter()))
+                t.register_hook(lambda grad: setattr(engine, "backward_start", time.perf_counter()))
                 break
         return out
 

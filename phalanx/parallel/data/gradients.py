@@ -147,8 +147,19 @@ class GradientEngine:
         # phalanx.parallel.data.overlap.OptimizerOverlap: steps the optimizer on each piece of the
         # averaged gradient as it is final (DataParallel(overlap_optimizer=...)).
         self.overlap = None
-        self._backward_start: float | None = None  # set by DataParallel's traced forward
+        self.backward_start: float | None = None  # set by DataParallel's traced forward
         self._last_step_end: float | None = None
+
+    def busy(self) -> bool:
+        """A backward pass is running or a reduction is in flight (settings must not change now)."""
+        return self._pending or self._queued
+
+    def take_over(self, old: GradientEngine) -> None:
+        """Carry on from ``old`` (DataParallel re-bucketing after a ``requires_grad`` change): its
+        pass count, sync switch, sample weight, byte count, observer and optimizer overlap."""
+        self._passes, self.require_sync = old._passes, old.require_sync
+        self.sample_weight, self.bytes_sent = old.sample_weight, old.bytes_sent
+        self.observer, self.overlap = old.observer, old.overlap
 
     def attach(self, observer: StepObserver | None) -> StepObserver | None:
         """Tell ``observer`` about every synchronised step from now on (after ``observer.bind(self)``)."""
@@ -182,7 +193,7 @@ class GradientEngine:
 
     def _end_of_backward(self) -> None:
         self._queued = False
-        start, self._backward_start = self._backward_start, None
+        start, self.backward_start = self.backward_start, None
         if start is not None:
             trace.instant("backward", "compute", start, time.perf_counter())
         sync = self.sync_now()
