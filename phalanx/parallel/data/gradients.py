@@ -106,7 +106,7 @@ class GradientEngine:
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
         self.reduction.bind(self)
-        self._reset_step_state()
+        self._init_step_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params if p.requires_grad]
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
@@ -127,7 +127,7 @@ class GradientEngine:
         on_complete = self.reduction.complete if isinstance(self.reduction, ReportsComplete) else None
         return PlannedBuckets(plan, self._launch, pad_to=pad_to, lazy=lazy, on_complete=on_complete)
 
-    def _reset_step_state(self) -> None:
+    def _init_step_state(self) -> None:
         """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
         self.sample_weight: float | None = None
         self.observer: StepObserver | None = None  # told when a step's phases begin and end (hooks.py)
