@@ -156,7 +156,7 @@ def _wire_floor(sizes: dict, repeats: int = 15) -> dict:
     ``repeats``, the slowest rank's. PowerSGD's bytes go as one allgather here; it really sends
     them in two sequential allreduces, so its floor is a little higher than shown."""
     from phalanx.comm.collectives import all_gather_flat
-    from phalanx.comm.compressed import PIECE_NUMEL
+    from phalanx.comm.compressed_paths import PIECE_NUMEL
 
     n = px.size()
     res = {}
@@ -184,8 +184,9 @@ def _codec_floor(configs, numel, repeats=15) -> dict:
     """CPU cost of each phalanx codec on ``numel`` values, one thread, no communication: the
     error-feedback add + compress of this rank's gradient, and decoding both ranks' payloads
     into one buffer (what the 2-rank allgather path does). Median ms of ``repeats``."""
-    from phalanx.comm.compressed import _decode, _parts, _pieces
-    from phalanx.comm.compression import get_compressor
+    from phalanx.comm.codec_types import codec_of
+    from phalanx.comm.codecs import get_compressor
+    from phalanx.comm.compressed_paths import decode_into, pieces
     from phalanx.comm.error_feedback import compress_residual
 
     torch.set_num_threads(1)
@@ -196,22 +197,22 @@ def _codec_floor(configs, numel, repeats=15) -> dict:
         if c not in PHALANX or c in ("none", "fp16", "bf16", "powersgd"):
             continue
         comp = get_compressor(c, **SETTINGS.get(c, {}))
-        accumulate, inner = _parts(comp)
+        feedback, inner = codec_of(comp)
         enc, dec = [], []
-        pieces = _pieces(inner, numel, None)  # as allreduce_compressed cuts it
+        cuts = pieces(inner, numel, None)  # as allreduce_compressed cuts it
         for _ in range(repeats + 2):
             t0 = time.perf_counter()
-            res = accumulate("g", grad)
-            sent = [(compress_residual(inner, res[a:b]), a, b) for a, b in pieces]
+            res = feedback.accumulate("g", grad)
+            sent = [(compress_residual(inner, res[a:b]), a, b) for a, b in cuts]
             t1 = time.perf_counter()
             for (payload, ctx), a, b in sent:
                 for r in range(2):
-                    _decode(inner, payload, ctx, out_buf[a:b], 0.5, add=r > 0)
+                    decode_into(inner, payload, ctx, out_buf[a:b], 0.5, add=r > 0)
             t2 = time.perf_counter()
             enc.append(t1 - t0)
             dec.append(t2 - t1)
         floor[c] = {"compress_ms": statistics.median(enc[2:]) * 1e3, "decode_ms": statistics.median(dec[2:]) * 1e3,
-                    "pieces": len(pieces)}
+                    "pieces": len(cuts)}
     return floor
 
 

@@ -15,7 +15,8 @@ Example::
 Run it with ``phalanx run -np 2 python train.py``.
 """
 
-from phalanx import checkpoint, elastic
+from phalanx import balance, checkpoint, elastic
+from phalanx.comm.broadcast import broadcast_optimizer_state, broadcast_parameters
 from phalanx.comm.collectives import (
     Average,
     CollectiveMismatchError,
@@ -38,13 +39,7 @@ from phalanx.comm.collectives import (
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
 from phalanx.log import log0, print0
 from phalanx.memory import memory_report
-from phalanx.parallel import balance
-from phalanx.parallel.data import DataParallel
-from phalanx.parallel.data_optimizer import (
-    DistributedOptimizer,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from phalanx.parallel.data import DataParallel, DistributedOptimizer
 from phalanx.parallel.mesh import DeviceMesh
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.parallel.balance import BalancedSampler, Balancer, load_sigma, split_sizes
+from phalanx.balance import BalancedSampler, Balancer, load_sigma, split_sizes
+from phalanx.parallel.data.hooks import StepObserver
 from phalanx.testing import distributed
 
 TOL = 1e-6
@@ -206,7 +207,41 @@ def _train_body():
             out["trainer_sizes"] = list(balance.sizes)
     out["trainer_diff"] = _diff(*results)
 
-    # 4. bad settings name the fix
+    # 4. any StepObserver plugs in as balance= through the engine's public seam: the calls come in
+    #    order once per step, and the weight it returns is this rank's share of a weighted sum
+    class Recorder(StepObserver):
+        def __init__(self, weight):
+            self.weight, self.calls = weight, []
+
+        def forward_begins(self):
+            self.calls.append("forward")
+
+        def backward_begins(self):
+            self.calls.append("backward")
+            return self.weight
+
+        def compute_ends(self):
+            self.calls.append("compute_ends")
+
+        def wait_ends(self, wait_s):
+            self.calls.append("wait_ends" if wait_s >= 0 else "negative wait")
+
+    rec = Recorder([0.75, 0.25][r])
+    net = _mlp(3)
+    model = px.DataParallel(net, balance=rec)
+    xr, yr = _data(8, seed=10 + r)
+    for _ in range(2):
+        model.zero_grad()
+        loss_fn(model(xr), yr).backward()
+    mine = [p.grad.clone() for p in net.parameters()]
+    local = _mlp(3)
+    loss_fn(local(xr), yr).backward()
+    grads = px.allgather_object([p.grad for p in local.parameters()])
+    weighted = [0.75 * a + 0.25 * b for a, b in zip(*grads)]
+    out["observer_calls"] = rec.calls
+    out["observer_weighted_diff"] = max((a - b).abs().max().item() for a, b in zip(mine, weighted))
+
+    # 5. bad settings name the fix
     errors = {}
     for key, make in {
         "sum": lambda: px.DataParallel(_mlp(), op=px.Sum, balance=16),
@@ -239,6 +274,8 @@ def test_balanced_update_equals_uniform_batch_and_covers_epoch():
         assert "op=Sum" in out["errors"]["sum"], where
         assert "Balancer" in out["errors"]["type"], where
         assert "join()" in out["errors"]["join"] and "join()" in out["errors"]["opt_join"], where
+        assert out["observer_calls"] == ["forward", "backward", "compute_ends", "wait_ends"] * 2, where
+        assert out["observer_weighted_diff"] < TOL, where
 
 
 def _convergence_body():

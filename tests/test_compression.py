@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
+from phalanx.comm import codec_types as ab
 from phalanx.comm.compressed import allreduce_compressed
+from phalanx.comm.compressed_allreduce import choose_path
+from phalanx.comm.compressed_paths import pieces
 from phalanx.comm.compression import available_compressors, get_compressor
 from phalanx.comm.error_feedback import ErrorFeedback
 from phalanx.comm.onebit import SignCompressor
@@ -212,3 +215,56 @@ def test_fused_error_feedback_and_decode_match_the_plain_forms():
         # sign bits: the float's sign bit, 8 to a byte low bit first (the 32-bit words give the same bytes)
         sign_bits = SignCompressor().compress(x)[0][: math.ceil(n / 8)]
         assert torch.equal(sign_bits, pack_bits(x.view(torch.int32) >= 0, 1))
+
+
+def test_codec_abilities_are_what_the_collectives_dispatch_on():
+    # the registry's codecs declare (or define) exactly the abilities the paths rely on
+    def abilities(c):
+        return {a.__name__ for a in (ab.Warmup, ab.CollectiveCodec, ab.ChunkedCodec, ab.FixedSizePayload,
+                                     ab.FusedResidual, ab.FusedDecode, ab.ResidualFeedback, ab.Stateful,
+                                     ab.Resettable) if isinstance(c, a)}
+
+    codec = {name: ab.codec_of(get_compressor(name, **({"threshold": 0.01} if name == "threshold" else {})))
+             for name in ("none", "fp16", "int8", "sign", "topk", "threshold", "powersgd")}
+    assert abilities(codec["none"][1]) == abilities(codec["fp16"][1]) == set()
+    for name in ("int8", "sign"):
+        assert abilities(codec[name][1]) == {"ChunkedCodec", "FixedSizePayload", "FusedResidual", "FusedDecode"}
+    assert abilities(codec["topk"][1]) == {"FixedSizePayload", "FusedResidual", "FusedDecode"}
+    assert abilities(codec["threshold"][1]) == {"FusedDecode"}  # data-dependent size: sizes are exchanged
+    assert abilities(codec["powersgd"][1]) == {"Warmup", "CollectiveCodec", "FixedSizePayload", "Stateful",
+                                               "Resettable"}
+    assert codec["powersgd"][0] is None and isinstance(codec["int8"][0], ErrorFeedback)
+    assert ab.codec_of(get_compressor("int8", error_feedback=False))[0] is None  # feedback off: plain codec
+
+    # a user's compressor needs only the four members; a method is an ability, with no registration
+    class Plain:
+        name, summable = "plain", False
+
+        def compress(self, t):
+            return t.clone(), None
+
+        def decompress(self, p, ctx):
+            return p
+
+    class Counting(Plain):
+        def tick(self, name):
+            return name == "first"
+
+    assert abilities(Plain()) == set() and abilities(Counting()) == {"Warmup"}
+    x = torch.arange(10.0)
+    assert torch.equal(allreduce_compressed(x, Plain(), name="u"), x)  # one rank: "local"
+
+    # path selection, on its own
+    int8, psgd = get_compressor("int8"), get_compressor("powersgd")
+    assert choose_path(int8, 1, warm=False, many=False, numel=10) == "local"
+    assert choose_path(get_compressor("fp16"), 4, warm=False, many=False, numel=10) == "summable"
+    assert choose_path(int8, 4, warm=True, many=False, numel=10) == "summable"
+    assert choose_path(psgd, 2, warm=False, many=True, numel=10) == "reduce_many"
+    assert choose_path(psgd, 2, warm=False, many=False, numel=10) == "reduce"
+    assert choose_path(int8, 2, warm=False, many=False, numel=10**6) == "allgather"
+    assert choose_path(int8, 4, warm=False, many=False, numel=10**6) == "two_phase"
+    assert choose_path(int8, 4, warm=False, many=False, numel=10**6, algorithm="allgather") == "allgather"
+    assert choose_path(Plain(), 2, warm=False, many=False, numel=10) == "allgather"
+    # pieces of whole chunks only for a ChunkedCodec
+    assert pieces(codec["int8"][1], 2000, 512) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2000)]
+    assert pieces(codec["topk"][1], 2000, 512) == [(0, 2000)]

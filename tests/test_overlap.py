@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-import phalanx.comm.compressed as compressed
+import phalanx.comm.compressed_paths as compressed_paths
 from phalanx.parallel.data import DataParallel
 from phalanx.testing import distributed
 
@@ -70,7 +70,7 @@ def _diff(a, b):
 
 
 def _body():
-    compressed.PIECE_NUMEL = 2048  # several pieces per bucket, as a large model has
+    compressed_paths.PIECE_NUMEL = 2048  # several pieces per bucket, as a large model has
     out = {}
     for name, make in OPTIMIZERS.items():
         for comp in ("none", "int8", "sign"):

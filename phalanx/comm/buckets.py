@@ -15,6 +15,9 @@ sequence even when its gradients become ready in a different order::
 
 Buckets are rebuilt once, from the order in which gradients actually arrived in
 the first iteration (rank 0's order is used by everyone), as DDP does.
+:class:`PlannedBuckets` instead keeps a layout fixed from the start (ZeRO lays its
+master shard out from it), with :class:`PaddedBucket` flats padded to a multiple
+of the group size and, for a reduction that sends from buffers of its own, no storage.
 
 Example::
 
@@ -24,11 +27,12 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Bucket", "BucketManager", "pack"]
+__all__ = ["Bucket", "BucketManager", "PaddedBucket", "PlannedBuckets", "pack"]
 
 
 def pack(sizes: Sequence[float], limit: float, breaks: Sequence[bool] | None = None) -> list[list[int]]:
@@ -72,7 +76,7 @@ class Bucket:
         self._views = {id(p): v for p, v in zip(self.params, self.views)}
         self.pending = len(self.params)
         self.ready: set[int] = set()
-        self.handle = None  # whatever the launcher returned (a Handle-like object)
+        self.handle: object | None = None  # what the reduction keeps between launch and finish
         self.launched = False
 
     @property
@@ -188,3 +192,82 @@ class BucketManager:
             return False
         self._build(full)
         return True
+
+
+class PaddedBucket(Bucket):
+    """A :class:`Bucket` whose flat is padded to a multiple of ``pad_to`` (zeros after ``numel``).
+
+    ``lazy=True`` leaves the flat without storage (``untyped_storage().resize_(0)``): for a
+    reduction that sends from buffers of its own (ZeRO stages 2 and 3 never hold the full gradient).
+    """
+
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], pad_to: int = 1, lazy: bool = False) -> None:
+        first = params[0]
+        self.index = index
+        self.params = list(params)
+        self.offsets = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.padded = math.ceil(total / pad_to) * pad_to if total else 0
+        self.flat = (torch.empty if lazy else torch.zeros)(self.padded, dtype=first.dtype, device=first.device)
+        self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        self._views = {id(p): v for p, v in zip(self.params, self.views)}
+        self.pending = len(self.params)
+        self.ready: set[int] = set()
+        self.handle = None
+        self.launched = False
+        if lazy:
+            self.release()
+
+    def release(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+
+
+class PlannedBuckets(BucketManager):
+    """A :class:`BucketManager` over a fixed plan: ``plan[i]`` are bucket ``i``'s parameters.
+
+    The layout never changes (no re-planning from the first iteration's order, and
+    ``set_bucket_mb`` leaves it as it is): ZeRO lays its master shard out from it.
+    ``on_complete(bucket)`` runs when a bucket's last gradient is marked.
+    """
+
+    def __init__(self, plan: Sequence[Sequence[torch.nn.Parameter]], launch: Callable[[Bucket], None], *,
+                 pad_to: int = 1, lazy: bool = False,
+                 on_complete: Callable[[Bucket], None] | None = None) -> None:
+        self._plan = [list(ps) for ps in plan if ps]
+        self._pad_to, self._lazy, self._on_complete = pad_to, lazy, on_complete
+        self._fixed = False
+        params = [p for ps in self._plan for p in ps]
+        super().__init__(params, 1 << 62, launch)
+        self.rebuilt = True
+
+    def _build(self, order: Sequence[int]) -> None:
+        if self._fixed:
+            return  # the layout never changes
+        self.buckets = []
+        self._bucket_of = {}
+        for ps in self._plan:
+            bucket = PaddedBucket(len(self.buckets), ps, self._pad_to, self._lazy)
+            self.buckets.append(bucket)
+            for p in ps:
+                self._bucket_of[id(p)] = bucket
+        self._frozen = [(b, p) for b in self.buckets for p in b.params if not p.requires_grad]
+        self.next_to_launch = 0
+        self._fixed = True
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        for bucket, p in self._frozen:  # never get a gradient: ready from the start
+            bucket.mark(p)
+
+    def mark_ready(self, p: torch.Tensor) -> None:
+        if self.bucket_of(p).mark(p) and self._on_complete is not None:
+            self._on_complete(self.bucket_of(p))
+        self.launch_ready()
+
+    def maybe_rebuild(self, order) -> bool:
+        return False

@@ -30,16 +30,18 @@ from typing import Any
 
 import torch
 
+from phalanx.comm.codec_types import FusedResidual, Resettable, ResidualFeedback, Stateful, Warmup
+
 __all__ = ["ResidualMemory", "ErrorFeedback", "compress_residual"]
 
 
 def compress_residual(inner: Any, x: torch.Tensor):
     """Compress the flat fp32 ``x`` with ``inner`` and leave the residual ``x - decompress(payload)`` in ``x``.
 
-    Uses the compressor's fused ``compress_ef`` when it has one (int8, sign, top-k: no
-    decompress, no temporaries), else compresses, decompresses and subtracts.
+    Uses the codec's fused ``compress_ef`` when it is a :class:`~phalanx.comm.codecs.FusedResidual`
+    (int8, sign, top-k: no decompress, no temporaries), else compresses, decompresses and subtracts.
     """
-    if hasattr(inner, "compress_ef"):
+    if isinstance(inner, FusedResidual):
         return inner.compress_ef(x)
     payload, ctx = inner.compress(x)
     x.sub_(inner.decompress(payload, ctx).reshape(x.shape).to(x.dtype))
@@ -89,13 +91,14 @@ class ResidualMemory:
         self.residuals = {k: v.clone() for k, v in state.items()}
 
 
-class ErrorFeedback:
+class ErrorFeedback(Warmup, ResidualFeedback, Stateful, Resettable):
     """Wrap a lossy compressor with residual memory and an uncompressed warm-up.
 
     ``enabled=False`` keeps only the warm-up switch. ``warmup_steps=N``: the first N
-    calls for each name go uncompressed (``allreduce_compressed`` checks
-    :meth:`in_warmup`), like PowerSGD's ``start_powerSGD_iter``.
-    Attributes other than these are forwarded to the inner compressor.
+    calls for each name go uncompressed (``allreduce_compressed`` calls :meth:`tick`),
+    like PowerSGD's ``start_powerSGD_iter``. Other attributes are read from the inner
+    compressor (``get_compressor("topk").ratio``); the collectives themselves ask the
+    inner codec for its abilities (``phalanx.comm.codecs.codec_of``).
     """
 
     def __init__(self, inner: Any, *, enabled: bool = True, warmup_steps: int = 0) -> None:
@@ -107,10 +110,18 @@ class ErrorFeedback:
         self.memory = ResidualMemory()
         self.steps: dict[str, int] = {}
 
-    def __getattr__(self, attr: str):  # name, summable, fixed_size, payload_nbytes ...
+    def __getattr__(self, attr: str):  # the inner codec's settings (ratio, bits, chunk ...)
         if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def summable(self) -> bool:
+        return self.inner.summable
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r}, enabled={self.enabled}, warmup_steps={self.warmup_steps})"
@@ -171,7 +182,7 @@ class ErrorFeedback:
         if not self.enabled:
             return self.inner.compress(tensor)
         res = self.accumulate(name, tensor)
-        payload, ctx = compress_residual(self.inner, res.view(-1) if hasattr(self.inner, "compress_ef") else res)
+        payload, ctx = compress_residual(self.inner, res.view(-1) if isinstance(self.inner, FusedResidual) else res)
         return payload, ((ctx[0], tensor.dtype, tuple(tensor.shape)) if _plain_ctx(ctx) else ctx)
 
     def decompress(self, payload, ctx) -> torch.Tensor:
@@ -179,12 +190,18 @@ class ErrorFeedback:
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"residuals": self.memory.state_dict(), "steps": dict(self.steps)}
-        if hasattr(self.inner, "state_dict"):
+        if isinstance(self.inner, Stateful):
             out["inner"] = self.inner.state_dict()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.load_state_dict(state.get("residuals", {}))
         self.steps = dict(state.get("steps", {}))
-        if "inner" in state and hasattr(self.inner, "load_state_dict"):
+        if "inner" in state and isinstance(self.inner, Stateful):
             self.inner.load_state_dict(state["inner"])
+
+    def reset_state(self) -> None:
+        """Forget every residual (and the inner codec's state, when it keeps any)."""
+        self.memory.clear()
+        if isinstance(self.inner, Resettable):
+            self.inner.reset_state()

@@ -36,17 +36,17 @@ import sys
 
 import torch
 
+from phalanx.comm.codec_types import ChunkedCodec, FixedSizePayload, FusedDecode, FusedResidual
 from phalanx.comm.quantize import from_bytes, pack_bits, per_chunk, to_bytes, unpack_bits
 
 __all__ = ["SignCompressor"]
 
 
-class SignCompressor:
+class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode):
     """Sign, bit-packed, with per-chunk reconstruction values (a clear sign bit is sent as "up":
     every ``x >= 0`` except ``-0.0``, which counts as down)."""
 
     summable = False
-    fixed_size = True
 
     def __init__(self, chunk: int = 256, two_level: bool = True) -> None:
         if chunk < 1:

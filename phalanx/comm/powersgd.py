@@ -17,8 +17,8 @@ its own shape. Use through ``allreduce_compressed`` (it calls :meth:`reduce`).
 
 Example::
 
-    from phalanx.comm.compressed import allreduce_compressed
-    from phalanx.comm.compression import get_compressor
+    from phalanx.comm.codecs import get_compressor
+    from phalanx.comm.compressed_allreduce import allreduce_compressed
     c = get_compressor("powersgd", rank=4)
     avg = allreduce_compressed(grad_flat, c, name="bucket0")
 """
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.codec_types import CollectiveCodec, FixedSizePayload, Resettable, Stateful, Warmup
 from phalanx.comm.error_feedback import ResidualMemory
 
 __all__ = ["PowerSGDCompressor"]
@@ -66,11 +67,10 @@ def _outer_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = Non
     return out
 
 
-class PowerSGDCompressor:
+class PowerSGDCompressor(Warmup, CollectiveCodec, FixedSizePayload, Stateful, Resettable):
     """Rank-``rank`` PowerSGD with warm start and error feedback (``error_feedback=True``)."""
 
     summable = False
-    fixed_size = True
     name = "powersgd"
 
     def __init__(self, rank: int = 4, *, error_feedback: bool = True, warmup_steps: int = 0, seed: int = 0) -> None:
@@ -235,6 +235,11 @@ class PowerSGDCompressor:
         self.memory.load_state_dict(state.get("residuals", {}))
         self.q_memory = {k: v.clone() for k, v in state.get("q", {}).items()}
         self.steps = dict(state.get("steps", {}))
+
+    def reset_state(self) -> None:
+        """Forget the residuals and the warm-start factors (the step counts stay)."""
+        self.memory.clear()
+        self.q_memory.clear()
 
 
 def _mean(flat: torch.Tensor, group, world: int) -> torch.Tensor:

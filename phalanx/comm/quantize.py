@@ -12,7 +12,7 @@ int8 is 3.9x smaller than fp32, int4 7.5x, 2-bit 14x (chunk 256). Rounding is to
 nearest (error <= scale/2 per value) or, with ``stochastic=True``, up or down at
 random with the probability that makes it unbiased (``E[decompress] == x``).
 Payloads of different ranks have different scales, so they are not summable:
-``phalanx.comm.compressed.allreduce_compressed`` reduces them.
+``phalanx.comm.compressed_allreduce.allreduce_compressed`` reduces them.
 
 int8 also has the two fused forms ``allreduce_compressed`` uses: ``compress_ef(x)``
 compresses ``x`` and leaves in it, in place, what compression dropped (the error
@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from phalanx.comm.codec_types import ChunkedCodec, FixedSizePayload, FusedDecode, FusedResidual
 
 __all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "per_chunk", "to_bytes", "from_bytes"]
 
@@ -92,11 +94,10 @@ def per_chunk(values: torch.Tensor, chunk: int) -> torch.Tensor:
     return out.view(-1, chunk)
 
 
-class QuantizeCompressor:
+class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode):
     """Per-chunk scaled integer quantisation to ``bits`` in {8, 4, 2}."""
 
     summable = False
-    fixed_size = True
 
     def __init__(self, bits: int = 8, chunk: int = 256, stochastic: bool = False, seed: int | None = None) -> None:
         if bits not in (2, 4, 8):
@@ -107,6 +108,7 @@ class QuantizeCompressor:
         self.levels = 2 ** (bits - 1) - 1
         self.name = "int8" if bits == 8 else ("int4" if bits == 4 else "2bit")
         self._gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._buf: torch.Tensor | None = None  # scratch kept between calls
 
     def __repr__(self) -> str:
         return f"QuantizeCompressor(bits={self.bits}, chunk={self.chunk}, stochastic={self.stochastic})"
@@ -165,7 +167,7 @@ class QuantizeCompressor:
         return self._int8_decode(payload, n, out, alpha, add)
 
     def _scratch(self, rows: int, like: torch.Tensor) -> torch.Tensor:
-        buf = getattr(self, "_buf", None)
+        buf = self._buf
         if buf is None or buf.numel() < rows * self.chunk or buf.device != like.device:
             buf = self._buf = torch.empty(rows * self.chunk, dtype=torch.float32, device=like.device)
         return buf[: rows * self.chunk].view(rows, self.chunk)

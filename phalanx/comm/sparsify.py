@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from phalanx.comm.codec_types import FixedSizePayload, FusedDecode, FusedResidual
 from phalanx.comm.quantize import from_bytes, to_bytes
 
 __all__ = ["TopKCompressor", "ThresholdCompressor", "top_indices"]
@@ -76,16 +77,16 @@ def _decode(payload: torch.Tensor, ctx) -> torch.Tensor:
     return out.to(dtype).reshape(shape)
 
 
-class TopKCompressor:
+class TopKCompressor(FixedSizePayload, FusedResidual, FusedDecode):
     """Keep the ``ceil(ratio * n)`` largest-magnitude entries."""
 
     summable = False
-    fixed_size = True
 
     def __init__(self, ratio: float = 0.02) -> None:
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
         self.ratio = float(ratio)
+        self._buf: torch.Tensor | None = None  # scratch kept between calls
         self.name = "topk"
 
     def __repr__(self) -> str:
@@ -125,17 +126,16 @@ class TopKCompressor:
 
     def _abs(self, flat: torch.Tensor) -> torch.Tensor:
         """|flat| in a scratch buffer kept between calls (a fresh 17 MB buffer costs its page faults)."""
-        buf = getattr(self, "_buf", None)
+        buf = self._buf
         if buf is None or buf.numel() != flat.numel() or buf.dtype != flat.dtype or buf.device != flat.device:
             buf = self._buf = torch.empty_like(flat)
         return torch.abs(flat, out=buf)
 
 
-class ThresholdCompressor:
-    """Keep every entry with ``|x| >= threshold`` (variable payload size)."""
+class ThresholdCompressor(FusedDecode):
+    """Keep every entry with ``|x| >= threshold`` (variable payload size: no ``payload_nbytes``)."""
 
     summable = False
-    fixed_size = False
 
     def __init__(self, threshold: float = 1e-3) -> None:
         if threshold <= 0:
@@ -145,9 +145,6 @@ class ThresholdCompressor:
 
     def __repr__(self) -> str:
         return f"ThresholdCompressor(threshold={self.threshold})"
-
-    def payload_nbytes(self, numel: int):
-        return None  # depends on the data
 
     def compress(self, tensor: torch.Tensor):
         flat = tensor.detach().reshape(-1)

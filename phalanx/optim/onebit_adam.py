@@ -50,8 +50,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.compressed import allreduce_compressed
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.codec_types import Stateful
+from phalanx.comm.codecs import get_compressor
+from phalanx.comm.compressed_allreduce import allreduce_compressed
 
 __all__ = ["OneBitAdam"]
 
@@ -167,7 +168,7 @@ class OneBitAdam(torch.optim.Optimizer):
     def state_dict(self):
         sd = super().state_dict()
         sd["onebit"] = {"step_count": self.step_count, "freeze_step": self.freeze_step}
-        if hasattr(self.compressor, "state_dict"):
+        if isinstance(self.compressor, Stateful):
             sd["onebit"]["compressor"] = self.compressor.state_dict()
         return sd
 
@@ -176,5 +177,5 @@ class OneBitAdam(torch.optim.Optimizer):
         extra = state_dict.pop("onebit", {})
         super().load_state_dict(state_dict)
         self.step_count = int(extra.get("step_count", 0))
-        if "compressor" in extra and hasattr(self.compressor, "load_state_dict"):
+        if "compressor" in extra and isinstance(self.compressor, Stateful):
             self.compressor.load_state_dict(extra["compressor"])

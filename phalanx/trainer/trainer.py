@@ -104,7 +104,7 @@ class Trainer:
             shuffle=False, seed=seed, train=False)[0]
         if activation_checkpointing:
             _checkpoint_children(model)
-        from phalanx.parallel import balance as _balance  # balance=True: docs/load_balancing.md
+        from phalanx import balance as _balance  # balance=True: docs/load_balancing.md
 
         if overlap_optimizer and (precision == "fp16" or max_grad_norm is not None):
             raise ValueError("overlap_optimizer=True steps the optimizer on each piece of the gradient as it "
@@ -296,7 +296,7 @@ class Trainer:
 
 def _balanced_batches(trainer: Trainer, epoch: int):
     """This rank's share of each global batch as re-split by the balancer (a lazy, sized sequence)."""
-    from phalanx.parallel.balance import epoch_batches
+    from phalanx.balance import epoch_batches
 
     dataset = trainer.train_loader.dataset
     collate = trainer.train_loader.loader.collate_fn

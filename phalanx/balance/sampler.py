@@ -1,7 +1,7 @@
 """BalancedSampler: each rank's variable share of a fixed global batch, every sample once per epoch.
 
 The epoch is one permutation cut into global batches of ``G`` samples; the
-:class:`~phalanx.parallel.balance.Balancer` decides how each global batch is cut
+:class:`~phalanx.balance.Balancer` decides how each global batch is cut
 into per-rank pieces (``sizes`` sums to ``G``). Every rank walks the same
 permutation and applies the same cut, so the pieces tile the epoch whatever the
 split does between steps::
@@ -83,7 +83,7 @@ class BalancedSampler(torch.utils.data.Sampler):
 
     Args:
         data: a dataset (anything with ``len``) or the number of samples.
-        balancer: the :class:`~phalanx.parallel.balance.Balancer` (same object the model uses).
+        balancer: the :class:`~phalanx.balance.Balancer` (same object the model uses).
         shuffle, seed: one permutation per epoch from ``seed + epoch`` (same on every rank).
         drop_last: drop the final partial global batch instead of splitting it.
         accumulation: backward passes per optimizer step; a new split is picked up only at

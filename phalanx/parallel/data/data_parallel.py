@@ -1,18 +1,14 @@
-"""Data parallelism: the gradient-synchronisation engine and its ``DataParallel`` front.
+"""``DataParallel``: wrap a module so that ``loss.backward()`` returns with gradients averaged.
 
 Each rank holds a full replica and computes gradients on its own slice of the
 global batch; gradients are averaged so every replica takes the same step
 (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", VLDB 2020; Sergeev & Del Balso, "Horovod", 2018). The engine fuses
-gradients into flat buckets and overlaps their allreduce with the rest of
-backward::
+Training", VLDB 2020). The gradient engine (:mod:`.gradients`) fuses gradients
+into flat buckets and overlaps their allreduce with the rest of backward; this
+front waits for it inside backward (DDP semantics)::
 
-    backward ──► post-accumulate-grad hook(p) ──► copy grad into bucket view
-                                                  bucket full? ─► [compress] ─► async allreduce
-    end of backward (autograd callback) ──► fill unused params · launch what is left
-                                             · sparse grads via allgather
-    DataParallel: wait here (grads ready when backward returns)
-    DistributedOptimizer: wait in synchronize()/step()
+    forward ──► [re-broadcast buffers] ──► module(x)
+    backward ──► hooks fill buckets ──► async allreduce per bucket ──► wait at the end of backward
 
 Example::
 
@@ -34,21 +30,15 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx import trace
+from phalanx.comm.broadcast import broadcast_buffers_, broadcast_parameters, root_of
 from phalanx.comm.collectives import Average, ReduceOp, allreduce
 from phalanx.log import get_logger
-from phalanx.parallel.data_optimizer import broadcast_buffers_, broadcast_parameters, root_of
+from phalanx.parallel.data.config import resolve_topology
+from phalanx.parallel.data.gradients import GradientEngine
+from phalanx.parallel.data.hooks import resolve_balance
+from phalanx.parallel.data.overlap import OptimizerOverlap
 
-# The engine lives in phalanx.parallel.engine; these names stay importable from here.
-from phalanx.parallel.engine import (  # noqa: F401
-    DEFAULT_BUCKET_MB,
-    VIEW_MIN_NUMEL,
-    GradientEngine,
-    _engine_hooks,
-    job_defaults,
-    register_engine_hook,
-)
-
-__all__ = ["GradientEngine", "DataParallel", "register_engine_hook"]
+__all__ = ["DataParallel"]
 
 _log = get_logger(__name__)
 
@@ -81,7 +71,7 @@ class DataParallel(nn.Module):
 
     ``overlap_optimizer=opt`` (SGD, Adam, AdamW) steps ``opt`` on each piece of the averaged
     gradient as soon as it is final, while the rest is still on the wire
-    (:mod:`phalanx.parallel.overlap`); keep calling ``opt.step()``, which then steps only
+    (:mod:`phalanx.parallel.data.overlap`); keep calling ``opt.step()``, which then steps only
     what was not stepped yet. Not with gradient clipping or ``GradScaler``: the update
     runs before the whole gradient is known.
 
@@ -122,7 +112,7 @@ class DataParallel(nn.Module):
         self._joining = False
         broadcast_parameters(module.state_dict(), root_rank=root_of(group), group=group)
         self._engine_kwargs = dict(
-            group=group, topology=topology, bucket_mb=bucket_mb, compression=compression, op=op,
+            group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             sparse_as_dense=sparse_as_dense, sparse_ids=_sparse_param_ids(module), algorithm=algorithm,
             wait_in_backward=True, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -132,17 +122,14 @@ class DataParallel(nn.Module):
         self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
         self.overlap = None
         if overlap_optimizer is not None:
-            from phalanx.parallel.overlap import OptimizerOverlap
-
             if find_unused_parameters:
                 raise ValueError("overlap_optimizer cannot be combined with find_unused_parameters=True: whether a "
                                  "parameter was used on any rank (and must keep grad=None) is known only after "
                                  "every bucket; drop one of the two")
             self.overlap = OptimizerOverlap(overlap_optimizer, [p for _, p in self._trainable_named()])
             self._engine.overlap = self.overlap
-        from phalanx.parallel.balance import attach
-
-        self.balancer = attach(self._engine, balance, group)  # docs/load_balancing.md
+        # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
+        self.balancer = self._engine.attach(resolve_balance(balance, group))
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -158,7 +145,7 @@ class DataParallel(nn.Module):
         if trainable == self._trainable:
             return
         old = self._engine
-        if old._pending or old._queued:
+        if old.busy():
             raise RuntimeError("requires_grad changed while a gradient reduction was in flight; "
                                "change it between iterations (after optimizer.step())")
         changed = sum(a != b for a, b in zip(trainable, self._trainable))
@@ -166,10 +153,7 @@ class DataParallel(nn.Module):
         old.remove_hooks()
         self._trainable = trainable
         self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
-        self._engine._passes, self._engine.require_sync = old._passes, old.require_sync
-        self._engine.sample_weight, self._engine.bytes_sent = old.sample_weight, old.bytes_sent
-        self._engine.balancer = old.balancer
-        self._engine.overlap = old.overlap
+        self._engine.take_over(old)
 
     def forward(self, *args, **kwargs):
         if trace.enabled():
@@ -183,14 +167,14 @@ class DataParallel(nn.Module):
         engine = self._engine
         for t in _tensors_of(out):
             if t.requires_grad:
-                t.register_hook(lambda grad: setattr(engine, "_backward_start", time.perf_counter()))
+                t.register_hook(lambda grad: setattr(engine, "backward_start", time.perf_counter()))
                 break
         return out
 
     def _forward(self, *args, **kwargs):
         self._follow_requires_grad()
         if self.balancer is not None:
-            self.balancer._forward()
+            self.balancer.forward_begins()
         if self._joining:
             allreduce(torch.ones(1), op=ReduceOp.SUM, group=self.group, name="dp.join")
         if self.broadcast_buffers and self._engine.world > 1:

@@ -29,7 +29,7 @@ Example::
     import phalanx as px
     balancer = px.balance.Balancer(global_batch=256, every=5)
     model = px.DataParallel(net, balance=balancer)
-    sampler = px.balance.BalancedSampler(len(dataset), balancer, seed=0)
+    sampler = px.balance.BalancedSampler(len(dataset), balancer, seed=0)   # phalanx/balance/sampler.py
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
     for x, y in loader:                       # this rank's share of each global batch
         loss_fn(model(x), y).backward()       # mean loss; the engine weights it by the share
@@ -48,10 +48,12 @@ import torch
 import torch.distributed as dist
 
 from phalanx import trace
+from phalanx.balance.sampler import split_sizes
+from phalanx.comm.collectives import ReduceOp, all_gather_flat
 from phalanx.log import get_logger
-from phalanx.parallel.balance_sampler import BalancedSampler, split_sizes
+from phalanx.parallel.data.hooks import StepObserver
 
-__all__ = ["Balancer", "BalancedSampler", "StragglerReport", "split_sizes", "load_sigma"]
+__all__ = ["Balancer", "StragglerReport", "load_sigma"]
 
 _log = get_logger(__name__)
 
@@ -103,7 +105,7 @@ class StragglerReport:
         return "\n".join(lines)
 
 
-class Balancer:
+class Balancer(StepObserver):
     """Re-split a fixed global batch across ranks in proportion to their measured speed.
 
     Args:
@@ -202,8 +204,6 @@ class Balancer:
             # (signature probe, sizes, data), 3-5 ms on gloo loopback per exchange (0.6-1 ms per step).
             # Every rank reaches this point at the same step with the same (1, 5) float64 tensor; the
             # step number travels along, so ranks configured differently fail here with the reason.
-            from phalanx.comm.collectives import all_gather_flat
-
             out = torch.empty((self.world_size, 5), dtype=torch.float64)
             all_gather_flat(out, mine, group=self.group)
             rows = out.tolist()
@@ -264,24 +264,38 @@ class Balancer:
     def clear_pending(self) -> None:
         self._pending.clear()
 
-    # ------------------------------------------------------------------ engine side (private)
-    def _forward(self) -> None:
+    # ------------------------------------------------------------------ engine side (StepObserver)
+    def bind(self, engine) -> None:
+        """Check that this balancer fits ``engine`` (same group and size, dense gradients, an average)."""
+        if self.group is not engine.group:
+            raise ValueError("balance=: the Balancer was built for a different process group than the model; "
+                             "pass Balancer(..., group=<the same group>)")
+        if self.world_size != engine.world:
+            raise ValueError(f"balance=: the Balancer was built for {self.world_size} rank(s) but the group has "
+                             f"{engine.world}; build it after phalanx.init()")
+        if engine.sparse:
+            raise ValueError("balance= needs dense gradients (sparse ones are averaged unweighted); "
+                             "pass sparse_as_dense=True")
+        if engine.op is not ReduceOp.AVERAGE:
+            raise ValueError("balance= combines gradients as a weighted average; it cannot be used with op=Sum")
+
+    def forward_begins(self) -> None:
         if self._t_start is None and torch.is_grad_enabled():
             self._t_start = time.perf_counter()
 
-    def _backward_begins(self) -> float:
+    def backward_begins(self) -> float:
         """One backward pass starts: count its batch; return the weight of the gradient so far."""
         local, total = self._pending.popleft() if self._pending else (self.local_batch, self.global_batch)
         self._step_counts[0] += local
         self._step_counts[1] += total
         return self._step_counts[0] / self._step_counts[1]
 
-    def _compute_ends(self) -> None:
+    def compute_ends(self) -> None:
         now = time.perf_counter()
         start = self._t_start if self._t_start is not None else self._t_last
         self._compute_s = None if start is None else now - start
 
-    def _wait_ends(self, wait_s: float) -> None:
+    def wait_ends(self, wait_s: float) -> None:
         samples = self._step_counts[0]
         self._step_counts = [0, 0]
         self._t_start = None
@@ -308,65 +322,3 @@ class Balancer:
 
     def __repr__(self) -> str:
         return f"Balancer(global_batch={self.global_batch}, sizes={self.sizes}, every={self.every})"
-
-
-def attach(engine, balance, group) -> Balancer | None:
-    """Wire ``balance=`` of DataParallel / DistributedOptimizer into a gradient engine."""
-    if balance is None or balance is False:
-        return None
-    if isinstance(balance, bool) or not isinstance(balance, (int, Balancer)):
-        raise TypeError(f"balance= takes a phalanx.balance.Balancer or the global batch size (int), "
-                        f"got {balance!r}")
-    bal = balance if isinstance(balance, Balancer) else Balancer(global_batch=balance, group=group)
-    if bal.group is not group:
-        raise ValueError("balance=: the Balancer was built for a different process group than the model; "
-                         "pass Balancer(..., group=<the same group>)")
-    if bal.world_size != engine.world:
-        raise ValueError(f"balance=: the Balancer was built for {bal.world_size} rank(s) but the group has "
-                         f"{engine.world}; build it after phalanx.init()")
-    if engine.sparse:
-        raise ValueError("balance= needs dense gradients (sparse ones are averaged unweighted); "
-                         "pass sparse_as_dense=True")
-    from phalanx.comm.collectives import ReduceOp
-
-    if engine.op is not ReduceOp.AVERAGE:
-        raise ValueError("balance= combines gradients as a weighted average; it cannot be used with op=Sum")
-    engine.balancer = bal
-    return bal
-
-
-def as_balancer(balance, global_batch: int, group=None) -> Balancer | None:
-    """``balance=`` of a front that knows its global batch: True, False/None or a Balancer."""
-    if balance is None or balance is False:
-        return None
-    if balance is True:
-        return Balancer(global_batch=global_batch, group=group)
-    if isinstance(balance, Balancer):
-        if balance.global_batch != global_batch:
-            raise ValueError(f"balance=: the Balancer's global_batch {balance.global_batch} differs from "
-                             f"batch_size x ranks = {global_batch}")
-        return balance
-    raise TypeError(f"balance= takes True/False or a phalanx.balance.Balancer, got {balance!r}")
-
-
-class _EpochBatches:
-    """One epoch of a BalancedSampler mapped through ``fetch(data, idx)``; lazy, with a length."""
-
-    def __init__(self, sampler: BalancedSampler, data, fetch) -> None:
-        self.sampler, self.data, self.fetch = sampler, data, fetch
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self):
-        for idx in self.sampler:
-            yield self.fetch(self.data, torch.tensor(idx, dtype=torch.int64))
-
-
-def epoch_batches(balancer: Balancer, data, epoch: int, fetch, *, shuffle: bool = True, seed: int = 0,
-                  accumulation: int = 1) -> _EpochBatches:
-    """The Trainer's view: this rank's balanced batches of ``epoch``, each ``fetch(data, idx)``."""
-    length = len(data[0]) if isinstance(data, tuple) else len(data)
-    sampler = BalancedSampler(length, balancer, shuffle=shuffle, seed=seed, accumulation=accumulation)
-    sampler.set_epoch(epoch)
-    return _EpochBatches(sampler, data, fetch)

@@ -1,0 +1,361 @@
+"""The gradient-synchronisation engine: buckets, hooks, accumulation, timing; a reduction per bucket.
+
+Shared by :class:`~phalanx.parallel.data.DataParallel`, ``DistributedOptimizer`` (and so
+the Horovod facade and the Trainer) and ZeRO (:mod:`phalanx.parallel.zero`). The engine
+fuses gradients into flat buckets and launches each bucket's collective the moment its
+last gradient is in, overlapping the rest of backward::
+
+    backward ──► post-accumulate-grad hook(p) ──► bucket full? ─► reduction.launch(bucket)  (async)
+    end of backward (autograd callback) ──► launch what is left · follow-ups (sparse, used, finite)
+    wait() ──► reduction.finish(bucket) for every bucket, in order · follow-ups finish
+
+What a bucket's reduction *is* is pluggable (``reduction=``, :mod:`.reduction`): by default
+:class:`~phalanx.parallel.data.reduction.AllReduceReduction`, whose average lands back in
+``p.grad``; ZeRO plugs in a reduce-scatter into the owner's gradient shard. ``plan=`` fixes
+the buckets (ZeRO's layout is fixed at wrap time because its master shard is laid out from
+it); otherwise buckets are re-planned once from the order gradients arrived in the first
+iteration, as DDP does. Services attach through :mod:`.hooks` (engine hooks, step observers).
+
+Example::
+
+    engine = GradientEngine(list(model.named_parameters()), bucket_mb=25, wait_in_backward=True)
+    model(x).sum().backward()          # p.grad averaged over the ranks when this returns
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx import trace
+from phalanx.comm.broadcast import root_of
+from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
+from phalanx.comm.codec_types import Stateful
+from phalanx.comm.codecs import get_compressor
+from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
+from phalanx.comm.compressed_paths import ring_bytes
+from phalanx.log import get_logger
+from phalanx.parallel.data.config import job_defaults, resolve_topology
+from phalanx.parallel.data.followups import FiniteGuard, FollowUp, UsedCounts, launch_sparse
+from phalanx.parallel.data.hooks import StepObserver, run_engine_hooks
+from phalanx.parallel.data.reduction import (
+    AllReduceReduction,
+    BucketReduction,
+    ReportsComplete,
+    TakesGrads,
+)
+
+__all__ = ["GradientEngine"]
+
+_log = get_logger(__name__)
+
+
+class GradientEngine:
+    """Buckets, hooks and collectives shared by :class:`DataParallel` and ``DistributedOptimizer``.
+
+    ``wait_in_backward=True`` finishes the reduction inside the end-of-backward
+    callback (DDP semantics); otherwise :meth:`wait` does it (Horovod semantics).
+    ``topology``: the job's Topology (the hierarchical algorithm needs it); None reads
+    ``phalanx.init()``'s once, here.
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        group=None,
+        topology=None,
+        bucket_mb: float | None = None,
+        compression=None,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        find_unused_parameters: bool = False,
+        sparse_as_dense: bool = False,
+        sparse_ids: Iterable[int] = (),
+        algorithm: str | None = None,
+        backward_passes_per_step: int = 1,
+        wait_in_backward: bool = True,
+        gradient_as_bucket_view: bool = True,
+        reduction: BucketReduction | None = None,
+        plan: Sequence[Sequence[nn.Parameter]] | None = None,
+        pad_to: int = 1,
+        lazy_buckets: bool = False,
+    ) -> None:
+        _check_args(op, gradient_predivide_factor, backward_passes_per_step)
+        self.op = ReduceOp(op)
+        self.group = group
+        self.topology = resolve_topology(topology)
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.predivide = float(gradient_predivide_factor)
+        self.find_unused = find_unused_parameters
+        self.sparse_as_dense = sparse_as_dense
+        bucket_mb, self.algorithm = job_defaults(bucket_mb, algorithm)
+        self.k = backward_passes_per_step
+        self.wait_in_backward = wait_in_backward
+        self.grad_as_view = gradient_as_bucket_view
+        self.compressor = get_compressor(compression)
+        dense = self._split_params(named_params, sparse_ids)
+        self.reduction = reduction if reduction is not None else AllReduceReduction()
+        # A reduction like ZeRO's reduces in a group of one too: its gradient shard is what steps.
+        self._needs_sync = self.world > 1 or find_unused_parameters or self.reduction.reduces_alone
+        self.buckets = self._make_buckets(dense, plan, bucket_mb, pad_to, lazy_buckets)
+        self.finite = FiniteGuard(self.compressor, self.buckets.params)
+        self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
+        self.reduction.bind(self)
+        self._init_step_state()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params if p.requires_grad]
+        if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
+            run_engine_hooks(self)
+
+    def _split_params(self, named_params, sparse_ids) -> list[nn.Parameter]:
+        """Record names and sparse parameters (reduced by allgather); return the dense ones."""
+        self.names = {id(p): n for n, p in named_params}
+        sparse_ids = set(sparse_ids) if not self.sparse_as_dense else set()
+        self.sparse = [p for _, p in named_params if id(p) in sparse_ids]
+        return [p for _, p in named_params if id(p) not in sparse_ids]
+
+    def _make_buckets(self, dense, plan, bucket_mb: float, pad_to: int, lazy: bool) -> BucketManager:
+        if plan is None:
+            return BucketManager(dense, int(bucket_mb * 2**20), self._launch)
+        planned = {id(p) for ps in plan for p in ps}
+        if planned != {id(p) for p in dense} or sum(len(ps) for ps in plan) != len(planned):
+            raise ValueError("GradientEngine(plan=...): the plan must hold every dense parameter exactly once")
+        on_complete = self.reduction.complete if isinstance(self.reduction, ReportsComplete) else None
+        return PlannedBuckets(plan, self._launch, pad_to=pad_to, lazy=lazy, on_complete=on_complete)
+
+    def _init_step_state(self) -> None:
+        """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
+        self.sample_weight: float | None = None
+        self.observer: StepObserver | None = None  # told when a step's phases begin and end (hooks.py)
+        self.bytes_sent = 0
+        self.require_sync = True
+        self._passes = 0
+        self._queued = False
+        self._syncing = False
+        self.shadowing = False
+        self._pending = False
+        self._used: set[int] = set()
+        self._followups: list[FollowUp] = []  # launched after the buckets, finished after them
+        self.warned_unused = False
+        # Called with the seconds since the previous synchronised step ended, once per step,
+        # after the gradients are in place and nothing is in flight (settings may change here).
+        self.step_hooks: list[Callable[[float], None]] = []
+        # phalanx.parallel.data.overlap.OptimizerOverlap: steps the optimizer on each piece of the
+        # averaged gradient as it is final (DataParallel(overlap_optimizer=...)).
+        self.overlap = None
+        self.backward_start: float | None = None  # set by DataParallel's traced forward
+        self._last_step_end: float | None = None
+
+    def busy(self) -> bool:
+        """A backward pass is running or a reduction is in flight (settings must not change now)."""
+        return self._pending or self._queued
+
+    def take_over(self, old: GradientEngine) -> None:
+        """Carry on from ``old`` (DataParallel re-bucketing after a ``requires_grad`` change): its
+        pass count, sync switch, sample weight, byte count, observer and optimizer overlap."""
+        self._passes, self.require_sync = old._passes, old.require_sync
+        self.sample_weight, self.bytes_sent = old.sample_weight, old.bytes_sent
+        self.observer, self.overlap = old.observer, old.overlap
+
+    def attach(self, observer: StepObserver | None) -> StepObserver | None:
+        """Tell ``observer`` about every synchronised step from now on (after ``observer.bind(self)``)."""
+        if observer is not None:
+            observer.bind(self)
+        self.observer = observer
+        return observer
+
+    # ------------------------------------------------------------------ backward
+    def sync_now(self) -> bool:
+        return self.require_sync and (self._passes + 1) % self.k == 0
+
+    def _hook(self, p: torch.Tensor) -> None:
+        # The hot path: one call per parameter per backward. Only bookkeeping here; the
+        # gradient copies happen once per bucket with a single _foreach_copy_ (the reduction).
+        if not self._queued:
+            self._queued = True
+            self._syncing = self.sync_now() and self._needs_sync
+            if self.observer is not None:
+                weight = self.observer.backward_begins()
+                if self._syncing:
+                    self.sample_weight = weight
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self._syncing:
+            bucket = self.buckets._bucket_of.get(id(p))
+            if bucket is not None:
+                self._used.add(id(p))
+                if self._on_grad is not None:
+                    self._on_grad(p, bucket)
+                self.buckets.mark_ready(p)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        start, self.backward_start = self.backward_start, None
+        if start is not None:
+            trace.instant("backward", "compute", start, time.perf_counter())
+        sync = self.sync_now()
+        self._passes += 1
+        self.reduction.end_of_backward(sync)
+        if not sync or not self._needs_sync:
+            return
+        if self.observer is not None:
+            self.observer.compute_ends()
+        self._launch_rest()
+        if self.wait_in_backward:
+            self.wait()
+
+    def _launch_rest(self) -> None:
+        missing = self.buckets.missing()
+        no_grad = [p for p in missing if p.grad is None]
+        if no_grad and not self.find_unused and not self.reduction.tolerates_missing:
+            names = ", ".join(self.names[id(p)] for p in no_grad[:8])
+            raise RuntimeError(
+                f"phalanx DataParallel: {len(no_grad)} parameter(s) got no gradient in this backward "
+                f"({names}{', …' if len(no_grad) > 8 else ''}). Pass find_unused_parameters=True when parts "
+                "of the model are skipped, or set requires_grad=False on frozen parameters before wrapping."
+            )
+        for p in missing:
+            if p.grad is not None:  # accumulated in earlier no_sync passes, unused in this one
+                self._used.add(id(p))
+            self.buckets.bucket_of(p).mark(p)
+        self.buckets.launch_ready()
+        self._launch_followups(shadow=False)
+        self._pending = True
+
+    def _launch_followups(self, shadow: bool) -> None:
+        self._followups.extend(launch_sparse(self, shadow=shadow))
+        if self.find_unused:
+            used = [0.0 if shadow or id(p) not in self._used else 1.0 for p in self.buckets.params]
+            self._followups.append(UsedCounts(torch.tensor(used), self.group))
+        flag = self.finite.launch(self.group, steady=self.buckets.rebuilt)
+        if flag is not None:
+            self._followups.append(flag)
+
+    def launch_all(self) -> None:
+        """Launch every bucket not launched yet in this iteration, as if all gradients were in.
+
+        For a step after fewer backward passes than ``backward_passes_per_step``: what was
+        accumulated locally is reduced now (every rank must call it at the same point).
+        """
+        for p in self.buckets.params:
+            self.buckets.bucket_of(p).mark(p)
+        self.buckets.launch_ready()
+        self._pending = True
+
+    def gather_grads(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients into its flat (zeros for a missing gradient)."""
+        grads, views = [], []
+        for p, view in zip(bucket.params, bucket.views):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                continue
+            if g.layout is torch.strided and g.data_ptr() == view.data_ptr():
+                continue  # already the bucket's view (gradient_as_bucket_view): nothing to copy
+            if g.layout is not torch.strided:
+                if not self.sparse_as_dense:
+                    raise RuntimeError(
+                        f"parameter {self.names[id(p)]!r} produced a sparse gradient; pass sparse_as_dense=True "
+                        "(or wrap the module with DataParallel, which reduces nn.Embedding(sparse=True) by "
+                        "allgather)"
+                    )
+                g = p.grad = g.to_dense()
+            grads.append(g)
+            views.append(view)
+        if grads:
+            torch._foreach_copy_(views, grads)
+
+    # ------------------------------------------------------------------ collectives
+    def ring_bytes(self, nbytes: int) -> int:
+        """What a bandwidth-optimal (ring) allreduce of ``nbytes`` sends from each rank."""
+        return ring_bytes(nbytes, self.world)
+
+    _ring_bytes = ring_bytes  # the name ZeRO's reduction calls
+
+    def scales(self) -> tuple[ReduceOp, float, float]:
+        """(op, prescale, postscale) of this step: a weighted sum under a balancer's weight."""
+        if self.sample_weight is not None:
+            return ReduceOp.SUM, self.sample_weight / self.predivide, self.predivide
+        return self.op, 1.0 / self.predivide, self.predivide
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.reduction.launch(bucket)
+
+    def wait(self) -> None:
+        """Finish every launched collective and write the averaged gradients into ``p.grad``."""
+        if not self._pending:
+            return
+        self._pending = False
+        t_wait = time.perf_counter()
+        for bucket in self.buckets.buckets:
+            self.reduction.finish(bucket)
+        for followup in self._followups:
+            followup.finish(self)
+        self._end_step()
+        if self.observer is not None:
+            self.observer.wait_ends(time.perf_counter() - t_wait)
+        if self.step_hooks:
+            if self._last_step_end is not None:
+                seconds = time.perf_counter() - self._last_step_end
+                for fn in self.step_hooks:
+                    fn(seconds)
+            self._last_step_end = time.perf_counter()
+
+    def _end_step(self) -> None:
+        self._followups, self._used = [], set()
+        self._maybe_rebuild()
+        self.buckets.reset()
+
+    def _maybe_rebuild(self) -> None:
+        if self.buckets.rebuilt:
+            return
+        order = self.buckets.observed if dist.get_rank() == root_of(self.group) else None
+        order = broadcast_object(order, root_rank=root_of(self.group), group=self.group)
+        if self.buckets.maybe_rebuild(order):
+            _log.debug("rebuilt %d buckets from the order gradients arrived in", len(self.buckets.buckets))
+
+    def shadow(self) -> None:
+        """Take part in one iteration's collectives with zero gradients (a joined rank)."""
+        self.shadowing = True
+        try:
+            for p in self.buckets.params:
+                self.buckets.bucket_of(p).mark(p)
+            self.buckets.launch_ready()
+        finally:
+            self.shadowing = False
+        self._launch_followups(shadow=True)
+        for bucket in self.buckets.buckets:
+            self.reduction.drain(bucket)
+        for followup in self._followups:
+            followup.drain()
+        self._pending = False
+        self._end_step()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        out = {"passes": self._passes}
+        if isinstance(self.compressor, Stateful):
+            out["compression"] = self.compressor.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self._passes = int(state.get("passes", 0))
+        if "compression" in state and isinstance(self.compressor, Stateful):
+            self.compressor.load_state_dict(state["compression"])
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _check_args(op, predivide: float, passes: int) -> None:
+    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"op must be Sum or Average for gradients, got {ReduceOp(op).name.title()}")
+    if predivide <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")

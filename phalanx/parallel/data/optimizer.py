@@ -1,0 +1,213 @@
+"""Horovod-style front of the data-parallel engine: ``DistributedOptimizer``.
+
+``DistributedOptimizer`` holds a plain ``torch.optim`` optimizer (composition,
+no classes built at run time). Gradients are bucketed and launched during
+backward exactly as under ``DataParallel``; the wait happens in
+``synchronize()`` or ``step()``, so you can clip or unscale in between::
+
+    loss.backward()            # buckets launched as gradients become ready
+    opt.synchronize()          # wait: p.grad now holds the average
+    scaler.unscale_(opt); clip_grad_norm_(...)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+
+Example::
+
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    px.broadcast_parameters(model.state_dict(), root_rank=0)
+    px.broadcast_optimizer_state(opt, root_rank=0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx import trace
+from phalanx.comm.collectives import Average, ReduceOp
+from phalanx.parallel.data.config import resolve_topology
+from phalanx.parallel.data.gradients import GradientEngine
+from phalanx.parallel.data.hooks import resolve_balance
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    """Average gradients across ranks before the inner optimizer's step (Horovod's front).
+
+    Args mirror ``horovod.torch.DistributedOptimizer``; ``bucket_mb`` and
+    ``find_unused_parameters`` (default True here: a parameter without a gradient
+    contributes zeros, as in Horovod) tune the shared engine. ``join_ready`` (default True,
+    as Horovod) starts each step with a one-element allreduce so that :meth:`join` works
+    with uneven data; ``False`` saves it (benchmarks/join_flag.py measures the cost).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, nn.Parameter]] | None = None,
+        *,
+        compression=None,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        group=None,
+        sparse_as_dense: bool = False,
+        topology=None,
+        bucket_mb: float | None = None,
+        find_unused_parameters: bool = True,
+        algorithm: str | None = None,
+        balance=None,
+        join_ready: bool = True,
+    ) -> None:
+        self.optimizer = optimizer
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(opt_params)]
+        else:
+            named = list(named_parameters)
+            if len({n for n, _ in named}) != len(named):
+                raise ValueError("named_parameters has duplicate names; pass model.named_parameters()")
+            known = {id(p) for _, p in named}
+            unnamed = [p for p in opt_params if id(p) not in known]
+            if unnamed:
+                raise ValueError(
+                    f"named_parameters is missing {len(unnamed)} parameter(s) the optimizer updates; "
+                    "pass model.named_parameters() of the same model the optimizer was built from"
+                )
+            in_opt = {id(p) for p in opt_params}
+            named = [(n, p) for n, p in named if id(p) in in_opt]
+        named = [(n, p) for n, p in named if p.requires_grad]
+        self.group = group
+        self._join_flag = None  # this step's "I still have data" allreduce (see join())
+        self._flag_device = named[0][1].device if named else torch.device("cpu")
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # Registered before the engine's hooks, so on every parameter it runs first.
+        self.join_ready = join_ready
+        self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
+                                for _, p in named] if world > 1 and join_ready else []
+        self._engine = GradientEngine(
+            named, group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
+            sparse_as_dense=sparse_as_dense, algorithm=algorithm,
+            backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
+        )
+        # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
+        self.balancer = self._engine.attach(resolve_balance(balance, group))
+        self._skip = False
+
+    # delegation -----------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def add_param_group(self, group: dict) -> None:
+        raise NotImplementedError("DistributedOptimizer: build a new one after adding param groups")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._engine.bytes_sent
+
+    def state_dict(self) -> dict:
+        out = self.optimizer.state_dict()
+        comm = self._engine.state_dict()
+        if "compression" in comm:
+            out = {**out, "compression": comm["compression"]}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        comm = state.pop("compression", None)
+        self.optimizer.load_state_dict(state)
+        if comm is not None:
+            self._engine.load_state_dict({"compression": comm})
+
+    # synchronisation -------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every launched reduction; afterwards ``p.grad`` holds the average."""
+        self._engine.wait()
+        if self._join_flag is not None:
+            self._join_flag.wait()
+            self._join_flag = None
+
+    def _announce(self, _p) -> None:
+        # First gradient of a pass that communicates: one 4-byte SUM tells ranks that already
+        # joined that one more step is coming, before this step's first bucket is launched.
+        if self._join_flag is None and self._engine.sync_now():
+            flag = torch.ones(1, device=self._flag_device)
+            self._join_flag = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def join(self) -> int:
+        """Uneven data: call when this rank has no more batches; returns when every rank has.
+
+        Until then this rank answers each step of the others with zero gradients (the average
+        still divides by the whole group, as Horovod's join does). Every rank's step starts with
+        a one-element allreduce counting the ranks that still train (launched from the first
+        gradient hook of the step), so a joined rank knows whether to take part in one more
+        step or to leave::
+
+            training rank:  [flag=1][buckets…] [flag=1][buckets…] join: [flag=0] -> 0: done
+            joined rank:    join:   [flag=0] -> 1: [zeros…] [flag=0] -> 1: [zeros…] [flag=0] -> 0: done
+
+        Only the optimizer's gradient reductions are answered: other collectives the training
+        ranks make meanwhile must come after ``join()``. Returns the global rank that joined
+        last (the highest such rank when several joined in the same step).
+        """
+        if self.balancer is not None:
+            raise RuntimeError("join() cannot be combined with balance=: BalancedSampler gives every rank "
+                               "the same number of steps, so there are no uneven inputs to join")
+        if not self.join_ready:
+            raise RuntimeError("join() needs DistributedOptimizer(join_ready=True) (the default) on every rank: "
+                               "its per-step announcement tells joined ranks whether another step is coming")
+        self.synchronize()
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return dist.get_rank() if dist.is_initialized() else 0
+        answered = 0
+        while True:
+            flag = torch.zeros(1, device=self._flag_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
+            if flag.item() == 0:
+                break
+            self._engine.shadow()
+            answered += 1
+        every = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=self._flag_device)
+        every[dist.get_rank(self.group)] = answered  # steps each rank answered with zeros
+        dist.all_reduce(every, op=dist.ReduceOp.SUM, group=self.group)
+        every = every.tolist()
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(len(every)))
+        fewest = min(every)
+        return max(r for r, n in zip(ranks, every) if n == fewest)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside the block ``step()`` does not synchronize (you already called ``synchronize()``)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure=None):
+        if not self._skip:
+            self.synchronize()
+        with trace.span("optimizer_step", "compute"):
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
