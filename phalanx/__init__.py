@@ -36,7 +36,6 @@ from phalanx.comm.collectives import (
     set_mismatch_check,
 )
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
-from phalanx.memory import memory_report
 from phalanx.parallel import balance
 from phalanx.parallel.data import DataParallel
 from phalanx.parallel.data_optimizer import (
@@ -48,6 +47,7 @@ from phalanx.parallel.mesh import DeviceMesh
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 from phalanx.parallel.zero import zero
+from phalanx.profiler.memory import memory_report
 from phalanx.runtime import (
     Topology,
     cross_rank,
