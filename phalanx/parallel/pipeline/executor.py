@@ -38,16 +38,29 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
 from phalanx import trace
+from phalanx.parallel.pipeline.link import StageLink
 
-if TYPE_CHECKING:
-    from phalanx.parallel.pipeline.stage import PipelineStage
+__all__ = ["StepRun", "Span", "Stage"]
 
-__all__ = ["StepRun", "Span"]
+
+class Stage(Protocol):
+    """What a step needs from its stage (:class:`~phalanx.parallel.pipeline.PipelineStage` is one)."""
+
+    links: Sequence[StageLink]
+    chunks: Sequence[torch.nn.Module]
+    stage_index: int
+    num_stages: int
+    recv_ahead: int | None
+    loss_fn: Callable | None
+    no_sync: Callable | None
+
+    def run_chunk(self, x: torch.Tensor, chunk: int) -> torch.Tensor: ...
 
 
 class Span(NamedTuple):
@@ -67,7 +80,7 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 class StepRun:
     """The state of one step: activations saved for backward, receives posted, sends in flight."""
 
-    def __init__(self, stage: PipelineStage, actions: list[tuple[str, int, int]], xs, ts, m: int,
+    def __init__(self, stage: Stage, actions: list[tuple[str, int, int]], xs, ts, m: int,
                  device: torch.device) -> None:
         self.stage, self.actions, self.xs, self.ts, self.m, self.device = stage, actions, xs, ts, m, device
         self.links = stage.links
@@ -148,7 +161,7 @@ class StepRun:
         self.post_through(at + 2)  # the next action's input travels while this one computes
         t0 = time.perf_counter()
         with trace.span("pp.forward", "compute", mb=i, stage=self.index, chunk=c):
-            y = self.stage._forward(x, c)
+            y = self.stage.run_chunk(x, c)
             if v == self.last_virtual:
                 y = self.stage.loss_fn(y, self.ts[i]) / self.m
                 self.loss_sum += y.detach()

@@ -143,7 +143,8 @@ class PipelineStage:
         p = next(self.module.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    def run_chunk(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Forward of model chunk ``chunk`` (recomputed in backward with ``checkpoint=True``)."""
         module = self.module if len(self.chunks) == 1 else self.chunks[chunk]  # .module may be a DP wrapper
         if self.checkpoint:
             return _checkpoint(module, x, use_reentrant=False)
