@@ -36,7 +36,7 @@ from phalanx.checkpoint.pieces import is_gathered, is_stateful
 from phalanx.comm.collectives import allgather_object, broadcast, broadcast_object
 from phalanx.log import get_logger
 
-__all__ = ["State", "TorchState", "default_commit_dir"]
+__all__ = ["State", "TorchState", "default_commit_dir", "live_topology"]
 
 log = get_logger(__name__)
 
@@ -150,7 +150,7 @@ class TorchState:
 
     def sync(self) -> None:
         """Make every rank hold rank 0's state (after a restart or a new worker joined)."""
-        topology = _live(self._topology)
+        topology = live_topology(self._topology)
         if topology is None or topology.size == 1:
             self._reset_samplers()
             self._world_changed(1)
@@ -189,15 +189,19 @@ class TorchState:
                 v.reset()
 
 
-def _live(topology):
-    """``topology``, else the live job's (an elastic re-form replaces it), else None (one process)."""
+def live_topology(topology=None):
+    """``topology``, else the live job's (an elastic re-form replaces it), else None (one process).
+
+    The elastic layer's one read of the runtime's current topology: the state, the
+    sampler and the rescaling hooks follow the job as its membership changes.
+    """
     if topology is not None:
         return topology
     return runtime.topology() if runtime.is_initialized() else None
 
 
 def _size(topology) -> int:
-    live = _live(topology)
+    live = live_topology(topology)
     return 1 if live is None else live.size
 
 
