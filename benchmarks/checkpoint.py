@@ -1,6 +1,13 @@
 """Checkpoint speed vs torch.distributed.checkpoint (DCP), and recovery time after a worker kill.
 
 Run:  python benchmarks/checkpoint.py [--mb 64] [--repeats 3] [--np 2] [--recovery-repeats 2]
+      python benchmarks/checkpoint.py --replicated --np 4 [--mb 64] [--repeats 3]
+
+Part 0 (``--replicated``, only this part): a data-parallel training state, the same on every
+rank (a model of --mb MiB of fp32 parameters + its Adam state, 3x --mb in all) plus each rank's
+own RNG state, saved by phalanx and by DCP (fsync on both sides), interleaved: bytes on disk
+per save (everything under the checkpoint directory) and sync save time (median, slowest rank).
+Both write replicated tensors once; before phalanx wrote every rank's full copy.
 
 Part 1 (np ranks, each holding --mb MiB of distinct fp32 tensors, written to a local disk
 directory with fsync on both sides) interleaves phalanx and DCP each repeat and reports medians:
@@ -93,6 +100,62 @@ def _bench_rank(mb: int, repeats: int, root: str) -> dict:
                 for p in (path, apath):
                     shutil.rmtree(p, ignore_errors=True)
     return out
+
+
+# ---------------------------------------------------------------- part 0: replicated data-parallel state
+
+
+def _disk_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _replicated_rank(mb: int, repeats: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    n = mb * (1 << 20) // 4 // 16
+    torch.manual_seed(0)  # the same model on every rank, as data parallelism keeps it
+    model = torch.nn.Sequential(*[torch.nn.Linear(n // 64, 64, bias=False) for _ in range(16)])
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    px_state = {"model": model, "optim": opt, "rng": ckpt.RNGState()}
+    # DCP wants flat tensors by name (no per-rank RNG: DCP would dedupe it as replicated)
+    dcp_state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    out = {"px_save": [], "dcp_save": [], "px_bytes": [], "dcp_bytes": []}
+    for i in range(repeats):
+        for who in (("px", "dcp") if i % 2 == 0 else ("dcp", "px")):
+            path = os.path.join(root, f"{who}-rep-{i}")
+            px.barrier()
+            t0 = time.perf_counter()
+            if who == "px":
+                ckpt.save(path, px_state)
+            else:
+                dcp.save(dcp_state, checkpoint_id=path)
+            px.barrier()
+            out[f"{who}_save"].append(time.perf_counter() - t0)
+            out[f"{who}_bytes"].append(_disk_bytes(path) if px.rank() == 0 else 0)
+            px.barrier()
+            if px.rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def _replicated_part(args) -> None:
+    root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
+    try:
+        results = px.run(_replicated_rank, np=args.np, args=(args.mb, args.repeats, root), timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    save = {w: statistics.median(max(r[f"{w}_save"][i] for r in results) for i in range(args.repeats))
+            for w in ("px", "dcp")}
+    disk = {w: statistics.median(results[0][f"{w}_bytes"]) / 2**20 for w in ("px", "dcp")}
+    print(f"torch {torch.__version__}; {args.np} ranks, replicated data-parallel state: model {args.mb} MiB fp32 "
+          f"+ Adam ({3 * args.mb} MiB per rank) + per-rank RNG; median of {args.repeats} interleaved repeats")
+    print(f"{'metric':32s} {'phalanx':>10s} {'DCP':>10s} {'phalanx/DCP':>12s}")
+    for name, a, b in (("bytes on disk per save (MiB)", disk["px"], disk["dcp"]),
+                       ("sync save (ms)", 1e3 * save["px"], 1e3 * save["dcp"])):
+        print(f"{name:32s} {a:10.1f} {b:10.1f} {a / b:12.2f}")
 
 
 # ---------------------------------------------------------------- recovery worker (runs under phalanx run)
@@ -213,9 +276,12 @@ def main() -> None:
     ap.add_argument("--recovery-repeats", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
     ap.add_argument("--recovery-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--replicated", action="store_true", help="only part 0: replicated state, bytes on disk")
     args = ap.parse_args()
     if args.recovery_worker:
         return _recovery_worker(args.recovery_worker)
+    if args.replicated:
+        return _replicated_part(args)
 
     if args.repeats:
         _io_part(args)

@@ -38,12 +38,13 @@ from phalanx.comm.collectives import (
 )
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
 from phalanx.log import log0, print0
-from phalanx.memory import memory_report
+from phalanx.profiler.memory import memory_report
 from phalanx.parallel.data import DataParallel, DistributedOptimizer
 from phalanx.parallel.mesh import DeviceMesh
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 from phalanx.parallel.zero import zero
+from phalanx.profiler.memory import memory_report
 from phalanx.runtime import (
     Topology,
     cross_rank,

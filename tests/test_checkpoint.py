@@ -10,7 +10,7 @@ import torch
 
 import phalanx as px
 import phalanx.checkpoint as ckpt
-from phalanx.checkpoint import sharded
+from phalanx.checkpoint import reader, sharded
 from phalanx.elastic import ElasticSampler
 from phalanx.testing import RankError, assert_same_on_all_ranks, distributed
 
@@ -93,10 +93,11 @@ def test_roundtrip_every_piece_bit_exact(tmp_path):
     assert results == [{"sync": True, "async": True}] * 2
     manifest = json.loads((tmp_path / "sync" / ckpt.MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["meta"] == {"step": 17}
-    assert len(manifest["ranks"]) == 2 and all(e["tensor_checksum"].startswith("crc32:") for e in manifest["ranks"])
+    assert len(manifest["ranks"]) == 2 and all(f["checksum"].startswith("crc32:") for f in manifest["files"].values())
     records = manifest["ranks"][1]["tensors"].values()
     shard = [rec for rec in records if rec["path"] == "shard"]
-    assert shard == [{"path": "shard", "shape": [5], "dtype": "float32", "global_shape": [10], "offsets": [5]}]
+    assert shard == [{"path": "shard", "shape": [5], "dtype": "float32", "global_shape": [10], "offsets": [5],
+                      "file": "rank00001.safetensors", "name": "shard"}]
 
 
 # ---------------------------------------------------------------- crash mid-save, corruption, fallback
@@ -157,7 +158,7 @@ def test_crash_between_shard_writes_and_corrupt_shard_fall_back(tmp_path):
     # a truncated file is caught the same way
     shard.write_bytes(bytes(data[:100]))
     with pytest.raises(ckpt.CorruptCheckpointError, match="checksum .* does not match"):
-        sharded._Reader(str(shard.parent), ckpt.read_manifest(str(shard.parent))).tensors(1)
+        reader.Reader(str(shard.parent), ckpt.read_manifest(str(shard.parent))).tensors(1)
 
 
 def test_files_are_standard_safetensors_and_complex_falls_back(tmp_path):
@@ -166,12 +167,13 @@ def test_files_are_standard_safetensors_and_complex_falls_back(tmp_path):
     ckpt.save(str(tmp_path / "x"), {"s": state})
     st = pytest.importorskip("safetensors.torch", reason="safetensors not installed: cannot cross-check the format")
     files = sorted(p.name for p in (tmp_path / "x").iterdir())
-    assert files == ["manifest.json", "rank00000.json", "rank00000.pt"]  # complex64 has no safetensors code
+    assert files == ["manifest.json", "rank00000.json", "s.pt"]  # complex64 has no safetensors code
     del state["z"]
     ckpt.save(str(tmp_path / "y"), {"s": state})
-    theirs = st.load_file(str(tmp_path / "y" / "rank00000.safetensors"))  # the reference reader agrees
-    for i, v in enumerate(state.values()):  # tensors are named t0, t1, … in tree order
-        assert torch.equal(theirs[f"t{i}"], v) and theirs[f"t{i}"].dtype == v.dtype
+    theirs = st.load_file(str(tmp_path / "y" / "s.safetensors"))  # the reference reader agrees
+    assert sorted(theirs) == sorted(state)  # tensors under their real names
+    for k, v in state.items():
+        assert torch.equal(theirs[k], v) and theirs[k].dtype == v.dtype
     loaded = {"s": {k: torch.zeros_like(v) for k, v in state.items()}}
     ckpt.load(str(tmp_path / "y"), loaded)
     for k, v in state.items():

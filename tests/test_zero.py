@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.memory import memory_report
 from phalanx.parallel.engine import GradientEngine
 from phalanx.parallel.zero import zero
+from phalanx.profiler.memory import memory_report
 from phalanx.testing import distributed
 
 STEPS, ACCUM, BATCH, MAX_NORM = 20, 2, 8, 0.05

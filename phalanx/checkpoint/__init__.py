@@ -14,14 +14,21 @@ Example::
         if (step + 1) % 100 == 0:
             mgr.save(step + 1, state, async_=True)   # blocks only for the CPU copy
 
-See docs/fault_tolerance.md for the layout and what happens on each failure.
+Any tool reads the result: pieces every rank holds alike are written once, under their
+state-dict keys (``safetensors.torch.load_file("step-…/model.safetensors")`` loads into a
+fresh model), and ``export(dir, "model.safetensors")`` / ``phalanx checkpoint export``
+writes one consolidated file. See docs/fault_tolerance.md for the layout and what
+happens on each failure.
 """
 
 from phalanx.checkpoint._tree import Shard
 from phalanx.checkpoint.async_save import AsyncWriter, CheckpointWriteError
+from phalanx.checkpoint.export import ExportError, export
 from phalanx.checkpoint.io import CorruptCheckpointError
 from phalanx.checkpoint.manager import CheckpointManager, list_checkpoints, load_latest, resume
-from phalanx.checkpoint.sharded import MANIFEST, RNGState, load, read_manifest, save, wait
+from phalanx.checkpoint.manifest import MANIFEST, read_manifest
+from phalanx.checkpoint.pieces import RNGState
+from phalanx.checkpoint.sharded import load, save, wait
 
 __all__ = [
     "save",
@@ -38,4 +45,6 @@ __all__ = [
     "CheckpointWriteError",
     "AsyncWriter",
     "MANIFEST",
+    "export",
+    "ExportError",
 ]

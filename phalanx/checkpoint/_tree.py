@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Shard", "encode", "decode", "copy_overlap"]
+__all__ = ["Shard", "encode", "decode", "copy_overlap", "path_str"]
 
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -52,7 +52,7 @@ class Shard:
                 raise ValueError(f"Shard: dimension {d} covers [{o}, {o + n}) outside global size {g}")
 
 
-def _path_str(path: tuple) -> str:
+def path_str(path: tuple) -> str:
     return "/".join(str(p) for p in path) or "<root>"
 
 
@@ -70,7 +70,7 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], records: dict[str, dict],
     def put(t: torch.Tensor, extra: dict) -> str:
         name = f"t{len(tensors)}"
         t = t.detach()
-        key = (name, _path_str(path), tuple(t.shape), t.dtype)
+        key = (name, path_str(path), tuple(t.shape), t.dtype)
         if copy and staging is not None and key in staging:
             t = staging[key].copy_(t)
         elif copy or t.device.type != "cpu":
@@ -78,7 +78,7 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], records: dict[str, dict],
             if staging is not None:
                 staging[key] = t
         tensors[name] = t
-        records[name] = {"path": _path_str(path), "shape": list(t.shape),
+        records[name] = {"path": path_str(path), "shape": list(t.shape),
                          "dtype": str(t.dtype).replace("torch.", ""), **extra}
         return name
 
@@ -106,7 +106,7 @@ def encode(obj: Any, tensors: dict[str, torch.Tensor], records: dict[str, dict],
         return {"__ndarray__": put(torch.from_numpy(obj.copy()), {})}
     if np is not None and isinstance(obj, np.generic):
         return obj.item()
-    raise TypeError(f"checkpoint: cannot save the {type(obj).__name__} at '{_path_str(path)}'; "
+    raise TypeError(f"checkpoint: cannot save the {type(obj).__name__} at '{path_str(path)}'; "
                     "a state may hold tensors, Shards, numbers, strings, None and dicts/lists/tuples "
                     "of them (give objects a state_dict() that returns those)")
 
@@ -133,7 +133,7 @@ def decode(skel: Any, fetch, path: tuple = ()) -> Any:
         return fetch(skel["__tensor__"], skel, path)
     if "__shard__" in skel:
         return fetch(skel["__shard__"], skel, path)
-    raise ValueError(f"checkpoint skeleton: unknown node at '{_path_str(path)}': {sorted(skel)}")
+    raise ValueError(f"checkpoint skeleton: unknown node at '{path_str(path)}': {sorted(skel)}")
 
 
 def copy_overlap(dst: torch.Tensor, dst_offsets, src: torch.Tensor, src_offsets) -> int:

@@ -42,6 +42,8 @@ __all__ = [
     "checksum_file",
     "checksum_algorithm",
     "tensor_format",
+    "tensor_bytes",
+    "safetensors_dtype",
 ]
 
 
@@ -99,6 +101,11 @@ def _hasher(expected: str | None = None):
 
 def _digest(h) -> str:
     return f"{h.name}:{h.hexdigest()}"
+
+
+def safetensors_dtype(name: str) -> bool:
+    """Whether the safetensors format has a code for torch dtype ``name`` (``"float32"``; not complex)."""
+    return isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name) in _ST_DTYPES
 
 
 def tensor_format(tensors: dict[str, torch.Tensor] | None = None) -> str:
@@ -168,7 +175,8 @@ def checksum_file(path: str, like: str | None = None) -> str:
     return _digest(h)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (a view when it is contiguous on CPU)."""
     t = t.detach().contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
@@ -190,7 +198,7 @@ def _write_safetensors(f, tensors: dict[str, torch.Tensor]) -> str:
     h = _hasher()
     # hashing runs on a second thread (hashlib drops the GIL) while this one writes
     with ThreadPoolExecutor(1) as hasher:
-        for chunk in [struct.pack("<Q", len(head)) + head] + [_bytes_of(t) for _, t in items]:
+        for chunk in [struct.pack("<Q", len(head)) + head] + [tensor_bytes(t) for _, t in items]:
             pending = hasher.submit(h.update, chunk)
             f.write(chunk)
             pending.result()

@@ -15,9 +15,16 @@ import re
 import shutil
 
 from phalanx.checkpoint import io
-from phalanx.checkpoint.sharded import MANIFEST, _apply, _read, _world, log, save, wait
+from phalanx.checkpoint.manifest import MANIFEST
+from phalanx.checkpoint.pieces import job_of
+from phalanx.checkpoint.reader import apply_state, read_state
+from phalanx.checkpoint.sharded import save, wait
+from phalanx.comm.collectives import allgather_object, broadcast_object
+from phalanx.log import get_logger
 
 __all__ = ["CheckpointManager", "list_checkpoints", "load_latest", "resume"]
+
+log = get_logger(__name__)
 
 _STEP_RE = re.compile(r"(\d+)$")
 
@@ -36,30 +43,28 @@ def list_checkpoints(root: str, complete_only: bool = True) -> list[str]:
     return [p for _, _, p in sorted(out, reverse=True)]
 
 
-def load_latest(root: str, state: dict) -> str | None:
+def load_latest(root: str, state: dict, *, topology=None) -> str | None:
     """Load the newest checkpoint under ``root`` that every rank can read intact; return its path.
 
-    A checkpoint whose files are missing or fail their checksum on any rank is
-    skipped (with a warning) for the next older one. Returns None if ``root`` has
-    no complete checkpoint at all; raises if all of them are corrupt.
+    A checkpoint whose files are missing, fail their checksum or whose manifest is
+    malformed on any rank is skipped (with a warning) for the next older one. Returns
+    None if ``root`` has no complete checkpoint at all; raises if all of them are corrupt.
     """
-    wait()
-    rank, world = _world()
+    wait(topology=topology)
+    job = job_of(topology)
     candidates = list_checkpoints(root)
-    if world > 1:
-        from phalanx.comm.collectives import allgather_object, broadcast_object
-
+    if job.world > 1:
         candidates = broadcast_object(candidates, root_rank=0)
     errors = []
     for path in candidates:
         try:
-            tree, err = _read(path, state), None
+            tree, err = read_state(path, state, topology=topology), None
         except (io.CorruptCheckpointError, OSError, KeyError, ValueError) as e:
-            tree, err = None, f"rank {rank}: {e}"
-        errs = allgather_object(err) if world > 1 else [err]
+            tree, err = None, f"rank {job.rank}: {e}"
+        errs = allgather_object(err) if job.world > 1 else [err]
         bad = [e for e in errs if e is not None]
         if not bad:
-            _apply(state, tree)
+            apply_state(state, tree)
             return path
         log.warning("skipping checkpoint %s: %s", path, "; ".join(bad))
         errors.extend(bad)
@@ -81,17 +86,19 @@ class CheckpointManager:
                 mgr.save(step, state, async_=True)
     """
 
-    def __init__(self, root: str, keep: int = 3) -> None:
+    def __init__(self, root: str, keep: int = 3, *, topology=None) -> None:
         if keep < 1:
             raise ValueError(f"CheckpointManager(keep={keep}): keep at least 1 checkpoint")
-        self.root, self.keep = root, keep
+        # None follows the live job (an elastic job's topology changes when it re-forms)
+        self.root, self.keep, self.topology = root, keep, topology
 
     def path(self, step: int) -> str:
         return os.path.join(self.root, f"step-{int(step):09d}")
 
     def save(self, step: int, state: dict, *, async_: bool = False, fsync: bool = True) -> str:
         path = self.path(step)
-        save(path, state, async_=async_, meta={"step": int(step)}, fsync=fsync, on_done=self.prune)
+        save(path, state, async_=async_, meta={"step": int(step)}, fsync=fsync, on_done=self.prune,
+             topology=self.topology)
         return path
 
     def prune(self) -> None:
@@ -106,7 +113,7 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, state: dict) -> str | None:
-        return load_latest(self.root, state)
+        return load_latest(self.root, state, topology=self.topology)
 
     def latest(self) -> str | None:
         found = list_checkpoints(self.root)
@@ -118,7 +125,7 @@ def _step_of(path: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def resume(state: dict, root: str | None = None) -> str | None:
+def resume(state: dict, root: str | None = None, *, topology=None) -> str | None:
     """Load the newest intact checkpoint under ``root`` (default ``$PHALANX_RESUME_FROM``) into ``state``.
 
     Returns the path loaded, or None when there is no root or nothing to resume
@@ -127,7 +134,7 @@ def resume(state: dict, root: str | None = None) -> str | None:
     root = root or os.environ.get("PHALANX_RESUME_FROM")
     if not root:
         return None
-    path = load_latest(root, state)
+    path = load_latest(root, state, topology=topology)
     if path is not None:
         log.warning("resumed from %s", path)
     return path

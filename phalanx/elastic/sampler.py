@@ -25,33 +25,36 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.elastic.state import live_topology
+
 __all__ = ["ElasticSampler"]
 
 
 class ElasticSampler(torch.utils.data.Sampler):
     """Shard the unprocessed rest of the epoch over the current ranks; checkpointable.
 
-    ``rank``/``world_size`` default to phalanx's (or 0/1 before ``init``). Call
-    :meth:`reset` after the world changes (``phalanx.elastic.TorchState.sync`` does).
+    ``rank``/``world_size`` default to ``topology``'s, and without one to the live
+    job's (or 0/1 before ``init``). Call :meth:`reset` after the world changes
+    (``phalanx.elastic.TorchState.sync`` does).
     """
 
     def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 rank: int | None = None, world_size: int | None = None, topology=None) -> None:
         if num_samples < 1:
             raise ValueError(f"ElasticSampler(num_samples={num_samples}): need at least one sample")
         self.num_samples, self.shuffle, self.seed = int(num_samples), shuffle, int(seed)
         self.epoch = 0
         self.processed = 0  # samples of this epoch consumed by the whole job
         self._fixed = (rank, world_size)
+        self._topology = topology
         self.reset()
 
     def reset(self) -> None:
         """Re-read rank and world size and re-deal the remaining samples of the epoch."""
-        from phalanx import runtime
-
         rank, world = self._fixed
         if rank is None or world is None:
-            rank, world = (runtime.rank(), runtime.size()) if runtime.is_initialized() else (0, 1)
+            topology = live_topology(self._topology)
+            rank, world = (topology.rank, topology.size) if topology is not None else (0, 1)
         self.rank, self.world_size = rank, world
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)

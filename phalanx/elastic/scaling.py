@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from phalanx.elastic.state import live_topology
+
 __all__ = ["scale_lr", "keep_global_batch"]
 
 
@@ -68,8 +70,7 @@ def keep_global_batch(state: Any, name: str, global_batch: int) -> Callable[[int
                              "--min-np..--max-np")
         setattr(state, name, global_batch // new)
 
-    from phalanx import runtime
-
-    size = runtime.size() if runtime.is_initialized() else 1
+    topology = live_topology()
+    size = topology.size if topology is not None else 1
     hook(size, size)
     return hook

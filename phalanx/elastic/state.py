@@ -30,11 +30,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from phalanx import runtime
 from phalanx.checkpoint.manager import CheckpointManager
-from phalanx.checkpoint.sharded import _is_gathered, _is_stateful
+from phalanx.checkpoint.pieces import is_gathered, is_stateful
+from phalanx.comm.collectives import allgather_object, broadcast, broadcast_object
 from phalanx.log import get_logger
 
-__all__ = ["State", "TorchState", "default_commit_dir"]
+__all__ = ["State", "TorchState", "default_commit_dir", "live_topology"]
 
 log = get_logger(__name__)
 
@@ -65,14 +67,18 @@ class TorchState:
     Extras are attributes: ``state.epoch``, ``state.sampler``. ``commit()`` keeps
     a copy in memory and writes a snapshot to ``commit_dir`` (``keep`` newest
     kept); ``restore()`` returns False when there is nothing to restore.
+    ``topology``: the job's, for a job whose membership never changes; the default
+    (``None``) follows the live job, whose topology an in-process elastic re-form
+    replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *,
-                 commit_dir: str | None = None, keep: int = 2, **extras: Any) -> None:
+                 commit_dir: str | None = None, keep: int = 2, topology=None, **extras: Any) -> None:
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
         object.__setattr__(self, "commit_dir", commit_dir or default_commit_dir())
-        object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep))
+        object.__setattr__(self, "_topology", topology)
+        object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         object.__setattr__(self, "_memory", None)
         object.__setattr__(self, "commits", 0)
         object.__setattr__(self, "restored_from", None)
@@ -106,11 +112,9 @@ class TorchState:
         """Remember this point: in memory, and as a snapshot a restarted group can load."""
         object.__setattr__(self, "commits", self.commits + 1)
         if self._world is None:  # committed without a sync(): record the size this state belongs to
-            from phalanx import runtime
-
-            object.__setattr__(self, "_world", runtime.size() if runtime.is_initialized() else 1)
-        snapshot = {k: copy.deepcopy(v.sharded_state_dict() if _is_gathered(v) else
-                                     v.state_dict() if _is_stateful(v) else v)
+            object.__setattr__(self, "_world", _size(self._topology))
+        snapshot = {k: copy.deepcopy(v.sharded_state_dict() if is_gathered(v) else
+                                     v.state_dict() if is_stateful(v) else v)
                     for k, v in self._pieces.items()}
         object.__setattr__(self, "_memory", snapshot)
         self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
@@ -123,9 +127,9 @@ class TorchState:
         """Roll back to the last commit: from memory if this process made it, else from the snapshot."""
         if self._memory is not None:
             for k, v in self._pieces.items():
-                if _is_gathered(v):  # ZeRO: each rank kept its own shard; load from all of them
-                    v.load_sharded_state_dict(_all_ranks(copy.deepcopy(self._memory[k])))
-                elif _is_stateful(v):
+                if is_gathered(v):  # ZeRO: each rank kept its own shard; load from all of them
+                    v.load_sharded_state_dict(_all_ranks(copy.deepcopy(self._memory[k]), self._topology))
+                elif is_stateful(v):
                     v.load_state_dict(copy.deepcopy(self._memory[k]))
                 elif isinstance(v, torch.Tensor):
                     with torch.no_grad():
@@ -139,28 +143,26 @@ class TorchState:
             return False
         object.__setattr__(self, "commits", live.pop("_commits"))
         object.__setattr__(self, "_world", live.pop("_world"))
-        self._pieces.update({k: v for k, v in live.items() if not _is_stateful(v)})
+        self._pieces.update({k: v for k, v in live.items() if not is_stateful(v)})
         object.__setattr__(self, "restored_from", path)
         log.info("restored commit %d from %s", self.commits, path)
         return True
 
     def sync(self) -> None:
         """Make every rank hold rank 0's state (after a restart or a new worker joined)."""
-        from phalanx import runtime
-        from phalanx.comm.collectives import broadcast, broadcast_object
-
-        if not runtime.is_initialized() or runtime.size() == 1:
+        topology = live_topology(self._topology)
+        if topology is None or topology.size == 1:
             self._reset_samplers()
             self._world_changed(1)
             return
         for k, v in self._pieces.items():
-            if _is_gathered(v):
+            if is_gathered(v):
                 continue  # sharded (ZeRO): every rank holds its own part, restored from every rank's
             if isinstance(v, torch.nn.Module):
                 for t in list(v.parameters()) + list(v.buffers()):
                     broadcast(t.data, root_rank=0, inplace=True, name=f"sync.{k}")
-            elif _is_stateful(v):
-                sd = broadcast_object(v.state_dict() if runtime.rank() == 0 else None, root_rank=0)
+            elif is_stateful(v):
+                sd = broadcast_object(v.state_dict() if topology.rank == 0 else None, root_rank=0)
                 v.load_state_dict(sd)
             elif isinstance(v, torch.Tensor):
                 broadcast(v, root_rank=0, inplace=True, name=f"sync.{k}")
@@ -170,7 +172,7 @@ class TorchState:
         object.__setattr__(self, "commits", commits)
         object.__setattr__(self, "_world", world)
         self._reset_samplers()
-        self._world_changed(runtime.size())
+        self._world_changed(topology.size)
 
     def _world_changed(self, size: int) -> None:
         old = self._world
@@ -187,11 +189,23 @@ class TorchState:
                 v.reset()
 
 
-def _all_ranks(mine: Any) -> list:
-    from phalanx import runtime
+def live_topology(topology=None):
+    """``topology``, else the live job's (an elastic re-form replaces it), else None (one process).
 
-    if not runtime.is_initialized() or runtime.size() == 1:
+    The elastic layer's one read of the runtime's current topology: the state, the
+    sampler and the rescaling hooks follow the job as its membership changes.
+    """
+    if topology is not None:
+        return topology
+    return runtime.topology() if runtime.is_initialized() else None
+
+
+def _size(topology) -> int:
+    live = live_topology(topology)
+    return 1 if live is None else live.size
+
+
+def _all_ranks(mine: Any, topology) -> list:
+    if _size(topology) == 1:
         return [mine]
-    from phalanx.comm.collectives import allgather_object
-
     return allgather_object(mine)

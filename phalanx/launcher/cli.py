@@ -19,6 +19,7 @@ _SUBCOMMANDS = (
     "phalanx.launcher.bench_cmd",
     "phalanx.launcher.plan_cmd",
     "phalanx.launcher.report_cmd",
+    "phalanx.launcher.checkpoint_cmd",
 )
 
 

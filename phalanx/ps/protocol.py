@@ -4,7 +4,7 @@ Every message is a *frame* sent with ``torch.distributed`` ``isend``/``irecv``
 and a tag per message kind; there is no socket code here. A frame is::
 
     header  int64[6]   [op, clock, version, meta_len, n_tensors, arg]     tag REQ (to server) / REPLY
-    meta    uint8[..]  pickled [(dtype, shape) per tensor] + compressor ctx tag DATA / REPLY_DATA
+    meta    uint8[..]  [mac(32)] JSON {"s": single, "t": [[dtype, shape]…], "c": ctx} tag DATA / REPLY_DATA
                        (left out when it equals the last meta on this link: meta_len = 0)
     tensors ...        the compressor's payload (one or more tensors)     tag DATA / REPLY_DATA
 
@@ -14,6 +14,13 @@ link (one peer, one direction) rarely changes -- same shard, same compressor --
 so each side keeps the last one in a :class:`MetaCache` and a steady-state frame
 is two messages, header and payload. Each message costs a post, a wait and on
 a busy host a context switch, which is what bounds a server's request rate.
+
+The meta is data only: JSON of numbers, strings, lists, and two tagged forms
+(``{"dtype": "float32"}``, ``{"tuple": [...]}``) for what compressor contexts hold;
+decoding it cannot run code, unlike the pickle it replaced. With a job key
+(``MetaCache(key=...)``, e.g. the job secret) every meta carries an HMAC-SHA256 of
+its bytes, checked in constant time *before* anything is decoded: a frame from a
+sender without the key is refused unread (:class:`PSAuthError`).
 
 Every wait has a deadline: a peer that died or stopped answering raises
 :class:`PSTimeoutError` or :class:`PSPeerError` naming the rank and its role
@@ -31,7 +38,9 @@ from __future__ import annotations
 
 import datetime
 import enum
-import pickle
+import hashlib
+import hmac
+import json
 
 import torch
 import torch.distributed as dist
@@ -48,6 +57,7 @@ __all__ = [
     "PSError",
     "PSTimeoutError",
     "PSPeerError",
+    "PSAuthError",
     "send_frame",
     "recv_header",
     "recv_body",
@@ -55,6 +65,9 @@ __all__ = [
     "wait_work",
     "MetaCache",
     "pack",
+    "encode_meta",
+    "decode_meta",
+    "sign_meta",
 ]
 
 # Tags well above anything user code is likely to use on the same pairs.
@@ -91,6 +104,73 @@ class PSPeerError(PSError):
     """The transport reported the peer gone (connection closed: it crashed or exited)."""
 
 
+class PSAuthError(PSError):
+    """A frame's meta did not carry a valid HMAC under the link's key; it was refused undecoded."""
+
+
+_MAC_BYTES = 32
+
+
+def _to_data(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).replace("torch.", "")}
+    if isinstance(v, tuple):
+        return {"tuple": [_to_data(x) for x in v]}
+    if isinstance(v, list):
+        return [_to_data(x) for x in v]
+    if isinstance(v, torch.Size):
+        return {"tuple": list(v)}
+    raise TypeError(f"parameter-server frame meta: cannot encode a {type(v).__name__} (a compressor context may "
+                    "hold numbers, strings, None, dtypes and tuples/lists of them)")
+
+
+def _from_data(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_from_data(x) for x in v]
+    if isinstance(v, dict) and len(v) == 1:
+        if isinstance(v.get("tuple"), list):
+            return tuple(_from_data(x) for x in v["tuple"])
+        dtype = getattr(torch, v["dtype"], None) if isinstance(v.get("dtype"), str) else None
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise PSError(f"frame meta: unexpected value {str(v)[:80]!r}")
+
+
+def encode_meta(single: bool, tensors: list[torch.Tensor], ctx, key: bytes | None = None) -> bytes:
+    """The frame meta as data-only JSON bytes, prefixed by its HMAC-SHA256 under ``key`` when there is one."""
+    body = json.dumps({"s": bool(single), "t": [[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in tensors],
+                       "c": _to_data(ctx)}, separators=(",", ":")).encode()
+    return sign_meta(body, key) if key else body
+
+
+def sign_meta(body: bytes, key: bytes) -> bytes:
+    """``HMAC-SHA256(key, body) + body``."""
+    return hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+def decode_meta(blob: bytes, key: bytes | None = None, what: str = "frame") -> tuple:
+    """``(single, [(dtype, shape)…], ctx)`` from :func:`encode_meta`'s bytes.
+
+    With ``key``, the HMAC is checked (constant time) before a byte is decoded; a
+    missing or wrong one raises :class:`PSAuthError`.
+    """
+    if key:
+        mac, blob = blob[:_MAC_BYTES], blob[_MAC_BYTES:]
+        if len(mac) != _MAC_BYTES or not hmac.compare_digest(hmac.new(key, blob, hashlib.sha256).digest(), mac):
+            raise PSAuthError(f"{what}: refused a frame with a bad or missing HMAC (the sender does not hold "
+                              "this link's key)")
+    try:
+        raw = json.loads(blob)
+        specs = [(_from_data({"dtype": d}), tuple(int(x) for x in shape)) for d, shape in raw["t"]]
+        return bool(raw["s"]), specs, _from_data(raw["c"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise PSError(f"{what}: malformed frame meta ({err})") from None
+
+
 def _translate(err: RuntimeError, timeout_s: float, what: str) -> PSError:
     text = str(err)
     if "timed out" in text.lower() or "timeout" in text.lower():
@@ -123,23 +203,25 @@ class MetaCache:
     """The last meta sent to and received from each peer, so an unchanged one is not resent.
 
     Both ends of a link must use one cache for the life of the link (one session).
+    ``key``: bytes both ends hold (e.g. the job secret); metas are then signed and
+    checked (:func:`decode_meta`). ``None``: unsigned (still data only).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
+        self.key = key
         self.sent: dict[int, bytes] = {}
         self.received: dict[int, tuple] = {}
 
 
 def pack(tensor: torch.Tensor, compressor, key: str = "default") -> tuple[list[torch.Tensor], bytes]:
-    """Compress ``tensor`` into the payload tensors and the pickled meta of a frame."""
+    """Compress ``tensor`` into the payload tensors and the data-only meta of a frame (signed when sent)."""
     # error feedback keeps one residual per key: one per link, never shared by two shards
     payload, ctx = (compressor.compress(tensor, key) if isinstance(compressor, ErrorFeedback)
                     else compressor.compress(tensor))
     single = isinstance(payload, torch.Tensor)
     tensors = [payload] if single else list(payload)
     tensors = [t.contiguous() for t in tensors]
-    meta = pickle.dumps((single, [(t.dtype, tuple(t.shape)) for t in tensors], ctx))
-    return tensors, meta
+    return tensors, encode_meta(single, tensors, ctx)
 
 
 def send_frame(
@@ -167,6 +249,8 @@ def send_frame(
     if packed is None and tensor is not None:
         packed = pack(tensor, compressor, f"{'reply' if reply else 'req'}{dst}")
     tensors, meta = packed if packed is not None else ([], b"")
+    if meta and cache is not None and cache.key:
+        meta = sign_meta(meta, cache.key)
     if cache is not None and tensors and cache.sent.get(dst) == meta:
         meta = b""  # the receiver still has it
     elif cache is not None and tensors:
@@ -206,7 +290,7 @@ def recv_body(src: int, header: list[int], compressor, *, reply: bool, timeout_s
     if meta_len:
         meta_buf = torch.empty(meta_len, dtype=torch.uint8)
         wait_work(_post(dist.irecv, meta_buf, src, tag, timeout_s, what), timeout_s, what)
-        meta = pickle.loads(meta_buf.numpy().tobytes())
+        meta = decode_meta(meta_buf.numpy().tobytes(), cache.key if cache is not None else None, what)
         if cache is not None:
             cache.received[src] = meta
     elif cache is not None and src in cache.received:

@@ -36,27 +36,18 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from phalanx import runtime
 from phalanx.comm.compression import get_compressor
 from phalanx.log import get_logger
-from phalanx.parallel.zero_shard import (
-    assign_shard_offsets,
-    build_units,
-    consolidate,
-    full_as_shard_groups,
-    segments,
-)
-from phalanx.parallel.zero_stage3 import Stage3
-from phalanx.parallel.zero_stage12 import Stage12
+from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
+from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks
+from phalanx.parallel.zero.stage3 import Stage3
+from phalanx.parallel.zero.stage12 import Stage12
 
 __all__ = ["zero", "ZeroOptimizer"]
 
 _log = get_logger(__name__)
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMAT = "phalanx.zero/1"
-FULL_FORMAT = "phalanx.zero.full/1"
-# The inner optimizer steps the flat shard in views of this many elements: its temporaries
-# (Adam: two of a parameter's size) then stay this small instead of the whole shard's size.
-CHUNK_NUMEL = 1 << 20
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
@@ -66,10 +57,6 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(optimizer.defaults)
     return {k: v for k, v in optimizer.defaults.items() if k in params}
-
-
-def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)] or [flat]
 
 
 def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes, compression):
@@ -124,6 +111,8 @@ def zero(
     backward, which is what frees their gradient memory). Any other number of
     passes is still correct, only less overlapped. ``compression="fp16"|"bf16"``
     sends gradients in that dtype (summed in it too); the shard stays in the compute dtype.
+    ``topology``: the job's :class:`~phalanx.runtime.Topology` (default: the one ``px.init()``
+    made); ``group`` defaults to its world group.
 
     Example::
 
@@ -132,9 +121,9 @@ def zero(
     compressor = _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm,
                              backward_passes_per_step, compression)
     if topology is None:
-        import phalanx.runtime as runtime
-
-        topology = runtime.init()
+        if not runtime.is_initialized():
+            raise RuntimeError("zero(): phalanx is not initialised; call px.init() first (or pass topology=)")
+        topology = runtime.topology()
     group = group if group is not None else topology.world_group()
     return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
                                 backward_passes_per_step, compressor)
@@ -147,8 +136,13 @@ def _cast(dtype):
     return cast
 
 
-class ZeroOptimizer:
-    """The inner optimizer, rebuilt over this rank's flat fp32 shard of each parameter group."""
+class ZeroOptimizer(ShardedCheckpoint):
+    """The inner optimizer, rebuilt over this rank's flat fp32 shard of each parameter group.
+
+    Checkpoints: ``sharded_state_dict`` / ``load_sharded_state_dict`` (any world size) and
+    ``full_state_dict`` / ``load_full_state_dict`` (torch.optim's format), from
+    :class:`~phalanx.parallel.zero.checkpoint.ShardedCheckpoint`.
+    """
 
     def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm,
                  backward_passes_per_step: int = 1, compressor=None) -> None:
@@ -191,7 +185,7 @@ class ZeroOptimizer:
             self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank,
                                   backward_passes_per_step, registration, compressor)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
-        self.chunks = [_chunks(m) for m in self.masters]
+        self.chunks = [chunks(m) for m in self.masters]
         self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)],
                                      **_constructor_defaults(optimizer))
         model.register_forward_pre_hook(lambda m, args: self.engine.before_forward())
@@ -298,7 +292,7 @@ class ZeroOptimizer:
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         for cs, g in zip(self.chunks, grads):
-            for c, gc in zip(cs, _chunks(g)):
+            for c, gc in zip(cs, chunks(g)):
                 c.grad = gc
         self.inner.step()
         for cs in self.chunks:
@@ -311,124 +305,3 @@ class ZeroOptimizer:
             if self._good_steps % 2000 == 0:
                 self.loss_scale *= 2.0
         return total_norm
-
-    # -- checkpoints -----------------------------------------------------------------------
-    def _flat_state(self, g: int) -> dict:
-        """Group ``g``'s optimizer state as one flat tensor per key (chunks joined), scalars as they are."""
-        cs = self.chunks[g]
-        per_chunk = [self.inner.state.get(c, {}) for c in cs]
-        if not per_chunk[0]:
-            return {}
-        return {k: torch.cat([st[k] for st in per_chunk]) if isinstance(v, torch.Tensor) and v.shape == cs[0].shape
-                else v for k, v in per_chunk[0].items()}
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's pieces of master weights and optimizer state, addressed by parameter name.
-
-        Every piece records ``name``, ``start`` (element offset in the flattened
-        parameter), ``numel`` and ``shape``; a load at any world size reassembles from them.
-        """
-        groups = []
-        for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
-            st = self._flat_state(g)
-            flat_keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == m.shape]
-            pieces = []
-            for name, start, n, off in segments(us, self.rank):
-                shape = next(s for u in us for nm, s in zip(u.names, u.shapes) if nm == name)
-                piece = {"name": name, "start": start, "numel": n, "shape": tuple(shape),
-                         "master": m[off : off + n].clone()}
-                piece["state"] = {k: st[k][off : off + n].clone() for k in flat_keys}
-                pieces.append(piece)
-            scalars = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items() if k not in flat_keys}
-            hp = {k: v for k, v in self.inner.param_groups[g].items() if k != "params"}
-            groups.append({"pieces": pieces, "scalars": scalars, "hparams": hp})
-        return {"format": FORMAT, "stage": self.stage, "world_size": self.world, "rank": self.rank, "groups": groups}
-
-    @torch.no_grad()
-    def load_sharded_state_dict(self, shards) -> None:
-        """Load from the sharded dicts of every saved rank (any world size, any stage).
-
-        Example::
-
-            opt.load_sharded_state_dict([torch.load(f"ckpt/rank{r}.pt") for r in range(4)])
-        """
-        shards = [shards] if isinstance(shards, dict) else list(shards)
-        for s in shards:
-            if s.get("format") != FORMAT:
-                raise ValueError(f"load_sharded_state_dict: not a {FORMAT} shard (format={s.get('format')!r})")
-        if len(shards) != shards[0]["world_size"]:
-            raise ValueError(
-                f"load_sharded_state_dict: got {len(shards)} shard(s) but they were saved by "
-                f"{shards[0]['world_size']} ranks; pass every rank's shard"
-            )
-        for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
-            saved = [s["groups"][g] for s in shards]
-            index: dict[str, list[dict]] = {}
-            for sg in saved:
-                for piece in sg["pieces"]:
-                    index.setdefault(piece["name"], []).append(piece)
-            keys = list(saved[0]["pieces"][0]["state"]) if saved[0]["pieces"] else []
-            state = {k: torch.zeros_like(m) for k in keys}
-            for name, start, n, off in segments(us, self.rank):
-                for piece in index.get(name, []):
-                    a, b = max(start, piece["start"]), min(start + n, piece["start"] + piece["numel"])
-                    if a >= b:
-                        continue
-                    dst, src = slice(off + a - start, off + b - start), slice(a - piece["start"], b - piece["start"])
-                    if piece.get("master") is not None:
-                        m[dst].copy_(piece["master"][src])
-                    for k in keys:
-                        state[k][dst].copy_(piece["state"][k][src])
-            for k, v in saved[0]["scalars"].items():
-                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            if state:
-                for i, c in enumerate(self.chunks[g]):
-                    lo = i * CHUNK_NUMEL
-                    self.inner.state[c] = {k: (v[lo : lo + c.numel()] if k in keys else
-                                               (v.clone() if isinstance(v, torch.Tensor) else v))
-                                           for k, v in state.items()}
-            self.inner.param_groups[g].update(saved[0]["hparams"])
-        self.engine.publish()
-
-    def full_state_dict(self, rank: int | None = 0) -> dict | None:
-        """The consolidated optimizer state, in ``torch.optim``'s own format, on group rank ``rank``.
-
-        Collective: every rank must call it. ``state`` is keyed by parameter index
-        over the original ``param_groups`` and holds full-shape tensors, so a plain
-        ``torch.optim`` optimizer of the unwrapped model loads it; the extra key
-        ``"phalanx"`` holds the parameter names and the fp32 master weights. Returns
-        ``None`` on the other ranks (``rank=None``: the dict on every rank).
-
-        Example::
-
-            full = opt.full_state_dict()
-            if px.rank() == 0:
-                torch.save({"model": model.state_dict(), "optimizer": full}, "ckpt.pt")
-        """
-        mine = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, self.sharded_state_dict())
-        shards = [None] * self.world
-        if rank is None:
-            dist.all_gather_object(shards, mine, group=self.group)
-        else:
-            if not 0 <= rank < self.world:
-                raise ValueError(f"full_state_dict(rank={rank}): must be in [0, {self.world}) or None")
-            dst = dist.get_global_rank(self.group, rank) if self.group is not None else rank
-            dist.gather_object(mine, shards if self.rank == rank else None, dst=dst, group=self.group)
-            if self.rank != rank:
-                return None
-        return consolidate(shards, self._group_names, self._shapes, FULL_FORMAT)
-
-    def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a consolidated dict (from :meth:`full_state_dict`, or a plain ``torch.optim``
-        one of the same model) on every rank; each rank keeps only what it owns.
-
-        Without ``"phalanx"`` master weights the current parameters stay the masters.
-        """
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != len(self._group_names):
-            raise ValueError(
-                f"load_full_state_dict: expected {len(self._group_names)} param_groups, got "
-                f"{len(groups) if isinstance(groups, list) else groups!r}; save with full_state_dict()"
-            )
-        out = full_as_shard_groups(state_dict, self._group_names, self._shapes)
-        self.load_sharded_state_dict({"format": FORMAT, "stage": self.stage, "world_size": 1, "rank": 0, "groups": out})

@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from phalanx.parallel.zero import ZeroOptimizer
+
 __all__ = ["memory_report", "peak_bytes"]
 
 
@@ -52,8 +54,6 @@ def memory_report(optimizer) -> dict[str, int]:
     count as optimizer state, as in the ZeRO paper, unless they are also the
     parameters: stage 3 without mixed precision) or any plain ``torch.optim`` optimizer.
     """
-    from phalanx.parallel.zero import ZeroOptimizer
-
     if isinstance(optimizer, ZeroOptimizer):
         engine = optimizer.engine
         masters = optimizer.masters

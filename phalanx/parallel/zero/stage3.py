@@ -22,8 +22,8 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from phalanx.parallel.zero_shard import Unit, assign_shard_offsets, build_units, gather_into
-from phalanx.parallel.zero_stage12 import grad_bytes, shard_engine
+from phalanx.parallel.zero.shard import Unit, assign_shard_offsets, build_units, gather_into
+from phalanx.parallel.zero.stage12 import grad_bytes, shard_engine
 
 __all__ = ["Stage3", "unit_modules"]
 

@@ -12,9 +12,9 @@ form that group's *shard* — the one flat fp32 tensor its inner optimizer steps
              \\_ rank 0 _/ \\__ rank 1 ___/                    \\_ r0 _/ \\_ r1 _/
     shard (rank 0) = [ unit0[0:s0] | unit1[0:s1] ]
 
-It also holds the checkpoint conversions that only need this layout
-(``consolidate``: every rank's pieces → one torch-format dict) and the two
-unit-level collectives (``gather_into``, ``reduces_in_place``).
+It also holds the two unit-level collectives (``gather_into``, ``reduces_in_place``)
+and the chunking of a shard for the inner optimizer (``chunks``). The checkpoint
+formats built on this layout are in :mod:`phalanx.parallel.zero.checkpoint`.
 
 Example::
 
@@ -34,8 +34,13 @@ import torch.distributed as dist
 from phalanx.comm.collectives import all_gather_flat
 
 __all__ = [
-    "Unit", "build_units", "segments", "gather_into", "reduces_in_place", "consolidate", "full_as_shard_groups",
+    "Unit", "build_units", "assign_shard_offsets", "segments", "gather_into", "reduces_in_place", "chunks",
+    "CHUNK_NUMEL",
 ]
+
+# The inner optimizer steps the flat shard in views of this many elements: its temporaries
+# (Adam: two of a parameter's size) then stay this small instead of the whole shard's size.
+CHUNK_NUMEL = 1 << 20
 
 
 @dataclasses.dataclass
@@ -176,54 +181,6 @@ def gather_into(flat: torch.Tensor, mine: torch.Tensor, group, rank: int, world:
     ])
 
 
-def full_as_shard_groups(state_dict: dict, group_names: list[list[str]], shapes: dict) -> list[dict]:
-    """A consolidated (torch-format) optimizer dict as the ``groups`` of one whole-parameter shard."""
-    master = state_dict.get("phalanx", {}).get("master", {})
-    out = []
-    for g, (names, saved) in enumerate(zip(group_names, state_dict["param_groups"])):
-        if len(saved["params"]) != len(names):
-            raise ValueError(f"load_full_state_dict: param_groups[{g}] has {len(saved['params'])} parameters, "
-                             f"this optimizer {len(names)}")
-        pieces, scalars = [], {}
-        for name, idx in zip(names, saved["params"]):
-            st = state_dict["state"].get(idx, {})
-            numel = math.prod(shapes[name])
-            flat = {k: v.reshape(-1) for k, v in st.items()
-                    if isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) == shapes[name]}
-            scalars.update({k: v for k, v in st.items() if k not in flat})
-            m = master.get(name)
-            pieces.append({"name": name, "start": 0, "numel": numel, "shape": shapes[name],
-                           "master": m.reshape(-1) if m is not None else None, "state": flat})
-        out.append({"pieces": pieces, "scalars": scalars,
-                    "hparams": {k: v for k, v in saved.items() if k != "params"}})
-    return out
-
-
-def consolidate(shards: list[dict], group_names: list[list[str]], shapes: dict, fmt: str) -> dict:
-    """Every rank's sharded dict → one torch-format optimizer state dict with full tensors."""
-    state, param_groups, master, index = {}, [], {}, 0
-    for g, names in enumerate(group_names):
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        for s in shards:
-            for piece in s["groups"][g]["pieces"]:
-                n, sl = piece["name"], slice(piece["start"], piece["start"] + piece["numel"])
-                numel = math.prod(shapes[n])
-                if n not in master:
-                    master[n] = torch.zeros(numel, dtype=piece["master"].dtype)
-                    full[n] = {k: torch.zeros(numel, dtype=v.dtype) for k, v in piece["state"].items()}
-                master[n][sl] = piece["master"]
-                for k, v in piece["state"].items():
-                    full[n][k][sl] = v
-        saved = shards[0]["groups"][g]
-        ids = []
-        for n in names:
-            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved["scalars"].items()}
-            st.update({k: v.view(shapes[n]) for k, v in full.get(n, {}).items()})
-            if st:
-                state[index] = st
-            master[n] = master[n].view(shapes[n])
-            ids.append(index)
-            index += 1
-        param_groups.append({**saved["hparams"], "params": ids})
-    return {"state": state, "param_groups": param_groups,
-            "phalanx": {"format": fmt, "names": group_names, "master": master}}
+def chunks(flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat`` of :data:`CHUNK_NUMEL` elements (the last one shorter): the inner optimizer's parameters."""
+    return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)] or [flat]

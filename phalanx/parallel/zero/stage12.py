@@ -38,7 +38,7 @@ import torch.distributed as dist
 from phalanx.comm.collectives import reduce_scatter_flat
 from phalanx.comm.compression import NoneCompressor
 from phalanx.parallel.engine import BucketReduction, GradientEngine
-from phalanx.parallel.zero_shard import Unit, gather_into, reduces_in_place
+from phalanx.parallel.zero.shard import Unit, gather_into, reduces_in_place
 
 __all__ = ["ShardReduction", "shard_engine", "Stage12"]
 

@@ -1,0 +1,142 @@
+"""Who writes which tensor, into which file, under which name: replicated state is written once.
+
+Every rank describes its tensors (tree path, shape, dtype, where a :class:`Shard`
+sits, and a digest of the bytes); rank 0 groups equal descriptions across ranks
+and answers each rank with its plan. As in torch.distributed.checkpoint
+(``dedup_save_plans``), a tensor that several ranks hold is written by one of them,
+the least loaded so far; unlike DCP, "the same" is checked, not assumed from
+the name: two ranks share a tensor only when path, shape, dtype, placement and
+the digest of the bytes agree (a per-rank RNG state or a rank-dependent buffer is
+never merged by mistake). The digest is CRC-32 and Adler-32 of the bytes (64 bits,
+both run at memory speed in zlib).
+
+Files are named by what they hold, and tensors by their real names, so standard
+tools read them::
+
+    model.safetensors            the piece "model", held by every rank: its state-dict keys
+                                 ("0.weight", …): model.load_state_dict(load_file(...)) works
+    optim.safetensors            likewise ("state/0/exp_avg", "state/0/step", …)
+    model.group00001.safetensors a piece held alike by some ranks only (e.g. one pipeline stage's)
+    rank00003.safetensors        what only rank 3 holds (its RNG state, its Shards), named by
+                                 full path ("rng/torch", "shard")
+
+Example::
+
+    desc = describe(tensors, records)              # on every rank
+    plans = make_plans([desc_rank0, desc_rank1])   # on rank 0: one plan per rank
+    plans[1]["t0"]                                 # ["model.safetensors", "0.weight", False]: rank 0 writes it
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+
+from phalanx.checkpoint import io
+
+__all__ = ["describe", "make_plans", "piece_of", "file_name_ok"]
+
+_SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
+
+
+def file_name_ok(name: object) -> bool:
+    """A plain file name inside the checkpoint directory: no separator, no ``..``, not absolute."""
+    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name and not name.startswith(".."))
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = io.tensor_bytes(t)
+    return f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}"
+
+
+def piece_of(path: str) -> tuple[str, str]:
+    """``"model/0.weight"`` -> ``("model", "0.weight")``; a piece that is itself a tensor keeps its name."""
+    head, _, rest = path.partition("/")
+    return head, (rest or head)
+
+
+def describe(tensors: dict[str, torch.Tensor], records: dict[str, dict], *, digest: bool) -> dict[str, list]:
+    """This rank's tensors for the planner: ``tid -> [path, shape, dtype, placement, digest, nbytes]``.
+
+    ``digest=False`` (a world of one: there is nobody to share with) skips hashing.
+    """
+    out = {}
+    for tid, rec in records.items():
+        t = tensors[tid]
+        place = [rec.get("global_shape"), rec.get("offsets")]
+        out[tid] = [rec["path"], rec["shape"], rec["dtype"], place, _digest(t) if digest else "",
+                    t.numel() * t.element_size()]
+    return out
+
+
+def _file_stem(piece: str, taken: dict[str, str]) -> str:
+    """A file-name stem for ``piece`` that is a plain name and no other piece's (nor a rank file's)."""
+    if piece in taken:
+        return taken[piece]
+    stem = piece if _SAFE.match(piece) and not re.match(r"^(rank\d|manifest)", piece) else f"piece{len(taken)}"
+    while stem in taken.values():
+        stem += "_"
+    taken[piece] = stem
+    return stem
+
+
+def make_plans(descs: list[dict[str, list]], fmt: str | None = None) -> list[dict[str, list]]:
+    """Rank 0: every rank's plan, ``tid -> [file, name in the file, this rank writes it]``.
+
+    ``descs[r]`` is rank r's :func:`describe`. Deterministic: the same descriptions
+    always give the same plan. ``fmt`` forces ``"torch"`` files (``.pt``) for all.
+    """
+    world = len(descs)
+    holders: dict[tuple, list[tuple[int, str]]] = {}
+    for r, desc in enumerate(descs):
+        for tid, (path, shape, dtype, place, dig, _) in desc.items():
+            sig = (path, tuple(shape), dtype, repr(place), dig) if dig or world == 1 else (r, tid)
+            holders.setdefault(sig, []).append((r, tid))
+    # (piece, holder ranks) -> [(tid per holder, inner name, nbytes, dtype)]
+    groups: dict[tuple[str, tuple[int, ...]], list] = {}
+    for held in holders.values():
+        r0, t0 = held[0]
+        path, _, dtype, _, _, nbytes = descs[r0][t0]
+        piece, inner = piece_of(path)
+        ranks = tuple(sorted({r for r, _ in held}))
+        if len(ranks) < len(held):  # one rank holds the same bytes twice (two paths print alike): keep apart
+            for r, tid in held:
+                groups.setdefault((piece, (r,)), []).append(({r: tid}, path, descs[r][tid][5], dtype))
+            continue
+        groups.setdefault((piece, ranks), []).append(({r: tid for r, tid in held}, inner, nbytes, dtype))
+    plans: list[dict[str, list]] = [{} for _ in range(world)]
+    load = [0] * world
+    stems: dict[str, str] = {}
+    partial: dict[str, int] = {}
+    used: dict[str, set[str]] = {}  # file -> names taken in it (several groups share a rank's own file)
+    # biggest groups first, each to its least loaded holder (ties: the lowest rank): the bytes
+    # written per rank stay balanced, as in DCP's dedup
+    order = sorted(groups.items(), key=lambda kv: (-sum(e[2] for e in kv[1]), kv[0][0], kv[0][1]))
+    for (piece, ranks), entries in order:
+        if len(ranks) == 1 and world > 1:
+            writer, base, full_names = ranks[0], f"rank{ranks[0]:05d}", True
+        else:
+            writer = min(ranks, key=lambda r: (load[r], r))
+            stem = _file_stem(piece, stems)
+            if len(ranks) == world:
+                base = stem
+            else:
+                partial[stem] = partial.get(stem, 0) + 1
+                base = f"{stem}.group{partial[stem]:05d}"
+            full_names = False
+        ext = "pt" if fmt == "torch" or not all(io.safetensors_dtype(e[3]) for e in entries) else "safetensors"
+        fname = f"{base}.{ext}"
+        taken = used.setdefault(fname, set())
+        for tids, name, nbytes, _ in entries:
+            if full_names:
+                name = descs[writer][tids[writer]][0]
+            while name in taken:  # two paths that print alike: keep both
+                name += "'"
+            taken.add(name)
+            load[writer] += nbytes
+            for r, tid in tids.items():
+                plans[r][tid] = [fname, name, r == writer]
+    return plans

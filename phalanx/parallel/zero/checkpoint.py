@@ -1,0 +1,223 @@
+"""ZeRO's checkpoint formats: the sharded one (any world size reloads it) and the consolidated one.
+
+Two formats, both keyed by parameter *name* so that a load never depends on the
+world size, the stage or the bucket plan of the save:
+
+- **sharded** (``FORMAT``): each rank's pieces of the fp32 master weights and of the
+  optimizer state, one record per (parameter, contiguous run of elements)::
+
+      {"format": "phalanx.zero/1", "stage": 2, "world_size": 4, "rank": 1,
+       "groups": [{"pieces": [{"name": "0.weight", "start": 512, "numel": 512, "shape": (32, 32),
+                               "master": fp32[512], "state": {"exp_avg": …, "exp_avg_sq": …}}, …],
+                   "scalars": {"step": tensor(10.)}, "hparams": {"lr": 1e-3, …}}, …]}
+
+  A loader at any world size copies, for every element it owns, the saved piece that
+  holds it (:meth:`ShardedCheckpoint.load_sharded_state_dict`). This is what
+  ``phalanx.checkpoint`` saves for a ZeRO optimizer: the object reshards itself.
+- **consolidated** (``FULL_FORMAT``): ``torch.optim``'s own ``{"state", "param_groups"}``
+  with full-shape tensors, plus ``"phalanx": {"names", "master"}``; a plain optimizer of
+  the unwrapped model loads it.
+
+Example::
+
+    sd = opt.sharded_state_dict()                      # this rank's pieces
+    opt.load_sharded_state_dict([sd_rank0, sd_rank1])  # every saved rank's, at any world size
+    full = opt.full_state_dict()                       # consolidated on rank 0 (collective)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from phalanx.parallel.zero.shard import CHUNK_NUMEL, segments
+
+__all__ = ["FORMAT", "FULL_FORMAT", "ShardedCheckpoint", "consolidate", "full_as_shard_groups"]
+
+FORMAT = "phalanx.zero/1"
+FULL_FORMAT = "phalanx.zero.full/1"
+
+
+class ShardedCheckpoint:
+    """The checkpoint methods of :class:`~phalanx.parallel.zero.ZeroOptimizer`.
+
+    A mixin over the optimizer's layout: ``masters`` (one flat fp32 shard per parameter
+    group), ``chunks`` (their views the ``inner`` optimizer steps), ``engine.units``,
+    ``rank``, ``world``, ``group``, ``stage``, ``_group_names`` and ``_shapes``.
+    """
+
+    def _flat_state(self, g: int) -> dict:
+        """Group ``g``'s optimizer state as one flat tensor per key (chunks joined), scalars as they are."""
+        cs = self.chunks[g]
+        per_chunk = [self.inner.state.get(c, {}) for c in cs]
+        if not per_chunk[0]:
+            return {}
+        return {k: torch.cat([st[k] for st in per_chunk]) if isinstance(v, torch.Tensor) and v.shape == cs[0].shape
+                else v for k, v in per_chunk[0].items()}
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's pieces of master weights and optimizer state, addressed by parameter name.
+
+        Every piece records ``name``, ``start`` (element offset in the flattened
+        parameter), ``numel`` and ``shape``; a load at any world size reassembles from them.
+        """
+        groups = []
+        for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
+            st = self._flat_state(g)
+            flat_keys = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.shape == m.shape]
+            pieces = []
+            for name, start, n, off in segments(us, self.rank):
+                shape = next(s for u in us for nm, s in zip(u.names, u.shapes) if nm == name)
+                piece = {"name": name, "start": start, "numel": n, "shape": tuple(shape),
+                         "master": m[off : off + n].clone()}
+                piece["state"] = {k: st[k][off : off + n].clone() for k in flat_keys}
+                pieces.append(piece)
+            scalars = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items() if k not in flat_keys}
+            hp = {k: v for k, v in self.inner.param_groups[g].items() if k != "params"}
+            groups.append({"pieces": pieces, "scalars": scalars, "hparams": hp})
+        return {"format": FORMAT, "stage": self.stage, "world_size": self.world, "rank": self.rank, "groups": groups}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, shards) -> None:
+        """Load from the sharded dicts of every saved rank (any world size, any stage).
+
+        Example::
+
+            opt.load_sharded_state_dict([torch.load(f"ckpt/rank{r}.pt") for r in range(4)])
+        """
+        shards = [shards] if isinstance(shards, dict) else list(shards)
+        for s in shards:
+            if s.get("format") != FORMAT:
+                raise ValueError(f"load_sharded_state_dict: not a {FORMAT} shard (format={s.get('format')!r})")
+        if len(shards) != shards[0]["world_size"]:
+            raise ValueError(
+                f"load_sharded_state_dict: got {len(shards)} shard(s) but they were saved by "
+                f"{shards[0]['world_size']} ranks; pass every rank's shard"
+            )
+        for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
+            saved = [s["groups"][g] for s in shards]
+            index: dict[str, list[dict]] = {}
+            for sg in saved:
+                for piece in sg["pieces"]:
+                    index.setdefault(piece["name"], []).append(piece)
+            keys = list(saved[0]["pieces"][0]["state"]) if saved[0]["pieces"] else []
+            state = {k: torch.zeros_like(m) for k in keys}
+            for name, start, n, off in segments(us, self.rank):
+                for piece in index.get(name, []):
+                    a, b = max(start, piece["start"]), min(start + n, piece["start"] + piece["numel"])
+                    if a >= b:
+                        continue
+                    dst, src = slice(off + a - start, off + b - start), slice(a - piece["start"], b - piece["start"])
+                    if piece.get("master") is not None:
+                        m[dst].copy_(piece["master"][src])
+                    for k in keys:
+                        state[k][dst].copy_(piece["state"][k][src])
+            for k, v in saved[0]["scalars"].items():
+                state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            if state:
+                for i, c in enumerate(self.chunks[g]):
+                    lo = i * CHUNK_NUMEL
+                    self.inner.state[c] = {k: (v[lo : lo + c.numel()] if k in keys else
+                                               (v.clone() if isinstance(v, torch.Tensor) else v))
+                                           for k, v in state.items()}
+            self.inner.param_groups[g].update(saved[0]["hparams"])
+        self.engine.publish()
+
+    def full_state_dict(self, rank: int | None = 0) -> dict | None:
+        """The consolidated optimizer state, in ``torch.optim``'s own format, on group rank ``rank``.
+
+        Collective: every rank must call it. ``state`` is keyed by parameter index
+        over the original ``param_groups`` and holds full-shape tensors, so a plain
+        ``torch.optim`` optimizer of the unwrapped model loads it; the extra key
+        ``"phalanx"`` holds the parameter names and the fp32 master weights. Returns
+        ``None`` on the other ranks (``rank=None``: the dict on every rank).
+
+        Example::
+
+            full = opt.full_state_dict()
+            if px.rank() == 0:
+                torch.save({"model": model.state_dict(), "optimizer": full}, "ckpt.pt")
+        """
+        mine = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, self.sharded_state_dict())
+        shards = [None] * self.world
+        if rank is None:
+            dist.all_gather_object(shards, mine, group=self.group)
+        else:
+            if not 0 <= rank < self.world:
+                raise ValueError(f"full_state_dict(rank={rank}): must be in [0, {self.world}) or None")
+            dst = dist.get_global_rank(self.group, rank) if self.group is not None else rank
+            dist.gather_object(mine, shards if self.rank == rank else None, dst=dst, group=self.group)
+            if self.rank != rank:
+                return None
+        return consolidate(shards, self._group_names, self._shapes, FULL_FORMAT)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated dict (from :meth:`full_state_dict`, or a plain ``torch.optim``
+        one of the same model) on every rank; each rank keeps only what it owns.
+
+        Without ``"phalanx"`` master weights the current parameters stay the masters.
+        """
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self._group_names):
+            raise ValueError(
+                f"load_full_state_dict: expected {len(self._group_names)} param_groups, got "
+                f"{len(groups) if isinstance(groups, list) else groups!r}; save with full_state_dict()"
+            )
+        out = full_as_shard_groups(state_dict, self._group_names, self._shapes)
+        self.load_sharded_state_dict({"format": FORMAT, "stage": self.stage, "world_size": 1, "rank": 0, "groups": out})
+
+
+def full_as_shard_groups(state_dict: dict, group_names: list[list[str]], shapes: dict) -> list[dict]:
+    """A consolidated (torch-format) optimizer dict as the ``groups`` of one whole-parameter shard."""
+    master = state_dict.get("phalanx", {}).get("master", {})
+    out = []
+    for g, (names, saved) in enumerate(zip(group_names, state_dict["param_groups"])):
+        if len(saved["params"]) != len(names):
+            raise ValueError(f"load_full_state_dict: param_groups[{g}] has {len(saved['params'])} parameters, "
+                             f"this optimizer {len(names)}")
+        pieces, scalars = [], {}
+        for name, idx in zip(names, saved["params"]):
+            st = state_dict["state"].get(idx, {})
+            numel = math.prod(shapes[name])
+            flat = {k: v.reshape(-1) for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and k != "step" and tuple(v.shape) == shapes[name]}
+            scalars.update({k: v for k, v in st.items() if k not in flat})
+            m = master.get(name)
+            pieces.append({"name": name, "start": 0, "numel": numel, "shape": shapes[name],
+                           "master": m.reshape(-1) if m is not None else None, "state": flat})
+        out.append({"pieces": pieces, "scalars": scalars,
+                    "hparams": {k: v for k, v in saved.items() if k != "params"}})
+    return out
+
+
+def consolidate(shards: list[dict], group_names: list[list[str]], shapes: dict, fmt: str) -> dict:
+    """Every rank's sharded dict → one torch-format optimizer state dict with full tensors."""
+    state, param_groups, master, index = {}, [], {}, 0
+    for g, names in enumerate(group_names):
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        for s in shards:
+            for piece in s["groups"][g]["pieces"]:
+                n, sl = piece["name"], slice(piece["start"], piece["start"] + piece["numel"])
+                numel = math.prod(shapes[n])
+                if n not in master:
+                    master[n] = torch.zeros(numel, dtype=piece["master"].dtype)
+                    full[n] = {k: torch.zeros(numel, dtype=v.dtype) for k, v in piece["state"].items()}
+                master[n][sl] = piece["master"]
+                for k, v in piece["state"].items():
+                    full[n][k][sl] = v
+        saved = shards[0]["groups"][g]
+        ids = []
+        for n in names:
+            st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved["scalars"].items()}
+            st.update({k: v.view(shapes[n]) for k, v in full.get(n, {}).items()})
+            if st:
+                state[index] = st
+            master[n] = master[n].view(shapes[n])
+            ids.append(index)
+            index += 1
+        param_groups.append({**saved["hparams"], "params": ids})
+    return {"state": state, "param_groups": param_groups,
+            "phalanx": {"format": fmt, "names": group_names, "master": master}}

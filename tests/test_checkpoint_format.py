@@ -1,0 +1,189 @@
+"""Checkpoint files any tool reads: real tensor names, replicated state once, old checkpoints, manifest validation,
+export (function and CLI)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import phalanx as px
+import phalanx.checkpoint as ckpt
+from phalanx.checkpoint import io
+from phalanx.testing import distributed
+
+st = pytest.importorskip("safetensors.torch", reason="safetensors not installed: cannot cross-check the format")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+
+
+def _trained():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)  # the same batches on every rank: replicated, as DP keeps it
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _nbytes(sd) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+
+
+def _save_replicated(root):
+    r, n = px.rank(), px.size()
+    model, opt = _trained()
+    mine = torch.full((3,), float(r))  # same name, different bytes per rank: must not be merged
+    shard = ckpt.Shard(torch.arange(4.0) + 4 * r, global_shape=(4 * n,), offsets=(4 * r,))
+    ckpt.save(root, {"model": model, "optim": opt, "mine": mine, "shard": shard, "rng": ckpt.RNGState(), "step": 7})
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _load_other_world(root):
+    r, n = (px.rank(), px.size()) if px.is_initialized() else (0, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    lo, hi = 8 * r // n, 8 * (r + 1) // n
+    state = {"model": model, "optim": opt, "mine": torch.zeros(3), "step": 0,
+             "shard": ckpt.Shard(torch.zeros(hi - lo), global_shape=(8,), offsets=(lo,))}
+    ckpt.load(root, state)
+    return ({k: v.clone() for k, v in model.state_dict().items()}, state["mine"].clone(), state["shard"].tensor.clone(),
+            (lo, hi), state["step"], len(opt.state_dict()["state"]))
+
+
+def test_replicated_state_is_written_once_under_real_names_and_loads_anywhere(tmp_path):
+    root = str(tmp_path / "ck")
+    saved = distributed(_save_replicated, np=2, args=(root,))
+    want = saved[0]
+    files = sorted(os.listdir(root))
+    manifest = json.loads(open(os.path.join(root, ckpt.MANIFEST)).read())
+    # the model and the optimizer (equal on both ranks) each in one file, written by one rank
+    assert "model.safetensors" in files and "optim.safetensors" in files, files
+    model_file = os.path.join(root, "model.safetensors")
+    assert os.path.getsize(model_file) < _nbytes(want) + 4096  # one copy on disk (plus its JSON header)
+    for r in range(2):
+        recs = manifest["ranks"][r]["tensors"].values()
+        assert {rec["file"] for rec in recs if rec["path"].startswith("model/")} == {"model.safetensors"}
+        assert {rec["file"] for rec in recs if rec["path"] == "mine"} == {f"rank{r:05d}.safetensors"}
+    tensor_bytes = sum(os.path.getsize(os.path.join(root, f)) for f in files if not f.endswith(".json"))
+    opt_bytes = 2 * _nbytes(want)  # Adam: two moments per parameter (BatchNorm buffers have none: an upper bound)
+    assert tensor_bytes < _nbytes(want) + opt_bytes + 2 * 8192, (tensor_bytes, files)  # not two copies
+    # a plain safetensors reader gives a state dict that loads into a fresh model
+    fresh = _model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(st.load_file(model_file))
+    for k, v in want.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    assert (want["0.weight"] - _model().state_dict()["0.weight"]).abs().max() > 0  # training moved it
+    # at another world size: 3 ranks (rank 2 did not exist: rank 0's view), and one process without init
+    at3 = distributed(_load_other_world, np=3, args=(root,))
+    for model_sd, _, shard, (lo, hi), step, n_opt in at3:
+        assert step == 7 and n_opt == 6
+        assert all(torch.equal(model_sd[k], v) for k, v in want.items())
+        assert torch.equal(shard, torch.arange(8.0)[lo:hi])  # resharded from both saved pieces
+    assert [float(m[0]) for _, m, *_ in at3] == [0.0, 1.0, 0.0]  # each rank's own, never merged
+    model_sd, mine, shard, _, step, _ = _load_other_world(root)
+    assert step == 7 and torch.equal(shard, torch.arange(8.0))
+    assert all(torch.equal(model_sd[k], v) for k, v in want.items())
+    # export: one consolidated file; Shards reassembled whole
+    out = str(tmp_path / "shard.safetensors")
+    assert ckpt.export(root, out, piece="shard") == {"shard": [8]}
+    assert torch.equal(st.load_file(out)["shard"], torch.arange(8.0))
+
+
+def test_old_checkpoints_with_t0_names_still_load(tmp_path):
+    """A version-2 checkpoint as phalanx wrote it before: one file per rank, tensors named t0…tN."""
+    path = str(tmp_path / "old")
+    os.makedirs(path)
+    w, b = torch.randn(3, 2), torch.arange(3.0)
+    digest = io.write_tensors(os.path.join(path, "rank00000.safetensors"), {"t0": w, "t1": b})
+    records = {"t0": {"path": "model/weight", "shape": [3, 2], "dtype": "float32"},
+               "t1": {"path": "model/bias", "shape": [3], "dtype": "float32"}}
+    skeleton = {"__d__": [["model", {"__d__": [["weight", {"__tensor__": "t0"}], ["bias", {"__tensor__": "t1"}]]}],
+                          ["step", 5]]}
+    meta_digest = io.write_json(os.path.join(path, "rank00000.json"), {
+        "nonce": "x-1", "rank": 0, "world_size": 1, "format": "safetensors", "tensor_file": "rank00000.safetensors",
+        "tensor_checksum": digest, "records": records, "skeleton": skeleton, "meta": {}})
+    io.write_json(os.path.join(path, ckpt.MANIFEST), {
+        "version": 2, "nonce": "x-1", "world_size": 1, "format": "safetensors", "created": 0.0, "meta": {},
+        "ranks": [{"tensor_file": "rank00000.safetensors", "tensor_checksum": digest, "meta_file": "rank00000.json",
+                   "meta_checksum": meta_digest, "tensors": records}]})
+    model = torch.nn.Linear(2, 3)
+    state = {"model": model, "step": 0}
+    ckpt.load(path, state)
+    assert torch.equal(model.weight.detach(), w) and torch.equal(model.bias.detach(), b) and state["step"] == 5
+    assert ckpt.export(path, str(tmp_path / "m.safetensors")) == {"weight": [3, 2], "bias": [3]}
+
+
+_BREAKAGES = {
+    "ranks is a number": lambda m: m.update(ranks=7),
+    "world size a string": lambda m: m.update(world_size="1"),
+    "a rank entry missing": lambda m: m["ranks"].pop(),
+    "rank entry not an object": lambda m: m["ranks"].__setitem__(0, "rank0"),
+    "meta file outside the directory": lambda m: m["ranks"][0].update(meta_file="../../etc/passwd"),
+    "absolute tensor file": lambda m: m.update(files={"/etc/passwd": {"checksum": "crc32:0"}}),
+    "dot-dot file name": lambda m: m.update(files={"..": {"checksum": "crc32:0"}}),
+    "record names an unlisted file": lambda m: next(iter(m["ranks"][0]["tensors"].values())).update(file="x/../y"),
+    "shape not integers": lambda m: next(iter(m["ranks"][0]["tensors"].values())).update(shape=["a"]),
+    "checksum not a string": lambda m: next(iter(m["files"].values())).update(checksum=3),
+    "top level a list": lambda m: (m.clear(), m.update(__list__=True)),
+    "unknown version": lambda m: m.update(version=99),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(_BREAKAGES))
+def test_malformed_manifest_is_corrupt_and_load_latest_falls_back(tmp_path, broken):
+    mgr = ckpt.CheckpointManager(str(tmp_path), keep=5)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((4,), float(step)), "step": step})
+    mpath = tmp_path / "step-000000002" / ckpt.MANIFEST
+    manifest = json.loads(mpath.read_text())
+    _BREAKAGES[broken](manifest)
+    mpath.write_text(json.dumps([] if manifest.get("__list__") else manifest))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="manifest"):
+        ckpt.read_manifest(str(tmp_path / "step-000000002"))
+    state = {"w": torch.zeros(4), "step": 0}
+    assert mgr.load_latest(state).endswith("step-000000001")  # skipped, not a TypeError
+    assert state["step"] == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "phalanx", "checkpoint", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_export_cli_writes_one_plain_state_dict_and_user_errors_are_one_line(tmp_path):
+    model, opt = _trained()
+    mgr = ckpt.CheckpointManager(str(tmp_path / "run"))
+    mgr.save(3, {"model": model, "optim": opt, "step": 3})
+    out = tmp_path / "model.safetensors"
+    done = _cli("export", str(tmp_path / "run"), str(out))  # a root: the newest checkpoint under it
+    assert done.returncode == 0, done.stderr
+    fresh = _model()
+    fresh.load_state_dict(st.load_file(str(out)))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    everything = st.load_file(str(_cli_all(tmp_path)))
+    assert "model/0.weight" in everything and "optim/state/0/exp_avg" in everything
+    for args, says in (((str(tmp_path / "nowhere"), str(out)), "no such checkpoint directory"),
+                       ((str(tmp_path / "run"), str(out), "--piece", "modle"), "has no piece 'modle'")):
+        bad = _cli("export", *args)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    shutil.rmtree(tmp_path / "run")
+
+
+def _cli_all(tmp_path):
+    out = tmp_path / "all.safetensors"
+    done = _cli("export", str(tmp_path / "run"), str(out), "--all")
+    assert done.returncode == 0, done.stderr
+    return out

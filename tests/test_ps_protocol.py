@@ -1,0 +1,69 @@
+"""Parameter-server frame meta: data only (no pickle from peers), signed under a link key, refused unread when forged."""
+
+import pickle
+
+import pytest
+import torch
+
+from phalanx.comm.compression import get_compressor
+from phalanx.ps import protocol
+from phalanx.testing import distributed
+
+
+class _Boom:
+    def __reduce__(self):  # what a pickle-based decoder would run
+        return (exec, ("raise SystemExit('pickle ran code from a peer')",))
+
+
+def test_meta_roundtrips_as_data_and_never_unpickles():
+    for name in ("none", "fp16", "int8", "topk", "powersgd"):
+        tensors, meta = protocol.pack(torch.randn(300), get_compressor(name))
+        single, specs, ctx = protocol.decode_meta(meta)
+        assert specs == [(t.dtype, tuple(t.shape)) for t in tensors] and single == (len(tensors) == 1)
+        assert meta.startswith(b"{")  # JSON, not a pickle
+    with pytest.raises(protocol.PSError, match="malformed frame meta"):
+        protocol.decode_meta(pickle.dumps(_Boom()))  # a pickle is just malformed bytes now
+    with pytest.raises(TypeError, match="cannot encode a object"):
+        protocol.encode_meta(True, [torch.ones(1)], object())
+
+
+def test_bad_hmac_is_refused_before_anything_is_decoded(monkeypatch):
+    key, other = b"k" * 32, b"x" * 32
+    signed = protocol.encode_meta(True, [torch.ones(4)], (4, torch.float32, (4,)), key)
+    assert protocol.decode_meta(signed, key) == (True, [(torch.float32, (4,))], (4, torch.float32, (4,)))
+    decoded = []
+    monkeypatch.setattr(protocol.json, "loads", lambda *a, **k: decoded.append(a) or {})
+    tampered = bytearray(signed)
+    tampered[-3] ^= 1
+    for blob, k in ((signed, other), (bytes(tampered), key), (signed[32:], key), (b"", key)):
+        with pytest.raises(protocol.PSAuthError, match="bad or missing HMAC"):
+            protocol.decode_meta(blob, k)
+    assert decoded == []  # nothing reached the decoder
+
+
+def _link(keys):
+    import phalanx as px
+
+    r = px.rank()
+    cache = protocol.MetaCache(key=keys[r])
+    comp = get_compressor("int8")
+    if r == 0:
+        try:
+            for _ in range(2):  # the second frame leaves the meta out (cached on both ends)
+                protocol.send_frame(1, protocol.Op.PUSH, tensor=torch.arange(64.0), compressor=comp, cache=cache,
+                                    timeout_s=30)
+        except protocol.PSPeerError:
+            return "refused"  # the receiver dropped the link after refusing the first frame
+        return "sent"
+    try:
+        got = [protocol.recv_frame(0, comp, reply=False, timeout_s=30, what="pull", cache=cache)[1] for _ in range(2)]
+    except protocol.PSAuthError as err:
+        return str(err)
+    return [float((g - torch.arange(64.0)).abs().max()) for g in got]
+
+
+def test_signed_link_between_ranks_and_forged_sender_refused():
+    same = distributed(_link, np=2, args=([b"s" * 32, b"s" * 32],))
+    assert same[0] == "sent" and all(err < 0.5 for err in same[1])  # int8: quantisation error only
+    forged = distributed(_link, np=2, args=([b"f" * 32, b"s" * 32],))
+    assert "bad or missing HMAC" in forged[1]
