@@ -13,12 +13,12 @@ import importlib
 import sys
 
 _SUBCOMMANDS = (
-    "phalanx.launcher.run_cmd",
-    "phalanx.demo",
-    "phalanx.launcher.cluster_cmd",
-    "phalanx.launcher.bench_cmd",
-    "phalanx.launcher.plan_cmd",
-    "phalanx.launcher.report_cmd",
+    "phalanx.cli.run_cmd",
+    "phalanx.cli.demo",
+    "phalanx.cli.cluster_cmd",
+    "phalanx.cli.bench_cmd",
+    "phalanx.cli.plan_cmd",
+    "phalanx.cli.report_cmd",
 )
 
 

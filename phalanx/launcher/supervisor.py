@@ -3,7 +3,7 @@
 ``phalanx run --min-np A --max-np B`` (and ``--host-discovery-script``) runs this
 instead of TorchElastic's agent, whose worker group is all-or-nothing (one exit stops
 every worker). Here each worker is a process of its own, started on this machine or
-over SSH on a discovered host (``python -m phalanx.launcher.remote worker``)::
+over SSH on a discovered host (``python -m phalanx.launcher.agent worker``)::
 
     start: store on this host ─ gen 0 = w0..w{np-1} ─ workers px.init() on it
     worker w2 exits non-zero ─ "rank 2 failed: killed by SIGKILL" ─ publish gen 1 = survivors
@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import json
 import os
-import shlex
 import signal
 import site
 import socket
@@ -40,12 +39,16 @@ import time
 import uuid
 
 from phalanx.elastic import inprocess
+from phalanx.launcher import handoff
+from phalanx.launcher import secret as job_secret
+from phalanx.launcher.discovery import discover_hosts
+from phalanx.launcher.ssh import probe
 from phalanx.log import get_logger
 
 __all__ = ["Supervisor"]
 
 log = get_logger(__name__)
-_EXEC_SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launcher", "_exec.py")
+_EXEC_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
 _GRACE_S = 10.0
 _LOCAL = "localhost"
 _PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -106,8 +109,6 @@ class Supervisor:
 
     # -- hosts ------------------------------------------------------------------
     def _discover(self) -> dict[str, int] | None:
-        from phalanx.elastic.discovery import discover_hosts
-
         try:
             hosts = discover_hosts(self.script, timeout_s=max(self.interval_s, 5.0))
         except (OSError, ValueError, subprocess.SubprocessError) as err:
@@ -115,9 +116,7 @@ class Supervisor:
             return None
         for h in [h for h in hosts if h != _LOCAL and h not in self._probed]:
             try:
-                from phalanx.launcher.remote import _probe
-
-                _probe([h], self.ssh, timeout_s=15)
+                probe([h], self.ssh, timeout_s=15)
                 self._probed.add(h)
             except RuntimeError as err:
                 log.warning("host discovery lists %s but it cannot be used: %s; ignored", h, err)
@@ -169,20 +168,12 @@ class Supervisor:
         return w
 
     def _start_remote(self, host: str, env: dict[str, str]) -> subprocess.Popen:
-        from phalanx.launcher import secret as job_secret
-
         if self._secret is None:
             self._secret = job_secret.new_secret()
-        agent = [sys.executable, "-m", "phalanx.launcher.remote", "worker"]
-        if self.network_interface:
-            agent += ["--network-interface", self.network_interface]
-        for k, v in env.items():
-            agent += ["--env", f"{k}={v}"]
-        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec {shlex.join(agent + ['--', *self.command])}"
+        remote = handoff.remote_command("worker", env, self.network_interface, self.command)
         proc = subprocess.Popen(self.ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
-        proc.stdin.write(self._secret.decode() + "\n")  # then kept open: EOF tells the worker to stop
-        proc.stdin.flush()
+        handoff.send_secret(proc, self._secret)  # stdin then stays open: EOF tells the worker to stop
         return proc
 
     def _pump(self, w: _Worker, stream, out) -> None:

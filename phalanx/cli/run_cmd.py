@@ -12,11 +12,12 @@ import argparse
 import os
 import sys
 
-from phalanx.elastic.launch_options import add_elastic_arguments, elastic_launch_options
-from phalanx.launcher.horovodrun_flags import add_horovodrun_arguments, check_build, horovodrun_env
+from phalanx.launcher.horovodrun_flags import add_horovodrun_arguments, horovodrun_env
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
+from phalanx.launcher.launch_options import add_elastic_arguments, elastic_launch_options
 from phalanx.launcher.local import LaunchSpec, launch
-from phalanx.launcher.remote import add_remote_arguments
+from phalanx.launcher.ssh import add_remote_arguments
+from phalanx.version import __version__
 
 
 def register(subparsers) -> None:
@@ -76,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"phalanx run: {err}", file=sys.stderr)
         return 2
     if any(not is_local(h.name) for h in hosts):
-        from phalanx.launcher.remote import run_remote
+        from phalanx.launcher.ssh import run_remote
 
         return run_remote(args, hosts, command, env=env)
     if hosts and np > sum(h.slots for h in hosts):
@@ -110,8 +111,8 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
     """The in-process elastic supervisor, with TorchElastic's group restart as its fallback."""
     import dataclasses
 
-    from phalanx.elastic.supervisor import Supervisor
-    from phalanx.launcher.remote import SSHOptions
+    from phalanx.launcher.ssh import SSHOptions
+    from phalanx.launcher.supervisor import Supervisor
 
     def fallback(n: int, restarts: int) -> int:
         env = {**spec.env, "PHALANX_MAX_RESTARTS": str(restarts)}
@@ -162,3 +163,33 @@ def autotune_env(args: argparse.Namespace) -> dict[str, str]:
                 raise ValueError(f"{flag} must be at least {least}, got {value}")
             env[key] = str(value)
     return env
+
+
+def check_build() -> str:
+    """horovodrun -cb's table, answered truthfully for this machine."""
+    import torch
+    import torch.distributed as dist
+
+    def mark(ok: bool) -> str:
+        return "[X]" if ok else "[ ]"
+
+    nccl = dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+    return "\n".join([
+        f"phalanx v{__version__} (torch {torch.__version__}):",
+        "",
+        "Available Frameworks:",
+        f"    {mark(True)} PyTorch",
+        f"    {mark(False)} TensorFlow",
+        f"    {mark(False)} MXNet",
+        "",
+        "Available Controllers:",
+        f"    {mark(False)} MPI",
+        f"    {mark(dist.is_available() and dist.is_gloo_available())} Gloo",
+        "",
+        "Available Tensor Operations:",
+        f"    {mark(nccl)} NCCL",
+        f"    {mark(False)} DDL",
+        f"    {mark(False)} CCL",
+        f"    {mark(False)} MPI",
+        f"    {mark(dist.is_available() and dist.is_gloo_available())} Gloo",
+    ])

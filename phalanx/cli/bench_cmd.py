@@ -55,10 +55,11 @@ def _measure(sizes, algorithms, repeats, dtype_name):
     import torch
     import torch.distributed as dist
 
-    import phalanx as px
     from phalanx.comm.algorithms import allreduce
+    from phalanx.comm.collectives import barrier
+    from phalanx.runtime import topology
 
-    topo = px.topology()
+    topo = topology()
     dtype = getattr(torch, dtype_name)
     rows = []
     for size in sizes:
@@ -66,7 +67,7 @@ def _measure(sizes, algorithms, repeats, dtype_name):
         times = {a: [] for a in algorithms}
         for rep in range(repeats + 1):  # the first round warms up connections and buffers
             for algo in algorithms:
-                px.barrier()
+                barrier()
                 start = time.perf_counter()
                 allreduce(x, algo, topology=topo)
                 took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -123,13 +124,14 @@ def main_allreduce(args: argparse.Namespace) -> int:
         print(f"phalanx bench allreduce: --algorithms {bad} not in {ALGORITHMS}, or --repeats < 1", file=sys.stderr)
         return 2
     if "RANK" in os.environ:  # under phalanx run / torchrun: this process is one rank
-        import phalanx as px
+        from phalanx import runtime
+        from phalanx.launcher.join import join
 
-        px.init()
+        join()
         rows, n, hosts, backend = _measure(sizes, algorithms, args.repeats, args.dtype)
-        if px.rank() == 0:
+        if runtime.rank() == 0:
             print(_table(rows, n, hosts, backend, args.link_gbit), flush=True)
-        px.shutdown()
+        runtime.shutdown()
         return 0
     from phalanx.launcher.spawn import run
 
