@@ -59,6 +59,8 @@ def agent_main(argv: list[str]) -> int:
     p.add_argument("--local-addr", default=None)
     p.add_argument("--is-host", action="store_true")
     p.add_argument("--start-timeout", type=int, default=60)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--ranks-filter", default=None)
     options, command = _split(argv, "phalanx-agent", "agent")
     args = p.parse_args(options)
     try:
@@ -69,7 +71,9 @@ def agent_main(argv: list[str]) -> int:
     threading.Thread(target=_stop_at_eof, args=(os.getpid(),), daemon=True).start()
     spec = LaunchSpec(nproc_per_node=args.nproc, min_nodes=args.nnodes, max_nodes=args.nnodes,
                       rdzv_endpoint=args.rdzv, run_id=args.run_id, start_timeout_s=args.start_timeout,
-                      local_addr=args.local_addr, env=env, rdzv_extra={"is_host": args.is_host})
+                      local_addr=args.local_addr, env=env, rdzv_extra={"is_host": args.is_host},
+                      log_dir=args.log_dir,
+                      ranks_filter=frozenset(map(int, args.ranks_filter.split(","))) if args.ranks_filter else None)
     try:
         return launch(spec, command)
     finally:

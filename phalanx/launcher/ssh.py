@@ -115,6 +115,8 @@ def launch_remote(
     env: dict[str, str] | None = None,
     port: int | None = None,
     python: str | None = None,
+    log_dir: str | None = None,
+    ranks_filter: frozenset[int] | None = None,
 ) -> int:
     """Start ``command`` on ``np`` workers spread over ``hosts`` (host order, filling slots); return the exit code.
 
@@ -122,6 +124,9 @@ def launch_remote(
 
         launch_remote([Host("a", 2), Host("b", 2)], 4, ["python", "train.py"],
                       ssh=SSHOptions(config="~/.ssh/config"), network_interface="eth0")
+
+    ``log_dir``: each host keeps its ranks' output in ``log_dir/rank.N/`` on its own disk;
+    ``ranks_filter``: the local ranks whose output each host streams back.
     """
     ssh = ssh or SSHOptions()
     plan, left = [], np
@@ -145,6 +150,10 @@ def launch_remote(
     for index, (host, slots) in enumerate(plan):
         options = ["--rdzv", rdzv, "--nnodes", str(len(plan)), "--nproc", str(slots), "--run-id", run_id,
                    "--local-addr", host, "--start-timeout", str(start_timeout)] + (["--is-host"] if index == 0 else [])
+        if log_dir:
+            options += ["--log-dir", os.path.abspath(log_dir)]
+        if ranks_filter is not None:
+            options += ["--ranks-filter", ",".join(map(str, sorted(ranks_filter)))]
         remote = handoff.remote_command("agent", env or {}, network_interface, command, options, python=python)
         p = subprocess.Popen(ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
@@ -223,7 +232,7 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str],
-               env: dict[str, str] | None = None) -> int:
+               env: dict[str, str] | None = None, ranks_filter: frozenset[int] | None = None) -> int:
     """``phalanx run`` with remote hosts: validate, then :func:`launch_remote`.
 
     ``env``: what the run's options export to every worker (``run_cmd.job_env``).
@@ -234,7 +243,8 @@ def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str],
     ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
     try:
         code = launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,
-                             start_timeout=args.start_timeout, env=env, port=args.rdzv_port)
+                             start_timeout=args.start_timeout, env=env, port=args.rdzv_port,
+                             log_dir=args.log_dir, ranks_filter=ranks_filter)
     except (UnreachableHost, ValueError) as err:
         print(f"phalanx run: {err}", file=sys.stderr, flush=True)
         return 255 if isinstance(err, UnreachableHost) else 2
