@@ -256,9 +256,10 @@ def _root_cause(failures, stderrs: dict[int, str]):
         rank, failure = item
         path = stderrs.get(failure.local_rank)
         text = _stderr_tail(path, 5).lower()
-        consequence = any(p in text for p in _PEER_LOST)
-        written = os.path.getmtime(path) if path and os.path.exists(path) else float(failure.timestamp)
-        return (consequence, failure.timestamp, written)
+        # SIGTERM is how the agent stops the rest of the group once one worker failed
+        consequence = failure.exitcode == -signal.SIGTERM or any(p in text for p in _PEER_LOST)
+        written = os.path.getmtime(path) if text else float("inf")  # when its last words were written
+        return (consequence, failure.timestamp, written, rank)
 
     return min(failures.items(), key=key)
 
