@@ -174,7 +174,11 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
                      script=os.path.abspath(args.host_discovery_script) if args.host_discovery_script else None,
                      interval_s=args.discovery_interval, max_restarts=spec.max_restarts, ssh=ssh,
                      network_interface=args.network_interface, start_timeout=args.start_timeout,
-                     run_id=spec.run_id, fallback=fallback)
+                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter)
+    if spec.log_dir:
+        logging.getLogger("phalanx.launcher").warning(
+            "--output-filename is not honoured by in-process elastic jobs (--min-np/--max-np) yet; "
+            "their output is on the console only")
     return sup.run()
 
 

@@ -88,7 +88,8 @@ class Supervisor:
     def __init__(self, command: list[str], np: int, *, min_np: int | None = None, max_np: int | None = None,
                  env: dict[str, str] | None = None, script: str | None = None, interval_s: float = 1.0,
                  max_restarts: int = 3, ssh=None, network_interface: str | None = None,
-                 start_timeout: int = 60, run_id: str | None = None, fallback=None) -> None:
+                 start_timeout: int = 60, run_id: str | None = None, fallback=None,
+                 ranks_filter: frozenset[int] | None = None) -> None:
         self.command, self.np = list(command), np
         self.min_np, self.max_np = min_np or 1, max(max_np or np, np)
         self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
@@ -96,6 +97,7 @@ class Supervisor:
         self.ssh, self.network_interface, self.start_timeout = ssh, network_interface, start_timeout
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.fallback = fallback  # callable(np, restarts_left) -> exit code: the TorchElastic restart path
+        self.ranks_filter = ranks_filter  # ranks whose output is shown (None: all; joiners always)
         self.workers: list[_Worker] = []
         self.members: list[_Worker] = []  # of the latest published generation, in rank order
         self.gen = -1
@@ -179,6 +181,8 @@ class Supervisor:
     def _pump(self, w: _Worker, stream, out) -> None:
         for line in iter(stream.readline, ""):
             rank = self._rank_of(w)
+            if rank is not None and self.ranks_filter is not None and rank not in self.ranks_filter:
+                continue
             out.write(f"[{rank}]: {line}" if rank is not None else f"[{w.wid}]: {line}")
             out.flush()
         stream.close()
