@@ -28,6 +28,7 @@ def _run(args, timeout=120, env=None):
     (["run", "-np", "4", "--min-np", "5", "true"], "--min-np 5 is larger than -np 4"),
     (["run", "--nnodes", "2", "--nproc-per-node", "2", "true"], "needs --rdzv-endpoint"),
     (["run", "--nnodes", "x", "true"], "--nnodes 'x'"),
+    (["run", "--nnodes", "2", "-np", "4", "--rdzv-endpoint", "h:1", "true"], "give each host's count"),
     (["run", "--nproc-per-node", "2", "-np", "3", "true"], "disagree"),
     (["run", "--tee", "3", "true"], "--tee (a torchrun flag) has no phalanx counterpart"),
     (["run", "--local-ranks-filter", "x", "true"], "--local-ranks-filter 'x'"),

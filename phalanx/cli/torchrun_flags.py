@@ -131,10 +131,11 @@ def torchrun_layout(args: argparse.Namespace) -> dict | None:
     if args.hosts or args.hostfile:
         raise ValueError("-H/--hostfile (phalanx starts the hosts over SSH) and --nnodes (each host runs "
                          "phalanx run itself) are two ways to run on several hosts; use one")
+    if args.np is not None:
+        raise ValueError(f"-np counts every worker of a job started from one machine; with --nnodes {args.nnodes} "
+                         "give each host's count with --nproc-per-node N instead")
     if per_node is None:
-        per_node = args.np
-        if per_node is None:
-            raise ValueError(f"--nnodes {args.nnodes}: say how many workers each host runs with --nproc-per-node N")
+        raise ValueError(f"--nnodes {args.nnodes}: say how many workers each host runs with --nproc-per-node N")
     host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
     if not port.isdigit():
         raise ValueError(f"--rdzv-endpoint {endpoint!r}: write HOST:PORT, e.g. node0:29400")
