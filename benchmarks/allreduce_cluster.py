@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--phases", action="store_true", help="time the pieces of hierarchical (see the docstring)")
     ap.add_argument("--worker-phases", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from phalanx.launcher.bench_cmd import parse_size
+    from phalanx.cli.bench_cmd import parse_size
     from phalanx.testing.cluster import IFNAME, SimCluster
 
     if a.worker_phases:

@@ -36,9 +36,9 @@ from phalanx.comm.collectives import (
     reducescatter,
     set_mismatch_check,
 )
+from phalanx.launcher.join import join as _join
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
 from phalanx.log import log0, print0
-from phalanx.profiler.memory import memory_report
 from phalanx.parallel.data import DataParallel, DistributedOptimizer
 from phalanx.parallel.mesh import DeviceMesh
 from phalanx.parallel.parallelize import parallelize
@@ -57,8 +57,8 @@ from phalanx.runtime import (
     size,
     topology,
 )
-from phalanx.runtime import init as _runtime_init
 from phalanx.trainer import Trainer
+from phalanx.version import __version__
 
 
 def init(backend=None, device=None, timeout=None) -> Topology:
@@ -70,21 +70,8 @@ def init(backend=None, device=None, timeout=None) -> Topology:
 
         topo = px.init()
     """
-    topo = _runtime_init(backend=backend, device=device, timeout=timeout)
-    import os
+    return _join(backend=backend, device=device, timeout=timeout)
 
-    if os.environ.get("PHALANX_TIMELINE"):
-        from phalanx.profiler.timeline import start_from_env
-
-        start_from_env(topo.rank)
-    if os.environ.get("PHALANX_AUTOTUNE") or os.environ.get("HOROVOD_AUTOTUNE"):
-        from phalanx.planner.autotune import enable_from_env
-
-        enable_from_env()
-    return topo
-
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

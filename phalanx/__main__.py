@@ -2,6 +2,6 @@
 
 import sys
 
-from phalanx.launcher.cli import main
+from phalanx.cli import main
 
 sys.exit(main())

@@ -15,7 +15,7 @@ import torch
 
 import phalanx as px
 from phalanx import elastic
-from phalanx.elastic.launch_options import add_elastic_arguments, elastic_launch_options
+from phalanx.launcher.launch_options import add_elastic_arguments, elastic_launch_options
 from phalanx.testing import distributed
 
 # ---------------------------------------------------------------- sampler

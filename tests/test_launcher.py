@@ -103,9 +103,12 @@ def test_host_parsing(tmp_path):
 
 
 def test_demo_trains_and_reports():
-    proc = _run(["demo", "--np", "2", "--epochs", "8"], timeout=300)
+    # a short run reports its accuracy (it does not fail for having trained little), and the
+    # ranks exit cleanly: no multiprocessing semaphore is left for the resource tracker to report
+    proc = _run(["demo", "--np", "2", "--epochs", "2"], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "speedup" in proc.stdout and "test acc" in proc.stdout
+    assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_horovodrun_flags_are_honoured_or_named(tmp_path):
@@ -125,7 +128,8 @@ def test_horovodrun_flags_are_honoured_or_named(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"[0]: {2**19} hierarchical" in proc.stdout and f"[1]: {2**19} hierarchical" in proc.stdout
     assert "ignoring --cycle-time-ms" in proc.stderr and "ignoring --no-stall-check" in proc.stderr
-    assert (tmp_path / "tl.json").exists() and any(logs.rglob("*"))
+    assert (tmp_path / "tl.json").exists()
+    assert (logs / "rank.1" / "stdout").read_text().strip() == f"{2**19} hierarchical"  # horovodrun's layout
     build = _run(["run", "-cb"])
     assert build.returncode == 0 and "[X] Gloo" in build.stdout and "[ ] MPI" in build.stdout
     mpi = _run(["run", "-np", "2", "--mpi", sys.executable, "-c", "pass"])

@@ -160,7 +160,7 @@ def _two_linears():
 def test_plan_command_buckets_a_model_like_the_engine(capsys):
     import argparse
 
-    from phalanx.launcher import plan_cmd
+    from phalanx.cli import plan_cmd
 
     parser = argparse.ArgumentParser()
     plan_cmd.register(parser.add_subparsers())

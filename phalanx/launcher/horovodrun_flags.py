@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["add_horovodrun_arguments", "horovodrun_env", "check_build"]
+__all__ = ["add_horovodrun_arguments", "horovodrun_env"]
 
 # Horovod coordinator / MPI-controller knobs: (flag, takes a value). No phalanx counterpart.
 _IGNORED = (
@@ -75,35 +75,3 @@ def horovodrun_env(args: argparse.Namespace) -> dict[str, str]:
     if level:
         env["PHALANX_LOG_LEVEL"] = {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(level, level)
     return env
-
-
-def check_build() -> str:
-    """horovodrun -cb's table, answered truthfully for this machine."""
-    import torch
-    import torch.distributed as dist
-
-    def mark(ok: bool) -> str:
-        return "[X]" if ok else "[ ]"
-
-    nccl = dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
-    import phalanx
-
-    return "\n".join([
-        f"phalanx v{phalanx.__version__} (torch {torch.__version__}):",
-        "",
-        "Available Frameworks:",
-        f"    {mark(True)} PyTorch",
-        f"    {mark(False)} TensorFlow",
-        f"    {mark(False)} MXNet",
-        "",
-        "Available Controllers:",
-        f"    {mark(False)} MPI",
-        f"    {mark(dist.is_available() and dist.is_gloo_available())} Gloo",
-        "",
-        "Available Tensor Operations:",
-        f"    {mark(nccl)} NCCL",
-        f"    {mark(False)} DDL",
-        f"    {mark(False)} CCL",
-        f"    {mark(False)} MPI",
-        f"    {mark(dist.is_available() and dist.is_gloo_available())} Gloo",
-    ])

@@ -5,9 +5,14 @@ c10d TCPStore, sets RANK / WORLD_SIZE / LOCAL_RANK / … for each worker, watche
 them every 100 ms and, when one exits non-zero, stops the others. phalanx adds
 what a user of ``horovodrun``/``mpirun`` expects around it:
 
-* every output line carries its rank: ``[1]: loss 0.31``;
-* a failure report names the rank, its exit code or signal and the last lines of
-  its stderr, then the launcher exits non-zero;
+* every output line carries its rank: ``[1]: loss 0.31``; ``ranks_filter`` shows
+  only some ranks' output (torchrun's ``--local-ranks-filter``);
+* logs only where asked: with ``log_dir`` each rank's output is kept in horovodrun's
+  layout, ``log_dir/rank.N/stdout`` and ``stderr``; otherwise the agent's files live
+  in a temporary folder that is removed at the end;
+* a failure report names the rank that failed first, its exit code or signal (its
+  traceback was already shown once, live; the report repeats the last lines only
+  when the rank's output was filtered out), then the launcher exits non-zero;
 * no process is left behind: the launcher is a child subreaper, so workers'
   own children are re-parented to it and killed at the end, and each worker
   receives SIGKILL if the launcher itself dies (see ``_exec.py``).
@@ -21,13 +26,14 @@ import dataclasses
 import glob
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 import uuid
 
-__all__ = ["LaunchSpec", "launch", "kill_descendants"]
+__all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _EXEC_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
@@ -46,11 +52,13 @@ class LaunchSpec:
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
     max_restarts: int = 0
     start_timeout_s: int = 60
-    log_dir: str | None = None
+    log_dir: str | None = None  # keep each rank's output here: log_dir/rank.N/stdout, stderr
     local_addr: str | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     rdzv_extra: dict[str, object] = dataclasses.field(default_factory=dict)  # e.g. {"is_host": True}
     monitor_interval_s: float = 0.1
+    ranks_filter: frozenset[int] | None = None  # local ranks whose output the console shows (None: all)
+    quiet_agent: bool = True  # TorchElastic's own INFO lines off (on at --log-level DEBUG)
 
 
 def _become_subreaper() -> None:
@@ -89,11 +97,47 @@ def kill_descendants(root: int | None = None) -> list[int]:
     return found
 
 
-def _stderr_tail(log_dir: str, local_rank: int, lines: int = 15) -> str:
-    paths = sorted(glob.glob(os.path.join(log_dir, "**", str(local_rank), "stderr.log"), recursive=True))
-    if not paths:
+def rank_log_paths(log_dir: str, rank: int, attempt: int = 0) -> tuple[str, str]:
+    """horovodrun's layout: ``log_dir/rank.N/stdout`` and ``stderr`` (``stdout.K`` after the K-th restart)."""
+    suffix = f".{attempt}" if attempt else ""
+    folder = os.path.join(log_dir, f"rank.{rank}")
+    return os.path.join(folder, "stdout" + suffix), os.path.join(folder, "stderr" + suffix)
+
+
+def _logs_specs(keep_dir: str | None, work_dir: str, ranks_filter):
+    """A TorchElastic LogsSpecs writing rank output where :func:`rank_log_paths` says (error files in work_dir)."""
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+    class RankLogs(LogsSpecs):
+        def __init__(self) -> None:
+            super().__init__(log_dir=work_dir, local_ranks_filter=ranks_filter)
+            self.stderrs: dict[int, str] = {}  # local rank -> its stderr file (latest attempt)
+
+        @property
+        def root_log_dir(self) -> str:
+            return work_dir
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            dest = LogsDest()
+            for local_rank, env in envs.items():
+                rank, attempt = int(env.get("RANK", local_rank)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+                out, err = rank_log_paths(keep_dir or work_dir, rank, attempt)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
+                if ranks_filter is None or local_rank in ranks_filter:
+                    dest.tee_stdouts[local_rank], dest.tee_stderrs[local_rank] = out, err
+                error_file = os.path.join(work_dir, f"error.{rank}.{attempt}.json")
+                dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
+                self.stderrs[local_rank] = err
+            return dest
+
+    return RankLogs()
+
+
+def _stderr_tail(path: str | None, lines: int = 15) -> str:
+    if not path or not os.path.exists(path):
         return ""
-    with open(paths[-1], errors="replace") as f:
+    with open(path, errors="replace") as f:
         tail = f.read().splitlines()[-lines:]
     return "\n".join("    " + line for line in tail)
 
@@ -108,7 +152,6 @@ def _describe_exit(code: int) -> str:
 
 def launch(spec: LaunchSpec, command: list[str]) -> int:
     """Run ``command`` on ``spec.nproc_per_node`` local workers; return the job's exit code."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -118,7 +161,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     if not command:
         raise ValueError("no command given: phalanx run -np 2 python train.py")
     _become_subreaper()
-    log_dir = spec.log_dir or tempfile.mkdtemp(prefix="phalanx-logs-")
+    work_dir = tempfile.mkdtemp(prefix="phalanx-logs-")  # the agent's files; removed at the end
+    logs = _logs_specs(os.path.abspath(spec.log_dir) if spec.log_dir else None, work_dir, spec.ranks_filter)
     threads = max(1, (os.cpu_count() or 1) // spec.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.update(spec.env)
@@ -136,17 +180,19 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         monitor_interval=spec.monitor_interval_s,
         start_method="spawn",
         log_line_prefix_template="[${rank}]: ",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
+        logs_specs=logs,
         local_addr=spec.local_addr,
     )
     # The agent logs its own progress at INFO/WARNING; users want the workers' lines.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL if spec.quiet_agent else logging.INFO)
+    log.info("starting %d worker(s) on this host: rendezvous %s, run id %s%s", spec.nproc_per_node, endpoint,
+             spec.run_id, f", rank output kept in {spec.log_dir}/rank.N/" if spec.log_dir else "")
     started = time.monotonic()
     try:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)
         return 0
     except ChildFailedError as err:
-        return _report_failure(err, log_dir)
+        return _report_failure(err, logs.stderrs, spec.ranks_filter)
     except SignalException as err:
         print(f"phalanx: received {err.sigval.name}; stopped every worker", file=sys.stderr)
         return 128 + int(err.sigval)
@@ -155,6 +201,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         leftovers = kill_descendants()
         if leftovers:
             log.debug("killed %d leftover processes after %.1fs", len(leftovers), time.monotonic() - started)
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def _host_rendezvous_store(spec: LaunchSpec):
@@ -196,14 +243,36 @@ def _bind_shared_worker_store(timeout) -> None:
                                                                    timeout=timeout))
 
 
-def _report_failure(err, log_dir: str) -> int:
+# What a rank prints when a peer died before it: a consequence, not the cause of the failure.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "peer closed",
+              "collectiveabort", "a peer rank failed", "socket timeout", "recvbytes", "read error",
+              "gloo/transport")
+
+
+def _root_cause(failures, stderrs: dict[int, str]):
+    """The rank that failed first: not one that only saw a peer go away, then the earliest last write."""
+
+    def key(item):
+        rank, failure = item
+        path = stderrs.get(failure.local_rank)
+        text = _stderr_tail(path, 5).lower()
+        # SIGTERM is how the agent stops the rest of the group once one worker failed
+        consequence = failure.exitcode == -signal.SIGTERM or any(p in text for p in _PEER_LOST)
+        written = os.path.getmtime(path) if text else float("inf")  # when its last words were written
+        return (consequence, failure.timestamp, written, rank)
+
+    return min(failures.items(), key=key)
+
+
+def _report_failure(err, stderrs: dict[int, str], ranks_filter) -> int:
     failures = err.failures  # global rank -> ProcessFailure
-    root_rank, root = min(failures.items(), key=lambda kv: kv[1].timestamp)
-    lines = [f"phalanx: rank {root_rank} (local rank {root.local_rank}, pid {root.pid}) failed: "
+    root_rank, root = _root_cause(failures, stderrs)
+    lines = [f"phalanx: rank {root_rank} (local rank {root.local_rank}, pid {root.pid}) failed first: "
              f"{_describe_exit(root.exitcode)}"]
-    tail = _stderr_tail(log_dir, root.local_rank)
-    if tail:
-        lines.append(f"  last lines of rank {root_rank}'s stderr:\n{tail}")
+    if ranks_filter is not None and root.local_rank not in ranks_filter:  # its traceback was not shown
+        tail = _stderr_tail(stderrs.get(root.local_rank))
+        if tail:
+            lines.append(f"  last lines of rank {root_rank}'s stderr:\n{tail}")
     others = sorted(r for r in failures if r != root_rank)
     if others:
         lines.append(f"phalanx: stopped the other ranks {others} after that failure")

@@ -107,11 +107,12 @@ def _rank_main(fn, rank, size, local_size, port, args, kwargs, conn, stack_path,
     import torch
 
     torch.set_num_threads(threads)
-    import phalanx
+    from phalanx import runtime
+    from phalanx.launcher.join import join
 
     try:
         if init:
-            phalanx.init()
+            join()
         result = fn(*args, **kwargs)
         # Plain pickle copies tensors into the message; multiprocessing's own pickler would
         # share their memory through a channel that closes when this rank exits.
@@ -124,7 +125,7 @@ def _rank_main(fn, rank, size, local_size, port, args, kwargs, conn, stack_path,
             conn.send_bytes(pickle.dumps(("err", _Failure(type(exc).__name__, text, None))))
     finally:
         try:
-            phalanx.shutdown()
+            runtime.shutdown()
         finally:
             conn.close()
 
@@ -224,6 +225,10 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
         hung = sorted(readers.values())
         stacks = _collect_stacks(procs, hung, stack_dir) if hung and not failures else {}
     finally:
+        if not readers:  # every rank answered: let them finish shutdown and exit on their own, so
+            exit_by = time.monotonic() + _GRACE_S  # their atexit/finalizers run (no leaked semaphores)
+            for p in procs:
+                p.join(max(0.0, exit_by - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

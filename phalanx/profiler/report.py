@@ -1,15 +1,15 @@
 """Scaling report: throughput at 1..N workers, speedup, efficiency, Amdahl's P, as HTML + PNG.
 
-``phalanx report`` runs the bundled digits demo (or your script under ``phalanx run``)
-at each worker count, then fits Amdahl's law ``S(N) = 1 / ((1-P) + P/N)`` to the
-measured speedups and plots both. It also draws a timeline as a Gantt chart
+``phalanx report`` runs the bundled digits demo (:func:`phalanx.cli.demo.measure`) or
+your script under ``phalanx run`` (:func:`measure_script`) at each worker count, then
+fits Amdahl's law ``S(N) = 1 / ((1-P) + P/N)`` to the measured speedups and plots both. It also draws a timeline as a Gantt chart
 (:func:`render_timeline`), the picture a docs page can show without a browser.
 
 Example::
 
     from phalanx.profiler import report
-    rows = report.measure_demo([1, 2], epochs=2)
-    report.write_report(rows, "scaling/")      # scaling/report.html, scaling/scaling.png
+    rows = report.measure_script([1, 2], ["python", "train.py"])
+    report.write_report(rows, "scaling/", unit="runs/s")   # scaling/report.html, scaling/scaling.png
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from phalanx.planner import cost
 
-__all__ = ["ScalingRow", "measure_demo", "measure_script", "summarise", "write_report", "render_timeline"]
+__all__ = ["ScalingRow", "measure_script", "summarise", "write_report", "render_timeline"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,22 +44,6 @@ def _plt():
     except ImportError as err:
         raise ImportError("plots need matplotlib: pip install 'phalanx[plot]'") from err
     return plt
-
-
-def measure_demo(workers: Sequence[int], epochs: int = 3, global_batch: int = 128, hidden: int = 1024,
-                 timeout: float = 600.0) -> list[ScalingRow]:
-    """Train the digits MLP with the same global batch on each worker count."""
-    import phalanx as px
-    from phalanx.demo import train
-
-    rows = []
-    # Every worker gets the same share of cores at every count, as adding machines would.
-    threads = max(1, (os.cpu_count() or 1) // max(workers))
-    for n in workers:
-        kwargs = {"epochs": epochs, "global_batch": global_batch, "hidden": hidden, "progress": False}
-        result = px.run(train, np=n, kwargs=kwargs, timeout=timeout, threads=threads)[0]
-        rows.append(ScalingRow(n, result["samples_per_s"], result["seconds"]))
-    return rows
 
 
 def measure_script(workers: Sequence[int], command: Sequence[str], timeout: float = 600.0) -> list[ScalingRow]:

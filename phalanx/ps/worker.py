@@ -208,9 +208,9 @@ def run_ps(model_fn, optimizer_fn, train_fn, *, num_servers: int | None = None, 
         for epoch in range(10):          # one session per epoch: resumes, trains, saves
             run_ps(make_model, make_opt, train_one_epoch, mode="ssp", staleness=2, checkpoint=mgr)
     """
-    import phalanx
+    from phalanx.runtime import topology
 
-    topo = phalanx.topology()
+    topo = topology()
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose one of {MODES}")
     if checkpoint is not None and not (hasattr(checkpoint, "save") and hasattr(checkpoint, "load_latest")):
@@ -243,10 +243,10 @@ def run_ps(model_fn, optimizer_fn, train_fn, *, num_servers: int | None = None, 
 
 
 def _end_session(checkpoint, state: dict, resumed: str | None, versions: tuple[int, int]) -> None:
-    import phalanx
+    from phalanx.comm.collectives import barrier, broadcast_object
 
     if checkpoint is not None:  # rank 0 is always a server: its version names the step
-        start, step = phalanx.broadcast_object(versions, root_rank=0)
+        start, step = broadcast_object(versions, root_rank=0)
         if resumed is None or step != start:  # else nothing changed since the checkpoint we loaded
             checkpoint.save(step, state)  # a synchronous save ends with a barrier
-    phalanx.barrier()  # a later session's messages must not reach this session's server loop
+    barrier()  # a later session's messages must not reach this session's server loop

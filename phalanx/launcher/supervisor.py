@@ -3,7 +3,7 @@
 ``phalanx run --min-np A --max-np B`` (and ``--host-discovery-script``) runs this
 instead of TorchElastic's agent, whose worker group is all-or-nothing (one exit stops
 every worker). Here each worker is a process of its own, started on this machine or
-over SSH on a discovered host (``python -m phalanx.launcher.remote worker``)::
+over SSH on a discovered host (``python -m phalanx.launcher.agent worker``)::
 
     start: store on this host ─ gen 0 = w0..w{np-1} ─ workers px.init() on it
     worker w2 exits non-zero ─ "rank 2 failed: killed by SIGKILL" ─ publish gen 1 = survivors
@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import json
 import os
-import shlex
 import signal
 import site
 import socket
@@ -40,12 +39,16 @@ import time
 import uuid
 
 from phalanx.elastic import inprocess
+from phalanx.launcher import handoff
+from phalanx.launcher import secret as job_secret
+from phalanx.launcher.discovery import discover_hosts
+from phalanx.launcher.ssh import probe
 from phalanx.log import get_logger
 
 __all__ = ["Supervisor"]
 
 log = get_logger(__name__)
-_EXEC_SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launcher", "_exec.py")
+_EXEC_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
 _GRACE_S = 10.0
 _LOCAL = "localhost"
 _PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -85,7 +88,8 @@ class Supervisor:
     def __init__(self, command: list[str], np: int, *, min_np: int | None = None, max_np: int | None = None,
                  env: dict[str, str] | None = None, script: str | None = None, interval_s: float = 1.0,
                  max_restarts: int = 3, ssh=None, network_interface: str | None = None,
-                 start_timeout: int = 60, run_id: str | None = None, fallback=None) -> None:
+                 start_timeout: int = 60, run_id: str | None = None, fallback=None,
+                 ranks_filter: frozenset[int] | None = None) -> None:
         self.command, self.np = list(command), np
         self.min_np, self.max_np = min_np or 1, max(max_np or np, np)
         self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
@@ -93,6 +97,7 @@ class Supervisor:
         self.ssh, self.network_interface, self.start_timeout = ssh, network_interface, start_timeout
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.fallback = fallback  # callable(np, restarts_left) -> exit code: the TorchElastic restart path
+        self.ranks_filter = ranks_filter  # ranks whose output is shown (None: all; joiners always)
         self.workers: list[_Worker] = []
         self.members: list[_Worker] = []  # of the latest published generation, in rank order
         self.gen = -1
@@ -106,8 +111,6 @@ class Supervisor:
 
     # -- hosts ------------------------------------------------------------------
     def _discover(self) -> dict[str, int] | None:
-        from phalanx.elastic.discovery import discover_hosts
-
         try:
             hosts = discover_hosts(self.script, timeout_s=max(self.interval_s, 5.0))
         except (OSError, ValueError, subprocess.SubprocessError) as err:
@@ -115,9 +118,7 @@ class Supervisor:
             return None
         for h in [h for h in hosts if h != _LOCAL and h not in self._probed]:
             try:
-                from phalanx.launcher.remote import _probe
-
-                _probe([h], self.ssh, timeout_s=15)
+                probe([h], self.ssh, timeout_s=15)
                 self._probed.add(h)
             except RuntimeError as err:
                 log.warning("host discovery lists %s but it cannot be used: %s; ignored", h, err)
@@ -169,25 +170,19 @@ class Supervisor:
         return w
 
     def _start_remote(self, host: str, env: dict[str, str]) -> subprocess.Popen:
-        from phalanx.launcher import secret as job_secret
-
         if self._secret is None:
             self._secret = job_secret.new_secret()
-        agent = [sys.executable, "-m", "phalanx.launcher.remote", "worker"]
-        if self.network_interface:
-            agent += ["--network-interface", self.network_interface]
-        for k, v in env.items():
-            agent += ["--env", f"{k}={v}"]
-        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec {shlex.join(agent + ['--', *self.command])}"
+        remote = handoff.remote_command("worker", env, self.network_interface, self.command)
         proc = subprocess.Popen(self.ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
-        proc.stdin.write(self._secret.decode() + "\n")  # then kept open: EOF tells the worker to stop
-        proc.stdin.flush()
+        handoff.send_secret(proc, self._secret)  # stdin then stays open: EOF tells the worker to stop
         return proc
 
     def _pump(self, w: _Worker, stream, out) -> None:
         for line in iter(stream.readline, ""):
             rank = self._rank_of(w)
+            if rank is not None and self.ranks_filter is not None and rank not in self.ranks_filter:
+                continue
             out.write(f"[{rank}]: {line}" if rank is not None else f"[{w.wid}]: {line}")
             out.flush()
         stream.close()

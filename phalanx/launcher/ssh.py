@@ -21,9 +21,10 @@
 * ``--timeline FILE``: every worker writes ``FILE.rank<N>`` on its own host; after
   the job the launcher collects the parts from each host over SSH and merges them.
 
-The agent side is ``python -m phalanx.launcher.remote agent …`` (see :func:`agent_main`); an
-in-process elastic job starts single workers on discovered hosts with ``… remote worker``
-(see :func:`worker_main` and :mod:`phalanx.elastic.supervisor`).
+This module is the launcher side; the host side is :mod:`phalanx.launcher.agent`
+(``python -m phalanx.launcher.agent agent …``), and what passes between them (the
+secret, the environment) is :mod:`phalanx.launcher.handoff`. The in-process elastic
+supervisor (:mod:`phalanx.launcher.supervisor`) uses the same SSH options and probe.
 """
 
 from __future__ import annotations
@@ -42,18 +43,19 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from phalanx.launcher import handoff
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.hosts import Host
 from phalanx.log import get_logger
 
-__all__ = ["SSHOptions", "launch_remote", "run_remote", "add_remote_arguments", "agent_main", "worker_main", "UnreachableHost"]
+__all__ = ["SSHOptions", "UnreachableHost", "probe", "launch_remote", "run_remote", "add_remote_arguments"]
 
-log = get_logger("phalanx.launcher.remote")
+log = get_logger(__name__)
 _GRACE_S = 10.0
 
 
 class UnreachableHost(RuntimeError):
-    pass
+    """A host did not answer ``ssh host true``; the message names it and SSH's error."""
 
 
 class SSHOptions:
@@ -76,7 +78,8 @@ class SSHOptions:
         return [*self.argv, host, remote]
 
 
-def _probe(hosts: list[str], ssh: SSHOptions, timeout_s: float) -> None:
+def probe(hosts: list[str], ssh: SSHOptions, timeout_s: float) -> None:
+    """Run ``ssh host true`` on every host at once; raise :class:`UnreachableHost` naming those that fail."""
     procs = {h: subprocess.Popen(ssh.command(h, "true"), stdin=subprocess.DEVNULL,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for h in dict.fromkeys(hosts)}
@@ -112,6 +115,8 @@ def launch_remote(
     env: dict[str, str] | None = None,
     port: int | None = None,
     python: str | None = None,
+    log_dir: str | None = None,
+    ranks_filter: frozenset[int] | None = None,
 ) -> int:
     """Start ``command`` on ``np`` workers spread over ``hosts`` (host order, filling slots); return the exit code.
 
@@ -119,6 +124,9 @@ def launch_remote(
 
         launch_remote([Host("a", 2), Host("b", 2)], 4, ["python", "train.py"],
                       ssh=SSHOptions(config="~/.ssh/config"), network_interface="eth0")
+
+    ``log_dir``: each host keeps its ranks' output in ``log_dir/rank.N/`` on its own disk;
+    ``ranks_filter``: the local ranks whose output each host streams back.
     """
     ssh = ssh or SSHOptions()
     plan, left = [], np
@@ -132,29 +140,24 @@ def launch_remote(
     if len({k for _, k in plan}) != 1:
         log.warning("hosts run different numbers of workers %s; hierarchical collectives fall back to flat",
                     [k for _, k in plan])
-    _probe([h for h, _ in plan], ssh, timeout_s=15)
+    probe([h for h, _ in plan], ssh, timeout_s=15)
     key = job_secret.new_secret()
     run_id = uuid.uuid4().hex[:12]
     port = port or random.randint(20000, 40000)
     rdzv = f"{plan[0][0]}:{port}"
-    python = python or sys.executable
     procs: list[tuple[str, subprocess.Popen]] = []
     pumps = []
     for index, (host, slots) in enumerate(plan):
-        agent = [python, "-m", "phalanx.launcher.remote", "agent", "--rdzv", rdzv, "--nnodes", str(len(plan)),
-                 "--nproc", str(slots), "--run-id", run_id, "--local-addr", host,
-                 "--start-timeout", str(start_timeout)]
-        if index == 0:
-            agent.append("--is-host")
-        if network_interface:
-            agent += ["--network-interface", network_interface]
-        for k, v in (env or {}).items():
-            agent += ["--env", f"{k}={v}"]
-        remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec {shlex.join(agent + ['--', *command])}"
+        options = ["--rdzv", rdzv, "--nnodes", str(len(plan)), "--nproc", str(slots), "--run-id", run_id,
+                   "--local-addr", host, "--start-timeout", str(start_timeout)] + (["--is-host"] if index == 0 else [])
+        if log_dir:
+            options += ["--log-dir", os.path.abspath(log_dir)]
+        if ranks_filter is not None:
+            options += ["--ranks-filter", ",".join(map(str, sorted(ranks_filter)))]
+        remote = handoff.remote_command("agent", env or {}, network_interface, command, options, python=python)
         p = subprocess.Popen(ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
-        p.stdin.write(key.decode() + "\n")
-        p.stdin.flush()
+        handoff.send_secret(p, key)
         procs.append((host, p))
         t = threading.Thread(target=_pump, args=(p.stdout, host, sys.stdout), daemon=True)
         t.start()
@@ -229,7 +232,7 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str],
-               env: dict[str, str] | None = None) -> int:
+               env: dict[str, str] | None = None, ranks_filter: frozenset[int] | None = None) -> int:
     """``phalanx run`` with remote hosts: validate, then :func:`launch_remote`.
 
     ``env``: what the run's options export to every worker (``run_cmd.job_env``).
@@ -240,7 +243,8 @@ def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str],
     ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
     try:
         code = launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,
-                             start_timeout=args.start_timeout, env=env, port=args.rdzv_port)
+                             start_timeout=args.start_timeout, env=env, port=args.rdzv_port,
+                             log_dir=args.log_dir, ranks_filter=ranks_filter)
     except (UnreachableHost, ValueError) as err:
         print(f"phalanx run: {err}", file=sys.stderr, flush=True)
         return 255 if isinstance(err, UnreachableHost) else 2
@@ -266,7 +270,7 @@ def _gather_timeline(path: str, hosts: list[str], ssh: SSHOptions, timeout_s: fl
     python = sys.executable
     parts: dict[str, str] = {}
     for host in dict.fromkeys(hosts):
-        remote = f"exec {shlex.join([python, '-m', 'phalanx.launcher.remote', 'timeline-parts', path])}"
+        remote = f"exec {shlex.join([python, '-m', handoff.AGENT_MODULE, 'timeline-parts', path])}"
         try:
             res = subprocess.run(ssh.command(host, remote), stdin=subprocess.DEVNULL, capture_output=True,
                                  text=True, timeout=timeout_s)
@@ -283,118 +287,3 @@ def _gather_timeline(path: str, hosts: list[str], ssh: SSHOptions, timeout_s: fl
             with open(name, "w") as f:
                 f.write(text)
     merge_parts(path)
-
-
-def _timeline_parts_main(path: str) -> int:
-    """``python -m phalanx.launcher.remote timeline-parts PATH``: print this host's parts as JSON, remove them."""
-    import glob
-
-    found = {}
-    for name in sorted(glob.glob(glob.escape(path) + ".rank*")):
-        with open(name) as f:
-            found[name] = f.read()
-    print(json.dumps(found))
-    sys.stdout.flush()
-    for name in found:
-        with contextlib.suppress(OSError):
-            os.remove(name)
-    return 0
-
-
-# -- the agent, one per host --------------------------------------------------
-
-def _watch_stdin(pid: int) -> None:
-    sys.stdin.read()  # returns at EOF: the launcher is gone or asks us to stop
-    os.kill(pid, signal.SIGTERM)
-
-
-def agent_main(argv: list[str] | None = None) -> int:
-    """``python -m phalanx.launcher.remote agent``: read the secret from stdin, run this host's workers."""
-    from phalanx.launcher.local import LaunchSpec, launch
-
-    p = argparse.ArgumentParser(prog="phalanx-agent")
-    p.add_argument("--rdzv", required=True)
-    p.add_argument("--nnodes", type=int, required=True)
-    p.add_argument("--nproc", type=int, required=True)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--local-addr", default=None)
-    p.add_argument("--is-host", action="store_true")
-    p.add_argument("--start-timeout", type=int, default=60)
-    p.add_argument("--network-interface", default=None)
-    p.add_argument("--env", action="append", default=[])
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] != ["agent"] or "--" not in argv:
-        p.error("usage: python -m phalanx.launcher.remote agent OPTIONS -- COMMAND")
-    cut = argv.index("--")
-    args, command = p.parse_args(argv[1:cut]), argv[cut + 1 :]
-    key = sys.stdin.readline().strip().encode()
-    if not key:
-        print("phalanx agent: no job secret on stdin; start agents with `phalanx run`", file=sys.stderr)
-        return 2
-    secret_path = job_secret.write_secret_file(key)
-    env = dict(kv.split("=", 1) for kv in args.env)
-    env[job_secret.SECRET_FILE_ENV] = secret_path
-    if args.network_interface:
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = args.network_interface
-    threading.Thread(target=_watch_stdin, args=(os.getpid(),), daemon=True).start()
-    spec = LaunchSpec(nproc_per_node=args.nproc, min_nodes=args.nnodes, max_nodes=args.nnodes,
-                      rdzv_endpoint=args.rdzv, run_id=args.run_id, start_timeout_s=args.start_timeout,
-                      local_addr=args.local_addr, env=env, rdzv_extra={"is_host": args.is_host})
-    try:
-        return launch(spec, command)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(secret_path)
-
-
-def worker_main(argv: list[str]) -> int:
-    """``python -m phalanx.launcher.remote worker OPTIONS -- COMMAND``: one elastic worker on this host.
-
-    The in-process elastic launcher (:mod:`phalanx.elastic.supervisor`) starts one per worker
-    it adds on a discovered host: the secret comes on stdin, then stdin stays open; at EOF
-    (the launcher stopped the job or died) the worker is stopped. Exits with the worker's
-    status (128 + N when signal N ended it).
-    """
-    p = argparse.ArgumentParser(prog="phalanx-worker")
-    p.add_argument("--network-interface", default=None)
-    p.add_argument("--env", action="append", default=[])
-    if "--" not in argv:
-        p.error("usage: python -m phalanx.launcher.remote worker OPTIONS -- COMMAND")
-    cut = argv.index("--")
-    args, command = p.parse_args(argv[:cut]), argv[cut + 1:]
-    key = sys.stdin.readline().strip().encode()
-    if not key:
-        print("phalanx worker: no job secret on stdin; start workers with `phalanx run`", file=sys.stderr)
-        return 2
-    secret_path = job_secret.write_secret_file(key)
-    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env), job_secret.SECRET_FILE_ENV: secret_path}
-    if args.network_interface:
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = args.network_interface
-    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
-    proc = subprocess.Popen([sys.executable, shim, *command], env=env)
-
-    def stop_at_eof() -> None:
-        sys.stdin.read()
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(_GRACE_S)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-
-    threading.Thread(target=stop_at_eof, daemon=True).start()
-    try:
-        code = proc.wait()
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(secret_path)
-    return 128 - code if code < 0 else code
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["worker"]:
-        sys.exit(worker_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["timeline-parts"] and len(sys.argv) == 3:
-        sys.exit(_timeline_parts_main(sys.argv[2]))
-    sys.exit(agent_main())

@@ -20,19 +20,21 @@ import argparse
 import os
 import re
 import statistics
-import sys
 import time
+
+from phalanx.cli.parser import UsageError
 
 __all__ = ["register", "parse_size", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = "4KB,16KB,64KB,256KB,1MB,4MB,16MB,64MB,256MB"
-_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
-    if not m:
-        raise ValueError(f"--sizes: cannot read {text!r}; write e.g. 4KB, 64MB")
+    """``"4KB"``, ``"4kb"``, ``"4K"``, ``"4KiB"`` -> 4096; ``"1M"`` -> 1 MiB (binary units, as nccl-tests)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
+    if not m or not int(m.group(1)):
+        raise ValueError(f"--sizes: cannot read {text!r}; write positive sizes such as 4KB, 64MB, 1G")
     return int(m.group(1)) * _UNITS[m.group(2)]
 
 
@@ -55,10 +57,11 @@ def _measure(sizes, algorithms, repeats, dtype_name):
     import torch
     import torch.distributed as dist
 
-    import phalanx as px
     from phalanx.comm.algorithms import allreduce
+    from phalanx.comm.collectives import barrier
+    from phalanx.runtime import topology
 
-    topo = px.topology()
+    topo = topology()
     dtype = getattr(torch, dtype_name)
     rows = []
     for size in sizes:
@@ -66,7 +69,7 @@ def _measure(sizes, algorithms, repeats, dtype_name):
         times = {a: [] for a in algorithms}
         for rep in range(repeats + 1):  # the first round warms up connections and buffers
             for algo in algorithms:
-                px.barrier()
+                barrier()
                 start = time.perf_counter()
                 allreduce(x, algo, topology=topo)
                 took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -103,9 +106,9 @@ def _table(rows, n, hosts, backend, link_gbit) -> str:
 
 
 def _fmt(size: int) -> str:
-    for unit in ("GB", "MB", "KB"):
+    for unit in ("G", "M", "K"):
         if size >= _UNITS[unit] and size % _UNITS[unit] == 0:
-            return f"{size // _UNITS[unit]}{unit}"
+            return f"{size // _UNITS[unit]}{unit}B"
     return f"{size}B"
 
 
@@ -115,21 +118,26 @@ def main_allreduce(args: argparse.Namespace) -> int:
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError as err:
-        print(f"phalanx bench allreduce: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(str(err)) from None
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in algorithms if a not in ALGORITHMS]
-    if bad or args.repeats < 1:
-        print(f"phalanx bench allreduce: --algorithms {bad} not in {ALGORITHMS}, or --repeats < 1", file=sys.stderr)
-        return 2
+    if not sizes:
+        raise UsageError(f"--sizes {args.sizes!r} lists no size; e.g. --sizes 4KB,64MB")
+    if bad or not algorithms:
+        raise UsageError(f"--algorithms: {', '.join(bad) or 'none given'}; choose from {', '.join(ALGORITHMS)}")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.np < 1 or (args.local_size is not None and (args.local_size < 1 or args.np % args.local_size)):
+        raise UsageError(f"--np {args.np} must be at least 1" + (f" and a multiple of --local-size {args.local_size}" if args.local_size else ""))
     if "RANK" in os.environ:  # under phalanx run / torchrun: this process is one rank
-        import phalanx as px
+        from phalanx import runtime
+        from phalanx.launcher.join import join
 
-        px.init()
+        join()
         rows, n, hosts, backend = _measure(sizes, algorithms, args.repeats, args.dtype)
-        if px.rank() == 0:
+        if runtime.rank() == 0:
             print(_table(rows, n, hosts, backend, args.link_gbit), flush=True)
-        px.shutdown()
+        runtime.shutdown()
         return 0
     from phalanx.launcher.spawn import run
 

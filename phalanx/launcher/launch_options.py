@@ -64,7 +64,7 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
         env["PHALANX_MAX_RESTARTS"] = str(restarts)
     if elastic and args.host_discovery_script is None:
         # TorchElastic counts nodes (agents), each running -np workers here; used by the group
-        # restart path (phalanx run itself runs elastic jobs in-process: elastic/supervisor.py)
+        # restart path (phalanx run itself runs elastic jobs in-process: launcher/supervisor.py)
         out["min_nodes"] = max(1, math.ceil((min_np or np) / np))
         out["max_nodes"] = max(out["min_nodes"], math.ceil((max_np or np) / np))
         if out["max_nodes"] > out["min_nodes"]:

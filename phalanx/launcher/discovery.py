@@ -1,7 +1,7 @@
 """Host discovery for elastic runs: run ``--host-discovery-script``, read ``host:slots`` lines.
 
 horovodrun's model: a script prints the hosts now available, one ``host:slots`` per
-line; the launcher (:mod:`phalanx.elastic.supervisor`) polls it every
+line; the launcher (:mod:`phalanx.launcher.supervisor`) polls it every
 ``--discovery-interval`` seconds and changes the job at the next commit::
 
     more slots (this machine or a new remote host) ─ start workers there (SSH for a remote host)

@@ -39,7 +39,9 @@ def main(args: argparse.Namespace) -> int:
         rows = report.measure_script(workers, command, timeout=args.timeout)
         unit, note = "runs/s", f"command: {' '.join(command)} (wall time including start-up)"
     else:
-        rows = report.measure_demo(workers, epochs=args.epochs, timeout=args.timeout)
+        from phalanx.cli.demo import measure
+
+        rows = [report.ScalingRow(*row) for row in measure(workers, epochs=args.epochs, timeout=args.timeout)]
         unit, note = "samples/s", f"digits MLP demo, {args.epochs} epochs, global batch 128"
     out = report.write_report(rows, args.out, unit=unit, note=note)
     print(f"{'workers':>8} {unit:>12} {'speedup':>8} {'efficiency':>10}")

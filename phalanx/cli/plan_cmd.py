@@ -42,17 +42,48 @@ def _model_sizes(spec: str) -> tuple[int, tuple[float, ...]]:
     """Trainable parameters, and each one's gradient bytes in the order backward produces them
     (reversed definition order, as for a sequential model): the engine's buckets come from these."""
     module, _, attr = spec.partition(":")
-    if not attr:
+    if not attr or not module:
         raise ValueError(f"--model {spec!r}: use MODULE:FACTORY, e.g. torch.nn:Transformer")
-    model = getattr(importlib.import_module(module), attr)()
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--model {spec!r}: cannot find {attr} in {module} ({err})") from None
+    try:
+        model = factory()
+    except Exception as err:  # the user's factory: any failure is theirs to fix, in one line
+        raise ValueError(f"--model {spec!r}: {attr}() failed ({type(err).__name__}: {err}); FACTORY must build "
+                         "the model with no arguments, e.g. a function in your module") from None
+    if not hasattr(model, "parameters"):
+        raise ValueError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
     params = [p for p in model.parameters() if p.requires_grad]
     return sum(p.numel() for p in params), tuple(float(p.numel() * 4) for p in reversed(params) if p.numel())
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Numbers the cost model cannot use: one line naming the flag."""
+    for flag, value, least in (("--hosts", args.hosts, 1), ("--ranks-per-host", args.ranks_per_host, 1),
+                               ("--layers", args.layers, 1), ("--top", args.top, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps),
+                        ("--memory-gb", args.memory_gb), ("--compute-ms", args.compute_ms)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    for flag, value in (("--act-mb", args.act_mb), ("--intra-latency-us", args.intra_latency_us),
+                        ("--inter-latency-us", args.inter_latency_us)):
+        if value < 0:
+            raise ValueError(f"{flag} must not be negative, got {value}")
+    if args.params is not None and not args.params > 0:
+        raise ValueError(f"--params must be positive, got {args.params}")
+    if not -1 <= args.overlap <= 1:
+        raise ValueError(f"--overlap must be in [-1, 1], got {args.overlap}")
 
 
 def main(args: argparse.Namespace) -> int:
     from phalanx.planner import cost, plan
 
     try:
+        _check(args)
         params, tensor_bytes = _model_sizes(args.model) if args.model else (args.params, ())
         if args.model and not params:
             raise ValueError(f"--model {args.model}: the model has no trainable parameters")
