@@ -343,6 +343,8 @@ def join(on_step=None) -> int:
         answered += 1
         if kind == "call":
             _answer(desc)
+        elif kind == "skip":
+            continue
         elif on_step is None:
             raise HorovodInternalError("join: the other ranks are stepping a DistributedOptimizer, but this rank "
                                        "has none; create the same DistributedOptimizer on every rank")

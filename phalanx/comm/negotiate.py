@@ -46,8 +46,9 @@ def device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _compare(every: list[dict], group) -> dict:
-    """The training ranks' common descriptor; raises on every rank if they differ."""
+def _compare(every: list[dict], group) -> dict | None:
+    """The training ranks' common descriptor; raises on every rank if they differ. A broadcast
+    whose root has joined raises on the training ranks only (None here: the joined ranks go on)."""
     active = [d for d in every if d["call"] != "join"]
     if any(d != active[0] for d in active[1:]):
         raise CollectiveMismatchError(describe_mismatch(every, group))
@@ -56,6 +57,8 @@ def _compare(every: list[dict], group) -> dict:
     if root is not None:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
         if every[ranks.index(root)]["call"] == "join":
+            if every[dist.get_rank(group)]["call"] == "join":
+                return None
             raise CollectiveMismatchError(
                 f"phalanx: {desc['call']} {desc['name']!r} has root_rank {root}, which has already joined; "
                 "a joined rank has no data to send: choose a root that has not called join()")
@@ -80,7 +83,8 @@ def announce(desc: dict, group) -> bool:
 
 def next_request(group) -> tuple[str, dict | None]:
     """Joined rank: wait for the others' next move. ``("done", None)`` when every rank has
-    joined, ``("step", None)`` for an optimizer step, ``("call", descriptor)`` for a collective."""
+    joined, ``("step", None)`` for an optimizer step, ``("call", descriptor)`` for a collective,
+    ``("skip", None)`` for one the training ranks refuse (a broadcast from a joined root)."""
     flag = torch.zeros(1, device=device_for(group))
     dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
     total = flag.item()
@@ -90,7 +94,8 @@ def next_request(group) -> tuple[str, dict | None]:
         return "step", None
     every: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(every, JOINED, group=group)
-    return "call", _compare(every, group)
+    desc = _compare(every, group)
+    return ("call", desc) if desc is not None else ("skip", None)
 
 
 def last_to_join(answered: int, group) -> int:
