@@ -115,30 +115,31 @@ def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
 
 
 # ---------------------------------------------------------------- the collectives (run parts)
-def _allreduce(tensor, op, pre, post, group, check, inplace):
+def _allreduce(tensor, op, pre, post, group, check, inplace, name=None):
     if op == ADASUM:
-        return _adasum(tensor, pre, post, group, check, inplace)
+        return _adasum(tensor, pre, post, group, check, inplace, name)
     return _carry(tensor, group, inplace, lambda t, into: c.allreduce(
-        t, op, group=group, async_op=True, prescale_factor=pre, postscale_factor=post, inplace=into, check=check))
+        t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, inplace=into, check=check))
 
 
-def _allgather(tensor, group, check):
-    return _carry(tensor, group, False, lambda t, _: c.allgather(t, group=group, async_op=True, check=check))
+def _allgather(tensor, group, check, name=None):
+    return _carry(tensor, group, False, lambda t, _: c.allgather(t, group=group, async_op=True, name=name,
+                                                                 check=check))
 
 
-def _broadcast(tensor, root, group, check, inplace):
+def _broadcast(tensor, root, group, check, inplace, name=None):
     return _carry(tensor, group, inplace, lambda t, into: c.broadcast(
-        t, root, group=group, async_op=True, inplace=into, check=check))
+        t, root, group=group, async_op=True, name=name, inplace=into, check=check))
 
 
-def _alltoall(tensor, splits, group, check):
-    return _carry(tensor, group, False, lambda t, _: c.alltoall(t, splits, group=group, async_op=True,
+def _alltoall(tensor, splits, group, check, name=None):
+    return _carry(tensor, group, False, lambda t, _: c.alltoall(t, splits, group=group, async_op=True, name=name,
                                                                 check=check))
 
 
-def _reducescatter(tensor, op, pre, post, group, check):
+def _reducescatter(tensor, op, pre, post, group, check, name=None):
     return _carry(tensor, group, False, lambda t, _: c.reducescatter(
-        t, op, group=group, async_op=True, prescale_factor=pre, postscale_factor=post, check=check))
+        t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, check=check))
 
 
 # ---------------------------------------------------------------- public async forms
@@ -151,7 +152,7 @@ def allreduce_async(tensor, op=c.Average, name=None, prescale_factor=1.0, postsc
     ps = process_set or global_process_set
     group, check = _start("allreduce", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
                           post=postscale_factor)
-    return _track(name, ps, _allreduce(tensor, op, prescale_factor, postscale_factor, group, check, inplace))
+    return _track(name, ps, _allreduce(tensor, op, prescale_factor, postscale_factor, group, check, inplace, name))
 
 
 def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -163,14 +164,15 @@ def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.
         part_name = None if name is None else f"{name}.{k}"
         group, check = _start("allreduce", part_name, ps, flat, op=_op_value(op), pre=prescale_factor,
                               post=postscale_factor)
-        parts.append((idx, _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True)))
+        parts.append((idx, _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True,
+                                         part_name)))
     return _track(name, ps, FusedHandle(parts, tensors, inplace))
 
 
 def allgather_async(tensor, name=None, process_set=None):
     ps = process_set or global_process_set
     group, check = _start("allgather", name, ps, tensor)
-    return _track(name, ps, _allgather(tensor, group, check))
+    return _track(name, ps, _allgather(tensor, group, check, name))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None):
@@ -182,14 +184,14 @@ def grouped_allgather_async(tensors, name=None, process_set=None):
 def broadcast_async(tensor, root_rank, name=None, process_set=None, inplace=False):
     ps = process_set or global_process_set
     group, check = _start("broadcast", name, ps, tensor, root=int(root_rank))
-    return _track(name, ps, _broadcast(tensor, int(root_rank), group, check, inplace))
+    return _track(name, ps, _broadcast(tensor, int(root_rank), group, check, inplace, name))
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """Returns ``(received, received_splits)`` when synchronized."""
     ps = process_set or global_process_set
     group, check = _start("alltoall", name, ps, tensor)
-    return _track(name, ps, _alltoall(tensor, splits, group, check))
+    return _track(name, ps, _alltoall(tensor, splits, group, check, name))
 
 
 def reducescatter_async(tensor, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
@@ -202,7 +204,7 @@ def reducescatter_async(tensor, op=c.Average, name=None, process_set=None, presc
         raise HorovodInternalError(f"reducescatter supports op=Sum or Average, got {op}")
     group, check = _start("reducescatter", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
                           post=postscale_factor)
-    return _track(name, ps, _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check))
+    return _track(name, ps, _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name))
 
 
 def grouped_reducescatter_async(tensors, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
@@ -262,7 +264,7 @@ def adasum_combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ca * a64 + cb * b64).to(a.dtype)
 
 
-def _adasum(tensor, pre, post, group, check, inplace):
+def _adasum(tensor, pre, post, group, check, inplace, name=None):
     """Allgather the tensors, then combine them pairwise in a binary tree over the ranks
     ((0,1),(2,3),… then the pairs of pairs), the same order on every rank — Horovod's recursive
     halving computes the same tree with partial dot products. Floating point only."""
@@ -270,7 +272,7 @@ def _adasum(tensor, pre, post, group, check, inplace):
         raise HorovodInternalError(f"Adasum needs a floating point tensor, got {tensor.dtype}")
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     scaled = c.scale_(tensor.detach().clone(), pre)
-    inner = c.allgather(scaled.reshape(1, -1), group=group, async_op=True, check=check) if n > 1 else \
+    inner = c.allgather(scaled.reshape(1, -1), group=group, async_op=True, name=name, check=check) if n > 1 else \
         c.Handle(None, scaled.reshape(1, -1))
 
     def finish(hs):
