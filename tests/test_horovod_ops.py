@@ -26,7 +26,7 @@ def _model():
 
 
 def _options():
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     out = {}
     x = torch.tensor([1.0, 2.0, 3.0, 4.0]) * (r + 1)
     _safe(out, "grouped_reducescatter_scaled", lambda: hvd.grouped_reducescatter(
