@@ -66,6 +66,11 @@ def _options():
         c = torch.tensor([1.0, 1.0]) * (r + 1)  # parallel 1 and 2: 1.5 * [1, 1]
         return [hvd.allreduce(v, op=hvd.Adasum) for v in (a, b, c)]
     _safe(out, "adasum", adasum)
+    def init_with_process_sets():
+        pair = hvd.ProcessSet([0, 1])
+        hvd.init(process_sets=[pair])  # already running: registers the set, as Horovod's init does
+        return pair.process_set_id is not None, hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=pair).item()
+    _safe(out, "init_with_process_sets", init_with_process_sets)
     _safe(out, "internal_error_type", lambda: issubclass(hvd.HorovodInternalError, RuntimeError))
 
     # the optimizer wrapper
@@ -177,6 +182,10 @@ def test_adasum_on_cpu(results):
     for orthogonal, equal, parallel in _ok(results, "adasum"):
         assert orthogonal.tolist() == [1.0, 1.0] and equal.tolist() == [2.0, 2.0]
         torch.testing.assert_close(parallel, torch.tensor([1.5, 1.5]))
+
+
+def test_init_registers_process_sets(results):
+    assert _ok(results, "init_with_process_sets") == [(True, 2.0), (True, 2.0)]
 
 
 def test_horovod_internal_error_is_exported(results):

@@ -86,6 +86,7 @@ def _process_sets():
         got2 = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=again).item() if again.included() else None
         return got, removed, after, got2, hvd.remove_process_set(hvd.global_process_set)
     _safe(out, "dynamic", dynamic)
+    hvd.barrier()  # rank 0 holds the store: it must not leave while others still build a group
     return out
 
 
