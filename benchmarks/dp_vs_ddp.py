@@ -7,7 +7,9 @@ MLP), and a small transformer encoder. Each repeat times phalanx and DDP back
 to back (interleaved, order alternating) on the same two ranks; the table shows
 the median samples/s of each and the ratio phalanx / DDP (>= 1.00 means phalanx
 is at least as fast), against DDP's default and against DDP with
-``gradient_as_bucket_view=True`` (the like-for-like peer of phalanx's default). The engine runs the mismatch check on the first iteration
+``gradient_as_bucket_view=True`` (the like-for-like peer of phalanx's default). A fourth
+runner is a Horovod script's optimizer, ``phalanx.horovod.torch.DistributedOptimizer`` on the
+plain model (column "hvd", ratio "hvd/ddp"). The engine runs the mismatch check on the first iteration
 only (then the bucket plan is fixed), so its cost is measured separately by
 benchmarks/mismatch_check.py.
 """
@@ -42,10 +44,14 @@ def _models():
 
 
 def _bench(model_name: str, steps: int, repeats: int, batch: int, bucket_mb: float):
+    import os
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import phalanx as px
+    import phalanx.horovod.torch as hvd
 
+    os.environ["PHALANX_BUCKET_MB"] = str(bucket_mb)  # hvd.DistributedOptimizer's fusion threshold
     make = _models()[model_name]
     torch.manual_seed(0)
     base, shape, classes = make()
@@ -62,8 +68,11 @@ def _bench(model_name: str, steps: int, repeats: int, batch: int, bucket_mb: flo
     # DDP's own zero-copy option, the like-for-like peer of phalanx's default gradient_as_bucket_view=True
     ddp_view = DDP(clone(), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     ours = px.DataParallel(clone(), bucket_mb=bucket_mb, broadcast_buffers=True)
-    runners = {"ddp": ddp, "ddp_view": ddp_view, "phalanx": ours}
+    plain = clone()
+    runners = {"ddp": ddp, "ddp_view": ddp_view, "phalanx": ours, "hvd": plain}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in runners.items()}
+    opts["hvd"] = hvd.DistributedOptimizer(opts["hvd"], named_parameters=plain.named_parameters())
+    hvd.broadcast_parameters(plain.state_dict(), root_rank=0)
 
     def run(kind, n):
         model, opt = runners[kind], opts[kind]
@@ -102,13 +111,13 @@ def main() -> None:
     print(f"world {args.np} gloo, local batch {args.batch}, bucket {args.bucket_mb} MB, "
           f"{args.steps} steps x {args.repeats} interleaved repeats, median samples/s")
     print(f"{'model':<20} {'params':>9} {'tensors':>7} {'ddp':>9} {'ddp view':>9} {'phalanx':>9} "
-          f"{'vs ddp':>6} {'vs view':>7}")
+          f"{'vs ddp':>6} {'vs view':>7} {'hvd':>9} {'hvd/ddp':>7}")
     for name in _models():
         res, nparams, ntensors = px.run(_bench, np=args.np, args=(name, args.steps, args.repeats, args.batch,
                                                                   args.bucket_mb), threads=1, timeout=900)[0]
-        ddp, view, ours = res["ddp"], res["ddp_view"], res["phalanx"]
+        ddp, view, ours, hv = res["ddp"], res["ddp_view"], res["phalanx"], res["hvd"]
         print(f"{name:<20} {nparams:>9} {ntensors:>7} {ddp:>9.0f} {view:>9.0f} {ours:>9.0f} "
-              f"{ours / ddp:>6.2f} {ours / view:>7.2f}", flush=True)
+              f"{ours / ddp:>6.2f} {ours / view:>7.2f} {hv:>9.0f} {hv / ddp:>7.2f}", flush=True)
 
 
 if __name__ == "__main__":

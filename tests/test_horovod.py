@@ -53,10 +53,6 @@ def _facade_collectives(tmp):
         errors.append(str(e))
     hvd.synchronize(first)
     try:
-        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    except NotImplementedError as e:
-        errors.append(str(e))
-    try:
         hvd.allreduce(torch.ones(2 + r), name="mismatch")
     except Exception as e:  # CollectiveMismatchError
         errors.append(str(e))
@@ -80,13 +76,18 @@ def _facade_collectives(tmp):
         out["dtype_error"] = str(e)
     both = hvd.add_process_set(hvd.ProcessSet([1, 0]))
     out["ps_objects"] = (hvd.broadcast_object(f"r{r}", root_rank=1, process_set=both),
-                         hvd.allgather_object(r, process_set=both), both.rank(), hvd.remove_process_set(both))
+                         hvd.allgather_object(r, process_set=both), both.rank(), True)
     hvd.barrier(process_set=both)
     with torch.no_grad():
         lin = torch.nn.Linear(2, 2)
         lin.weight.fill_(r)
     hvd.broadcast_parameters(lin.state_dict(), root_rank=1, process_set=both)
     out["ps_params"] = lin.weight.detach().clone()
+    out["removed"] = (hvd.remove_process_set(both), hvd.remove_process_set(both))
+    try:
+        hvd.allreduce(torch.ones(1), process_set=both)
+    except ValueError as e:
+        out["removed_error"] = str(e)
     out["bf16"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.bf16)
     # differentiable allreduce / allgather / broadcast (Horovod's backward rules)
     w = torch.tensor([1.0, 3.0]) * (r + 1)
@@ -168,8 +169,8 @@ def test_facade_collectives_on_two_ranks(tmp_path):
         torch.testing.assert_close(o["reducescatter"], torch.full((2, 2), 6.0))
         assert [t.tolist() for t in o["grouped_reducescatter"]] == [[2.0], [2.0, 2.0]]
         assert o["objects"] == ({"from": 1}, [0, 1])
-        dup, adasum, mismatch, roots = o["errors"]
-        assert "already in flight" in dup and "Adasum" in adasum
+        dup, mismatch, roots = o["errors"]
+        assert "already in flight" in dup
         assert "mismatch" in mismatch and "rank 1" in mismatch and "root" in roots
         assert o["ps"] == (True, 1, 0, 5.0 + r)
         assert "not in ProcessSet" in o["ps_error"]
@@ -177,6 +178,7 @@ def test_facade_collectives_on_two_ranks(tmp_path):
         assert "dtype" in o["dtype_error"] and "float64" in o["dtype_error"]  # raised on both ranks
         assert o["ps_objects"] == ("r1", [0, 1], r, True)
         assert o["ps_params"].eq(1.0).all()
+        assert o["removed"] == (True, False) and "not registered" in o["removed_error"]
         torch.testing.assert_close(o["bf16"], torch.tensor([3.0, 6.0]))
         g_sum, g_avg, g_gather, g_bcast, g_ga, g_gb = o["grads"]
         assert g_ga.tolist() == [3.0, 9.0] and g_gb.tolist() == [3.0]

@@ -55,6 +55,9 @@ __all__ = [
     "mismatch_check_enabled",
     "group_size",
     "group_rank",
+    "scale_",
+    "default_device",
+    "describe_mismatch",
 ]
 
 
@@ -108,6 +111,11 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
 
+    @property
+    def done(self) -> bool:
+        """True once ``wait()`` has returned (the result has been collected)."""
+        return self._done
+
     def wait(self):
         if not self._done:
             if self._work is not None:
@@ -155,7 +163,7 @@ def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, **ex
         shape = ("*",) + shape[1:]  # the first dimension may differ across ranks
     signature = (kind, name, dtype, shape, tuple(sorted(extra.items())))
     h = _digest(signature)
-    device = tensor.device if tensor is not None and tensor.device.type != "meta" else _default_device()
+    device = tensor.device if tensor is not None and tensor.device.type != "meta" else default_device()
     probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
     with trace.span("negotiate", "comm", call=kind, tensor=name):  # shown apart on the timeline
         dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
@@ -164,10 +172,10 @@ def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, **ex
     mine = {"call": kind, "name": name, "dtype": dtype, "shape": shape, **extra}
     every: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(every, mine, group=group)
-    raise CollectiveMismatchError(_describe_mismatch(every, group))
+    raise CollectiveMismatchError(describe_mismatch(every, group))
 
 
-def _describe_mismatch(every: list[dict], group) -> str:
+def describe_mismatch(every: list[dict], group) -> str:
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
     fields = [k for k in every[0] if len({repr(m.get(k)) for m in every}) > 1]
     fields += [k for m in every for k in m if k not in every[0] and k not in fields]
@@ -186,10 +194,19 @@ def _describe_mismatch(every: list[dict], group) -> str:
     return "\n".join(lines)
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``t`` by ``factor`` in place; integer tensors go through float64 and truncate."""
+    if factor == 1.0:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        return t.mul_(factor)
+    return t.copy_(t.double().mul_(factor).trunc_())
 
 
 def _done(result, async_op: bool):
@@ -211,18 +228,20 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     inplace: bool = False,
+    check: bool = True,
 ):
     """Reduce ``tensor`` across the group; returns the result (or a :class:`Handle`).
 
     ``Average`` divides the sum by the group size (floor division for integers).
-    ``prescale_factor`` multiplies before the reduction, ``postscale_factor`` after.
-    With ``inplace=True`` the result is written into ``tensor``.
+    ``prescale_factor`` multiplies before the reduction, ``postscale_factor`` after (integer
+    tensors are scaled in float64 and truncated, as Horovod does). With ``inplace=True`` the
+    result is written into ``tensor``. ``check=False`` skips the cross-rank check (the caller
+    has compared the ranks' calls already).
     """
     op = ReduceOp(op)
     n = dist.get_world_size(group)
     out = tensor if inplace else tensor.clone()
-    if prescale_factor != 1.0:
-        out.mul_(prescale_factor)
+    scale_(out, prescale_factor)
 
     def finish(t):
         if op is ReduceOp.AVERAGE and n > 1:
@@ -230,23 +249,24 @@ def allreduce(
                 t.div_(n)
             else:
                 t.floor_divide_(n)
-        if postscale_factor != 1.0:
-            t.mul_(postscale_factor)
-        return t
+        return scale_(t, postscale_factor)
 
     if n == 1:
         return _done(finish(out), async_op)
-    _check("allreduce", name, tensor, group, op=op.value)
+    if check:
+        _check("allreduce", name, tensor, group, op=op.value)
     work = dist.all_reduce(out, op=_TORCH_OP[op], group=group, async_op=True)
     return _launch(work, out, finish, async_op)
 
 
-def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name: str | None = None):
+def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name: str | None = None,
+              check: bool = True):
     """Concatenate every rank's ``tensor`` along dim 0 (first dimensions may differ)."""
     n = dist.get_world_size(group)
     if n == 1:
         return _done(tensor.clone(), async_op)
-    _check("allgather", name, tensor, group)
+    if check:
+        _check("allgather", name, tensor, group)
     t = tensor.contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
@@ -275,6 +295,7 @@ def broadcast(
     async_op: bool = False,
     name: str | None = None,
     inplace: bool = False,
+    check: bool = True,
 ):
     """Copy ``tensor`` from global rank ``root_rank`` to every rank of the group."""
     n = dist.get_world_size(group)
@@ -284,7 +305,8 @@ def broadcast(
     members = dist.get_process_group_ranks(group) if group is not None else range(n)
     if root_rank not in members:
         raise ValueError(f"root_rank {root_rank} is not a member of the group {list(members)}")
-    _check("broadcast", name, tensor, group, root=root_rank)
+    if check:
+        _check("broadcast", name, tensor, group, root=root_rank)
     work = dist.broadcast(out, src=root_rank, group=group, async_op=True)
     return _launch(work, out, None, async_op)
 
@@ -296,26 +318,37 @@ def reducescatter(
     group=None,
     async_op: bool = False,
     name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    check: bool = True,
 ):
     """Reduce across ranks, then give rank i the i-th slice of dim 0.
 
     When dim 0 does not divide evenly, the first ``len % n`` ranks get one extra row
-    (Horovod's rule).
+    (Horovod's rule). ``prescale_factor``/``postscale_factor`` as in :func:`allreduce`.
     """
     op = ReduceOp(op)
     n = dist.get_world_size(group)
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise ValueError(f"reducescatter supports Sum and Average, not {op.name.title()}")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter: a scalar (0-d tensor) cannot be scattered; "
+                         "pass a tensor with a first dimension to split across the ranks")
+    if prescale_factor != 1.0:
+        tensor = scale_(tensor.clone(), prescale_factor)
     if n == 1:
-        return _done(tensor.clone(), async_op)
-    _check("reducescatter", name, tensor, group, op=op.value)
+        return _done(scale_(tensor.clone(), postscale_factor), async_op)
+    if check:
+        _check("reducescatter", name, tensor, group, op=op.value)
     me = dist.get_rank(group)
     rows = tensor.shape[0]
     counts = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
     divide = op is ReduceOp.AVERAGE
 
     def finish(t):
-        return t.div_(n) if divide and t.is_floating_point() else (t.floor_divide_(n) if divide else t)
+        if divide:
+            t.div_(n) if t.is_floating_point() else t.floor_divide_(n)
+        return scale_(t, postscale_factor)
 
     t = tensor.contiguous()
     if len(set(counts)) == 1:
@@ -335,6 +368,7 @@ def alltoall(
     group=None,
     async_op: bool = False,
     name: str | None = None,
+    check: bool = True,
 ):
     """Send slice i of dim 0 to rank i; returns ``(received, received_splits)``.
 
@@ -351,7 +385,8 @@ def alltoall(
         raise ValueError(f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}")
     if n == 1:
         return _done((tensor.clone(), torch.tensor(splits)), async_op)
-    _check("alltoall", name, tensor, group)
+    if check:
+        _check("alltoall", name, tensor, group)
     t = tensor.contiguous()
     send = torch.tensor(splits, dtype=torch.int64, device=t.device)
     recv = torch.empty_like(send)

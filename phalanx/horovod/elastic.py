@@ -44,15 +44,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import elastic as _elastic
+from phalanx.comm.horovod_ops import HorovodInternalError
 from phalanx.elastic import HostsUpdatedInterrupt, restart_count
 
 __all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError", "restart_count"]
 
 
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a failed collective. ``hvd.elastic.run`` handles a failed collective
-    itself (in-process re-form, or a group restart), so this is never raised; it exists so
-    that ``except hvd.elastic.HorovodInternalError`` clauses keep working."""
 
 
 class TorchState(_elastic.TorchState):

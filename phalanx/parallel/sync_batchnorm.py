@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.comm.process_sets import group_of
+
 __all__ = ["SyncBatchNorm"]
 
 
@@ -76,10 +78,19 @@ class _SyncBatchNormFn(torch.autograd.Function):
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm whose training statistics span every rank of ``group`` (default: the world)."""
+    """BatchNorm whose training statistics span every rank of ``group`` (default: the world).
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, group=None):
+    ``process_set=`` (a :class:`phalanx.comm.process_sets.ProcessSet`, Horovod's spelling) is
+    accepted instead of ``group``; only its members may run the module.
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, group=None,
+                 process_set=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        if process_set is not None:  # Horovod's spelling: statistics over the members of a process set
+            if group is not None:
+                raise ValueError("SyncBatchNorm: pass group= or process_set=, not both")
+            group = group_of(process_set)
         self.group = group
 
     def _check_input_dim(self, x):

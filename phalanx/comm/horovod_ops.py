@@ -1,0 +1,355 @@
+"""Horovod's collective semantics on phalanx's collectives (what ``phalanx.horovod`` delegates to).
+
+Each function takes a :class:`~phalanx.comm.process_sets.ProcessSet` and an optional
+``name`` and returns a handle; on top of :mod:`phalanx.comm.collectives` it adds:
+
+- names: a second collective with the name of one not yet synchronized raises ``ValueError``
+  on the rank that issues it, before anything is sent (Horovod's duplicate-name error);
+- join: on the global set, a rank inside :func:`join` answers every collective the others
+  still issue with zeros of the described shape (:mod:`phalanx.comm.negotiate`);
+- dtypes the backend lacks travel cast (:mod:`phalanx.comm.dtypes`); in-place forms work on
+  non-contiguous tensors (through a contiguous copy);
+- Adasum (``op=ADASUM``) on any backend: allgather, then the same pairwise tree on every rank.
+
+``synchronize``/``poll`` take every handle returned here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import collectives as c
+from phalanx.comm import negotiate
+from phalanx.comm.dtypes import FusedHandle, fuse, to_wire
+from phalanx.comm.process_sets import ProcessSet, global_process_set, group_of
+
+__all__ = [
+    "ADASUM", "HorovodInternalError", "CompositeHandle", "allreduce_async", "grouped_allreduce_async",
+    "allgather_async", "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "barrier", "broadcast_object", "allgather_object",
+    "join", "poll", "synchronize", "adasum_combine",
+]
+
+ADASUM = "adasum"
+
+
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a collective that cannot be carried out (e.g. a scalar reducescatter)."""
+
+
+class CompositeHandle(c.Handle):
+    """A handle over inner handles: ``poll`` is true once all are; ``wait`` applies ``finish`` once.
+
+    Callable, so Horovod's ``sparse_allreduce_async(...)()`` form works too.
+    """
+
+    def __init__(self, inner, finish) -> None:
+        super().__init__(None, None)
+        self._inner, self._then = list(inner), finish
+
+    def is_completed(self) -> bool:
+        return self._done or all(h.is_completed() for h in self._inner)
+
+    def wait(self):
+        if not self._done:
+            self._result, self._done = self._then(self._inner), True
+        return self._result
+
+    __call__ = wait
+
+
+# ---------------------------------------------------------------- names and negotiation
+_in_flight: dict[tuple, c.Handle] = {}
+
+
+def _start(kind: str, name, ps: ProcessSet, tensor: torch.Tensor | None, **extra):
+    """Common prologue: the group, the duplicate-name check, the join negotiation.
+    Returns ``(group, check)``; ``check`` is False once the ranks' descriptors were compared."""
+    group = group_of(ps)
+    if name is not None:
+        previous = _in_flight.get((ps.process_set_id, name))
+        if previous is not None and not previous.done:
+            raise ValueError(f"{kind}: a collective named {name!r} is already in flight on {ps}; "
+                             "synchronize it first or give pending operations unique names")
+    shape = None if tensor is None else tuple(tensor.shape)
+    if shape and kind in ("allgather", "alltoall"):
+        shape = ("*",) + shape[1:]
+    desc = {"call": kind, "name": name, "dtype": None if tensor is None else str(tensor.dtype), "shape": shape,
+            **extra}
+    return group, not negotiate.announce(desc, group)
+
+
+def _track(name, ps: ProcessSet, handle: c.Handle) -> c.Handle:
+    if name is not None:
+        _in_flight[(ps.process_set_id, name)] = handle
+    return handle
+
+
+def synchronize(handle):
+    """Wait for an asynchronous operation and return its result."""
+    result = handle.wait()
+    for key in [k for k, h in _in_flight.items() if h is handle]:
+        del _in_flight[key]
+    return result
+
+
+def poll(handle) -> bool:
+    """True when the asynchronous operation has finished (never blocks)."""
+    return handle.is_completed()
+
+
+def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
+    """Run ``run(wire_tensor, write_into_it)`` on the wire form of ``tensor``; cast back after."""
+    wire, back = to_wire(tensor, group)
+    t = wire.contiguous()
+    inner = run(t, inplace or t is not tensor)  # write into our own copy, or into tensor when asked
+
+    def finish(hs):
+        out = hs[0].wait()
+        if back is not None:
+            out = (out[0].to(back), out[1]) if isinstance(out, tuple) else out.to(back)
+        return tensor.copy_(out) if inplace and out is not tensor else out
+
+    return CompositeHandle([inner], finish)
+
+
+# ---------------------------------------------------------------- the collectives (run parts)
+def _allreduce(tensor, op, pre, post, group, check, inplace, name=None):
+    if op == ADASUM:
+        return _adasum(tensor, pre, post, group, check, inplace, name)
+    return _carry(tensor, group, inplace, lambda t, into: c.allreduce(
+        t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, inplace=into, check=check))
+
+
+def _allgather(tensor, group, check, name=None):
+    return _carry(tensor, group, False, lambda t, _: c.allgather(t, group=group, async_op=True, name=name,
+                                                                 check=check))
+
+
+def _broadcast(tensor, root, group, check, inplace, name=None):
+    return _carry(tensor, group, inplace, lambda t, into: c.broadcast(
+        t, root, group=group, async_op=True, name=name, inplace=into, check=check))
+
+
+def _alltoall(tensor, splits, group, check, name=None):
+    return _carry(tensor, group, False, lambda t, _: c.alltoall(t, splits, group=group, async_op=True, name=name,
+                                                                check=check))
+
+
+def _reducescatter(tensor, op, pre, post, group, check, name=None):
+    return _carry(tensor, group, False, lambda t, _: c.reducescatter(
+        t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, check=check))
+
+
+# ---------------------------------------------------------------- public async forms
+def _op_value(op) -> str:
+    return ADASUM if op == ADASUM else c.ReduceOp(op).value
+
+
+def allreduce_async(tensor, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=None, inplace=False):
+    ps = process_set or global_process_set
+    group, check = _start("allreduce", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
+                          post=postscale_factor)
+    return _track(name, ps, _allreduce(tensor, op, prescale_factor, postscale_factor, group, check, inplace, name))
+
+
+def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=None, inplace=False):
+    """One fused collective per dtype (Horovod's grouped allreduce); results split back per tensor."""
+    ps, tensors = process_set or global_process_set, list(tensors)
+    parts = []
+    for k, (idx, flat) in enumerate(fuse(tensors)):
+        part_name = None if name is None else f"{name}.{k}"
+        group, check = _start("allreduce", part_name, ps, flat, op=_op_value(op), pre=prescale_factor,
+                              post=postscale_factor)
+        parts.append((idx, _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True,
+                                         part_name)))
+    return _track(name, ps, FusedHandle(parts, tensors, inplace))
+
+
+def allgather_async(tensor, name=None, process_set=None):
+    ps = process_set or global_process_set
+    group, check = _start("allgather", name, ps, tensor)
+    return _track(name, ps, _allgather(tensor, group, check, name))
+
+
+def grouped_allgather_async(tensors, name=None, process_set=None):
+    handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set)
+               for i, t in enumerate(tensors)]
+    return _track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None, inplace=False):
+    ps = process_set or global_process_set
+    group, check = _start("broadcast", name, ps, tensor, root=int(root_rank))
+    return _track(name, ps, _broadcast(tensor, int(root_rank), group, check, inplace, name))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    """Returns ``(received, received_splits)`` when synchronized."""
+    ps = process_set or global_process_set
+    group, check = _start("alltoall", name, ps, tensor)
+    return _track(name, ps, _alltoall(tensor, splits, group, check, name))
+
+
+def reducescatter_async(tensor, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    ps = process_set or global_process_set
+    if tensor.dim() == 0:
+        raise HorovodInternalError("reducescatter: a scalar (0-d tensor) cannot be scattered over the ranks; "
+                                   "pass a tensor whose first dimension is split across them")
+    if _op_value(op) not in ("sum", "average"):
+        raise HorovodInternalError(f"reducescatter supports op=Sum or Average, got {op}")
+    group, check = _start("reducescatter", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
+                          post=postscale_factor)
+    return _track(name, ps, _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name))
+
+
+def grouped_reducescatter_async(tensors, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    handles = [reducescatter_async(t, op, None if name is None else f"{name}.{i}", process_set, prescale_factor,
+                                   postscale_factor) for i, t in enumerate(tensors)]
+    return _track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
+
+
+def sparse_allreduce_async(tensor, op=c.Average, name=None, process_set=None):
+    """Reduce a sparse COO tensor by allgathering its indices and values (as Horovod does).
+    The handle is callable (Horovod returns a function) and works with ``synchronize``."""
+    ps = process_set or global_process_set
+    if not tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce_async needs a sparse COO tensor, got layout {tensor.layout}; "
+                        "use allreduce_async for dense tensors")
+    if _op_value(op) not in ("sum", "average"):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {op}")
+    t = tensor.coalesce()
+    parts = [allgather_async(t.indices().t().contiguous(), None if name is None else f"{name}.indices", ps),
+             allgather_async(t.values(), None if name is None else f"{name}.values", ps)]
+    scale = 1.0 / ps.size() if _op_value(op) == "average" else 1.0
+
+    def finish(hs):
+        indices, values = (synchronize(h) for h in hs)
+        return torch.sparse_coo_tensor(indices.t(), values * scale, tensor.shape).coalesce()
+
+    return _track(name, ps, CompositeHandle(parts, finish))
+
+
+def barrier(process_set=None) -> None:
+    group, _ = _start("barrier", None, process_set or global_process_set, None)
+    c.barrier(group=group)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    group, _ = _start("broadcast_object", name, process_set or global_process_set, None, root=int(root_rank))
+    return c.broadcast_object(obj, int(root_rank), group=group)
+
+
+def allgather_object(obj, name=None, process_set=None):
+    """Every rank's ``obj`` in rank order (a rank inside ``join`` contributes None)."""
+    group, _ = _start("allgather_object", name, process_set or global_process_set, None)
+    return c.allgather_object(obj, group=group)
+
+
+# ---------------------------------------------------------------- Adasum
+def adasum_combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Adasum of two gradients (Maleki et al., MLSys 2021): each keeps what is orthogonal to the other.
+
+    ``(1 - a·b / 2|a|²) a + (1 - a·b / 2|b|²) b``; equal vectors give the vector, orthogonal ones their sum.
+    """
+    a64, b64 = a.double(), b.double()
+    dot, aa, bb = (a64 * b64).sum(), (a64 * a64).sum(), (b64 * b64).sum()
+    ca = 1 - dot / (2 * aa) if aa > 0 else torch.ones((), dtype=torch.float64)
+    cb = 1 - dot / (2 * bb) if bb > 0 else torch.ones((), dtype=torch.float64)
+    return (ca * a64 + cb * b64).to(a.dtype)
+
+
+def _adasum(tensor, pre, post, group, check, inplace, name=None):
+    """Allgather the tensors, then combine them pairwise in a binary tree over the ranks
+    ((0,1),(2,3),… then the pairs of pairs), the same order on every rank — Horovod's recursive
+    halving computes the same tree with partial dot products. Floating point only."""
+    if not tensor.is_floating_point():
+        raise HorovodInternalError(f"Adasum needs a floating point tensor, got {tensor.dtype}")
+    n = dist.get_world_size(group) if dist.is_initialized() else 1
+    scaled = c.scale_(tensor.detach().clone(), pre)
+    inner = c.allgather(scaled.reshape(1, -1), group=group, async_op=True, name=name, check=check) if n > 1 else \
+        c.Handle(None, scaled.reshape(1, -1))
+
+    def finish(hs):
+        level = list(hs[0].wait().unbind(0))
+        while len(level) > 1:
+            level = [adasum_combine(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
+                     for i in range(0, len(level), 2)]
+        out = c.scale_(level[0].reshape(tensor.shape), post)
+        return tensor.copy_(out) if inplace else out
+
+    return CompositeHandle([inner], finish)
+
+
+# ---------------------------------------------------------------- join
+def _filled(desc: dict, rows_zero: bool = False) -> torch.Tensor:
+    """The tensor a joined rank contributes: zeros (the op's identity for Min/Max/Product)."""
+    dtype = getattr(torch, desc["dtype"].split(".")[-1])
+    shape = tuple(desc["shape"] or ())
+    if rows_zero:
+        shape = (0,) + shape[1:]
+    device = negotiate.device_for(None)
+    op = desc.get("op")
+    if op == "product":
+        return torch.ones(shape, dtype=dtype, device=device)
+    if op in ("min", "max"):
+        info = torch.finfo(dtype) if dtype.is_floating_point else (None if dtype == torch.bool else torch.iinfo(dtype))
+        high = True if info is None else info.max
+        low = False if info is None else info.min
+        return torch.full(shape, high if op == "min" else low, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _answer(desc: dict) -> None:
+    """Take part, from inside ``join``, in the collective ``desc`` describes."""
+    kind, group = desc["call"], None
+    if kind == "allreduce":
+        op = desc["op"] if desc["op"] == ADASUM else c.ReduceOp(desc["op"])
+        _allreduce(_filled(desc), op, desc["pre"], desc["post"], group, False, True).wait()
+    elif kind == "allgather":
+        _allgather(_filled(desc, rows_zero=True), group, False).wait()
+    elif kind == "broadcast":
+        _broadcast(_filled(desc), desc["root"], group, False, True).wait()
+    elif kind == "alltoall":
+        _alltoall(_filled(desc, rows_zero=True), [0] * dist.get_world_size(), group, False).wait()
+    elif kind == "reducescatter":
+        _reducescatter(_filled(desc), c.ReduceOp(desc["op"]), desc["pre"], desc["post"], group, False).wait()
+    elif kind == "barrier":
+        c.barrier(group)
+    elif kind == "broadcast_object":
+        c.broadcast_object(None, desc["root"], group=group)
+    elif kind == "allgather_object":
+        c.allgather_object(None, group=group)
+    else:
+        raise HorovodInternalError(f"join: cannot answer a {kind!r} collective")
+
+
+def join(on_step=None) -> int:
+    """This rank has no more data: answer the others' collectives with zeros until every rank
+    has joined; returns the global rank that joined last (Horovod's ``join``).
+
+    ``on_step()`` answers one optimizer step (the data-parallel optimizer's zero gradients).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dist.get_rank() if dist.is_initialized() else 0
+    answered = 0
+    while True:
+        kind, desc = negotiate.next_request(None)
+        if kind == "done":
+            break
+        answered += 1
+        if kind == "call":
+            _answer(desc)
+        elif kind == "skip":
+            continue
+        elif on_step is None:
+            raise HorovodInternalError("join: the other ranks are stepping a DistributedOptimizer, but this rank "
+                                       "has none; create the same DistributedOptimizer on every rank")
+        else:
+            on_step()
+    return negotiate.last_to_join(answered, None)

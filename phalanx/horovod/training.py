@@ -1,0 +1,148 @@
+"""The training half of the Horovod facade: optimizer, state broadcasts, join, timeline, SyncBatchNorm.
+
+Each function maps Horovod's arguments onto phalanx's data-parallel optimizer
+(:mod:`phalanx.parallel.data_optimizer`), :mod:`phalanx.comm.horovod_ops` and the profiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from phalanx.comm import collectives as c
+from phalanx.comm import horovod_ops as ops
+from phalanx.comm.process_sets import global_process_set, group_of
+from phalanx.parallel import data_optimizer as dp
+from phalanx.parallel.sync_batchnorm import SyncBatchNorm
+
+__all__ = [
+    "DistributedOptimizer",
+    "HorovodOptimizer",
+    "SyncBatchNorm",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "join",
+    "start_timeline",
+    "stop_timeline",
+]
+
+_last_optimizer = None
+_SYNC_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                   "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                   "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+class HorovodOptimizer(dp.DistributedOptimizer):
+    """phalanx's ``DistributedOptimizer`` plus Horovod's warning when ``step()`` follows an explicit
+    ``synchronize()`` outside ``skip_synchronize()`` (the gradients would be waited for twice)."""
+
+    synchronized = False
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self.synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        self.synchronized = False
+        with super().skip_synchronize():
+            yield
+
+    def step(self, closure=None):
+        if self.synchronized:
+            warnings.warn(_SYNC_THEN_STEP, stacklevel=2)
+        try:
+            return super().step(closure)
+        finally:
+            self.synchronized = False
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
+    optimizer,
+    named_parameters=None,
+    compression=None,
+    backward_passes_per_step: int = 1,
+    op=c.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=global_process_set,
+):
+    """Wrap ``optimizer`` so that ``step()`` averages gradients across the process set first.
+
+    ``num_groups`` (fuse gradients into that many allreduces) is honoured by choosing the
+    bucket size; explicit ``groups`` lists are treated the same way (phalanx buckets by size
+    in backward order).
+    """
+    global _last_optimizer
+    if op == ops.ADASUM:
+        raise NotImplementedError("DistributedOptimizer(op=hvd.Adasum) is not supported by phalanx (hvd.allreduce "
+                                  "supports op=hvd.Adasum); use op=hvd.Average or hvd.Sum")
+    if gradient_predivide_factor != 1.0 and c.ReduceOp(op) is not c.ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging "
+                         "into a division before and after the sum), as in Horovod")
+    named_parameters = list(named_parameters) if named_parameters is not None else None
+    params = [p for _, p in (named_parameters or [])] or [p for g in optimizer.param_groups for p in g["params"]]
+    kwargs = {}
+    n_groups = len(groups) if isinstance(groups, (list, tuple)) else (groups or num_groups)
+    if n_groups:
+        total = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        kwargs["bucket_mb"] = max(math.ceil(total / n_groups) / 2**20, 1e-3)
+    _last_optimizer = HorovodOptimizer(
+        optimizer, named_parameters=named_parameters, compression=compression,
+        backward_passes_per_step=backward_passes_per_step, op=op,
+        gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
+        group=group_of(process_set or global_process_set), **kwargs,
+    )
+    return _last_optimizer
+
+
+def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_set) -> None:
+    """Copy parameters (a state_dict, named_parameters() or parameters()) from ``root_rank``, in place."""
+    if not isinstance(params, (Mapping, torch.nn.Module)):
+        params = list(params)
+        if not all(isinstance(p, (tuple, torch.Tensor)) for p in params):
+            raise ValueError("broadcast_parameters takes a state_dict, model.named_parameters() or "
+                             f"model.parameters(); got items of type {type(params[0]).__name__}")
+        params = [p if isinstance(p, tuple) else (f"param.{i:06d}", p) for i, p in enumerate(params)]
+    dp.broadcast_parameters(params, root_rank=root_rank, group=group_of(process_set or global_process_set))
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_set=global_process_set) -> None:
+    """Copy optimizer state (also when still empty, or when some parameters have no gradient yet)
+    from ``root_rank`` to every rank of the process set."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    dp.broadcast_optimizer_state(inner, root_rank=root_rank, group=group_of(process_set or global_process_set))
+
+
+def join(device: int = -1) -> int:
+    """Called by a rank that ran out of data; returns when every rank has, with the rank that joined last.
+
+    Until then this rank answers the others' collectives with zeros of the right shape: facade
+    collectives (allreduce, allgather, broadcast, alltoall, reducescatter, objects, barrier) and the
+    gradient reductions of the last ``DistributedOptimizer`` created. Broadcast the parameters from
+    the returned rank afterwards (a joined rank stops stepping). ``device`` is ignored.
+    """
+    opt = _last_optimizer
+    if opt is not None:
+        opt.synchronize()
+        opt.synchronized = False
+    return ops.join(on_step=None if opt is None else opt._engine.shadow)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline of this job to ``file_path`` (collective: every rank)."""
+    from phalanx.profiler import start_timeline as start
+
+    start(file_path)
+
+
+def stop_timeline() -> None:
+    from phalanx.profiler import stop_timeline as stop
+
+    stop()

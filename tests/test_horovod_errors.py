@@ -1,0 +1,108 @@
+"""Misuse of the Horovod facade raises at once on every rank (2 real ranks), never hangs.
+
+Each case runs on both ranks; the expected exception type and the words its message must
+contain (the op, the tensor name, the ranks that disagree) are checked per rank. The group
+runs with a 20 s collective timeout: a case that hung instead of raising would fail with
+a timeout error, not the expected message. After every case the ranks must still agree
+(a final allreduce). Errors inside ``join`` are in tests/test_horovod_join.py.
+"""
+
+import pytest
+import torch
+
+import phalanx.horovod.torch as hvd
+from phalanx.testing import distributed
+
+
+def _duplicate_name():
+    first = hvd.allreduce_async(torch.ones(4), name="dup")
+    try:
+        hvd.allreduce_async(torch.ones(4), name="dup")
+    finally:
+        hvd.synchronize(first)
+
+
+def _duplicate_name_across_ops():
+    first = hvd.allgather_async(torch.ones(4), name="shared")
+    try:
+        hvd.broadcast_async(torch.ones(4), root_rank=0, name="shared")
+    finally:
+        hvd.synchronize(first)
+
+
+def _cases(r, other=None, removed=None):
+    return {
+        "duplicate_name": (_duplicate_name, ValueError, ["dup", "already in flight"]),
+        "duplicate_name_across_ops": (_duplicate_name_across_ops, ValueError, ["shared", "already in flight"]),
+        "shape": (lambda: hvd.allreduce(torch.ones(2 + r), name="grad.w"), "CollectiveMismatchError",
+                  ["grad.w", "shape", "rank 0", "rank 1"]),
+        "dtype": (lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if r else torch.float64), name="d"),
+                  "CollectiveMismatchError", ["dtype", "float64", "rank 1"]),
+        "op": (lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r else hvd.Max, name="ops"),
+               "CollectiveMismatchError", ["op", "sum", "max"]),
+        "root": (lambda: hvd.broadcast(torch.ones(2), root_rank=r, name="b"), "CollectiveMismatchError",
+                 ["root", "rank 0", "rank 1"]),
+        "different_collectives": (lambda: hvd.allreduce(torch.ones(2), name="x") if r else
+                                  hvd.allgather(torch.ones(2), name="x"), "CollectiveMismatchError",
+                                  ["allreduce", "allgather"]),
+        "allgather_trailing_dims": (lambda: hvd.allgather(torch.ones(2, 2 + r), name="g"),
+                                    "CollectiveMismatchError", ["shape", "g"]),
+        "grouped_different_lengths": (lambda: hvd.grouped_allreduce([torch.ones(2)] * (1 + r), name="grp"),
+                                      "CollectiveMismatchError", ["grp"]),
+        "alltoall_splits": (lambda: hvd.alltoall(torch.ones(3), splits=[1, 1]), ValueError, ["splits", "3"]),
+        "reducescatter_scalar": (lambda: hvd.reducescatter(torch.tensor(2.0)), hvd.HorovodInternalError,
+                                 ["scalar"]),
+        "reducescatter_min": (lambda: hvd.reducescatter(torch.ones(2), op=hvd.Min), hvd.HorovodInternalError,
+                              ["Sum or Average"]),
+        "adasum_integer": (lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum),
+                           hvd.HorovodInternalError, ["Adasum", "floating point"]),
+        "not_a_member": (lambda: hvd.allreduce(torch.ones(1), process_set=other), ValueError,
+                         [f"rank {r}", "not in ProcessSet"]),
+        "removed_set": (lambda: hvd.allreduce(torch.ones(1), process_set=removed), ValueError,
+                        ["not registered"]),
+        "average_and_op": (lambda: hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum), ValueError,
+                           ["average", "op"]),
+    }
+
+
+_cases.expected = _cases
+
+
+def _every_error():
+    r = hvd.rank()
+    other = hvd.add_process_set([1 - r])
+    removed = hvd.add_process_set([0, 1])
+    hvd.remove_process_set(removed)
+    out = {}
+    for key, (call, _, _) in _cases(r, other, removed).items():
+        try:
+            call()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001 - compared per case
+            out[key] = (type(e).__name__, str(e))
+    out["still_in_step"] = hvd.allreduce(torch.tensor([1.0 + r]), op=hvd.Sum).item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return distributed(_every_error, np=2, timeout=240, env={"PHALANX_TIMEOUT": "20"})
+
+
+@pytest.mark.parametrize("case", ["duplicate_name", "duplicate_name_across_ops", "shape", "dtype", "op", "root",
+                                  "different_collectives", "allgather_trailing_dims", "grouped_different_lengths",
+                                  "alltoall_splits", "reducescatter_scalar", "reducescatter_min", "adasum_integer",
+                                  "not_a_member", "removed_set", "average_and_op"])
+def test_error_raised_on_every_rank(results, case):
+    for r, o in enumerate(results):
+        assert o[case] is not None, f"rank {r} did not raise"
+        name, message = o[case]
+        _, expected, words = _cases.expected(r)[case]
+        expected = expected if isinstance(expected, str) else expected.__name__
+        assert name == expected, (r, name, message)
+        for w in words:
+            assert w in message, (r, w, message)
+
+
+def test_ranks_still_agree_after_every_error(results):
+    assert [o["still_in_step"] for o in results] == [3.0, 3.0]
