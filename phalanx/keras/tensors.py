@@ -1,0 +1,81 @@
+"""Backend tensors to and from torch, without copies where the backend allows it.
+
+phalanx's collectives run on torch tensors (c10d). What each Keras backend costs
+to cross (measured by ``benchmarks/keras.py``, docs/keras.md):
+
+* torch: the tensor itself, nothing to do;
+* tensorflow, jax: DLPack both ways (no copy on CPU; ~4 µs a round trip, whatever
+  the size, against ~1.2 ms for a 4 MB tensor through NumPy);
+* NumPy arrays and Python numbers: ``torch.as_tensor`` (shares NumPy's memory).
+
+Example::
+
+    t = to_torch(tf_tensor)            # shares tf_tensor's buffer
+    back = from_torch(t * 2, like=tf_tensor)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+__all__ = ["kind", "to_torch", "from_torch"]
+
+
+def kind(x) -> str:
+    """``"torch"``, ``"tensorflow"``, ``"jax"``, ``"keras"`` (a keras.Variable) or ``"numpy"``."""
+    if isinstance(x, torch.Tensor):
+        return "torch"
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(x, keras.Variable):
+        return "keras"
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(x, (tf.Tensor, tf.Variable)):
+        return "tensorflow"
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return "jax"
+    return "numpy"
+
+
+def to_torch(x) -> torch.Tensor:
+    """A torch tensor over ``x``'s memory (a copy only for non-contiguous or unsupported inputs)."""
+    which = kind(x)
+    if which == "torch":
+        return x
+    if which == "keras":
+        return to_torch(x.value)
+    if which == "tensorflow":
+        tf = sys.modules["tensorflow"]
+        if isinstance(x, tf.Variable):
+            x = x.read_value()
+        if x.dtype == tf.bool:  # DLPack has no bool in TF
+            return torch.from_numpy(x.numpy())
+        return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(x))
+    if which == "jax":
+        return torch.from_dlpack(x)
+    return torch.as_tensor(np.asarray(x))
+
+
+def from_torch(t: torch.Tensor, like):
+    """``t`` as the same kind of tensor as ``like`` (shares ``t``'s memory where the backend allows)."""
+    which = kind(like)
+    if which == "keras":
+        which = kind(like.value)
+    if which == "torch":
+        return t
+    t = t.detach().contiguous()
+    if which == "tensorflow":
+        tf = sys.modules["tensorflow"]
+        if t.dtype == torch.bool:
+            return tf.convert_to_tensor(t.numpy())
+        return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+    if which == "jax":
+        import jax.dlpack
+
+        return jax.dlpack.from_dlpack(t)
+    if isinstance(like, np.ndarray) or np.isscalar(like):
+        return t.cpu().numpy() if t.dim() else t.item()
+    return t.cpu().numpy()
