@@ -47,10 +47,14 @@ def allreduce_list(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     group=None,
     name: str = "keras.grads",
+    align_bytes: int = 0,
 ) -> list[torch.Tensor | None]:
     """Average (or sum) every tensor of ``tensors`` over ``group``; ``None`` entries stay ``None``.
 
     The inputs are not modified. With one rank, the inputs are returned as they are.
+    ``align_bytes``: start each result at a multiple of this many bytes inside its bucket
+    (TensorFlow refuses tensors that are not 64-byte aligned; padding the bucket by a few
+    values is cheaper than copying each result out).
     """
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     out: list[torch.Tensor | None] = list(tensors)
@@ -64,16 +68,34 @@ def allreduce_list(
     pending = []
     for b, positions in enumerate(pack(sizes, bucket_mb * 2**20, breaks)):
         members = [present[k] for k in positions]
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
+        offsets, flat = _layout([tensors[i] for i in members], align_bytes)
         tag = f"{name}.{b}"
         if plain or not flat.is_floating_point():
             op = collectives.Average if average else collectives.Sum
             handle = collectives.allreduce(flat, op, group=group, async_op=True, name=tag, inplace=True)
         else:
             handle = allreduce_compressed(flat, compressor, group=group, async_op=True, name=tag, average=average)
-        pending.append((members, handle))
-    for members, handle in pending:
+        pending.append((members, handle, offsets))
+    for members, handle, offsets in pending:
         reduced = handle.wait()
-        for i, piece in zip(members, reduced.split([tensors[i].numel() for i in members])):
-            out[i] = piece.view(tensors[i].shape)
+        for i, start in zip(members, offsets):
+            out[i] = reduced[start:start + tensors[i].numel()].view(tensors[i].shape)
     return out
+
+
+def _layout(tensors: list[torch.Tensor], align_bytes: int) -> tuple[list[int], torch.Tensor]:
+    """One flat buffer holding ``tensors`` (one copy), each starting at an aligned offset."""
+    if align_bytes <= 0:
+        offsets = [0]
+        for t in tensors[:-1]:
+            offsets.append(offsets[-1] + t.numel())
+        return offsets, torch.cat([t.detach().reshape(-1) for t in tensors])
+    step = max(align_bytes // tensors[0].element_size(), 1)
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() // step) * step
+    flat = torch.zeros(end, dtype=tensors[0].dtype, device=tensors[0].device)
+    views = [flat[o:o + t.numel()] for o, t in zip(offsets, tensors)]
+    torch._foreach_copy_(views, [t.detach().reshape(-1) for t in tensors])
+    return offsets, flat

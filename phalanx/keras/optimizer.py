@@ -43,7 +43,7 @@ import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.compression import get_compressor
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
-from phalanx.keras.tensors import from_torch, to_torch
+from phalanx.keras.tensors import TF_ALIGN_BYTES, from_torch, to_torch
 
 __all__ = ["DistributedOptimizer", "reduce_gradients"]
 
@@ -58,10 +58,11 @@ def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb
     if runtime.size() == 1:
         return grads
 
-    def on_torch(tensors):
+    def on_torch(tensors, align_bytes=0):
         if predivide != 1.0:
             tensors = [None if t is None else t / predivide for t in tensors]
-        out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name)
+        out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
+                             align_bytes=align_bytes)
         return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
 
     if keras.backend.backend() == "torch":
@@ -75,7 +76,7 @@ def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb
     present = [g for g in grads if g is not None]
 
     def host(*xs):
-        reduced = on_torch([to_torch(x) for x in xs])
+        reduced = on_torch([to_torch(x) for x in xs], align_bytes=TF_ALIGN_BYTES)
         return [from_torch(r, x) for r, x in zip(reduced, xs)]
 
     if tf.executing_eagerly():

@@ -21,7 +21,10 @@ import sys
 import numpy as np
 import torch
 
-__all__ = ["kind", "to_torch", "from_torch"]
+__all__ = ["kind", "to_torch", "from_torch", "TF_ALIGN_BYTES"]
+
+TF_ALIGN_BYTES = 64
+"""TensorFlow's kernels check that a tensor's buffer starts on a 64-byte boundary (Eigen)."""
 
 
 def kind(x) -> str:
@@ -71,6 +74,8 @@ def from_torch(t: torch.Tensor, like):
         tf = sys.modules["tensorflow"]
         if t.dtype == torch.bool:
             return tf.convert_to_tensor(t.numpy())
+        if t.data_ptr() % TF_ALIGN_BYTES:  # a view into a bucket: TF would abort on it
+            t = t.clone()
         return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
     if which == "jax":
         import jax.dlpack
