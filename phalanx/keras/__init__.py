@@ -29,7 +29,7 @@ from phalanx.comm import collectives
 from phalanx.comm.compression import CastCompressor, NoneCompressor, get_compressor
 from phalanx.keras import callbacks
 from phalanx.keras.optimizer import DistributedOptimizer
-from phalanx.keras.tensors import from_torch, to_torch
+from phalanx.keras.tensors import from_torch, kind, over_torch, to_torch
 from phalanx.keras.variables import broadcast_variables
 
 __all__ = [
@@ -77,26 +77,36 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
               compression=Compression.none):
     """Reduce a backend tensor, NumPy array or number over all ranks; returns the same kind.
 
-    Example::
+    Works eagerly and inside a ``tf.function``. Example::
 
         mean_loss = hvd.allreduce(loss, name="loss")
     """
-    t = to_torch(value)
     compressor = get_compressor(compression)
-    payload, ctx = compressor.compress(t)
-    out = collectives.allreduce(payload, _op(average, op), name=name, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor)
-    return from_torch(compressor.decompress(out, ctx).to(t.dtype), value)
+    op = _op(average, op)
+
+    def reduce(ts, align_bytes):
+        payload, ctx = compressor.compress(ts[0])
+        out = collectives.allreduce(payload, op, name=name, prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor)
+        return [compressor.decompress(out, ctx).to(ts[0].dtype)]
+
+    return _one(reduce, value)
 
 
 def allgather(value, name=None):
     """Concatenate every rank's ``value`` along the first dimension (sizes may differ)."""
-    return from_torch(collectives.allgather(to_torch(value), name=name), value)
+    return _one(lambda ts, _: [collectives.allgather(ts[0], name=name)], value, same_shape=False)
 
 
 def broadcast(value, root_rank=0, name=None):
     """``root_rank``'s ``value`` on every rank."""
-    return from_torch(collectives.broadcast(to_torch(value), root_rank, name=name), value)
+    return _one(lambda ts, _: [collectives.broadcast(ts[0], root_rank, name=name)], value)
+
+
+def _one(fn, value, same_shape=True):
+    if kind(value) == "numpy":  # NumPy arrays and Python numbers come back as such
+        return from_torch(fn([to_torch(value)], 0)[0], value)
+    return over_torch(fn, [value], same_shape=same_shape)[0]
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):

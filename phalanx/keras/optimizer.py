@@ -43,50 +43,29 @@ import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.compression import get_compressor
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
-from phalanx.keras.tensors import TF_ALIGN_BYTES, from_torch, to_torch
+from phalanx.keras.tensors import over_torch
 
 __all__ = ["DistributedOptimizer", "reduce_gradients"]
 
 
 def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb: float = DEFAULT_BUCKET_MB,
                      predivide: float = 1.0, name: str = "keras.grads"):
-    """Average (or sum) backend gradient tensors across ranks; ``None`` entries stay ``None``.
+    """Average (or sum) gradients (torch or TensorFlow tensors) across ranks; ``None`` entries stay ``None``.
 
-    Works eagerly and inside a TensorFlow graph (through one ``tf.py_function``).
+    Works eagerly and inside a ``tf.function`` (through one ``tf.py_function``).
     """
     grads = list(grads)
     if runtime.size() == 1:
         return grads
 
-    def on_torch(tensors, align_bytes=0):
+    def on_torch(tensors, align_bytes):
         if predivide != 1.0:
             tensors = [None if t is None else t / predivide for t in tensors]
         out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
                              align_bytes=align_bytes)
         return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
 
-    if keras.backend.backend() == "torch":
-        return on_torch(grads)
-    if keras.backend.backend() != "tensorflow":
-        raise NotImplementedError(f"phalanx.keras: the {keras.backend.backend()} backend is not supported yet; "
-                                  "set KERAS_BACKEND=torch or KERAS_BACKEND=tensorflow")
-    import tensorflow as tf
-
-    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    present = [g for g in grads if g is not None]
-
-    def host(*xs):
-        reduced = on_torch([to_torch(x) for x in xs], align_bytes=TF_ALIGN_BYTES)
-        return [from_torch(r, x) for r, x in zip(reduced, xs)]
-
-    if tf.executing_eagerly():
-        outs = host(*present)
-    else:
-        outs = tf.py_function(host, present, Tout=[g.dtype for g in present], name="phalanx_allreduce")
-        for o, g in zip(outs, present):
-            o.set_shape(g.shape)
-    it = iter(outs)
-    return [None if g is None else next(it) for g in grads]
+    return over_torch(on_torch, grads)
 
 
 def _compression_name(compression) -> str | None:

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import torch
 
-__all__ = ["kind", "to_torch", "from_torch", "TF_ALIGN_BYTES"]
+__all__ = ["kind", "to_torch", "from_torch", "over_torch", "TF_ALIGN_BYTES"]
 
 TF_ALIGN_BYTES = 64
 """TensorFlow's kernels check that a tensor's buffer starts on a 64-byte boundary (Eigen)."""
@@ -84,3 +84,38 @@ def from_torch(t: torch.Tensor, like):
     if isinstance(like, np.ndarray) or np.isscalar(like):
         return t.cpu().numpy() if t.dim() else t.item()
     return t.cpu().numpy()
+
+
+def over_torch(fn, values, *, same_shape: bool = True):
+    """``fn(torch_tensors, align_bytes) -> torch_tensors`` applied to backend tensors; ``None`` passes through.
+
+    Torch tensors go in as they are. TensorFlow tensors cross by DLPack; inside a
+    ``tf.function`` the call becomes one ``tf.py_function`` (TensorFlow cannot trace a
+    c10d collective), whose outputs keep the inputs' static shapes. ``align_bytes`` tells
+    ``fn`` how its outputs must be aligned to come back without a copy. ``same_shape=False``:
+    the outputs' first dimension is unknown while tracing (allgather).
+    """
+    values = list(values)
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        values = [tf.convert_to_tensor(v) if isinstance(v, tf.IndexedSlices) else v for v in values]
+    present = [v for v in values if v is not None]
+    if not present:
+        return values
+    which = kind(present[0])
+    if which == "torch":
+        return fn(values, 0)
+    align = TF_ALIGN_BYTES if which == "tensorflow" else 0
+
+    def host(*xs):
+        reduced = fn([to_torch(x) for x in xs], align)
+        return [from_torch(r, x) for r, x in zip(reduced, xs)]
+
+    if which == "tensorflow" and not tf.executing_eagerly():
+        outs = tf.py_function(host, present, Tout=[v.dtype for v in present], name="phalanx_collective")
+        for o, v in zip(outs, present):
+            o.set_shape(v.shape if same_shape else [None] + list(v.shape[1:]))
+    else:
+        outs = host(*present)
+    it = iter(outs)
+    return [None if v is None else next(it) for v in values]
