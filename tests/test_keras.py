@@ -8,6 +8,9 @@ load_model.
 """
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -175,3 +178,31 @@ def test_keras_front_on_two_ranks(backend, tmp_path):
         assert res["loaded_iterations"] == 3 * 5
     for w0, w1 in zip(a["loaded_after"], b["loaded_after"]):
         np.testing.assert_array_equal(w0, w1, err_msg="the loaded model's training left ranks apart")
+
+
+@pytest.mark.skipif(not (HAS_KERAS and HAS_TF), reason="the seed script needs keras and tensorflow "
+                                                        "(TensorBoard); pip install 'phalanx[tensorflow]'")
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_seed_002_keras_script_runs_under_phalanx_run(backend, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "KERAS_BACKEND": backend, "EPOCHS": "2", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
+                           os.path.join(root, "examples", "keras_seed_002.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finals = {}
+    for line in proc.stdout.splitlines():
+        if ": rank " in line and " weights " in line:
+            rank_part, rest = line.split(": rank ", 1)[1].split(": ", 1)
+            finals[int(rank_part)] = rest
+    assert sorted(finals) == [0, 1], proc.stdout[-2000:]
+    # Same weights (the optimizer averaged), same loss/accuracy (the metrics were averaged: the
+    # ranks trained on different halves of the data), the warm-up's final rate on both.
+    assert finals[0] == finals[1], f"ranks differ: {finals}"
+    accuracy = float(finals[0].split("accuracy ")[1].split()[0])
+    assert accuracy > 0.5, f"the seed script did not learn: {finals[0]}"
+    # Checkpoints and TensorBoard: rank 0 only.
+    assert sorted(p.name for p in tmp_path.glob("digits_horovod_*.weights.h5")), "no checkpoint written"
+    assert not any(line.startswith("[1]") and "saving model" in line for line in proc.stdout.splitlines())
+    events = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert len(events) == 1, f"TensorBoard files from more than one rank: {events}"
