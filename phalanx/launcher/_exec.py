@@ -33,6 +33,10 @@ def main() -> None:
         if ours in env:
             env.setdefault(theirs, env[ours])
     env.setdefault("HOROVOD_HOSTNAME", os.uname().nodename)
+    from tf_config import tf_config  # sibling module (this shim runs by path); stdlib only
+
+    if "TF_CONFIG" not in env and (config := tf_config(env)):
+        env["TF_CONFIG"] = config  # tf.distribute.MultiWorkerMirroredStrategy scripts run unedited
     env["PHALANX_LAUNCHER"] = "run"
     if sys.platform.startswith("linux"):
         try:

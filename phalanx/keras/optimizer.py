@@ -1,0 +1,237 @@
+"""``DistributedOptimizer`` for Keras 3: average gradients across ranks, then apply them.
+
+A Keras optimizer that holds the user's optimizer and delegates to it (the shape of
+Keras's own ``LossScaleOptimizer``; no class is built at run time, unlike Horovod's
+``type(...)`` subclass). ``model.compile`` accepts it like any optimizer and
+``model.save`` / :func:`phalanx.keras.load_model` round-trip it.
+
+One step, as Keras calls it (``optimizer.apply(grads, variables)``)::
+
+    grads ─┬─ backward_passes_per_step == 1 ───────────────────────────┐
+           └─ else: accumulate; pass k of k? ── no: done               │
+                                              └─ yes: sum (/k if       │
+                                                 average_aggregated)   │
+                                                                       v
+    fused, bucketed allreduce (phalanx.keras.fused) ──> inner.apply(averaged, variables)
+
+On the torch backend the gradients are torch tensors and go to phalanx's collectives
+as they are; on TensorFlow they cross by DLPack inside one ``tf.py_function`` (no copy;
+``phalanx.keras.tensors``). The JAX backend's stateless step is not supported yet.
+
+``backward_passes_per_step=k``: the update is the sum of the k local gradients (Horovod's
+default) or their mean with ``average_aggregated_gradients=True``; one allreduce per k
+passes. ``iterations`` counts updates, as with Keras's own ``gradient_accumulation_steps``
+(Horovod's TF optimizer counted every pass, which shifts Adam's bias correction; here
+2 ranks x k passes of B samples give exactly one process's step on 2kB samples).
+
+Example::
+
+    import keras, phalanx.keras as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()), compression=hvd.Compression.fp16)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import ops
+
+import phalanx.runtime as runtime
+from phalanx.comm.collectives import Average, ReduceOp
+from phalanx.comm.compression import get_compressor
+from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
+from phalanx.keras.tensors import over_torch
+
+__all__ = ["DistributedOptimizer", "reduce_gradients"]
+
+
+def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                     predivide: float = 1.0, name: str = "keras.grads"):
+    """Average (or sum) gradients (torch or TensorFlow tensors) across ranks; ``None`` entries stay ``None``.
+
+    Works eagerly and inside a ``tf.function`` (through one ``tf.py_function``).
+    """
+    grads = list(grads)
+    if runtime.size() == 1:
+        return grads
+
+    def on_torch(tensors, align_bytes):
+        if predivide != 1.0:
+            tensors = [None if t is None else t / predivide for t in tensors]
+        out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
+                             align_bytes=align_bytes)
+        return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
+
+    return over_torch(on_torch, grads)
+
+
+def _compression_name(compression) -> str | None:
+    if compression is None or isinstance(compression, str):
+        return compression
+    return getattr(compression, "name", None)
+
+
+@keras.saving.register_keras_serializable(package="phalanx")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Wrap ``optimizer`` so that each update uses gradients averaged over every rank.
+
+    Args follow ``horovod.keras.DistributedOptimizer``: ``compression`` (a
+    ``Compression`` member or any phalanx compressor name: ``"fp16"``, ``"int8"``,
+    ``"topk"``, …), ``backward_passes_per_step``, ``average_aggregated_gradients``,
+    ``gradient_predivide_factor`` (divide by f before the sum and by size/f after;
+    needs ``op=Average``), ``op`` (``Average`` or ``Sum``), ``num_groups`` (fuse into
+    that many buckets); ``bucket_mb`` sets the bucket size directly. ``device_dense``,
+    ``device_sparse`` and ``sparse_as_dense`` are accepted; sparse gradients are always
+    reduced dense.
+    """
+
+    def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                 sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                 average_aggregated_gradients=False, num_groups=0, groups=None, bucket_mb=None, **kwargs):
+        if kwargs.pop("process_set", None) is not None:
+            raise ValueError("phalanx.keras.DistributedOptimizer: process_set is not supported; "
+                             "every rank of the job takes part")
+        if kwargs:
+            raise ValueError(f"phalanx.keras.DistributedOptimizer got unknown arguments {sorted(kwargs)}; "
+                             "set optimizer options on the optimizer you wrap")
+        if isinstance(optimizer, (str, dict)):
+            optimizer = keras.optimizers.get(optimizer)
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ValueError("the optimizer is already a phalanx.keras.DistributedOptimizer; wrap it only once")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"phalanx.keras.DistributedOptimizer wraps a keras.optimizers.Optimizer, got "
+                            f"{type(optimizer).__name__}; for torch.optim use phalanx.horovod.DistributedOptimizer")
+        if int(backward_passes_per_step) < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        op = ReduceOp(op)
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"op must be hvd.Average or hvd.Sum for gradients, got {op.name.title()}")
+        if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE):
+            raise ValueError("gradient_predivide_factor must be > 0 and needs op=hvd.Average (it splits the "
+                             f"averaging into a division before and after the sum); got {gradient_predivide_factor}")
+        super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
+        self.op = op
+        self.inner_optimizer = optimizer
+        self.compression = get_compressor(compression)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.num_groups = len(groups) if isinstance(groups, (list, tuple)) else int(groups or num_groups or 0)
+        self.bucket_mb = bucket_mb
+        self.sparse_as_dense = sparse_as_dense
+
+    # ---------------------------------------------------------------- state
+    def build(self, var_list):
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        if self.backward_passes_per_step > 1:
+            self._passes = self.add_variable(shape=(), dtype="int", initializer="zeros", aggregation="none",
+                                             name="backward_passes")
+            self._accumulated = [self.add_variable_from_reference(v, name="accumulated_grad") for v in var_list]
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def __getattr__(self, name):
+        # Hyper-parameters of the wrapped optimizer (momentum, beta_1, …) read through, as on Horovod's subclass.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    # ---------------------------------------------------------------- the step
+    def _bucket_mb(self) -> float:
+        if self.bucket_mb is not None:
+            return float(self.bucket_mb)
+        if self.num_groups:
+            total = sum(math.prod(v.shape) * 4 for v in self._trainable_variables)
+            return max(total / self.num_groups / 2**20, 1e-3)
+        return DEFAULT_BUCKET_MB
+
+    def _reduce(self, grads):
+        return reduce_gradients(grads, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
+                                bucket_mb=self._bucket_mb(), predivide=self.gradient_predivide_factor,
+                                name=f"{self.name}.grads")
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError("DistributedOptimizer.apply: pass trainable_variables on the first call "
+                                 "(or call optimizer.build(model.trainable_variables) first)")
+            with keras.name_scope(self.name, caller=self):
+                self.build(list(trainable_variables))
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        if self.backward_passes_per_step == 1:
+            self.inner_optimizer.apply(self._reduce(grads), variables)
+            return
+        k = self.backward_passes_per_step
+        index = {id(v): i for i, v in enumerate(self._trainable_variables)}
+        accumulators = [self._accumulated[index[id(v)]] for v in variables]
+        for acc, g in zip(accumulators, grads):
+            if g is not None:
+                acc.assign_add(ops.convert_to_tensor(g, dtype=acc.dtype))
+        self._passes.assign_add(1)
+
+        def update():
+            summed = [None if g is None else acc.value for acc, g in zip(accumulators, grads)]
+            if self.average_aggregated_gradients:
+                summed = [None if s is None else s / k for s in summed]
+            self.inner_optimizer.apply(self._reduce(summed), variables)
+            for acc in accumulators:
+                acc.assign(ops.zeros_like(acc))
+            self._passes.assign(0)
+
+        ops.cond(ops.equal(self._passes, k), update, lambda: None)
+
+    def apply_gradients(self, grads_and_vars):
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables)
+        return self.iterations
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError("phalanx.keras.DistributedOptimizer does not support the JAX backend's "
+                                  "stateless step yet; use KERAS_BACKEND=torch or tensorflow")
+
+    # ---------------------------------------------------------------- saving
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "compression": _compression_name(self.compression),
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "op": self.op.value,
+            "num_groups": self.num_groups,
+            "bucket_mb": self.bucket_mb,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)

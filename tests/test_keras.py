@@ -1,0 +1,208 @@
+"""phalanx.keras on real ranks, on the torch and the TensorFlow Keras backends.
+
+One spawned group per backend runs every check (TensorFlow's import alone takes
+seconds): 2 ranks with local batch B against one process with batch 2B (SGD with
+momentum and Adam, backward_passes_per_step 1 and 2), Horovod's warm-up formula
+batch by batch, metric averaging, the broadcast callback, the collectives and
+load_model.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from phalanx.testing import distributed
+
+HAS_KERAS = importlib.util.find_spec("keras") is not None
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+
+ATOL = 1e-5  # as tests/test_data_parallel.py: float32 sums in another order
+B, STEPS, FEATURES, CLASSES = 8, 6, 12, 5
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    n = 2 * B * STEPS * 2
+    x = rng.standard_normal((n, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, n)
+    return x, y
+
+
+def _model(keras, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def _optimizer(keras, kind):
+    return keras.optimizers.SGD(0.1, momentum=0.9) if kind == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def _weights(model):
+    return [np.array(w) for w in model.get_weights()]
+
+
+def _local_rows(x, global_batch, rank, size):
+    """Rank r's share of each global batch, in order: rows [j*G + r*G/n, j*G + (r+1)*G/n)."""
+    local = global_batch // size
+    idx = np.concatenate([np.arange(j * global_batch + rank * local, j * global_batch + (rank + 1) * local)
+                          for j in range(len(x) // global_batch)])
+    return x[idx]
+
+
+def _equivalence(keras, hvd, kind, k):
+    x, y = _data()
+    n, r = hvd.size(), hvd.rank()
+    model = _model(keras)
+    opt = hvd.DistributedOptimizer(_optimizer(keras, kind), backward_passes_per_step=k,
+                                   average_aggregated_gradients=True)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Rank r's passes: its share of the first pass's global batch, then of the second's, ...
+    g = B * n
+    model.fit(_local_rows(x, g, r, n), _local_rows(y, g, r, n), batch_size=B, shuffle=False, verbose=0)
+    ref = _model(keras)
+    ref.compile(optimizer=_optimizer(keras, kind), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ref.fit(x, y, batch_size=g * k, shuffle=False, verbose=0)
+    mine = _weights(model)
+    return {"mine": mine, "diff": max(float(np.abs(a - b).max()) for a, b in zip(mine, _weights(ref))),
+            "iterations": int(keras.ops.convert_to_numpy(opt.iterations))}
+
+
+def _keras_checks(backend, tmp):
+    import keras
+
+    import phalanx.keras as hvd
+
+    assert keras.backend.backend() == backend
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    out = {"sizes": (n, r, hvd.local_size(), hvd.local_rank(), hvd.cross_size(), hvd.cross_rank())}
+    for kind in ("sgd", "adam"):
+        for k in (1, 2):
+            out[f"{kind}_k{k}"] = _equivalence(keras, hvd, kind, k)
+
+    # Warm-up: the learning rate each batch starts with, and metrics averaged at epoch end.
+    x, y = _data()
+    seen, logs_seen = [], []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs_seen.append(dict(logs))
+
+    model = _model(keras, seed=100 + r)  # different weights per rank: the broadcast must fix them
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    steps = 5
+    rows = slice(r * steps * B, (r + 1) * steps * B)  # the ranks see different data: different metrics
+    model.fit(x[rows], y[rows], batch_size=B, epochs=3, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                         hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2), Record()])
+    out["warmup_lr"] = seen
+    out["logs"] = logs_seen
+    out["broadcast_weights"] = _weights(model)
+
+    # Collectives on backend tensors, NumPy and numbers.
+    t = keras.ops.convert_to_tensor(np.array([1.0, 2.0], dtype="float32") * (r + 1))
+    out["allreduce"] = np.array(keras.ops.convert_to_numpy(hvd.allreduce(t)))
+    out["allreduce_sum_fp16"] = np.array(hvd.allreduce(np.ones(3, "float32") * r, op=hvd.Sum,
+                                                       compression=hvd.Compression.fp16))
+    out["allreduce_kind"] = type(hvd.allreduce(t)).__module__.split(".")[0]
+    out["allgather"] = np.array(keras.ops.convert_to_numpy(hvd.allgather(
+        keras.ops.convert_to_tensor(np.full((r + 1, 2), r, dtype="float32")))))
+    out["broadcast"] = np.array(keras.ops.convert_to_numpy(hvd.broadcast(
+        keras.ops.convert_to_tensor(np.array([r], dtype="float32")), root_rank=1)))
+
+    # load_model: the optimizer (and its state) comes back distributed, and trains on.
+    path = f"{tmp}/model_{r}.keras"
+    model.save(path)
+    loaded = hvd.load_model(path)
+    out["loaded_optimizer"] = type(loaded.optimizer).__name__
+    out["loaded_iterations"] = int(keras.ops.convert_to_numpy(loaded.optimizer.iterations))
+    loaded.fit(x[:2 * B], y[:2 * B], batch_size=B, verbose=0)
+    out["loaded_after"] = _weights(loaded)
+    return out
+
+
+def _warmup_expected(initial_lr, warmup_epochs, steps_per_epoch, epochs, size):
+    """Horovod's formula, written out: lr at the start of each batch of the warm-up epochs."""
+    lrs = []
+    for epoch in range(epochs):
+        for batch in range(steps_per_epoch):
+            if epoch < warmup_epochs:
+                e = epoch + batch / steps_per_epoch + 1 / steps_per_epoch
+                lrs.append(initial_lr / size * (e * (size - 1) / warmup_epochs + 1))
+            else:
+                lrs.append(lrs[-1])
+    return lrs
+
+
+@pytest.mark.skipif(not HAS_KERAS, reason="keras is not installed (pip install 'phalanx[keras]')")
+@pytest.mark.parametrize("backend", [
+    "torch",
+    pytest.param("tensorflow", marks=pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed "
+                                                                              "(pip install 'phalanx[tensorflow]')")),
+])
+def test_keras_front_on_two_ranks(backend, tmp_path):
+    results = distributed(_keras_checks, np=2, args=(backend, str(tmp_path)), env={"KERAS_BACKEND": backend},
+                          timeout=300)
+    a, b = results
+    assert a["sizes"][:2] == (2, 0) and b["sizes"][:2] == (2, 1)
+    for key in ("sgd_k1", "sgd_k2", "adam_k1", "adam_k2"):
+        assert a[key]["diff"] < ATOL, f"{key}: 2 ranks x batch {B} differ from 1 process by {a[key]['diff']}"
+        for w0, w1 in zip(a[key]["mine"], b[key]["mine"]):
+            np.testing.assert_array_equal(w0, w1, err_msg=f"{key}: ranks ended with different weights")
+        assert a[key]["iterations"] == STEPS * 2 // int(key[-1]), f"{key}: iterations counts updates"
+    expected = _warmup_expected(0.4, 2, 5, 3, 2)
+    for res in results:
+        np.testing.assert_allclose(res["warmup_lr"], expected, rtol=1e-6, err_msg="warm-up differs from Horovod's")
+    for la, lb in zip(a["logs"], b["logs"]):
+        assert la.keys() == lb.keys() and {"loss", "accuracy", "lr"} <= la.keys()
+        for k in la:
+            assert la[k] == pytest.approx(lb[k], rel=1e-6), f"metric {k} not averaged: {la[k]} vs {lb[k]}"
+    for w0, w1 in zip(a["broadcast_weights"], b["broadcast_weights"]):
+        np.testing.assert_array_equal(w0, w1, err_msg="BroadcastGlobalVariablesCallback left ranks apart")
+    for res in results:
+        np.testing.assert_allclose(res["allreduce"], [1.5, 3.0])
+        np.testing.assert_allclose(res["allreduce_sum_fp16"], [1.0, 1.0, 1.0])
+        assert res["allreduce_kind"] == ("torch" if backend == "torch" else "tensorflow")
+        np.testing.assert_allclose(res["allgather"], [[0, 0], [1, 1], [1, 1]])
+        np.testing.assert_allclose(res["broadcast"], [1.0])
+        assert res["loaded_optimizer"] == "DistributedOptimizer"
+        assert res["loaded_iterations"] == 3 * 5
+    for w0, w1 in zip(a["loaded_after"], b["loaded_after"]):
+        np.testing.assert_array_equal(w0, w1, err_msg="the loaded model's training left ranks apart")
+
+
+@pytest.mark.skipif(not (HAS_KERAS and HAS_TF), reason="the seed script needs keras and tensorflow "
+                                                        "(TensorBoard); pip install 'phalanx[tensorflow]'")
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_seed_002_keras_script_runs_under_phalanx_run(backend, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "KERAS_BACKEND": backend, "EPOCHS": "2", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
+                           os.path.join(root, "examples", "keras_seed_002.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finals = {}
+    for line in proc.stdout.splitlines():
+        if ": rank " in line and " weights " in line:
+            rank_part, rest = line.split(": rank ", 1)[1].split(": ", 1)
+            finals[int(rank_part)] = rest
+    assert sorted(finals) == [0, 1], proc.stdout[-2000:]
+    # Same weights (the optimizer averaged), same loss/accuracy (the metrics were averaged: the
+    # ranks trained on different halves of the data), the warm-up's final rate on both.
+    assert finals[0] == finals[1], f"ranks differ: {finals}"
+    accuracy = float(finals[0].split("accuracy ")[1].split()[0])
+    assert accuracy > 0.5, f"the seed script did not learn: {finals[0]}"
+    # Checkpoints and TensorBoard: rank 0 only.
+    assert sorted(p.name for p in tmp_path.glob("digits_horovod_*.weights.h5")), "no checkpoint written"
+    assert not any(line.startswith("[1]") and "saving model" in line for line in proc.stdout.splitlines())
+    events = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert len(events) == 1, f"TensorBoard files from more than one rank: {events}"
