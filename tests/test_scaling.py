@@ -38,8 +38,8 @@ def test_model_sizes_come_from_the_architecture():
     assert workloads.get("resnet50").fwd_flops_per_sample == pytest.approx(2 * 4.09e9, rel=0.01)
     one_t = workloads.get("gpt-1t")
     assert one_t.params / 1e9 == pytest.approx(1008.0, abs=0.1)
-    s, l, h, v = 2048, 128, 25600, 51200
-    assert one_t.train_flops_per_sample == pytest.approx(96 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)))
+    s, n_layers, h, v = 2048, 128, 25600, 51200
+    assert one_t.train_flops_per_sample == pytest.approx(96 * s * n_layers * h * h * (1 + s / (6 * h) + v / (16 * n_layers * h)))
     assert workloads.get("gpt-8.3b").params / 1e9 == pytest.approx(8.3, abs=0.05)
     # backward meets the last layer first; every gradient is ready by the end
     order = workloads.get("vgg16").backward_order()
