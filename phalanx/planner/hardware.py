@@ -99,8 +99,8 @@ class Hardware:
 # --- GPUs -----------------------------------------------------------------------------------------
 # mfu sources:
 #  P100: Horovod docs/benchmarks.rst, tf_cnn_benchmarks ResNet-101, batch 64/GPU, 16 Pascal GPUs:
-#        "total images/sec: 1656.82" = 103.6 img/s/GPU x 23.5 GFLOP/img (3 x 2 x 7.83 GMAC, the
-#        architecture's count in planner.workloads) = 2.43 TFLOP/s... per GPU, see P100_MFU below.
+#        "total images/sec: 1656.82" = 103.6 img/s/GPU x 46.8 GFLOP/img (3 x 2 x 7.80 GMAC, the
+#        architecture's count in planner.workloads) = 4.85 TFLOP/s of the P100 PCIe's 9.3: 0.52 (P100_MFU).
 #  V100: Shoeybi et al. 2019 (Megatron-LM): 1.2B GPT-2 on one V100 of a DGX-2H sustains 39 TFLOP/s,
 #        "30% of the theoretical peak".
 #  A100: MosaicML llm-foundry scripts/train/benchmarking/README.md, MPT-13B, seq 2048, 8 x A100-80GB,
@@ -120,7 +120,8 @@ GPUS: dict[str, GPU] = {
     "v100-sxm2": GPU("V100-SXM2-32GB", {"fp32": 15.7 * T, "fp16": 125 * T}, 32 * GB, 900 * GB,
                      mfu=0.30, mfu_source="Shoeybi et al. 2019: 39 TFLOP/s on one V100 = 30% of peak"),
     # NVIDIA DGX-2H datasheet: 2.1 PFLOPS tensor for 16 V100 SXM3 32 GB (450 W) = 131 TFLOP/s each;
-    # Megatron-LM (2019) calls 39 TFLOP/s 30% of this GPU's peak (39 / 0.30 = 130)
+    # Megatron-LM (2019) calls 39 TFLOP/s 30% of this GPU's peak (39 / 0.30 = 130); fp32: the SXM2's 15.7
+    # scaled by 131/125 (no datasheet fp32 figure for the 450 W part; no row here uses it)
     "v100-sxm3h": GPU("V100-SXM3-32GB-H", {"fp32": 16.4 * T, "fp16": 131 * T}, 32 * GB, 900 * GB,
                       mfu=0.30, mfu_source="Shoeybi et al. 2019: 39 TFLOP/s on one V100 = 30% of peak"),
     # NVIDIA A100 datasheet (SXM4 80GB): 19.5 TFLOP/s fp32, 156 tf32, 312 bf16/fp16 dense; HBM2e 2039 GB/s
