@@ -9,6 +9,7 @@ a bridge, every host's link capped by ``tc tbf`` at ``--rate`` both ways), runs 
 ranks per host through the real SSH launch path, and times, interleaved in rounds:
 
 - ``local``: the same model and batch with no gradient sync (each rank alone);
+- ``sync``: the local step, then one 8-byte allreduce (what waiting for the slowest rank costs);
 - ``flat``: ``DataParallel(algorithm="flat")``, gloo's ring over all ranks;
 - ``hierarchical``: ``DataParallel(algorithm="hierarchical")``: reduce-scatter in the
   host, ring across hosts, allgather in the host (phalanx.comm.algorithms).
@@ -28,6 +29,11 @@ as backward reaches them, each an allreduce over the simulated hardware
 (``hardware.simulated(rate)``: the tc rate per host, shared by the rings leaving it;
 loopback between a host's two ranks as measured on cpu2), via
 ``scaling.allreduce_time``. Overlap ``e = 1``: the device sleeps, the cores are free.
+A second prediction keeps that bandwidth but takes the per-step latency and the waiting
+from the job's own ranks, with no gradient traffic: alpha = an isolated 8-byte allreduce
+over the world / 2(n-1), waiting = ``sync - local - that allreduce`` (16 ranks on 2 busy
+cores wait for the scheduler at every ring step, which cpu2's 2-rank loopback alpha does
+not know).
 """
 
 from __future__ import annotations
@@ -85,14 +91,17 @@ def _worker(args) -> None:
     # the link as measured: isolated flat allreduces over the whole world (no model, no DataParallel)
     link, samples = calibrate.measure_link((8, 2**16, 2**20, 2**22), rounds=5, warmup=1)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    arms = {"local": Net()}
+    arms = {"local": Net(), "sync": Net()}  # sync: the local step, then one 8-byte allreduce (waiting + latency)
     arms["flat"] = px.DataParallel(Net(), bucket_mb=args.bucket_mb, algorithm="flat")
     arms["hierarchical"] = px.DataParallel(Net(), bucket_mb=args.bucket_mb, algorithm="hierarchical")
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in arms.items()}
+    tiny = torch.zeros(2)
 
     def step(name):
         loss = torch.nn.functional.mse_loss(arms[name](x), y)
         loss.backward()
+        if name == "sync":
+            torch.distributed.all_reduce(tiny)
         opts[name].step()
         opts[name].zero_grad()
 
@@ -119,18 +128,23 @@ def _worker(args) -> None:
 
 def predict(res: dict, rate_bits: float, bucket_mb: float, fwd_ms: float, bwd_ms: float,
             calibrated: bool = False) -> dict:
-    """``calibrated=False``: the link is the tc rate (the profile); True: the host bandwidth and the
-    latency fitted to the isolated allreduces the worker timed before training (calibrate.measure_link)."""
+    """``calibrated=False``: the profile alone: the tc rate, cpu2's loopback latency (2 ranks), no waiting.
+    True: the same bandwidth, but the per-step latency and the waiting measured on this job's ranks
+    without any gradient traffic: alpha = an isolated 8-byte allreduce over the world / 2(n-1) steps,
+    waiting = (local step + one 8-byte allreduce) - local step - that allreduce."""
     import dataclasses
 
     from phalanx.planner import cost, hardware, scaling
 
     hosts, ranks = res["hosts"], res["ranks"]
     hw = hardware.simulated(rate_bits, ranks_per_host=ranks // hosts)
+    wait = 0.0
     if calibrated:
-        fit = cost.Link(**res["link"])
-        hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, bandwidth=fit.bandwidth,
-                                                                 latency_s=fit.alpha_s))
+        tiny = res["link_samples"][0][1]
+        alpha = tiny / (2 * (ranks - 1))
+        wait = max(0.0, res["median_s"]["sync"] - res["median_s"]["local"] - tiny)
+        hw = dataclasses.replace(hw, network=dataclasses.replace(hw.network, latency_s=alpha),
+                                 node=dataclasses.replace(hw.node, latency_s=alpha))
     local = res["median_s"]["local"]
     backward = local * bwd_ms / (fwd_ms + bwd_ms)
     sizes = cost.bucket_sizes(res["tensor_bytes"], bucket_mb * 2**20)
@@ -139,8 +153,8 @@ def predict(res: dict, rate_bits: float, bucket_mb: float, fwd_ms: float, bwd_ms
     for alg, name in (("ring", "flat"), ("hierarchical", "hierarchical")):
         times = [scaling.allreduce_time(b, hw, ranks, 1, alg) for b in sizes]
         exposed = cost.overlapped_exposure(times, backward, 1.0, ready)
-        out[name] = {"predicted_s": local + exposed, "measured_s": res["median_s"][name], "sync_s": sum(times),
-                     "exposed_s": exposed}
+        out[name] = {"predicted_s": local + wait + exposed, "measured_s": res["median_s"][name],
+                     "sync_s": sum(times), "exposed_s": exposed, "wait_s": wait}
     return out
 
 
@@ -187,16 +201,18 @@ def main() -> int:
         local = res["median_s"]["local"]
         fit = res["link"]
         print(f"{hosts} hosts x {args.ranks_per_host} ranks ({res['wall_s']:.0f} s, load {res['load']:.1f}): "
-              f"local {local * 1e3:.1f} ms; link fitted to isolated allreduces: alpha {fit['alpha_s'] * 1e6:.0f} us, "
+              f"local {local * 1e3:.1f} ms, local + 8-byte allreduce {res['median_s']['sync'] * 1e3:.1f} ms; isolated "
+              f"8-byte allreduce {res['link_samples'][0][1] * 1e3:.2f} ms; link fitted to isolated allreduces: "
+              f"alpha {fit['alpha_s'] * 1e6:.0f} us, "
               f"{8 / fit['beta_s'] / 1e6 if fit['beta_s'] else float('inf'):.0f} Mbit/s", flush=True)
-        for name, p in res["pred"].items():
+        for name, p in list(res["pred"].items()) + [(k + " +cal", v) for k, v in res["pred_cal"].items()]:
             err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
-            print(f"  {name:>12}: predicted {p['predicted_s'] * 1e3:7.1f} ms (sync {p['sync_s'] * 1e3:.1f}, exposed "
-                  f"{p['exposed_s'] * 1e3:.1f}), measured {p['measured_s'] * 1e3:7.1f} ms, error {err:+.1%}; "
+            print(f"  {name:>17}: predicted {p['predicted_s'] * 1e3:7.1f} ms (sync {p['sync_s'] * 1e3:.1f}, exposed "
+                  f"{p['exposed_s'] * 1e3:.1f}, waiting {p['wait_s'] * 1e3:.1f}), measured {p['measured_s'] * 1e3:7.1f} ms, error {err:+.1%}; "
                   f"efficiency predicted {local / p['predicted_s']:.0%} measured {local / p['measured_s']:.0%}",
                   flush=True)
     for key, what in (("pred", "link = the tc rate (the profile)"),
-                      ("pred_cal", "link = fitted to isolated allreduces before training")):
+                      ("pred_cal", "+ latency and waiting measured on the job's ranks (no gradient traffic)")):
         print(f"\n{what}\n{'hosts':>5} {'ranks':>5} {'algorithm':>12} {'pred ms':>8} {'meas ms':>8} {'error':>7} "
               f"{'pred eff':>8} {'meas eff':>8}")
         for res in rows:
