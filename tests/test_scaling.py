@@ -128,3 +128,9 @@ def test_projection_is_monotone_in_the_network():
         job = scaling.Job(dp=n, global_batch=64 * n)
         assert scaling.predict(w, slow, job).efficiency <= scaling.predict(w, fast, job).efficiency
         assert math.isfinite(scaling.predict(w, slow, job).step_s)
+
+
+def test_measure_cpu_without_a_process_group():
+    got = hardware.measure_cpu(seconds=0.05, size=128)
+    assert got["fp32_flops"] > 0 and got["mem_bandwidth"] > 0 and got["cores"] >= 1
+    assert got["link_alpha_s"] is None  # the loopback link needs 2+ ranks (calibrate.measure_link)
