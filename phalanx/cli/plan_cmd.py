@@ -4,6 +4,7 @@ Example::
 
     phalanx plan --params 1.3e9 --layers 24 --compute-ms 900 --hosts 4 --ranks-per-host 8 --memory-gb 40
     phalanx plan --model torch.nn:Transformer --hosts 2 --ranks-per-host 2 --inter-gbps 1
+    phalanx plan --gpus 1024 --hardware h100-ib400 --model gpt-13b      # a named model on named hardware
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def register(subparsers) -> None:
                         "measure_overlap); default 1")
     p.add_argument("--memory-gb", type=float, default=float("inf"), help="memory budget per rank, GiB")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="a named hardware profile (planner.hardware, e.g. h100-ib400); with --gpus and a named "
+                        "--model (planner.workloads, e.g. gpt-13b) it ranks dp x tp x pp layouts on that machine")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs for --hardware")
+    p.add_argument("--batch-per-gpu", type=float, default=None,
+                   help="samples per GPU for --hardware (default 64 images or 2 sequences)")
     p.set_defaults(func=main)
 
 
@@ -80,8 +87,18 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phalanx.planner import cost, plan
+    from phalanx.planner import cost, plan, scaling
 
+    if args.hardware or args.gpus:
+        try:
+            if not (args.hardware and args.gpus and args.model):
+                raise ValueError("give --hardware NAME, --gpus N and --model NAME together")
+            print("\n".join(scaling.plan(args.model, args.hardware, args.gpus, batch_per_gpu=args.batch_per_gpu,
+                                         top=args.top)))
+        except ValueError as err:
+            print(f"phalanx plan: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         _check(args)
         params, tensor_bytes = _model_sizes(args.model) if args.model else (args.params, ())

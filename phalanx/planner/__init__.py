@@ -5,6 +5,10 @@
 - :mod:`~phalanx.planner.plan`: ``phalanx plan``, enumerate dp/pp/tp/ZeRO/compression/bucket
   layouts under a memory budget and rank them by predicted step time.
 - :mod:`~phalanx.planner.autotune`: tune the fusion (bucket) size during the first steps.
+- :mod:`~phalanx.planner.hardware`: GPU / node / network profiles (P100, V100, A100, H100; this
+  machine measured); :mod:`~phalanx.planner.workloads`: models sized from their layers;
+  :mod:`~phalanx.planner.scaling`: the step at cluster scale and ``phalanx plan --hardware``;
+  :mod:`~phalanx.planner.published`: published results the model reproduces (docs/scaling.md).
 
 Example::
 

@@ -1,0 +1,212 @@
+"""The cost model at 256-3072 GPUs: published results recomputed, and phalanx projected to 1024.
+
+Run: python benchmarks/scaling.py [--plots docs/img]      (no GPU, no network: it is all model)
+
+1. Every published row (phalanx.planner.published): the model and hardware as published,
+   parameters and FLOPs from the architecture, the prediction against the figure, the error
+   in points; contrasts, one term changed: no overlap of gradient sync with backward, and
+   (1T row) the A100 constant taken from the same paper's smallest row instead.
+2. Projections, weak scaling (fixed samples per GPU): ResNet-50 (64 images/GPU, bf16),
+   GPT-1.3B (8 sequences/GPU), GPT-13B (2 sequences/GPU) on H100 nodes of 8 with 8 x 400
+   Gbit/s InfiniBand (8 -> 1024 GPUs) and with one 25 Gbit/s Ethernet NIC per node
+   (8 -> 128 GPUs): DP, DP + int8, DP + PowerSGD (rank 4), ZeRO-1, ZeRO-3, and the planner's
+   best dp x tp x pp layout. A strategy that does not fit in 80 GB is left out.
+3. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
+   against GPU count, published points on the same axes) and DIR/scaling_published.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from phalanx.planner import hardware, published, scaling, workloads
+
+PER_GPU = {"resnet50": 64, "gpt-1.3b": 8, "gpt-13b": 2}
+STRATEGIES = {
+    "DP": dict(),
+    "DP+int8": dict(compression="int8"),
+    "DP+PowerSGD": dict(compression="powersgd"),
+    "ZeRO-1": dict(zero=1),
+    "ZeRO-3": dict(zero=3),
+}
+
+
+def _model(name: str) -> workloads.Workload:
+    w = workloads.get(name)
+    return dataclasses.replace(w, precision="bf16") if w.kind == "cnn" else w  # H100: mixed precision
+
+
+def table() -> list[dict]:
+    rows = []
+    for row in published.ROWS:
+        pred = published.reproduce(row)
+        serial = published.reproduce(dataclasses.replace(row, job=dataclasses.replace(row.job, overlap=False),
+                                                         base=row.base and dataclasses.replace(row.base, overlap=False)))
+        rows.append({"key": row.key, "source": row.source, "model": row.model, "hardware": row.hardware,
+                     "metric": row.metric, "published": row.figure, "predicted": pred, "error": pred - row.figure,
+                     "bound": row.bound, "no_overlap": serial})
+    return rows
+
+
+def project(hw_name: str, gpus: list[int]) -> dict:
+    hw = hardware.get(hw_name)
+    out: dict = {}
+    for name, per_gpu in PER_GPU.items():
+        w = _model(name)
+        for label, kw in STRATEGIES.items():
+            pts = []
+            for n in gpus:
+                p = scaling.predict(w, hw, scaling.Job(dp=n, global_batch=n * per_gpu, **kw))
+                if p.fits(hw):
+                    pts.append((n, p.samples_per_s, p.efficiency, p.flops_per_gpu * n, str(p.job)))
+            out[(name, label)] = pts
+        pts = []
+        for n in gpus:
+            try:
+                best = scaling.search(w, hw, n, n * per_gpu, zero_stages=(0, 1, 3),
+                                      compressions=("none", "int8", "powersgd"))[0]
+            except ValueError:
+                continue
+            pts.append((n, best.samples_per_s, best.efficiency, best.flops_per_gpu * n, str(best.job)))
+        out[(name, "best 3D")] = pts
+    return out
+
+
+def published_points() -> list[tuple]:
+    """(gpus, efficiency, aggregate FLOP/s, label, predicted efficiency, predicted FLOP/s) per published
+    point; None where the source gives no such figure."""
+    out = []
+    for row in published.ROWS:
+        if row.key == "horovod-inception3":
+            continue  # same GPUs and figure as ResNet-101: one star
+        w, hw = workloads.get(row.model), hardware.get(row.hardware)
+        p = scaling.predict(w, hw, row.job)
+        pred = published.reproduce(row)
+        flops = {"megatron-8.3b": 15.1e15, "narayanan-1t": 502e15}.get(row.key)
+        eff = row.figure if row.metric == "efficiency" else None
+        out.append((row.job.gpus, eff, flops, row.key, pred if eff else None,
+                    p.flops_per_gpu * row.job.gpus if flops else None))
+    r101 = workloads.get("resnet101").train_flops_per_sample
+    out.append((16, None, 1656.82 * r101, "Horovod ResNet-101 16 GPUs", None, None))
+    return out
+
+
+def plot(proj: dict, title: str, path: str, pubs: list[tuple]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colors = {"resnet50": "tab:blue", "gpt-1.3b": "tab:orange", "gpt-13b": "tab:green"}
+    styles = {"DP": "-", "DP+int8": "--", "DP+PowerSGD": ":", "ZeRO-1": "-.", "ZeRO-3": (0, (3, 1, 1, 1, 1, 1)),
+              "best 3D": "-"}
+    for (model, label), pts in proj.items():
+        if not pts:
+            continue
+        n = [p[0] for p in pts]
+        kw = dict(color=colors[model], linestyle=styles[label], linewidth=3 if label == "best 3D" else 1.3,
+                  alpha=0.55 if label == "best 3D" else 1.0, label=f"{model} {label}")
+        ax1.plot(n, [p[3] / 1e15 for p in pts], marker="o", markersize=3, **kw)
+        ax2.plot(n, [p[2] for p in pts], marker="o", markersize=3, **kw)
+    for i, (n, eff, flops, label, eff_pred, flops_pred) in enumerate(pubs):
+        dy = 6 - 12 * (i % 3)
+        if flops:
+            ax1.scatter([n], [flops / 1e15], marker="*", s=160, color="black", zorder=5)
+            ax1.annotate(label, (n, flops / 1e15), fontsize=7, xytext=(6, dy), textcoords="offset points")
+        if flops_pred:
+            ax1.scatter([n], [flops_pred / 1e15], marker="o", s=60, facecolors="none", edgecolors="red", zorder=6)
+        if eff:
+            ax2.scatter([n], [eff], marker="*", s=160, color="black", zorder=5)
+            ax2.annotate(label, (n, eff), fontsize=7, xytext=(6, dy), textcoords="offset points")
+        if eff_pred:
+            ax2.scatter([n], [eff_pred], marker="o", s=60, facecolors="none", edgecolors="red", zorder=6)
+    ax1.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="achieved PFLOP/s (all GPUs)",
+            title=f"{title}: throughput")
+    ax2.set(xscale="log", xlabel="GPUs", ylabel="scaling efficiency (compute / step)", ylim=(0, 1.05),
+            title=f"{title}: efficiency")
+    ax2.axhline(0.8, color="grey", linewidth=0.6)
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=6, ncol=2, loc="lower left")
+    ax1.text(0.01, 0.99, "black stars: published (their own hardware, docs/scaling.md); red circles: our prediction of them", transform=ax1.transAxes,
+             fontsize=7, va="top")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_published(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [r["published"] for r in rows], height=0.4, label="published", color="black")
+    ax.barh([i - 0.2 for i in y], [r["predicted"] for r in rows], height=0.4, label="phalanx cost model",
+            color="tab:blue")
+    ax.set_yticks(list(y), [f"{r['key']} ({'% peak' if r['metric'] == 'peak' else 'eff.'})" for r in rows],
+                  fontsize=8)
+    for i, r in zip(y, rows):
+        ax.text(max(r["published"], r["predicted"]) + 0.01, i, f"{r['error'] * 100:+.1f} pts", va="center", fontsize=8)
+    ax.set(xlim=(0, 1.15), xlabel="scaling efficiency, or fraction of peak FLOP/s")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    ax.set_title("published vs predicted (architecture FLOPs, published hardware, one MFU per GPU generation)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plots", default=None, help="directory for the PNGs (e.g. docs/img)")
+    args = ap.parse_args()
+    rows = table()
+    print(f"{'row':<20} {'metric':<10} {'published':>9} {'predicted':>9} {'error':>8} {'bound':>6} "
+          f"{'no overlap':>10}")
+    for r in rows:
+        print(f"{r['key']:<20} {r['metric']:<10} {r['published']:>9.2f} {r['predicted']:>9.3f} "
+              f"{r['error'] * 100:>+7.1f}p {r['bound'] * 100:>5.0f}p {r['no_overlap']:>10.3f}")
+    one_t = published.by_key("narayanan-1t")
+    print(f"\nnarayanan-1t with the A100 constant from the same paper's 1.7B row (0.44): "
+          f"{published.reproduce(one_t, mfu=0.44):.3f} of peak")
+    w17, a100 = workloads.get("gpt-1.7b"), hardware.get("a100-hdr")
+    p17 = scaling.predict(w17, a100, scaling.Job(dp=32, global_batch=512, overlap=False))
+    print(f"Narayanan Table 1 row 1 (1.7B, 32 A100, data parallel): predicted "
+          f"{p17.flops_per_gpu / a100.gpu.peak['bf16']:.3f} of peak, published 0.44")
+    vgg = published.by_key("horovod-vgg16")
+    for m in (1.0, 1.5):
+        print(f"horovod-vgg16 if VGG-16 ran at {m:.0%} of peak in nominal FLOPs: {published.reproduce(vgg, mfu=m):.3f}")
+    projections = {}
+    for hw_name, gpus in (("h100-ib400", [8, 16, 32, 64, 128, 256, 512, 1024]),
+                          ("h100-eth25", [8, 16, 32, 64, 128])):
+        proj = project(hw_name, gpus)
+        projections[hw_name] = proj
+        print(f"\n{hw_name}: efficiency (samples/s) per GPU count; '-' = does not fit in 80 GB")
+        print(f"{'model':<9} {'strategy':<12} " + " ".join(f"{n:>14}" for n in gpus))
+        for (model, label), pts in proj.items():
+            by_n = {p[0]: p for p in pts}
+            cells = [f"{by_n[n][2]:>4.0%} {by_n[n][1]:>9.0f}" if n in by_n else f"{'-':>14}" for n in gpus]
+            print(f"{model:<9} {label:<12} " + " ".join(cells))
+        for model in PER_GPU:
+            pts = proj[(model, "best 3D")]
+            if pts:
+                print(f"  best 3D {model}: " + "; ".join(f"{p[0]}: {p[4]}" for p in pts))
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+        pubs = published_points()
+        plot(projections["h100-ib400"], "H100 x 8/node, 8 x 400 Gbit/s IB", os.path.join(args.plots,
+                                                                                         "scaling_ib400.png"), pubs)
+        plot(projections["h100-eth25"], "H100 x 8/node, 25 Gbit/s Ethernet",
+             os.path.join(args.plots, "scaling_eth25.png"), pubs)
+        plot_published(rows, os.path.join(args.plots, "scaling_published.png"))
+        print(f"\nplots in {args.plots}: scaling_ib400.png scaling_eth25.png scaling_published.png")
+
+
+if __name__ == "__main__":
+    main()
