@@ -101,9 +101,19 @@ class MyModel:
         return _flat(self.model)
 
 
+def reference_jobs():
+    """Both jobs under phalanx.run, in one spawned group."""
+    return train_data_parallel(), train_distributed_optimizer()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return px.run(reference_jobs, np=2)[0]
+
+
 # -- horovod.ray's documented examples -----------------------------------------------------------------
 
-def test_stateless_run_example_with_rank_prefixed_output(capfd):
+def test_stateless_run_example_then_data_parallel_bitwise_equal(capfd, reference, tmp_path):
     num_workers = 2
     settings = RayExecutor.create_settings(timeout_s=60)
     executor = RayExecutor(settings, num_hosts=1, num_workers_per_host=num_workers, use_gpu=False)
@@ -117,6 +127,10 @@ def test_stateless_run_example_with_rank_prefixed_output(capfd):
     result = executor.run(simple_fn)
     assert len({r for r, *_ in result}) == num_workers
     assert result == [(0, 0, 2, 1), (1, 1, 2, 1)]
+
+    # the same actors run a second function: DataParallel training, rank 0's logs to the callback
+    logged = []
+    on_ray = executor.run(train_data_parallel, callbacks=[logged.append])
     seen = ""
     for _ in range(120):  # Ray forwards worker output to the driver asynchronously
         seen += capfd.readouterr().out
@@ -124,10 +138,24 @@ def test_stateless_run_example_with_rank_prefixed_output(capfd):
             break
         time.sleep(0.25)
     executor.shutdown()
-    assert "[0]: hvd rank 0" in seen and "[1]: hvd rank 1" in seen, seen[-2000:]
+    assert "[0]: hvd rank 0" in seen and "[1]: hvd rank 1" in seen, f"no rank-prefixed output: {seen[-2000:]}"
+    assert logged == [{"step": s, "rank": 0} for s in range(STEPS)], "callbacks get rank 0's logs, in order"
+    assert torch.equal(on_ray[0], on_ray[1]), "replicas differ on Ray"
+    assert torch.equal(on_ray[0], reference[0]), "Ray and phalanx.run trained different weights"
+
+    out = tmp_path / "rank0.pt"
+    script = tmp_path / "job.py"
+    script.write_text("import torch\nimport test_ray\nimport phalanx as px\n"
+                      "flat = test_ray.train_data_parallel()\n"
+                      f"if px.rank() == 0: torch.save(flat, {str(out)!r})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, str(script)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.equal(on_ray[0], torch.load(out)), "Ray and `phalanx run -np 2` trained different weights"
 
 
-def test_stateful_execute_example_bitwise_equal_to_phalanx_run():
+def test_stateful_execute_example_bitwise_equal(reference):
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
     executor.start(executable_cls=MyModel, executable_args=[0.1])
     for _ in range(STEPS):
@@ -137,33 +165,9 @@ def test_stateful_execute_example_bitwise_equal_to_phalanx_run():
     flats = executor.execute(lambda worker: worker.flat())
     chief = executor.execute_single(lambda worker: worker.flat())
     executor.shutdown()
-    reference = px.run(train_distributed_optimizer, np=2)
     assert torch.equal(flats[0], flats[1]), "replicas differ on Ray"
     assert torch.equal(chief, flats[0])
-    assert torch.equal(flats[0], reference[0]), "Ray and phalanx.run trained different weights"
-
-
-def test_data_parallel_run_bitwise_equal_to_phalanx_run_and_cli(tmp_path):
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2, placement_strategy="SPREAD")
-    executor.start()
-    logged = []
-    on_ray = executor.run(train_data_parallel, callbacks=[logged.append])
-    executor.shutdown()
-    assert torch.equal(on_ray[0], on_ray[1]), "replicas differ on Ray"
-    assert logged == [{"step": s, "rank": 0} for s in range(STEPS)], "callbacks get rank 0's logs, in order"
-
-    assert torch.equal(on_ray[0], px.run(train_data_parallel, np=2)[0]), "Ray and phalanx.run differ"
-
-    out = tmp_path / "rank0.pt"
-    script = tmp_path / "job.py"
-    script.write_text("import sys, torch\nimport test_ray\nimport phalanx as px\n"
-                      "flat = test_ray.train_data_parallel()\n"
-                      f"if px.rank() == 0: torch.save(flat, {str(out)!r})\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, str(script)],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert torch.equal(on_ray[0], torch.load(out)), "Ray and `phalanx run -np 2` differ"
+    assert torch.equal(flats[0], reference[1]), "Ray and phalanx.run trained different weights"
 
 
 # -- failures ---------------------------------------------------------------------------------------------
@@ -177,7 +181,7 @@ def failing_job():
 
 
 def test_worker_exception_names_rank_and_leaves_no_actor():
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2, placement_strategy="SPREAD")
     executor.start()
     names = list(executor.worker_names)
     assert len(_live_actor_names("phalanx-")) >= 2

@@ -24,7 +24,11 @@ import uuid
 from typing import Any
 
 import ray
-from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from phalanx.ray.worker import BaseWorker
