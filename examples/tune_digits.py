@@ -107,6 +107,9 @@ def tune_fn(config) -> None:
 
 
 def run_ray_tune(args) -> None:
+    import phalanx.ray  # noqa: F401 - before ray: keeps every rank's output lines (docs/ray.md)
+
+    # isort: split
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler

@@ -80,6 +80,8 @@ def _warn_if_dedup_hides_ranks() -> None:
 
     if _dedup_warned or os.environ.get("RAY_DEDUP_LOGS", "1") == "0" or os.environ.get("RAY_DEDUP_LOGS_ALLOW_REGEX"):
         return
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return  # inside an actor (a Tune trial): the folding happens in the job's driver, not here
     _dedup_warned = True
     log.warning("Ray folds log lines that differ only in numbers, so most ranks' output will show as "
                 "'[repeated Nx across cluster]'; set RAY_DEDUP_LOGS=0 (or import phalanx.ray before ray)")
