@@ -45,7 +45,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.spawn import RankError
 from phalanx.log import get_logger
-from phalanx.ray.placement import STRATEGIES, WorkerSpec, place_workers, ranks_host_major
+from phalanx.ray.placement import (
+    STRATEGIES,
+    WorkerSpec,
+    place_workers,
+    rank_environments,
+    ranks_host_major,
+)
 from phalanx.ray.worker import WorkerFailure
 
 __all__ = ["RayExecutor", "Settings"]
@@ -158,6 +164,8 @@ class RayExecutor:
         if self.workers:
             raise RuntimeError("RayExecutor.start: already started; call shutdown() first")
         began = time.perf_counter()
+        if not ray.is_initialized():
+            ray.init()  # as Ray's own first remote call would
         _warn_if_dedup_hides_ranks()
         placed = place_workers(self.spec, job=uuid.uuid4().hex[:8])
         self._group, self.worker_names = placed.group, placed.names
@@ -183,37 +191,16 @@ class RayExecutor:
         log.info("RayExecutor: %d workers up in %.2fs", len(self.workers), self.startup_s)
 
     def _environments(self, infos: list[dict], extra: dict) -> list[dict[str, str]]:
-        hosts: dict[str, list[int]] = {}
-        for r, info in enumerate(infos):
-            hosts.setdefault(info["node_id"], []).append(r)
-        host_index = {node: h for h, node in enumerate(hosts)}
-        common = {"WORLD_SIZE": len(infos), "GROUP_WORLD_SIZE": len(hosts), "PHALANX_LAUNCHER": "ray"}
-        addr = infos[0]["ip"]
+        addr, iface = infos[0]["ip"], None
         if self.settings.nics:
             found = ray.get(self.workers[0].nic_address.remote(sorted(self.settings.nics)))
             if found is None:
                 raise ValueError(f"RayExecutor: none of the interfaces {sorted(self.settings.nics)} (settings.nics) "
                                  f"exists on rank 0's node {infos[0]['hostname']}; name one it has")
             iface, addr = found
-            common["GLOO_SOCKET_IFNAME"] = iface
-            common["NCCL_SOCKET_IFNAME"] = ",".join(sorted(self.settings.nics))
-        common["MASTER_ADDR"] = addr
-        common["MASTER_PORT"] = ray.get(self.workers[0].free_port.remote(addr))
-        envs = []
-        for r, info in enumerate(infos):
-            members = hosts[info["node_id"]]
-            env = {**common, "RANK": r, "LOCAL_RANK": members.index(r), "LOCAL_WORLD_SIZE": len(members),
-                   "GROUP_RANK": host_index[info["node_id"]], "HOROVOD_HOSTNAME": info["hostname"]}
-            if self.spec.use_gpu:
-                # Every rank of a host sees all the host's GPUs (so peers can use CUDA IPC), in local-rank
-                # order; each computes on its own first one.
-                node_gpus = [g for m in members for g in infos[m]["gpu_ids"]]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
-                if info["gpu_ids"]:
-                    env["PHALANX_DEVICE"] = f"cuda:{node_gpus.index(info['gpu_ids'][0])}"
-            env.update(extra)
-            envs.append({k: str(v) for k, v in env.items()})
-        return envs
+        port = ray.get(self.workers[0].free_port.remote(addr))
+        return rank_environments(infos, master_addr=addr, master_port=port, use_gpu=self.spec.use_gpu, iface=iface,
+                                 nics=self.settings.nics, extra=extra)
 
     # -- work -----------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,

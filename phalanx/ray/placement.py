@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from phalanx.ray.worker import BaseWorker
 
-__all__ = ["WorkerSpec", "Placed", "place_workers", "ranks_host_major", "STRATEGIES"]
+__all__ = ["WorkerSpec", "Placed", "place_workers", "ranks_host_major", "rank_environments", "STRATEGIES"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -124,3 +124,35 @@ def ranks_host_major(infos: list[dict]) -> list[int]:
     for i, info in enumerate(infos):
         hosts.setdefault(info["node_id"], []).append(i)
     return [i for members in hosts.values() for i in members]
+
+
+def rank_environments(infos: list[dict], *, master_addr: str, master_port: int, use_gpu: bool = False,
+                      iface: str | None = None, nics=None, extra: dict | None = None) -> list[dict[str, str]]:
+    """The variables ``phalanx.init()`` reads, for each rank (``infos`` in rank order, host-major).
+
+    With ``use_gpu`` every rank of a host sees all the GPUs Ray gave that host's ranks, in
+    local-rank order (so peers can use CUDA IPC, as horovod.ray does), and computes on its own
+    first one (PHALANX_DEVICE).
+    """
+    hosts: dict[str, list[int]] = {}
+    for r, info in enumerate(infos):
+        hosts.setdefault(info["node_id"], []).append(r)
+    host_index = {node: h for h, node in enumerate(hosts)}
+    common = {"WORLD_SIZE": len(infos), "GROUP_WORLD_SIZE": len(hosts), "PHALANX_LAUNCHER": "ray",
+              "MASTER_ADDR": master_addr, "MASTER_PORT": master_port}
+    if iface:
+        common["GLOO_SOCKET_IFNAME"] = iface
+        common["NCCL_SOCKET_IFNAME"] = ",".join(sorted(nics or [iface]))
+    envs = []
+    for r, info in enumerate(infos):
+        members = hosts[info["node_id"]]
+        env = {**common, "RANK": r, "LOCAL_RANK": members.index(r), "LOCAL_WORLD_SIZE": len(members),
+               "GROUP_RANK": host_index[info["node_id"]], "HOROVOD_HOSTNAME": info["hostname"]}
+        if use_gpu:
+            node_gpus = [g for m in members for g in infos[m]["gpu_ids"]]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+            if info["gpu_ids"]:
+                env["PHALANX_DEVICE"] = f"cuda:{node_gpus.index(info['gpu_ids'][0])}"
+        env.update(extra or {})
+        envs.append({k: str(v) for k, v in env.items()})
+    return envs
