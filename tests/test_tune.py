@@ -36,6 +36,13 @@ def objective(trial, epochs, sleep_s=0.0):
     return value
 
 
+def test_import_phalanx_imports_neither_ray_nor_optuna():
+    code = ("import sys, phalanx, phalanx.horovod\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'optuna')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_distributed_trial_in_a_world_of_one():
     study = optuna.create_study()
     trial = DistributedTrial(study.ask())
