@@ -27,13 +27,21 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def local_ray():
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    except Exception:  # noqa: BLE001 - a loaded machine can miss Ray's start-up deadline once; retry
-        ray.shutdown()
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    start_local_ray(ray)
     yield
     ray.shutdown()
+
+
+def start_local_ray(ray_module, tries: int = 3) -> None:
+    """ray.init(num_cpus=2); Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss."""
+    for attempt in range(tries):
+        try:
+            ray_module.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+            return
+        except Exception:
+            ray_module.shutdown()
+            if attempt == tries - 1:
+                raise
 
 
 def _live_actor_names(prefix: str) -> list[str]:

@@ -133,7 +133,14 @@ def test_ray_tune_asha_stops_trials_early(tmp_path):
     from phalanx.tune import distributed_trainable
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False)
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss
+        try:
+            ray.init(num_cpus=2, include_dashboard=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     try:
         tuner = tune.Tuner(
             distributed_trainable(tune_train_fn, num_workers=2, cpus_per_worker=1),
