@@ -1,0 +1,185 @@
+"""The Ray actor behind one rank of a :class:`~phalanx.ray.RayExecutor` job.
+
+One actor per rank. The executor asks each actor where it runs (node, address, GPUs),
+decides ranks host-major, then hands every actor the environment ``phalanx.init()``
+reads (the same variables ``phalanx run`` sets: RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+PHALANX_LAUNCHER) and the job secret. The actor itself never calls ``init()``: the
+user's function does, as under ``phalanx run`` or ``horovod.ray``.
+
+Example (what the executor does; users do not call these methods)::
+
+    Worker = ray.remote(BaseWorker)
+    w = Worker.remote()
+    ray.get(w.setup.remote({"RANK": "0", ...}, secret_key, 0, 1))
+    ray.get(w.execute.remote(lambda executable: 42))
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from phalanx.launcher import secret as job_secret
+from phalanx.ray import ray_logger
+
+__all__ = ["BaseWorker", "WorkerFailure"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class WorkerFailure(Exception):
+    """What a rank raised, as text (its traceback) and, when it pickles, the exception itself."""
+
+    def __init__(self, rank: int, text: str, exception: BaseException | None, at: float) -> None:
+        super().__init__(f"rank {rank} failed:\n{text}")
+        self.rank, self.text, self.exception, self.at = rank, text, exception, at
+
+    def __reduce__(self):
+        return (WorkerFailure, (self.rank, self.text, self.exception, self.at))
+
+
+class _RankPrefixed(io.TextIOBase):
+    """A text stream that starts every line with ``[rank]: `` (the prefix ``phalanx run`` prints)."""
+
+    def __init__(self, stream, prefix: str) -> None:
+        self._stream, self._prefix, self._at_line_start = stream, prefix, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start:
+                out.append(self._prefix)
+            out.append(piece)
+            self._at_line_start = piece.endswith("\n")
+        self._stream.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _interface_address(names) -> tuple[str, str] | None:
+    """(interface, IPv4 address) of the first of ``names`` this node has, or None."""
+    import psutil  # a dependency of ray
+
+    addrs = psutil.net_if_addrs()
+    for name in names:
+        for a in addrs.get(name, ()):
+            if a.family == socket.AF_INET:
+                return name, a.address
+    return None
+
+
+class BaseWorker:
+    """One rank. ``executable`` is the object made by ``start(executable_cls=…)`` (else None)."""
+
+    executable: Any = None
+
+    def __init__(self) -> None:
+        self.rank = -1
+        self._secret_fd: int | None = None
+
+    # -- where am I ---------------------------------------------------------------------------
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "hostname": socket.gethostname(), "gpu_ids": gpu_ids, "pid": os.getpid()}
+
+    def nic_address(self, nics) -> tuple[str, str] | None:
+        return _interface_address(list(nics))
+
+    def free_port(self, addr: str) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return s.getsockname()[1]
+
+    # -- set up -------------------------------------------------------------------------------
+    def setup(self, env: dict[str, str], key: bytes | None, rank: int, threads: int) -> None:
+        """Take this rank's environment and the job secret; prefix output with the rank."""
+        self.rank = rank
+        os.environ.update({k: str(v) for k, v in env.items()})
+        if key:
+            os.environ[job_secret.SECRET_FILE_ENV] = self._keep_secret(key)
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        if not isinstance(sys.stdout, _RankPrefixed):
+            sys.stdout = _RankPrefixed(sys.stdout, f"[{rank}]: ")
+            sys.stderr = _RankPrefixed(sys.stderr, f"[{rank}]: ")
+
+    def _keep_secret(self, key: bytes) -> str:
+        """A 0600 file holding the secret, as the launcher's agent writes it.
+
+        On Linux the file is unlinked at once and read through ``/proc/self/fd``: a killed
+        actor (the failure path) leaves nothing on disk.
+        """
+        path = job_secret.write_secret_file(key)
+        if not os.path.isdir("/proc/self/fd"):
+            return path
+        self._secret_fd = os.open(path, os.O_RDONLY)
+        os.unlink(path)
+        return f"/proc/self/fd/{self._secret_fd}"
+
+    def update_env_vars(self, env_vars: dict[str, Any]) -> None:
+        """Set environment variables in this actor (horovod.ray's method of the same name)."""
+        os.environ.update({k: str(v) for k, v in env_vars.items()})
+
+    def env_vars(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def set_queue(self, queue) -> None:
+        ray_logger.configure(queue)
+
+    def start_executable(self, executable_cls=None, executable_args=None, executable_kwargs=None) -> None:
+        if executable_cls is not None:
+            self.executable = self._guard(lambda: executable_cls(*(executable_args or []),
+                                                               **(executable_kwargs or {})))
+
+    # -- work ---------------------------------------------------------------------------------
+    def execute(self, fn):
+        """``fn(self.executable)``; an exception comes back as :class:`WorkerFailure` with this rank."""
+        return self._guard(lambda: fn(self.executable))
+
+    def _guard(self, call):
+        try:
+            return call()
+        except BaseException as exc:  # noqa: BLE001 - report everything, with the rank
+            tb = exc.__traceback__
+            while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
+                tb = tb.tb_next  # the executor's own frames say nothing about the user's error
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
+            try:
+                import pickle
+
+                pickle.dumps(exc)
+                kept = exc
+            except Exception:  # noqa: BLE001 - the exception itself would not pickle
+                kept = None
+            raise WorkerFailure(self.rank, text, kept, time.time()) from None
+
+    def teardown(self) -> None:
+        """Leave the phalanx job (if the function joined one) and forget the secret."""
+        import phalanx.runtime as rt
+
+        rt.shutdown()
+        if self._secret_fd is not None:
+            os.close(self._secret_fd)
+            self._secret_fd = None
+
+    def __repr__(self) -> str:
+        return "PhalanxWorker"
