@@ -1,0 +1,154 @@
+"""The layers of DESIGN.md hold in the code: arrows point down only, no import loops,
+nothing inside the package imports its face, no private name crosses a module, no
+library file past ~450 lines.
+
+The table below is the one place the layers are written down for the code; a new
+package must be added to it (the test fails on a module it does not know).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "phalanx"
+MAX_LINES = 450
+
+# Lowest first. A module may import its own layer or a lower one, never a higher one.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("phalanx.log", "phalanx.trace", "phalanx.settings", "phalanx.models")),
+    ("runtime", ("phalanx.runtime",)),
+    ("comm", ("phalanx.comm",)),
+    ("strategies", ("phalanx.parallel", "phalanx.ps", "phalanx.optim")),
+    ("services", ("phalanx.checkpoint", "phalanx.elastic", "phalanx.balance", "phalanx.profiler",
+                  "phalanx.planner", "phalanx.memory")),
+    ("launch", ("phalanx.launcher",)),
+    ("fronts", ("phalanx", "phalanx.__main__", "phalanx.trainer", "phalanx.horovod", "phalanx.keras",
+                "phalanx.tensorflow", "phalanx.ray", "phalanx.tune", "phalanx.testing", "phalanx.cli",
+                "phalanx.demo")),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the longest prefix that names ``module``."""
+    best: tuple[int, int] | None = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: str) -> list[tuple[int, str, str | None]]:
+    """(line, imported module, imported name or None) for every phalanx import, lazy ones included."""
+    path = MODULES[module]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:      # `from pkg import submodule`
+                    out.append((node.lineno, f"{base}.{alias.name}", None))
+                else:
+                    out.append((node.lineno, base, alias.name))
+    return [(line, target, name) for line, target, name in out if target.split(".")[0] == "phalanx"]
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted(m for m in MODULES if layer_of(m) is None)
+    assert not unknown, f"add these modules to LAYERS in {__file__}: {unknown}"
+
+
+def test_arrows_point_down():
+    bad = []
+    for module in sorted(MODULES):
+        own = layer_of(module)
+        for line, target, _ in _imports(module):
+            theirs = layer_of(target)
+            if own is not None and theirs is not None and theirs > own:
+                bad.append(f"{module}:{line} ({LAYERS[own][0]}) imports {target} ({LAYERS[theirs][0]})")
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(bad)
+
+
+def test_nothing_inside_imports_the_face():
+    bad = [f"{module}:{line} imports the package face `phalanx`{'.' + name if name else ''}"
+           for module in sorted(MODULES) if module not in ("phalanx", "phalanx.__main__")
+           for line, target, name in _imports(module) if target == "phalanx"]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_name_crosses_a_module():
+    bad = [f"{module}:{line} imports {name} from {target}"
+           for module in sorted(MODULES)
+           for line, target, name in _imports(module)
+           if name and name.startswith("_") and not name.startswith("__") and target != module]
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_no_import_loop():
+    graph = {m: {t for _, t, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops: list[list[str]] = []
+
+    def visit(v: str) -> None:                      # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not loops, "import loops (lazy imports count):\n" + "\n".join(" <-> ".join(c) for c in loops)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_file_size(module):
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[module].relative_to(PKG.parent)} has {lines} lines: split it along a seam"
+
+
+def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
+    """The checks can fail: a strategy importing a service is reported."""
+    assert layer_of("phalanx.parallel.x") < layer_of("phalanx.checkpoint.y")
+    assert layer_of("phalanx.launcher.cli") == [n for n, _ in LAYERS].index("launch")
+    assert layer_of("phalanx.cli.run") == [n for n, _ in LAYERS].index("fronts")
