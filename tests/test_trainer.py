@@ -408,6 +408,11 @@ def _checkpoint_refusals(root):
         out["missing"] = str(e)
     finally:
         del os.environ["PHALANX_RESUME_FROM"]
+    os.environ["PHALANX_RESUME_FROM"] = f"{root}/own"  # the callback's own directory: the first start
+    try:
+        out["own"] = len(_fit_data(data, 1, batch_size=32, callbacks=[Checkpoint(f"{root}/own")])[1].state.history)
+    finally:
+        del os.environ["PHALANX_RESUME_FROM"]
     _fit_data(data, 3, batch_size=32, callbacks=[Checkpoint(f"{root}/old")])  # an earlier run: epochs 0-2
     try:
         _fit_data(data, 2, batch_size=32, callbacks=[Checkpoint(f"{root}/old", resume=False)])
@@ -420,6 +425,7 @@ def test_resume_from_a_missing_directory_and_a_directory_of_a_newer_run_are_refu
     for out in distributed(_checkpoint_refusals, np=2, args=(str(tmp_path),), timeout=240):
         assert "PHALANX_RESUME_FROM=" in out["missing"] and "typo" in out["missing"] \
             and "is not a directory" in out["missing"], out
+        assert out["own"] == 1, out
         assert "epoch-000000002" in out["stale"] and "new directory" in out["stale"], out
     assert not (tmp_path / "a").exists()  # nothing trained, nothing written
 

@@ -185,9 +185,9 @@ class Checkpoint(Callback):
     (LR schedules, early stopping), written with :func:`phalanx.checkpoint.save` into
     ``directory/epoch-N`` (sharded, atomic, checksummed; ``async_=True`` returns after the CPU
     copy; the newest ``keep`` are kept). With ``resume`` (default) ``fit`` first loads the newest
-    intact checkpoint under ``$PHALANX_RESUME_FROM`` (``phalanx run --resume-from DIR``: it must
-    hold one, else a one-line error) or else ``directory`` (a fresh one starts from scratch), and
-    continues with the next epoch. Folders named ``step-N`` by earlier versions are read too.
+    intact checkpoint under ``$PHALANX_RESUME_FROM`` (``phalanx run --resume-from DIR``: a
+    directory that does not exist is a one-line error, unless it is ``directory`` itself) or else
+    ``directory`` (a fresh one starts from scratch), and continues with the next epoch. Folders named ``step-N`` by earlier versions are read too.
     The trainer runs this callback's ``on_train_begin`` after the others', so the loaded state
     wins over what they set up (a new scheduler, the warm-up's first rate).
 
@@ -218,15 +218,20 @@ class Checkpoint(Callback):
 
         named = os.environ.get("PHALANX_RESUME_FROM")
         if self.resume:
+            # A --resume-from directory that does not exist is a typo, not a fresh start; except this
+            # callback's own directory, so that one command (`--resume-from ckpt/` with Checkpoint("ckpt/"))
+            # starts a run and continues it after a crash.
+            own = named and os.path.realpath(named) == os.path.realpath(self.directory)
+            if named and not own and not os.path.isdir(named):
+                raise SettingsError(f"PHALANX_RESUME_FROM={named!r} (phalanx run --resume-from) is not a directory; "
+                                    "accepted: a directory holding checkpoints (check the path, or leave the "
+                                    "option out to start afresh)")
             self.resumed_from = load_latest(named or self.directory, self._state(trainer))
-            if named and self.resumed_from is None:
-                why = "holds no complete checkpoint" if os.path.isdir(named) else "is not a directory"
-                raise SettingsError(f"PHALANX_RESUME_FROM={named!r} (phalanx run --resume-from) {why}; accepted: "
-                                    "a directory holding a checkpoint (check the path, or leave the option out "
-                                    "to start afresh)")
-            if self.resumed_from is not None and trainer.topology.rank == 0:
-                get_logger(__name__).warning("resumed from %s: continuing with epoch %d",
-                                             self.resumed_from, trainer.state.epoch)
+            log = get_logger(__name__)
+            if trainer.topology.rank == 0 and self.resumed_from is not None:
+                log.warning("resumed from %s: continuing with epoch %d", self.resumed_from, trainer.state.epoch)
+            elif trainer.topology.rank == 0 and named and not own:
+                log.warning("--resume-from %s holds no complete checkpoint: starting from scratch", named)
         self._refuse_newer_run(trainer)
 
     def _refuse_newer_run(self, trainer) -> None:
