@@ -185,7 +185,7 @@ def test_keras_front_on_two_ranks(backend, tmp_path):
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
 def test_seed_002_keras_script_runs_under_phalanx_run(backend, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "KERAS_BACKEND": backend, "EPOCHS": "2", "PYTHONPATH": root}
+    env = {**os.environ, "KERAS_BACKEND": backend, "EPOCHS": "3", "PYTHONPATH": root}
     proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
                            os.path.join(root, "examples", "keras_seed_002.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)

@@ -1,0 +1,233 @@
+"""phalanx.keras vs its peers: samples/s on the same model and data, two ranks.
+
+Run:  flock /tmp/phalanx-bench.lock python benchmarks/keras.py [--steps 60 --repeats 3 --batch 64]
+
+Two launches of ``phalanx run -np 2`` (each rank imports its framework once; inside a
+launch the contenders alternate, who goes first rotating, and the median is reported):
+
+* TensorFlow backend: ``model.fit`` with ``phalanx.keras.DistributedOptimizer`` (Keras 3)
+  against ``model.fit`` under TensorFlow's own ``MultiWorkerMirroredStrategy`` (tf-keras,
+  ``TF_USE_LEGACY_KERAS=1``: Keras 3's ``fit`` does not run under MWMS, keras-team/keras#20585),
+  plus each one's single-process pace without communication (``local``). The MWMS
+  workers find each other through the TF_CONFIG that ``phalanx run`` exports.
+  Also measured: what crossing into phalanx costs per step (the gradients of one step
+  through ``tf.py_function`` and DLPack and back, no collective).
+* torch backend: ``model.fit`` with ``phalanx.keras`` against phalanx's own
+  ``DataParallel`` with a plain torch loop on the same MLP, plus both without communication.
+
+Model: MLP 64-512-512-10 (301k parameters), softmax cross-entropy, SGD, local batch
+``--batch``; random data in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FEATURES, HIDDEN, CLASSES = 64, 512, 10
+
+
+def _data(n, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, FEATURES)).astype("float32"), rng.integers(0, CLASSES, n).astype("int64")
+
+
+def _keras_model(keras, distributed_opt=None):
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="relu"),
+                              keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.Dense(CLASSES)])
+    opt = keras.optimizers.SGD(0.01)
+    model.compile(optimizer=distributed_opt(opt) if distributed_opt else opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _median_rounds(contenders, repeats):
+    for fn in contenders.values():  # warm-up: tracing, bucket plans, first allocations
+        fn()
+    times = {k: [] for k in contenders}
+    names = list(contenders)
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            times[name].append(contenders[name]())
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def worker_tensorflow(steps, repeats, batch):
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first: collectives are set up at start-up
+    import keras
+
+    import phalanx.keras as hvd
+    from phalanx.keras.tensors import over_torch
+
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    x, y = _data(batch * n * steps)
+    mine_x, mine_y = x[r::n], y[r::n]
+    ours, local = _keras_model(keras, hvd.DistributedOptimizer), _keras_model(keras)
+    hvd.broadcast_variables(ours.variables, root_rank=0)
+    with strategy.scope():
+        legacy = tf.keras.Sequential([tf.keras.layers.Dense(HIDDEN, activation="relu", input_shape=(FEATURES,)),
+                                      tf.keras.layers.Dense(HIDDEN, activation="relu"),
+                                      tf.keras.layers.Dense(CLASSES)])
+        legacy.compile(optimizer=tf.keras.optimizers.SGD(0.01),
+                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    global_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * n).with_options(options).cache()
+
+    def timed(fn):
+        def run():
+            hvd.allreduce(0.0, name="bench.barrier")
+            start = time.perf_counter()
+            fn()
+            hvd.allreduce(0.0, name="bench.barrier")
+            return time.perf_counter() - start
+        return run
+
+    contenders = {
+        "phalanx.keras": timed(lambda: ours.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)),
+        "MWMS": timed(lambda: legacy.fit(global_ds, verbose=0)),
+        "local": timed(lambda: local.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)),
+    }
+    med = _median_rounds(contenders, repeats)
+    result = {k: (batch * steps * (n if k != "local" else 1)) / v for k, v in med.items()}
+
+    # The crossing alone: one step's gradients through py_function + DLPack and back, no collective.
+    grads = [tf.ones_like(v.value) for v in ours.trainable_variables]
+
+    @tf.function
+    def cross(gs):
+        return over_torch(lambda ts, align: ts, gs)
+
+    @tf.function
+    def stay(gs):
+        return [g + 0.0 for g in gs]
+
+    for f in (cross, stay):
+        f(grads)
+    reps = 200
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        cross(grads)
+    t1 = time.perf_counter()
+    for _ in range(reps):
+        stay(grads)
+    t2 = time.perf_counter()
+    result["crossing_us"] = ((t1 - t0) - (t2 - t1)) / reps * 1e6
+    result["tensors"] = len(grads)
+    result["step_ms_phalanx"] = med["phalanx.keras"] / steps * 1e3
+    return result if r == 0 else None
+
+
+def worker_torch(steps, repeats, batch):
+    import keras
+    import torch
+    from torch import nn
+
+    import phalanx as px
+    import phalanx.keras as hvd
+
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    x, y = _data(batch * n * steps)
+    mine_x, mine_y = x[r::n], y[r::n]
+    ours, local = _keras_model(keras, hvd.DistributedOptimizer), _keras_model(keras)
+    hvd.broadcast_variables(ours.variables, root_rank=0)
+
+    def torch_mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                             nn.Linear(HIDDEN, CLASSES))
+
+    dp, plain = px.DataParallel(torch_mlp()), torch_mlp()
+    opts = {id(dp): torch.optim.SGD(dp.parameters(), lr=0.01), id(plain): torch.optim.SGD(plain.parameters(), lr=0.01)}
+    tx, ty = torch.from_numpy(mine_x), torch.from_numpy(mine_y)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def loop(model):
+        opt = opts[id(model)]
+        for i in range(steps):
+            xb, yb = tx[i * batch:(i + 1) * batch], ty[i * batch:(i + 1) * batch]
+            opt.zero_grad()
+            loss_fn(model(xb), yb).backward()
+            opt.step()
+
+    def timed(fn):
+        def run():
+            px.barrier()
+            start = time.perf_counter()
+            fn()
+            px.barrier()
+            return time.perf_counter() - start
+        return run
+
+    contenders = {
+        "phalanx.keras": timed(lambda: ours.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)),
+        "DataParallel": timed(lambda: loop(dp)),
+        "keras local": timed(lambda: local.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)),
+        "torch local": timed(lambda: loop(plain)),
+    }
+    med = _median_rounds(contenders, repeats)
+    result = {k: (batch * steps * (n if "local" not in k else 1)) / v for k, v in med.items()}
+    return result if r == 0 else None
+
+
+def _launch(backend, args):
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TF_CONFIG", None)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, os.path.abspath(__file__),
+           "--worker", backend, "--steps", str(args.steps), "--repeats", str(args.repeats), "--batch", str(args.batch)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise SystemExit(f"{backend} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--worker", choices=["tensorflow", "torch"])
+    parser.add_argument("--backends", default="tensorflow,torch")
+    args = parser.parse_args()
+    if args.worker:
+        fn = worker_tensorflow if args.worker == "tensorflow" else worker_torch
+        result = fn(args.steps, args.repeats, args.batch)
+        if result is not None:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+    print(f"2 ranks, MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, local batch {args.batch}, {args.steps} steps, "
+          f"median of {args.repeats}; load {os.getloadavg()[0]:.1f}")
+    for backend in args.backends.split(","):
+        res = _launch(backend, args)
+        if backend == "tensorflow":
+            ratio = res["phalanx.keras"] / res["MWMS"]
+            print(f"\nTensorFlow backend (samples/s, whole job)\n  phalanx.keras {res['phalanx.keras']:9.0f}\n"
+                  f"  MWMS (tf-keras) {res['MWMS']:7.0f}\n  ratio phalanx/MWMS {ratio:.2f}  (goal >= 1.00)\n"
+                  f"  one rank alone, no communication (Keras 3 fit): {res['local']:.0f}\n"
+                  f"  crossing (py_function + DLPack both ways, {res['tensors']} tensors): "
+                  f"{res['crossing_us']:.0f} us/step of {res['step_ms_phalanx']:.2f} ms")
+        else:
+            ratio = res["phalanx.keras"] / res["DataParallel"]
+            print(f"\ntorch backend (samples/s, whole job)\n  phalanx.keras {res['phalanx.keras']:9.0f}\n"
+                  f"  DataParallel  {res['DataParallel']:9.0f}\n  ratio keras/DataParallel {ratio:.2f}  "
+                  f"(goal >= 0.90)\n  one rank alone, no communication: Keras fit {res['keras local']:.0f}, "
+                  f"torch loop {res['torch local']:.0f} (Keras/torch {res['keras local'] / res['torch local']:.2f})")
+    print(f"load at end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
