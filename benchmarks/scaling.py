@@ -112,15 +112,15 @@ def plot(proj: dict, title: str, path: str, pubs: list[tuple]) -> None:
         ax1.plot(n, [p[3] / 1e15 for p in pts], marker="o", markersize=3, **kw)
         ax2.plot(n, [p[2] for p in pts], marker="o", markersize=3, **kw)
     for i, (n, eff, flops, label, eff_pred, flops_pred) in enumerate(pubs):
-        dy = 6 - 12 * (i % 3)
+        dy, dx = 6 - 12 * (i % 3), (6 if i % 2 == 0 or label.startswith("horovod") else -95)
         if flops:
             ax1.scatter([n], [flops / 1e15], marker="*", s=160, color="black", zorder=5)
-            ax1.annotate(label, (n, flops / 1e15), fontsize=7, xytext=(6, dy), textcoords="offset points")
+            ax1.annotate(label, (n, flops / 1e15), fontsize=7, xytext=(dx, dy), textcoords="offset points")
         if flops_pred:
             ax1.scatter([n], [flops_pred / 1e15], marker="o", s=60, facecolors="none", edgecolors="red", zorder=6)
         if eff:
             ax2.scatter([n], [eff], marker="*", s=160, color="black", zorder=5)
-            ax2.annotate(label, (n, eff), fontsize=7, xytext=(6, dy), textcoords="offset points")
+            ax2.annotate(label, (n, eff), fontsize=7, xytext=(dx, dy), textcoords="offset points")
         if eff_pred:
             ax2.scatter([n], [eff_pred], marker="o", s=60, facecolors="none", edgecolors="red", zorder=6)
     ax1.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="achieved PFLOP/s (all GPUs)",

@@ -138,7 +138,7 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     if job.tp > 1 and w.kind != "transformer" or job.pp > max(1, w.blocks):
         raise ValueError(f"{w.name}: tensor/pipeline parallel need transformer blocks (tp={job.tp}, pp={job.pp})")
     gpu = hw.gpu
-    rate = gpu.peak[w.precision] * (gpu.mfu if mfu is None else mfu)
+    rate = gpu.rate(w.precision) * ((mfu / gpu.mfu) if mfu is not None else 1.0)
     per_replica = job.global_batch / job.dp
     shard = 1.0 / (job.tp * job.pp)
     compute = w.train_flops_per_sample * per_replica * shard / rate
