@@ -17,6 +17,7 @@ import phalanx as px  # noqa: E402
 from phalanx.tune import DistributedTrial, run_study, trials_table  # noqa: E402
 
 EPOCHS = 3
+pytestmark = pytest.mark.timeout(900)  # a local cluster and several jobs: minutes when the machine is loaded
 
 
 def objective(trial, epochs, sleep_s=0.0):
