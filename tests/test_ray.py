@@ -23,6 +23,7 @@ from phalanx.ray import ray_logger  # noqa: E402
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = 6
+pytestmark = pytest.mark.timeout(900)  # a local cluster and several jobs: minutes when the machine is loaded
 
 
 @pytest.fixture(scope="module")
