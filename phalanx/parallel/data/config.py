@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from phalanx import runtime
+from phalanx import runtime, settings
+from phalanx.comm.algorithms import ALGORITHMS
 
 __all__ = ["DEFAULT_BUCKET_MB", "VIEW_MIN_NUMEL", "job_defaults", "resolve_topology"]
 
@@ -30,17 +31,20 @@ def job_defaults(bucket_mb: float | None, algorithm: str | None) -> tuple[float,
     """
     env = os.environ
     if bucket_mb is None:
-        raw, scale = (env["PHALANX_BUCKET_MB"], 1.0) if "PHALANX_BUCKET_MB" in env else \
-            (env.get("HOROVOD_FUSION_THRESHOLD"), 2.0**-20)
-        try:
-            bucket_mb = DEFAULT_BUCKET_MB if raw is None else float(raw) * scale
-        except ValueError:
-            raise ValueError(f"bucket size from the environment is not a number: {raw!r}") from None
-    if bucket_mb <= 0:
-        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if "PHALANX_BUCKET_MB" in env:
+            bucket_mb = settings.positive("PHALANX_BUCKET_MB", env["PHALANX_BUCKET_MB"])
+        elif "HOROVOD_FUSION_THRESHOLD" in env:
+            bucket_mb = settings.positive("HOROVOD_FUSION_THRESHOLD", env["HOROVOD_FUSION_THRESHOLD"]) * 2.0**-20
+        else:
+            bucket_mb = DEFAULT_BUCKET_MB
+    else:
+        bucket_mb = settings.positive("bucket_mb", bucket_mb)
     if algorithm is None:
         hierarchical = env.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("0", "")
         algorithm = env.get("PHALANX_ALGORITHM") or ("hierarchical" if hierarchical else "flat")
+        algorithm = settings.choice("PHALANX_ALGORITHM", algorithm, ALGORITHMS)
+    else:
+        algorithm = settings.choice("algorithm", algorithm, ALGORITHMS)
     return float(bucket_mb), algorithm
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import trace
+from phalanx import settings, trace
 from phalanx.comm.broadcast import root_of
 from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
 from phalanx.comm.codec_types import Stateful
@@ -353,7 +353,12 @@ class GradientEngine:
 
 
 def _check_args(op, predivide: float, passes: int) -> None:
-    if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise settings.SettingsError(f"op={op!r} is not accepted; accepted: px.Average | px.Sum "
+                                     "(ReduceOp.AVERAGE | ReduceOp.SUM)") from None
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise ValueError(f"op must be Sum or Average for gradients, got {ReduceOp(op).name.title()}")
     if predivide <= 0:
         raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
