@@ -310,3 +310,13 @@ def test_autotune_on_data_parallel_two_ranks():
         for p, q in zip(params, ref.parameters()):  # re-bucketing kept training exact
             torch.testing.assert_close(p, q.detach(), atol=1e-5, rtol=1e-5)
     assert math.isfinite(results[0][1][0][1])
+
+
+def test_a_layout_without_data_parallelism_reports_no_gradient_sync():
+    """dp = 1 moves no gradients: the why says so instead of 'grad sync 0.0 ms in N bucket(s)'."""
+    cl = cost.Cluster(hosts=1, ranks_per_host=4, intra=cost.Link.from_bandwidth(10e9, 5e-6),
+                      inter=cost.Link.from_bandwidth(1e9, 5e-5))
+    model = plan.ModelSpec(params=100e6, layers=8, compute_s=0.1, act_bytes_per_layer=1e6)
+    alone = plan.predict(model, cl, plan.Layout(1, tp=4))
+    assert "no gradient sync (dp = 1)" in alone.why and "grad sync" not in alone.why
+    assert "grad sync" in plan.predict(model, cl, plan.Layout(4)).why

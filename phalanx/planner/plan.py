@@ -138,9 +138,10 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     step = compute + tp_time + exposed + wait
     bubble = cost.pipeline_bubble(layout.pp, layout.micro_batches)
     why = (f"compute {compute * 1e3:.1f} ms" + (f" (bubble {bubble:.0%})" if layout.pp > 1 else "")
-           + f"; grad sync {comm_total * 1e3:.1f} ms in {n_buckets} bucket(s) over "
-           + f"{'inter' if dpc.hosts > 1 else 'intra'}-host links, {exposed * 1e3:.1f} ms exposed"
-           + (f" (overlap {cluster.overlap:.2f})" if cluster.overlap < 1 else "")
+           + (f"; grad sync {comm_total * 1e3:.1f} ms in {n_buckets} bucket(s) over "
+              f"{'inter' if dpc.hosts > 1 else 'intra'}-host links, {exposed * 1e3:.1f} ms exposed"
+              + (f" (overlap {cluster.overlap:.2f})" if cluster.overlap < 1 else "")
+              if layout.dp > 1 else "; no gradient sync (dp = 1)")
            + (f"; waiting {wait * 1e3:.1f} ms" if wait else "")
            + (f"; tp allreduces {tp_time * 1e3:.1f} ms" if layout.tp > 1 else "")
            + f"; {memory / 2**30:.2f} GiB/rank")
