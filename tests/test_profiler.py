@@ -212,13 +212,22 @@ def test_phalanx_run_timeline_flag(tmp_path):
     assert not list(tmp_path.glob("tl.json.rank*"))  # parts merged and removed
 
 
-def test_scaling_report_and_timeline_png(tmp_path):
+def test_scaling_report_and_timeline_png(tmp_path, monkeypatch):
     from phalanx.planner import cost
     from phalanx.profiler import report
 
     # speedups that follow Amdahl with P = 0.8 exactly: the fit recovers it
     rows = [report.ScalingRow(n, 100.0 * cost.amdahl(0.8, n), 1.0) for n in (1, 2, 4)]
-    out = report.write_report(rows, str(tmp_path / "rep"))
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    out = report.write_report(rows, str(tmp_path / "rep"), note="a note")
+    throughput, speedup = figures[0].axes
+    for ax in (throughput, speedup):   # whole workers on the x axis, y from zero
+        assert list(ax.get_xticks()) == [1, 2, 4]
+        assert ax.get_ylim()[0] == 0
+    assert "a note" in figures[0]._suptitle.get_text()
     assert out["amdahl_p"] == pytest.approx(0.8)
     assert out["efficiency"][4] == pytest.approx(cost.amdahl(0.8, 4) / 4)
     assert (tmp_path / "rep" / "scaling.png").stat().st_size > 1000

@@ -37,7 +37,10 @@ def main(args: argparse.Namespace) -> int:
     command = [c for c in args.command if c != "--"]
     if command:
         rows = report.measure_script(workers, command, timeout=args.timeout)
-        unit, note = "runs/s", f"command: {' '.join(command)} (wall time including start-up)"
+        unit = "runs/s (1 / job wall time)"
+        note = (f"command: {' '.join(command)}; a whole run per point, start-up included: this is the "
+                "scaling of a fixed amount of work (strong scaling) only if the script splits its work "
+                "over the workers")
     else:
         from phalanx.cli.demo import measure
 

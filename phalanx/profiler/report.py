@@ -72,6 +72,11 @@ def summarise(rows: Sequence[ScalingRow]) -> dict:
     return {"speedup": speedup, "efficiency": {n: s / n for n, s in speedup.items()}, "amdahl_p": p}
 
 
+def _tick(value: float, _position=None) -> str:
+    """One format for every axis: thousands separated, no exponent, at most 3 significant digits below 1000."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
 def write_report(rows: Sequence[ScalingRow], out_dir: str, title: str = "phalanx scaling report",
                  unit: str = "samples/s", note: str = "") -> dict:
     """Write ``out_dir/scaling.png`` and ``out_dir/report.html``; returns the summary and paths."""
@@ -85,6 +90,7 @@ def write_report(rows: Sequence[ScalingRow], out_dir: str, title: str = "phalanx
     ax1.set_xlabel("workers")
     ax1.set_ylabel(unit)
     ax1.set_title("throughput")
+    ax1.set_ylim(bottom=0)          # from zero, so a 5% gain does not look like a doubling
     ax2.plot(ns, [summary["speedup"][n] for n in ns], "o-", label="measured")
     ax2.plot(ns, ns, "--", color="gray", label="ideal")
     if p == p:  # not NaN
@@ -93,8 +99,12 @@ def write_report(rows: Sequence[ScalingRow], out_dir: str, title: str = "phalanx
     ax2.set_xlabel("workers")
     ax2.set_ylabel("speedup")
     ax2.set_title("speedup")
+    ax2.set_ylim(bottom=0)
     ax2.legend()
-    fig.suptitle(title)
+    for ax in (ax1, ax2):           # whole workers only, and one number format on both axes
+        ax.set_xticks(ns)
+        ax.yaxis.set_major_formatter(plt.FuncFormatter(_tick))
+    fig.suptitle(title + (f"\n{note}" if note else ""), fontsize=10)
     fig.tight_layout()
     png = os.path.join(out_dir, "scaling.png")
     fig.savefig(png, dpi=110)
