@@ -98,7 +98,7 @@ def test_scale_terms():
 
 
 def test_plan_command_with_hardware(capsys):
-    from phalanx.launcher import plan_cmd
+    from phalanx.cli import plan_cmd
 
     parser = argparse.ArgumentParser()
     plan_cmd.register(parser.add_subparsers())

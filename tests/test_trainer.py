@@ -478,7 +478,7 @@ def test_readme_minimal_script_runs_under_phalanx_run(tmp_path):
     assert "[1]:" not in out.stdout
 
 
-class _Stream:
+class _FakeTerminal:
     def __init__(self, tty):
         self.tty, self.text = tty, ""
 
@@ -497,7 +497,7 @@ def test_progress_is_a_live_bar_on_a_terminal_and_lines_elsewhere_and_silent_off
 
     shown = {}
     for name, tty, rank in [("terminal", True, 0), ("pipe", False, 0), ("rank 1", True, 1)]:
-        stream = _Stream(tty)
+        stream = _FakeTerminal(tty)
         p = Progress(enabled=True, rank=rank, size=2, log_every=2, stream=stream)
         p.epoch_begin(0, 3, 4)
         for _ in range(4):

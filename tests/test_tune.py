@@ -4,6 +4,7 @@ trials are RayExecutor jobs stopped early by ASHA."""
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -102,7 +103,12 @@ def test_study_survives_a_killed_driver(tmp_path):
                 pass
             assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert running, "the driver never started a trial"
-        time.sleep(1.5)  # at least one heartbeat written
+        # Optuna only fails a RUNNING trial whose last heartbeat is stale: wait for the first one
+        # (a fixed sleep was not enough on a loaded machine)
+        db = sqlite3.connect(str(tmp_path / "crash.db"))
+        while time.monotonic() < deadline and not db.execute("SELECT count(*) FROM trial_heartbeats").fetchone()[0]:
+            time.sleep(0.2)
+        db.close()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks, mid-trial
         proc.wait()
