@@ -53,11 +53,11 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.collectives import Average, ReduceOp, Sum
+from phalanx.settings import ALGORITHMS  # one list: PHALANX_ALGORITHM is checked against it at init
 
 __all__ = ["allreduce", "choose_algorithm", "ALGORITHMS", "HIERARCHICAL_MIN_BYTES", "PIPELINE_CHUNK_BYTES",
            "AlgorithmHandle"]
 
-ALGORITHMS = ("auto", "ring", "hierarchical", "flat")
 
 HIERARCHICAL_MIN_BYTES = 256 * 1024
 """Below this size the three extra steps of hierarchical cost more than they save (latency-bound)."""
