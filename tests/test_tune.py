@@ -112,7 +112,9 @@ def test_study_survives_a_killed_driver(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks, mid-trial
         proc.wait()
-    time.sleep(3.5)  # past the grace period (3 heartbeats)
+    # past the grace period (3 heartbeats) by more than SQLite's one-second clock: CURRENT_TIMESTAMP
+    # keeps whole seconds, so 3.5 s after a beat at x.9 can read as exactly 3 s, which is not stale
+    time.sleep(5.0)
     study = run_study(objective, n_trials=1, ranks_per_trial=2, args=(1,), study_name="c", storage=url,
                       direction="minimize", heartbeat_s=1, slots=2)
     states = [t.state for t in study.get_trials()]

@@ -12,7 +12,8 @@ The study lives in an Optuna RDB storage, SQLite by default (``sqlite:///<study_
 results survive a crash of the driver. ``n_trials`` counts the study's finished trials
 (complete or pruned), so running the same call again after a crash runs only the rest.
 The driver writes a heartbeat for each running trial; a trial left RUNNING by a driver
-that died is marked FAIL when the study is next opened (after ``3 * heartbeat_s``).
+that died is marked FAIL when the study is next opened (``3 * heartbeat_s`` after its last
+beat; SQLite keeps whole seconds, so allow one more).
 
 Example::
 
