@@ -21,7 +21,9 @@ tools read them::
 
     model.safetensors            the piece "model", held by every rank: its state-dict keys
                                  ("0.weight", …): model.load_state_dict(load_file(...)) works
-    optim.safetensors            likewise ("state/0/exp_avg", "state/0/step", …)
+    optim.part00001.safetensors  the optimizer's state, held by every rank, spread tensor by tensor
+                                 over the ranks (the part a rank writes: "state/0/exp_avg", …), so
+                                 the bytes written per rank stay balanced as in DCP
     model.group00001.safetensors a piece held alike by some ranks only (e.g. one pipeline stage's)
     rank00003.safetensors        what only rank 3 holds (its RNG state, its Shards), named by
                                  full path ("rng/torch", "shard")
@@ -96,6 +98,17 @@ def _file_stem(piece: str, taken: dict[str, str]) -> str:
     return stem
 
 
+def _splittable(key: tuple[str, tuple[int, ...]], entries: list) -> bool:
+    """Whether a group's tensors may be spread over its holders, one file part each.
+
+    Only optimizer state (a torch optimizer's ``state/<param>/<name>`` tensors): no standard tool
+    loads an optimizer from one safetensors file, so ``optim.part00001.safetensors`` costs nothing,
+    and it is the largest piece (Adam: twice the model), the one that would leave a single writer
+    busy while the others wait. A model's piece stays one file (``load_file`` gives its state dict).
+    """
+    return len(key[1]) > 1 and len(entries) > 1 and all(e[1].startswith("state/") for e in entries)
+
+
 def make_plans(descs: list[dict[str, list]], fmt: str | None = None) -> list[dict[str, list]]:
     """Rank 0: every rank's plan, ``tid -> [file, name in the file, this rank writes it]``.
 
@@ -126,9 +139,12 @@ def make_plans(descs: list[dict[str, list]], fmt: str | None = None) -> list[dic
     partial: dict[str, int] = {}
     used: dict[str, set[str]] = {}  # file -> names taken in it (several groups share a rank's own file)
     # biggest groups first, each to its least loaded holder (ties: the lowest rank): the bytes
-    # written per rank stay balanced, as in DCP's dedup
-    order = sorted(groups.items(), key=lambda kv: (-sum(e[2] for e in kv[1]), kv[0][0], kv[0][1]))
+    # written per rank stay balanced, as in DCP's dedup. Groups of optimizer state (split, below)
+    # go last and fill in around the others, tensor by tensor.
+    order = sorted(groups.items(), key=lambda kv: (_splittable(kv[0], kv[1]), -sum(e[2] for e in kv[1]),
+                                                   kv[0][0], kv[0][1]))
     for (piece, ranks), entries in order:
+        split = _splittable((piece, ranks), entries)
         if len(ranks) == 1 and world > 1:
             writer, base, full_names = ranks[0], f"rank{ranks[0]:05d}", True
         else:
@@ -141,9 +157,13 @@ def make_plans(descs: list[dict[str, list]], fmt: str | None = None) -> list[dic
                 base = f"{stem}.group{partial[stem]:05d}"
             full_names = False
         ext = "pt" if fmt == "torch" or not all(io.safetensors_dtype(e[3]) for e in entries) else "safetensors"
-        fname = f"{base}.{ext}"
-        taken = used.setdefault(fname, set())
-        for tids, name, nbytes, _ in entries:
+        for tids, name, nbytes, _ in sorted(entries, key=lambda e: -e[2]) if split else entries:
+            if split:  # each tensor to the least loaded holder, in that holder's part of the piece
+                writer = min(ranks, key=lambda r: (load[r], r))
+                fname = f"{base}.part{writer:05d}.{ext}"
+            else:
+                fname = f"{base}.{ext}"
+            taken = used.setdefault(fname, set())
             if full_names:
                 name = descs[writer][tids[writer]][0]
             while name in taken:  # two paths that print alike: keep both

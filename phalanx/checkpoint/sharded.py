@@ -5,7 +5,8 @@ Layout of one checkpoint directory (N = world size at save time)::
     step-000000120/
       model.safetensors       a piece every rank holds alike (the data-parallel model), written once,
                               by one rank, under its state-dict keys: load_file() gives a state dict
-      optim.safetensors       likewise
+      optim.part00001.safetensors  the optimizer's state, spread tensor by tensor over the ranks
+                              (each writes about its share; the model's piece stays one file)
       rank00001.safetensors   what only rank 1 holds (its RNG state, its Shards), by full path
       rank00001.json          rank 1's skeleton: the tree structure, plain values, tensor records
       ...                     one skeleton per rank, tensor files per writer, written concurrently
