@@ -29,6 +29,11 @@ import subprocess
 import sys
 import time
 
+# This file is benchmarks/keras.py: run as a script, its folder is sys.path[0] and `import keras`
+# (inside phalanx.keras) would import this file instead of the Keras package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES, HIDDEN, CLASSES = 64, 512, 10
 
