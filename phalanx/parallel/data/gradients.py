@@ -116,6 +116,7 @@ class GradientEngine:
         self.names = {id(p): n for n, p in named_params}
         sparse_ids = set(sparse_ids) if not self.sparse_as_dense else set()
         self.sparse = [p for _, p in named_params if id(p) in sparse_ids]
+        self._sparse_found: list[nn.Parameter] = []  # bucketed, but their gradient came sparse (gather_grads)
         return [p for _, p in named_params if id(p) not in sparse_ids]
 
     def _make_buckets(self, dense, plan, bucket_mb: float, pad_to: int, lazy: bool) -> BucketManager:
@@ -257,16 +258,39 @@ class GradientEngine:
                 continue  # already the bucket's view (gradient_as_bucket_view): nothing to copy
             if g.layout is not torch.strided:
                 if not self.sparse_as_dense:
-                    raise RuntimeError(
-                        f"parameter {self.names[id(p)]!r} produced a sparse gradient; pass sparse_as_dense=True "
-                        "(or wrap the module with DataParallel, which reduces nn.Embedding(sparse=True) by "
-                        "allgather)"
-                    )
+                    self._found_sparse(p, view)
+                    continue
                 g = p.grad = g.to_dense()
             grads.append(g)
             views.append(view)
         if grads:
             torch._foreach_copy_(views, grads)
+
+    def _found_sparse(self, p: nn.Parameter, view: torch.Tensor) -> None:
+        """``p`` is bucketed but its gradient came sparse (an ``nn.Embedding(sparse=True)`` the
+        engine was not told about, e.g. under ``DistributedOptimizer``): Horovod reduces it by
+        allgather, and so does this step (its follow-up, launched after the buckets). Its slot in
+        the bucket carries zeros this once; at the end of the step the buckets are re-planned
+        without it. Every rank sees the same gradients sparse in the same bucket order, so the
+        ranks add the same follow-ups in the same order."""
+        view.zero_()
+        if p not in self.sparse:
+            self.sparse.append(p)
+            self._sparse_found.append(p)
+
+    def _unbucket_sparse(self) -> None:
+        """Re-plan the buckets without the parameters found sparse (keeping the order)."""
+        gone = {id(p) for p in self._sparse_found}
+        self._sparse_found = []
+        old = self.buckets
+        order = [p for b in old.buckets for p in b.params if id(p) not in gone]
+        dense = [p for p in old.params if id(p) not in gone]
+        self.buckets = BucketManager(dense, old.bucket_bytes, self._launch)
+        index = {id(p): i for i, p in enumerate(dense)}
+        self.buckets.maybe_rebuild([index[id(p)] for p in order])
+        self.finite = FiniteGuard(self.compressor, self.buckets.params)
+        _log.info("%d parameter(s) have sparse gradients: reduced by allgather, outside the %d bucket(s)",
+                  len(gone), len(self.buckets.buckets))
 
     # ------------------------------------------------------------------ collectives
     def ring_bytes(self, nbytes: int) -> int:
@@ -307,6 +331,8 @@ class GradientEngine:
     def _end_step(self) -> None:
         self._followups, self._used = [], set()
         self._maybe_rebuild()
+        if self._sparse_found:
+            self._unbucket_sparse()
         self.buckets.reset()
 
     def _maybe_rebuild(self) -> None:
