@@ -110,6 +110,16 @@ class GradientEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params if p.requires_grad]
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
+        _log.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """One line: the bucket plan, compression, algorithm and sparse parameters (logged at INFO
+        when the engine starts; the plan is re-made once from the first step's gradient order)."""
+        sizes = [b.nbytes / 2**20 for b in self.buckets.buckets]
+        shown = ", ".join(f"{mb:.3g}" for mb in sizes[:8]) + (f", … ({len(sizes) - 8} more)" if len(sizes) > 8 else "")
+        return (f"bucket plan: {len(sizes)} buckets, sizes {shown or '-'} MB ({sum(sizes):.3g} MB in all, "
+                f"{len(self.buckets.params)} parameters), compression {self.compressor.name}, algorithm "
+                f"{self.algorithm}, {len(self.sparse)} sparse parameter(s) by allgather, world {self.world}")
 
     def _split_params(self, named_params, sparse_ids) -> list[nn.Parameter]:
         """Record names and sparse parameters (reduced by allgather); return the dense ones."""
