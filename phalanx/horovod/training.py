@@ -132,7 +132,7 @@ def join(device: int = -1) -> int:
     if opt is not None:
         opt.synchronize()
         opt.synchronized = False
-    return ops.join(on_step=None if opt is None else opt._engine.shadow)
+    return ops.join(on_step=None if opt is None else opt.join_step)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -184,7 +184,7 @@ class DistributedOptimizer:
             dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
             if flag.item() == 0:
                 break
-            self._engine.shadow()
+            self.join_step()
             answered += 1
         every = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=self._flag_device)
         every[dist.get_rank(self.group)] = answered  # steps each rank answered with zeros
@@ -193,6 +193,14 @@ class DistributedOptimizer:
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(len(every)))
         fewest = min(every)
         return max(r for r, n in zip(ranks, every) if n == fewest)
+
+    def join_step(self) -> None:
+        """Take part in one step of the other ranks with zero gradients (a rank that has joined).
+
+        For a ``join`` loop of one's own (the Horovod facade's ``hvd.join`` answers the
+        optimizer's steps with it): every rank must have the same ``DistributedOptimizer``.
+        """
+        self._engine.shadow()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
