@@ -142,6 +142,9 @@ class GradientEngine:
         """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
         self.sample_weight: float | None = None
         self.observer: StepObserver | None = None  # told when a step's phases begin and end (hooks.py)
+        # called at the first gradient of a backward pass that reduces, before any bucket is
+        # launched (DistributedOptimizer's join announcement)
+        self.on_first_grad: Callable[[], None] | None = None
         self.bytes_sent = 0
         self.require_sync = True
         self._passes = 0
@@ -189,6 +192,8 @@ class GradientEngine:
         if not self._queued:
             self._queued = True
             self._syncing = self.sync_now() and self._needs_sync
+            if self._syncing and self.on_first_grad is not None:
+                self.on_first_grad()
             if self.observer is not None:
                 weight = self.observer.backward_begins()
                 if self._syncing:

@@ -88,16 +88,17 @@ class DistributedOptimizer:
         self._join_flag = None  # this step's "I still have data" allreduce (see join())
         self._flag_device = named[0][1].device if named else torch.device("cpu")
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        # Registered before the engine's hooks, so on every parameter it runs first.
         self.join_ready = join_ready
-        self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
-                                for _, p in named] if world > 1 and join_ready else []
         self._engine = GradientEngine(
             named, group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
         )
+        # The engine calls it once per step, at the first gradient, before any bucket launches
+        # (one call a step, not a Python hook on every parameter).
+        if world > 1 and join_ready:
+            self._engine.on_first_grad = self._announce
         # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
         self.balancer = self._engine.attach(resolve_balance(balance, group))
         self._skip = False
@@ -147,11 +148,11 @@ class DistributedOptimizer:
             self._join_flag.wait()
             self._join_flag = None
 
-    def _announce(self, _p) -> None:
+    def _announce(self) -> None:
         # First gradient of a pass that communicates: one small MAX tells ranks that already
         # joined that one more step is coming, before this step's first bucket is launched (the
         # same probe the Horovod facade's collectives start with: phalanx.comm.negotiate).
-        if self._join_flag is None and self._engine.sync_now():
+        if self._join_flag is None:
             flag = negotiate.step_probe(self._flag_device)
             self._join_flag = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
