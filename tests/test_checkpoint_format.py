@@ -42,9 +42,16 @@ def _save_replicated(root):
     r, n = px.rank(), px.size()
     model, opt = _trained()
     mine = torch.full((3,), float(r))  # same name, different bytes per rank: must not be merged
+    # the same, large enough to be merged by description and checked only after the write
+    big = torch.full((BIG,), float(r))
     shard = ckpt.Shard(torch.arange(4.0) + 4 * r, global_shape=(4 * n,), offsets=(4 * r,))
-    ckpt.save(root, {"model": model, "optim": opt, "mine": mine, "shard": shard, "rng": ckpt.RNGState(), "step": 7})
+    ckpt.save(root, {"model": model, "optim": opt, "mine": mine, "big": big, "same": torch.full((BIG,), 7.0),
+                     "shard": shard,
+                     "rng": ckpt.RNGState(), "step": 7})
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+BIG = (1 << 20) // 4 + 1  # float32 elements: just over plan.EAGER_DIGEST_BYTES
 
 
 def _load_other_world(root):
@@ -52,9 +59,10 @@ def _load_other_world(root):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     lo, hi = 8 * r // n, 8 * (r + 1) // n
-    state = {"model": model, "optim": opt, "mine": torch.zeros(3), "step": 0,
+    state = {"model": model, "optim": opt, "mine": torch.zeros(3), "big": torch.zeros(BIG), "step": 0,
              "shard": ckpt.Shard(torch.zeros(hi - lo), global_shape=(8,), offsets=(lo,))}
     ckpt.load(root, state)
+    assert torch.equal(state["big"], torch.full((BIG,), float(r if r < 2 else 0))), "big: not this rank's own"
     return ({k: v.clone() for k, v in model.state_dict().items()}, state["mine"].clone(), state["shard"].tensor.clone(),
             (lo, hi), state["step"], len(opt.state_dict()["state"]))
 
@@ -73,7 +81,15 @@ def test_replicated_state_is_written_once_under_real_names_and_loads_anywhere(tm
         recs = manifest["ranks"][r]["tensors"].values()
         assert {rec["file"] for rec in recs if rec["path"].startswith("model/")} == {"model.safetensors"}
         assert {rec["file"] for rec in recs if rec["path"] == "mine"} == {f"rank{r:05d}.safetensors"}
+    # "big" was written once by one rank; the other found its copy differs after the write and kept its own
+    big_files = [manifest["ranks"][r]["tensors"][t]["file"] for r in range(2)
+                 for t, rec in manifest["ranks"][r]["tensors"].items() if rec["path"] == "big"]
+    assert len(set(big_files)) == 2 and any(f.endswith(".diverged.safetensors") for f in big_files), big_files
+    same_files = {manifest["ranks"][r]["tensors"][t]["file"] for r in range(2)
+                  for t, rec in manifest["ranks"][r]["tensors"].items() if rec["path"] == "same"}
+    assert same_files == {"same.safetensors"}, same_files  # large and equal: merged, checked, written once
     tensor_bytes = sum(os.path.getsize(os.path.join(root, f)) for f in files if not f.endswith(".json"))
+    tensor_bytes -= 3 * 4 * BIG  # the two copies of "big" (they differ: both belong on disk), "same" once
     opt_bytes = 2 * _nbytes(want)  # Adam: two moments per parameter (BatchNorm buffers have none: an upper bound)
     assert tensor_bytes < _nbytes(want) + opt_bytes + 2 * 8192, (tensor_bytes, files)  # not two copies
     # a plain safetensors reader gives a state dict that loads into a fresh model

@@ -268,3 +268,53 @@ def test_codec_abilities_are_what_the_collectives_dispatch_on():
     # pieces of whole chunks only for a ChunkedCodec
     assert pieces(codec["int8"][1], 2000, 512) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2000)]
     assert pieces(codec["topk"][1], 2000, 512) == [(0, 2000)]
+
+
+# ---------------------------------------------------------------- convergence at a constant learning rate
+
+CONSTANT_LR = ["none", "sign", "topk", "powersgd"]
+
+
+def _digits_constant_lr(names, epochs=10, lr=0.1, seed=0):
+    """DataParallel SGD + momentum 0.9 at a fixed lr on digits, 2 ranks, global batch 64: test accuracy per epoch."""
+    import phalanx as px
+    from phalanx.demo import load_digits
+
+    r, n = px.rank(), px.size()
+    x_train, y_train, x_test, y_test = load_digits()
+    out = {}
+    for name in names:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        model = px.DataParallel(net, compression=name)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        batch, local = 64, 64 // n
+        accs = []
+        for epoch in range(epochs):
+            order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+            for step in range(len(x_train) // batch):
+                idx = order[step * batch + r * local:][:local]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+                opt.step()
+            with torch.no_grad():
+                accs.append((net(x_test).argmax(1) == y_test).float().mean().item())
+        model._engine.remove_hooks()
+        out[name] = accs
+    return out
+
+
+def test_every_compressor_within_1_5_points_at_constant_lr():
+    """No decaying lr to hide the compression error at the end (issue 27): the last 3 epochs' mean
+    test accuracy (at a fixed lr 0.1 the uncompressed run itself swings ~3 points from epoch to epoch)
+    of each registry default within 1.5 points of uncompressed. Sign at the old default chunk of 256
+    values failed this by 4.5 to 20 points in simulation, top-k at the old ratio 0.02 by up to 2.4
+    points through real ranks (docs/compression.md)."""
+    from phalanx.testing import distributed
+
+    accs = distributed(_digits_constant_lr, np=2, args=(CONSTANT_LR,))[0]
+    base = sum(accs["none"][-3:]) / 3
+    assert base > 0.9, accs["none"]
+    low = [f"{name}: {100 * sum(accs[name][-3:]) / 3:.1f}% vs uncompressed {100 * base:.1f}% ({accs[name]})"
+           for name in CONSTANT_LR[1:] if sum(accs[name][-3:]) / 3 < base - 0.015]
+    assert not low, low

@@ -4,6 +4,7 @@ The rank checks share one spawned group (TensorFlow's import takes seconds).
 """
 
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -39,6 +40,51 @@ def test_tf_config_lists_every_worker_in_rank_order():
         tf_config({"RANK": "0", "WORLD_SIZE": "3", "PHALANX_WORKER_HOSTS": "a:2,b:2"})
     with pytest.raises(ValueError, match="HOST:SLOTS"):
         parse_hosts("a:zero")
+
+
+def test_multi_host_launch_gives_every_worker_a_tf_config_naming_all_workers(monkeypatch):
+    """`phalanx run -H a:1,b:2`: the environment the launcher hands each host's agent (captured at the ssh
+    call, nothing started) gives every worker the same worker list, with itself at its own index."""
+    import shlex
+
+    from phalanx.launcher import ssh
+    from phalanx.launcher.hosts import Host
+
+    started = []
+
+    class FakeAgent:  # the ssh process: records its command, exits at once with 0
+        def __init__(self, argv, **_):
+            started.append(argv)
+            self.stdin, self.stdout, self.returncode, self.pid = io.StringIO(), io.StringIO(""), 0, -1
+
+        def poll(self):
+            return 0
+
+        def wait(self, _timeout=None):
+            return 0
+
+    monkeypatch.setattr(ssh, "probe", lambda *a, **k: None)
+    monkeypatch.setattr(ssh.subprocess, "Popen", FakeAgent)
+    assert ssh.launch_remote([Host("hostA", 1), Host("hostB", 2)], 3, ["python", "mwms.py"], port=29400) == 0
+    assert len(started) == 2
+    configs = []
+    for host_index, argv in enumerate(started):
+        words = shlex.split(argv[-1])
+        env = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--env")
+        assert env["PHALANX_WORKER_HOSTS"] == "hostA:1,hostB:2", env
+        for local in range(2 if host_index else 1):
+            # the rendezvous may number hosts in any order: here hostB's workers get ranks 0-1
+            rank = local if host_index else 2
+            worker = {**env, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(local),
+                      "LOCAL_WORLD_SIZE": "2" if host_index else "1", "MASTER_PORT": "29400"}
+            configs.append((("hostA", "hostB")[host_index], local, json.loads(tf_config(worker))))
+    want = ["hostA:29401", "hostB:29401", "hostB:29402"]
+    assert all(c["cluster"]["worker"] == want for _, _, c in configs), configs
+    assert sorted(c["task"]["index"] for _, _, c in configs) == [0, 1, 2]
+    for host, local, c in configs:  # each worker finds its own address at its index
+        assert c["cluster"]["worker"][c["task"]["index"]] == f"{host}:{29401 + local}"
+    with pytest.raises(ValueError, match="not a slot"):
+        tf_config({"RANK": "0", "WORLD_SIZE": "2", "PHALANX_WORKER_HOSTS": "a:1,b:1", "PHALANX_HOST_INDEX": "2"})
 
 
 B, STEPS = 8, 4

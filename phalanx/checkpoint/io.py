@@ -40,6 +40,7 @@ __all__ = [
     "write_json",
     "read_json",
     "checksum_file",
+    "content_checksum",
     "checksum_algorithm",
     "tensor_format",
     "tensor_bytes",
@@ -181,11 +182,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def _write_safetensors(f, tensors: dict[str, torch.Tensor]) -> str:
-    """Stream the safetensors layout (u64 header size, JSON header, raw bytes) with no extra copy.
+def _safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list:
+    """The safetensors layout as a list of byte chunks (u64 header size + JSON header, then raw bytes).
 
     Largest element size first, so every tensor starts aligned to its own
-    element size and the loader can view the bytes in place.
+    element size and the loader can view the bytes in place. Deterministic: the same
+    names, shapes, dtypes and bytes always give the same stream.
     """
     items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     header, offset = {}, 0
@@ -195,13 +197,40 @@ def _write_safetensors(f, tensors: dict[str, torch.Tensor]) -> str:
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    return [struct.pack("<Q", len(head)) + head] + [tensor_bytes(t) for _, t in items]
+
+
+def _write_safetensors(f, tensors: dict[str, torch.Tensor]) -> str:
+    """Stream the safetensors layout with no extra copy; return the file's checksum."""
     h = _hasher()
-    # hashing runs on a second thread (hashlib drops the GIL) while this one writes
+    # hashing runs on a second thread (hashlib and zlib drop the GIL) while this one writes
     with ThreadPoolExecutor(1) as hasher:
-        for chunk in [struct.pack("<Q", len(head)) + head] + [tensor_bytes(t) for _, t in items]:
+        for chunk in _safetensors_chunks(tensors):
             pending = hasher.submit(h.update, chunk)
             f.write(chunk)
             pending.result()
+    return _digest(h)
+
+
+def content_checksum(tensors: dict[str, torch.Tensor], fmt: str) -> str:
+    """What :func:`write_tensors` would record for these tensors, computed without writing.
+
+    For ``"safetensors"`` it equals the checksum of the file ``write_tensors`` writes
+    (the byte stream is deterministic), so a rank holding the same tensors as a file's
+    writer can check that its copy is the one on disk from the writer's checksum alone.
+    ``torch.save`` output is not hashed (its bytes are not promised stable): for
+    ``"torch"`` this is a checksum of the names and raw bytes in name order, and the
+    writer computes it too.
+    """
+    h = _hasher()
+    if fmt == "safetensors":
+        for chunk in _safetensors_chunks(tensors):
+            h.update(chunk)
+    else:
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+            h.update(tensor_bytes(t))
     return _digest(h)
 
 

@@ -5,10 +5,16 @@ sits, and a digest of the bytes); rank 0 groups equal descriptions across ranks
 and answers each rank with its plan. As in torch.distributed.checkpoint
 (``dedup_save_plans``), a tensor that several ranks hold is written by one of them,
 the least loaded so far; unlike DCP, "the same" is checked, not assumed from
-the name: two ranks share a tensor only when path, shape, dtype, placement and
-the digest of the bytes agree (a per-rank RNG state or a rank-dependent buffer is
-never merged by mistake). The digest is CRC-32 and Adler-32 of the bytes (64 bits,
-both run at memory speed in zlib).
+the name: two ranks share a tensor only when path, shape, dtype and placement agree
+and the bytes are equal. Small tensors (up to :data:`EAGER_DIGEST_BYTES`: RNG states,
+counters, scalars) carry a digest of their bytes in the description (CRC-32 and
+Adler-32, 64 bits), so a per-rank RNG state is never merged. Large ones are merged
+by description and checked after the write, off the critical path: every holder
+that does not write a file computes the checksum that file must have
+(:func:`phalanx.checkpoint.io.content_checksum`) while the writer writes it, and
+compares it with the writer's; a holder whose copy differs writes its own
+(``rank00001.diverged.safetensors``) and its records point there (see
+:mod:`phalanx.checkpoint.sharded`). No extra pass over the bytes before the plan.
 
 Files are named by what they hold, and tensors by their real names, so standard
 tools read them::
@@ -36,7 +42,7 @@ import torch
 
 from phalanx.checkpoint import io
 
-__all__ = ["describe", "make_plans", "piece_of", "file_name_ok"]
+__all__ = ["describe", "make_plans", "piece_of", "file_name_ok", "EAGER_DIGEST_BYTES"]
 
 _SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 
@@ -45,6 +51,10 @@ def file_name_ok(name: object) -> bool:
     """A plain file name inside the checkpoint directory: no separator, no ``..``, not absolute."""
     return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
             and "\\" not in name and "\0" not in name and not name.startswith(".."))
+
+
+EAGER_DIGEST_BYTES = 1 << 20
+"""Tensors up to this size are digested before the plan; larger ones are checked after the write."""
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -61,14 +71,17 @@ def piece_of(path: str) -> tuple[str, str]:
 def describe(tensors: dict[str, torch.Tensor], records: dict[str, dict], *, digest: bool) -> dict[str, list]:
     """This rank's tensors for the planner: ``tid -> [path, shape, dtype, placement, digest, nbytes]``.
 
-    ``digest=False`` (a world of one: there is nobody to share with) skips hashing.
+    The digest is set for tensors of at most :data:`EAGER_DIGEST_BYTES` (``""`` for
+    larger ones: checked after the write). ``digest=False`` (a world of one: there is
+    nobody to share with) skips hashing.
     """
     out = {}
     for tid, rec in records.items():
         t = tensors[tid]
         place = [rec.get("global_shape"), rec.get("offsets")]
-        out[tid] = [rec["path"], rec["shape"], rec["dtype"], place, _digest(t) if digest else "",
-                    t.numel() * t.element_size()]
+        nbytes = t.numel() * t.element_size()
+        out[tid] = [rec["path"], rec["shape"], rec["dtype"], place,
+                    _digest(t) if digest and nbytes <= EAGER_DIGEST_BYTES else "", nbytes]
     return out
 
 
@@ -93,7 +106,7 @@ def make_plans(descs: list[dict[str, list]], fmt: str | None = None) -> list[dic
     holders: dict[tuple, list[tuple[int, str]]] = {}
     for r, desc in enumerate(descs):
         for tid, (path, shape, dtype, place, dig, _) in desc.items():
-            sig = (path, tuple(shape), dtype, repr(place), dig) if dig or world == 1 else (r, tid)
+            sig = (path, tuple(shape), dtype, repr(place), dig)
             holders.setdefault(sig, []).append((r, tid))
     # (piece, holder ranks) -> [(tid per holder, inner name, nbytes, dtype)]
     groups: dict[tuple[str, tuple[int, ...]], list] = {}

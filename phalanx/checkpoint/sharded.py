@@ -16,8 +16,12 @@ Layout of one checkpoint directory (N = world size at save time)::
 Who writes what (:mod:`phalanx.checkpoint.plan`): every rank sends rank 0 a description
 of its tensors (path, shape, dtype, placement, digest of the bytes) through the store;
 tensors equal on several ranks are written by one of them (the least loaded), as
-DCP does for replicated state; rank 0 answers each rank with its plan. Nothing
-polls the file system. A checkpoint without ``manifest.json`` is incomplete and is never
+DCP does for replicated state; rank 0 answers each rank with its plan. Large tensors
+are merged by description and their bytes checked after the write: the writer
+publishes each file's checksum, every other holder compares it with the checksum of
+its own copy (computed while it writes its own files) and, if they differ, writes
+its copy to ``rankNNNNN.diverged.*`` (nothing is lost, and no hashing pass delays the
+plan). Nothing polls the file system. A checkpoint without ``manifest.json`` is incomplete and is never
 loaded, so a crash at any point of a save leaves the previous checkpoint as the newest
 loadable one. Loading checks every file it reads against the manifest's checksum (CRC-32 by
 default, sha256 with ``PHALANX_CHECKPOINT_CHECKSUM=sha256``; see :mod:`phalanx.checkpoint.io`).
@@ -42,6 +46,7 @@ import json
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -89,15 +94,27 @@ def _write_rank(path: str, job: Job, store, nonce: str, skeleton, tensors, recor
                 fsync: bool) -> None:
     plan = _plan(path, job, store, nonce, describe(tensors, records, digest=job.world > 1))
     mine: dict[str, dict[str, torch.Tensor]] = {}
+    theirs: dict[str, dict[str, str]] = {}  # files another rank writes with tensors this rank holds: name -> tid
     for tid, (fname, name, writes) in plan.items():
         records[tid] = {**records[tid], "file": fname, "name": name}
         if writes:
             mine.setdefault(fname, {})[name] = tensors[tid]
+        else:
+            theirs.setdefault(fname, {})[name] = tid
     files = {}
-    for fname, named in mine.items():
-        fpath = os.path.join(path, fname)
-        digest = io.write_tensors(fpath, named, fmt="torch" if fname.endswith(".pt") else "safetensors", fsync=fsync)
-        files[fname] = {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}
+    with ThreadPoolExecutor(1) as pool:
+        # the checksum each shared file must have if this rank's copy is the one on disk, computed
+        # while this rank writes its own files (zlib and hashlib release the GIL)
+        expect = {f: pool.submit(io.content_checksum, {n: tensors[t] for n, t in named.items()}, _fmt(f))
+                  for f, named in theirs.items()}
+        for fname, named in mine.items():
+            fpath = os.path.join(path, fname)
+            digest = io.write_tensors(fpath, named, fmt=_fmt(fname), fsync=fsync)
+            files[fname] = {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}
+            if job.world > 1:
+                content = digest if _fmt(fname) == "safetensors" else io.content_checksum(named, "torch")
+                store.set(f"{nonce}/sum/{fname}", content)
+        files.update(_check_shared(path, job, store, nonce, tensors, records, theirs, expect, fsync))
     _test_hook("after_tensors", job.rank)
     mfile = meta_file(job.rank)
     mdigest = io.write_json(os.path.join(path, mfile), {
@@ -115,7 +132,49 @@ def _write_rank(path: str, job: Job, store, nonce: str, skeleton, tensors, recor
         entries = [json.loads(store.get(k)) for k in keys]
         for k in keys:
             store.delete_key(k)
+        for e in entries:  # every rank has compared its copies: the writers' checksums are no longer needed
+            for fname in e["files"]:
+                store.delete_key(f"{nonce}/sum/{fname}")
         _write_manifest(path, nonce, job.world, meta, entries, fsync)
+
+
+def _fmt(fname: str) -> str:
+    return "torch" if fname.endswith(".pt") else "safetensors"
+
+
+def _check_shared(path: str, job: Job, store, nonce: str, tensors, records, theirs: dict, expect: dict,
+                  fsync: bool) -> dict:
+    """Compare this rank's copies of the files other ranks wrote with what they wrote.
+
+    The plan merged large tensors by path, shape, dtype and placement; here the bytes
+    are checked. A file whose writer's checksum differs from this rank's content
+    checksum holds another rank's bytes: this rank writes its own copies of that
+    file's tensors to ``rankNNNNN.diverged.*`` and its records point there, so every
+    rank loads back exactly what it saved. Returns the files written (for the manifest).
+    """
+    if not theirs:
+        return {}
+    keys = [f"{nonce}/sum/{f}" for f in theirs]
+    job.wait_keys(store, keys, f"checkpoint {path}: rank {job.rank} waiting for the writers of the files it "
+                               "shares with them")
+    diverged: dict[str, torch.Tensor] = {}
+    for fname, named in theirs.items():
+        if store.get(f"{nonce}/sum/{fname}").decode() == expect[fname].result():
+            continue
+        for tid in named.values():
+            diverged[records[tid]["path"]] = tid
+        log.info("checkpoint %s: rank %d's copy of %s differs from the one written; saving its own",
+                 path, job.rank, fname)
+    if not diverged:
+        return {}
+    named = {p: tensors[tid] for p, tid in diverged.items()}
+    fmt = io.tensor_format(named)
+    fname = f"rank{job.rank:05d}.diverged.{'pt' if fmt == 'torch' else 'safetensors'}"
+    fpath = os.path.join(path, fname)
+    digest = io.write_tensors(fpath, named, fmt=fmt, fsync=fsync)
+    for p, tid in diverged.items():
+        records[tid] = {**records[tid], "file": fname, "name": p}
+    return {fname: {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}}
 
 
 def _write_manifest(path: str, nonce: str, world: int, meta: dict, entries: list[dict], fsync: bool) -> None:

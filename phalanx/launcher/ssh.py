@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from phalanx.launcher import handoff
+from phalanx.launcher import handoff, tf_config
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.hosts import Host
 from phalanx.log import get_logger
@@ -154,7 +154,8 @@ def launch_remote(
             options += ["--log-dir", os.path.abspath(log_dir)]
         if ranks_filter is not None:
             options += ["--ranks-filter", ",".join(map(str, sorted(ranks_filter)))]
-        remote = handoff.remote_command("agent", env or {}, network_interface, command, options, python=python)
+        host_env = {**(env or {}), **tf_config.host_env(plan, index)}  # TF_CONFIG's worker list (tf_config.py)
+        remote = handoff.remote_command("agent", host_env, network_interface, command, options, python=python)
         p = subprocess.Popen(ssh.command(host, remote), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         handoff.send_secret(p, key)

@@ -8,10 +8,14 @@
 The exec shim (``_exec.py``) exports it for every worker from the variables the launcher
 already sets, so a seed-000 style script runs under ``phalanx run -np N`` unedited. Each
 worker's TensorFlow server listens on ``base_port + local_rank`` of its host, where
-``base_port`` is ``PHALANX_TF_PORT`` or, by default, ``MASTER_PORT + 1``. Hosts come from
-``PHALANX_WORKER_HOSTS`` (``"host0:4,host1:4"``, in cross-rank order) when the launcher
-sets it; a job on one host needs nothing more (``MASTER_ADDR``). A ``TF_CONFIG`` the user
-set is left alone.
+``base_port`` is ``PHALANX_TF_PORT`` or, by default, ``MASTER_PORT + 1``. A multi-host
+``phalanx run -H a:2,b:2`` exports, per host, :func:`host_env`: ``PHALANX_WORKER_HOSTS``
+(``"a:2,b:2"``, every host the job runs on, in launch order) and ``PHALANX_HOST_INDEX``
+(this host's place in it). A worker's task index is its slot in that list (the hosts
+before it, then ``LOCAL_RANK``), not its torch ``RANK``: TorchElastic's rendezvous may
+number the hosts in another order, and TF needs only that every worker agrees on the
+list and finds itself in it. A job on one host needs nothing more (``MASTER_ADDR``;
+index = ``RANK``). A ``TF_CONFIG`` the user set is left alone.
 
 Example::
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-__all__ = ["parse_hosts", "worker_addresses", "tf_config"]
+__all__ = ["parse_hosts", "worker_addresses", "tf_config", "host_env"]
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -44,6 +48,15 @@ def worker_addresses(hosts: list[tuple[str, int]], base_port: int) -> list[str]:
     return [f"{host}:{base_port + local}" for host, slots in hosts for local in range(slots)]
 
 
+def host_env(plan: list[tuple[str, int]], index: int) -> dict[str, str]:
+    """What the launcher exports to the workers of host ``plan[index]`` (``plan``: (host, workers) in launch order).
+
+    >>> host_env([("a", 1), ("b", 1)], 1)
+    {'PHALANX_WORKER_HOSTS': 'a:1,b:1', 'PHALANX_HOST_INDEX': '1'}
+    """
+    return {"PHALANX_WORKER_HOSTS": ",".join(f"{h}:{n}" for h, n in plan), "PHALANX_HOST_INDEX": str(index)}
+
+
 def tf_config(env: Mapping[str, str]) -> str | None:
     """The ``TF_CONFIG`` JSON for the worker described by ``env``; None when ``env`` is not a phalanx worker's."""
     if "RANK" not in env or "WORLD_SIZE" not in env:
@@ -60,4 +73,12 @@ def tf_config(env: Mapping[str, str]) -> str | None:
     workers = worker_addresses(hosts, base_port)
     if len(workers) != world:
         raise ValueError(f"PHALANX_WORKER_HOSTS lists {len(workers)} slots for a world of {world}")
-    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
+    index = rank
+    if env.get("PHALANX_HOST_INDEX"):  # this worker's slot in the list, whatever RANK the rendezvous gave it
+        host = int(env["PHALANX_HOST_INDEX"])
+        local = int(env.get("LOCAL_RANK", "0"))
+        if not (0 <= host < len(hosts) and 0 <= local < hosts[host][1]):
+            raise ValueError(f"PHALANX_HOST_INDEX={host}, LOCAL_RANK={local} is not a slot of "
+                             f"PHALANX_WORKER_HOSTS={env['PHALANX_WORKER_HOSTS']}")
+        index = sum(n for _, n in hosts[:host]) + local
+    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
