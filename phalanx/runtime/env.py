@@ -79,6 +79,7 @@ def _port_from_job(job_id: str) -> int:
 
 def detect_environment(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read rank, sizes and the rendezvous address from the launcher's variables."""
+    live = env is None  # this process's own environment: an MPI job may exchange rank 0's address
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         return _torchrun_info(env)
@@ -94,6 +95,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1),
             node_rank=env.get("OMPI_COMM_WORLD_NODE_RANK"),
             job=env.get("OMPI_MCA_orte_ess_jobid", env.get("OMPI_MCA_ess_base_jobid", "ompi")),
+            live=live,
         )
     if "PMI_RANK" in env and "PMI_SIZE" in env:
         return _mpi_info(
@@ -105,6 +107,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> LaunchInfo:
             local_size=_int(env, "MPI_LOCALNRANKS", 1),
             node_rank=None,
             job=env.get("PMI_KVSNAME", env.get("PMI_ID", "pmi")),
+            live=live,
         )
     return LaunchInfo(0, 1, 0, 1, 0, 1, "127.0.0.1", DEFAULT_PORT, "single")
 
@@ -177,16 +180,19 @@ def _slurm_local_size(env: Mapping[str, str], size: int, nnodes: int) -> int:
     return max(1, size // max(nnodes, 1))
 
 
-def _mpi_info(env, *, source, rank, size, local_rank, local_size, node_rank, job) -> LaunchInfo:
+def _mpi_info(env, *, source, rank, size, local_rank, local_size, node_rank, job, live=False) -> LaunchInfo:
     single_host = local_size == size
     addr = env.get("MASTER_ADDR")
-    if addr is None:
-        if not single_host:
+    if addr is None and not single_host:
+        from phalanx.runtime.mpi import rank0_address
+
+        addr = rank0_address(size) if live else None  # broadcast over MPI when mpi4py is installed
+        if addr is None:
             raise PhalanxRuntimeError(
-                f"{source}: a job across hosts needs MASTER_ADDR set to the host of rank 0, "
-                "e.g. `mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 …`"
+                f"{source}: a job across hosts needs rank 0's address: pip install 'phalanx[mpi]' (mpi4py) "
+                "to exchange it over MPI, or pass it, e.g. `mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 …`"
             )
-        addr = "127.0.0.1"
+    addr = addr or "127.0.0.1"
     cross_rank = int(node_rank) if node_rank is not None else rank // max(local_size, 1)
     return LaunchInfo(
         rank=rank,
