@@ -4,6 +4,9 @@ The host-list and allocation tables run anywhere; the cluster tests need root an
 (skipped with the reason otherwise; scripts/install-test-deps.sh installs them).
 """
 
+import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -101,3 +104,24 @@ def test_np_more_than_the_allocation_is_one_line(slurm, tmp_path):  # noqa: F811
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("phalanx")]
     assert lines == [lines[0]] and "-np 3 is more than the 2 task(s) of SLURM job" in lines[0], res.stderr
+
+
+def test_allocation_without_srun_on_path_runs_here_with_one_line(tmp_path):
+    # SLURM's variables but no srun (a container started inside the job): one warning, then this host
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "sh", "env"):
+        found = shutil.which(tool)
+        if found:
+            os.symlink(found, bin_dir / tool)
+    env = {**os.environ, "PATH": str(bin_dir), "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_TASKS_PER_NODE": "1(x2)"}
+    for k in ("SLURM_STEP_ID", "SLURM_STEPID"):
+        env.pop(k, None)
+    res = subprocess.run([sys.executable, "-m", "phalanx", "run", "python", "-c",
+                          "import phalanx as px; px.init(); print('size', px.size())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "[0]: size 1" in res.stdout, res.stdout  # -np defaults to 1 here, as outside SLURM
+    warnings = [ln for ln in res.stderr.splitlines() if "srun is not on PATH" in ln]
+    assert len(warnings) == 1 and "SLURM job 5" in warnings[0], res.stderr
