@@ -84,7 +84,7 @@ def test_pytorchjob_shape_and_pod_templates():
     assert set(replicas) == {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
     for kind, rs in replicas.items():
         assert set(rs) <= {"replicas", "restartPolicy", "template"}, kind
-        assert rs["restartPolicy"] == "OnFailure", "ExitCode would make exit 75 (preempted) permanent"
+        assert rs["restartPolicy"] == "OnFailure", "ExitCode would make exit 85 (preempted) permanent"
         assert _round_trip(rs["template"], "V1PodTemplateSpec") == rs["template"], kind
         assert [c["name"] for c in rs["template"]["spec"]["containers"]] == ["pytorch"]  # the operator's name
     # the operator's variables for the Worker pod (Master: RANK 0)

@@ -1,4 +1,4 @@
-"""Preemption: one checkpoint at the same step on every rank, exit 75, bitwise-equal resume.
+"""Preemption: one checkpoint at the same step on every rank, exit 85, bitwise-equal resume.
 
 End to end (two ``phalanx run -np 2`` launches of tests/preempt_job.py, shared by the checks
 below): a plain loop where only rank 0 gets SIGTERM, and a Trainer stopped by SIGUSR1 sent to
@@ -108,9 +108,9 @@ def test_signal_names():
 
 
 def test_launcher_reads_exit_codes():
-    assert all_preempted([75, 75])
-    assert all_preempted([75, -signal.SIGTERM])  # one 75 means every rank had saved; the rest was stopped
-    assert not all_preempted([75, 1]) and not all_preempted([-signal.SIGUSR1] * 2) and not all_preempted([])
+    assert all_preempted([85, 85])
+    assert all_preempted([85, -signal.SIGTERM])  # one 85 means every rank had saved; the rest was stopped
+    assert not all_preempted([85, 1]) and not all_preempted([-signal.SIGUSR1] * 2) and not all_preempted([])
 
 
 def test_preemption_checkpoints_inside_an_epoch_sort_between_epochs(tmp_path):

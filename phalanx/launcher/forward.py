@@ -1,11 +1,11 @@
-"""``phalanx run`` on a preemption signal: pass it to every worker, wait for their checkpoint, exit 75.
+"""``phalanx run`` on a preemption signal: pass it to every worker, wait for their checkpoint, exit 85.
 
 TorchElastic's agent answers SIGTERM by sending SIGTERM to the workers and killing them
 30 s later, and exits 143 whatever they did; SIGUSR1 (SLURM's ``--signal=B:USR1@90``)
 would simply kill the launcher. Instead, on SIGTERM and ``--preempt-signal``:
 
     signal ─ forward it to each worker ─ wait (≤ GRACE_S) until every worker exited ─┐
-    every worker exited 75 (its preemption checkpoint is complete) ─ phalanx run exits 75
+    every worker exited 85 (its preemption checkpoint is complete) ─ phalanx run exits 85
     anything else (a worker without a preemption handler died of the signal) ─ 128 + signal
 
 The wait happens inside the handler, on the agent's main thread, so the agent cannot
@@ -17,7 +17,7 @@ Example::
 
     with forward_preemption([signal.SIGTERM, signal.SIGUSR1]) as outcome:
         ...                                   # run the agent
-    outcome.preempted                          # True when every worker exited 75
+    outcome.preempted                          # True when every worker exited 85
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class Outcome:
 
 
 def all_preempted(codes) -> bool:
-    """True when a worker exited 75 and every other one did too or was stopped by the launcher afterwards.
+    """True when a worker exited 85 and every other one did too or was stopped by the launcher afterwards.
 
-    One 75 is enough to know the checkpoint is complete: a rank raises ``Preempted`` only after
+    One 85 is enough to know the checkpoint is complete: a rank raises ``Preempted`` only after
     the save's closing barrier, so every rank had written its part.
     """
     codes = list(codes)
@@ -133,7 +133,7 @@ def torchelastic_signals(signals) -> str:
 
 
 def report_preempted(sig: signal.Signals | None) -> int:
-    """The launcher's last line when every worker saved and exited 75; returns 75."""
+    """The launcher's last line when every worker saved and exited 85; returns 85."""
     why = f" by {sig.name}" if sig is not None else ""
     print(f"phalanx: preempted{why}: every worker saved its preemption checkpoint; exiting with status "
           f"{PREEMPTED_EXIT_CODE} (resume with --resume-from DIR; a requeued SLURM job resumes by itself)",

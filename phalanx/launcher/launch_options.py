@@ -38,7 +38,7 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preempt-signal", default=None, metavar="SIG",
                    help="besides SIGTERM, this signal (e.g. USR1, as in #SBATCH --signal=B:USR1@90) means "
                         "'preempted': forwarded to the workers, which save one checkpoint at the same step "
-                        "and exit 75; phalanx run then exits 75 (docs/preemption.md)")
+                        "and exit 85; phalanx run then exits 85 (docs/preemption.md)")
     g.add_argument("--requeue", dest="requeue", action="store_true", default=None,
                    help="under SLURM, requeue the job (scontrol requeue) after a --preempt-signal checkpoint "
                         "(default: when the job is requeueable, e.g. sbatch --requeue)")

@@ -61,7 +61,7 @@ class LaunchSpec:
     monitor_interval_s: float = 0.1
     ranks_filter: frozenset[int] | None = None  # local ranks whose output the console shows (None: all)
     quiet_agent: bool = True  # TorchElastic's own INFO lines off (on at --log-level DEBUG)
-    preempt_signals: tuple[int, ...] = (signal.SIGTERM,)  # forwarded to the workers, then exit 75 (forward.py)
+    preempt_signals: tuple[int, ...] = (signal.SIGTERM,)  # forwarded to the workers, then exit 85 (forward.py)
 
 
 def _become_subreaper() -> None:

@@ -1,5 +1,5 @@
 """Preemption: on SIGTERM or the scheduler's warning signal, one checkpoint at the same step on
-every rank, then exit with status 75 ("preempted, resume me"); under SLURM, requeue the job.
+every rank, then exit with status 85 ("preempted, resume me"); under SLURM, requeue the job.
 
 Example::
 
@@ -11,7 +11,7 @@ Example::
                 preempt.save_and_exit(mgr, step + 1, state)
 
 The Trainer does this by itself when it has a ``Checkpoint`` callback; ``phalanx run
---preempt-signal USR1`` forwards the signal to every worker and exits 75. See docs/preemption.md.
+--preempt-signal USR1`` forwards the signal to every worker and exits 85. See docs/preemption.md.
 """
 
 from phalanx.preemption import signals, slurm

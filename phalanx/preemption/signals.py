@@ -28,10 +28,11 @@ import time
 __all__ = ["PREEMPTED_EXIT_CODE", "parse_signal", "from_env", "install", "uninstall", "received",
            "received_at", "clear"]
 
-# sysexits.h EX_TEMPFAIL: "a temporary failure ... the user is invited to retry the operation later".
-# Distinct from a crash (1), a signal death (128+N) and success (0), so a scheduler policy can match it
-# (Kubernetes podFailurePolicy onExitCodes, a shell loop `while [ $? -eq 75 ]`).
-PREEMPTED_EXIT_CODE = 75
+# "Preempted, resume me": distinct from success (0), a crash (1), a usage error (2), the sysexits.h
+# range (64-78: 75 is already elastic's "could not re-form", phalanx.elastic.inprocess) and a signal
+# death (128+N), so a scheduler policy can match it (Kubernetes podFailurePolicy onExitCodes,
+# SLURM's RequeueExit=85, a shell loop `while [ $? -eq 85 ]`).
+PREEMPTED_EXIT_CODE = 85
 
 _state: dict = {"signal": None, "at": None}
 _previous: dict[int, object] = {}

@@ -1,4 +1,4 @@
-"""One preemption checkpoint at the same step on every rank, then exit 75 ("preempted, resume me").
+"""One preemption checkpoint at the same step on every rank, then exit 85 ("preempted, resume me").
 
 The signal reaches ranks at different moments (the launcher forwards it one worker after
 another; ``scancel --signal=USR1 --full`` hits each process when SLURM gets to it; a spot
@@ -33,7 +33,7 @@ Example (a plain loop)::
             train_step()
             state["step"] = step + 1
             if preempt.requested():             # the same answer on every rank
-                preempt.save_and_exit(mgr, state["step"], state)   # raises Preempted: exit status 75
+                preempt.save_and_exit(mgr, state["step"], state)   # raises Preempted: exit status 85
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ log = get_logger(__name__)
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is complete.
 
-    A ``SystemExit`` with code 75 (:data:`~phalanx.preemption.signals.PREEMPTED_EXIT_CODE`):
+    A ``SystemExit`` with code 85 (:data:`~phalanx.preemption.signals.PREEMPTED_EXIT_CODE`):
     left uncaught, the process exits quietly with that status, which ``phalanx run`` passes
     on. ``path`` is the checkpoint, ``signal`` the signal agreed on, ``requeued`` whether
     SLURM took the job back. Catch it to clean up, then re-raise.
@@ -69,7 +69,7 @@ class Preempted(SystemExit):
 
 
 class Preemption:
-    """Watch for preemption signals; agree on one step; save once; exit with status 75.
+    """Watch for preemption signals; agree on one step; save once; exit with status 85.
 
     ``signals``: which to catch (default SIGTERM + ``$PHALANX_PREEMPT_SIGNAL``). ``every``:
     :meth:`requested` talks to the other ranks on every N-th call only (the save may then

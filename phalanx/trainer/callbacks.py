@@ -197,7 +197,7 @@ class Checkpoint(Callback):
     i.e. ``phalanx run --preempt-signal USR1``): the ranks agree on one step through the allreduce
     the trainer makes every step anyway, save ``directory/epoch-N-batch-B`` there, requeue a
     SLURM job when wanted, and ``fit`` raises :class:`phalanx.preemption.Preempted` (exit status
-    75). The next run continues inside epoch N, after batch B (docs/preemption.md).
+    85). The next run continues inside epoch N, after batch B (docs/preemption.md).
 
     Example::
 
