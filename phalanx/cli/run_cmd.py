@@ -82,12 +82,16 @@ def main(args: argparse.Namespace) -> int:
         np = layout["np"] if layout and layout["np"] is not None else args.np
         if np is not None and np < 1:
             raise ValueError(f"-np must be at least 1, got {np}")
-        np = np or (sum(h.slots for h in hosts) if hosts else 1)
+        np = np or (sum(h.slots for h in hosts) if hosts else (_allocation_tasks() or 1))
         ranks_filter = parse_ranks(args.local_ranks_filter) if args.local_ranks_filter else None
         env = job_env(args, np)
     except (OSError, ValueError) as err:
         raise UsageError(str(err)) from None
     level = _launcher_log_level(args)
+    if not hosts and not (layout and layout["multi"]):
+        code = _run_in_allocation(args, np, command, env, ranks_filter)
+        if code is not None:
+            return code
     if any(not is_local(h.name) for h in hosts):
         from phalanx.launcher.ssh import run_remote
 
@@ -113,6 +117,45 @@ def main(args: argparse.Namespace) -> int:
     else:
         code = launch(spec, command)
     if args.timeline:
+        from phalanx.profiler.timeline import merge_parts
+
+        merge_parts(os.path.abspath(args.timeline))
+    return code
+
+
+def _allocation_tasks() -> int | None:
+    """Inside a SLURM allocation (salloc, sbatch) and no -H: its task count, the default -np."""
+    from phalanx.launcher.slurm import allocation
+
+    alloc = allocation()
+    return alloc.total if alloc else None
+
+
+def _run_in_allocation(args, np, command, env, ranks_filter) -> int | None:
+    """``phalanx run`` in an salloc shell or sbatch script: one agent per node through srun; None elsewhere."""
+    from phalanx.launcher.slurm import allocation, launch_slurm
+
+    try:
+        alloc = allocation()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if alloc is None:
+        return None
+    if in_process_elastic(args):
+        logging.getLogger("phalanx.launcher").warning(
+            "--min-np/--max-np inside %s run on this host only (elastic over the allocation's nodes is not "
+            "supported yet); give -H to choose hosts", alloc.describe())
+        return None
+    try:
+        if elastic_launch_options(args, np, env).get("max_restarts"):  # validates; exports --resume-from
+            logging.getLogger("phalanx.launcher").warning(
+                "--max-restarts is not applied inside a SLURM allocation yet; a failed worker ends the job")
+        code = launch_slurm(alloc, np, command, env=env, network_interface=args.network_interface,
+                            start_timeout=args.start_timeout, port=args.rdzv_port, log_dir=args.log_dir,
+                            ranks_filter=ranks_filter)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.timeline:  # the parts are on the nodes' disks: merged here when the directory is shared
         from phalanx.profiler.timeline import merge_parts
 
         merge_parts(os.path.abspath(args.timeline))
