@@ -3,6 +3,9 @@
     python preempt_job.py OUT first     # references, then both jobs preempted (plain: a self-sent
                                         # SIGTERM on rank 0 only; Trainer: the test's USR1 to phalanx run)
     python preempt_job.py OUT resume    # SLURM_RESTART_COUNT=1: both resume and finish
+    srun python preempt_job.py OUT slurm     # the plain loop in an sbatch --requeue job: the first run
+                                        # waits at step 7 for the test's scancel --signal=USR1 --full,
+                                        # the requeued run (SLURM_RESTART_COUNT=1) resumes and finishes
 
 Each rank writes OUT/<what>.<rank>.json (its stop step) and OUT/<what>.pt (rank 0's final parameters).
 """
@@ -38,9 +41,10 @@ def plain(root, preemptible):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = {"model": model, "optim": opt, "rng": RNGState(), "step": 0}
     mgr = CheckpointManager(root)
+    resumed = None
     with px.preemption.watch() as preempt:
         if preemptible:
-            preempt.resume(mgr, state)
+            resumed = preempt.resume(mgr, state)
         for step in range(state["step"], STEPS):
             g = torch.Generator().manual_seed(100 * step + px.rank())
             x = torch.randn(16, 6, generator=g)
@@ -53,14 +57,26 @@ def plain(root, preemptible):
             state["step"] = step + 1
             if preemptible and phase == "first" and step == 4 and px.rank() == 0:
                 os.kill(os.getpid(), 15)  # this rank only; the other never gets a signal
+            if preemptible and phase == "slurm" and step == WAIT_STEP and not resumed and px.rank() == 0:
+                wait_for_signal()
             if preemptible and preempt.requested():
                 try:
                     preempt.save_and_exit(mgr, state["step"], state)
                 except Preempted as e:
-                    note("plain_stop", step=state["step"], path=e.path, code=e.code)
+                    note("plain_stop", step=state["step"], path=e.path, code=e.code, requeued=e.requeued)
+                    if phase == "slurm":
+                        raise
                     signals.clear()
                     return None
     return model
+
+
+def wait_for_signal():
+    """Tell the test this rank is inside a step, then wait there until the preemption signal came."""
+    open(os.path.join(out, "waiting"), "w").close()
+    deadline = time.monotonic() + 120
+    while signals.received() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class WaitForSignal(Callback):
@@ -68,10 +84,7 @@ class WaitForSignal(Callback):
 
     def on_step_end(self, trainer):
         if trainer.state.step == WAIT_STEP and px.rank() == 0:
-            open(os.path.join(out, "waiting"), "w").close()
-            deadline = time.monotonic() + 120
-            while signals.received() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for_signal()
 
 
 def trainer(root, callbacks):
@@ -98,6 +111,15 @@ if phase == "first":
         note("trainer_stop", path=e.path, signal=e.signal.name if e.signal else None)
         raise
     note("trainer_stop", path=None)  # not preempted: the test fails on it
+elif phase == "slurm":
+    if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":  # the first run makes the reference
+        reference = params(plain(os.path.join(out, "unused"), False))
+        if px.rank() == 0:
+            torch.save(reference, os.path.join(out, "plain_ref.pt"))
+    model = plain(os.path.join(out, "plain_ckpt"), True)
+    note("slurm_done", restart=os.environ.get("SLURM_RESTART_COUNT"))
+    if px.rank() == 0:
+        torch.save(params(model), os.path.join(out, "plain_resumed.pt"))
 else:
     model = plain(os.path.join(out, "plain_ckpt"), True)
     if px.rank() == 0:

@@ -32,7 +32,7 @@ import time
 from phalanx.preemption.signals import PREEMPTED_EXIT_CODE
 
 __all__ = ["GRACE_S", "Outcome", "forward_preemption", "direct_children", "all_preempted", "report_preempted",
-           "torchelastic_signals"]
+           "preempt_signals", "torchelastic_signals"]
 
 # How long the launcher waits for the workers' preemption checkpoint after forwarding the signal.
 # Longer than a step plus a save; shorter than SLURM's usual --signal lead (90 s) would be too tight
@@ -125,6 +125,15 @@ def forward_preemption(signals, grace_s: float = GRACE_S):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def preempt_signals(signals, env) -> tuple[signal.Signals, ...]:
+    """``signals`` plus ``PHALANX_PREEMPT_SIGNAL`` from ``env``: an agent started over SSH or srun learns
+    the job's ``--preempt-signal`` from the environment it passes to the workers."""
+    from phalanx.preemption.signals import parse_signal
+
+    extra = [parse_signal(s) for s in env.get("PHALANX_PREEMPT_SIGNAL", "").split(",") if s.strip()]
+    return tuple(dict.fromkeys([*map(signal.Signals, signals), *extra]))
 
 
 def torchelastic_signals(signals) -> str:

@@ -171,6 +171,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     os.environ.update(spec.env)
     os.environ["PHALANX_LAUNCHER"] = "run"
     store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
+    preempt_signals = forward.preempt_signals(spec.preempt_signals, {**os.environ, **spec.env})
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
@@ -185,14 +186,14 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         log_line_prefix_template="[${rank}]: ",
         logs_specs=logs,
         local_addr=spec.local_addr,
-        signals_to_handle=forward.torchelastic_signals(spec.preempt_signals),
+        signals_to_handle=forward.torchelastic_signals(preempt_signals),
     )
     # The agent logs its own progress at INFO/WARNING; users want the workers' lines.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL if spec.quiet_agent else logging.INFO)
     log.info("starting %d worker(s) on this host: rendezvous %s, run id %s%s", spec.nproc_per_node, endpoint,
              spec.run_id, f", rank output kept in {spec.log_dir}/rank.N/" if spec.log_dir else "")
     started = time.monotonic()
-    forwarding = forward.forward_preemption(spec.preempt_signals)
+    forwarding = forward.forward_preemption(preempt_signals)
     preempt = forwarding.__enter__()
     try:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)
