@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from phalanx.checkpoint import CheckpointManager, list_checkpoints, read_manifest
-from phalanx.launcher.forward import all_preempted
+from phalanx.launcher.forward import all_preempted, preempt_signals, torchelastic_signals
 from phalanx.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption, signals, slurm
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preempt_job.py")
@@ -105,6 +105,13 @@ def test_signal_names():
         signals.parse_signal("NOPE")
     assert signals.from_env({"PHALANX_PREEMPT_SIGNAL": "USR1"}) == [signal.SIGTERM, signal.SIGUSR1]
     assert signals.from_env({}) == [signal.SIGTERM]
+
+
+def test_agents_learn_the_preempt_signal_from_the_job_environment():
+    # an agent started over SSH or srun gets --preempt-signal only through the workers' environment
+    assert preempt_signals((signal.SIGTERM,), {"PHALANX_PREEMPT_SIGNAL": "USR1"}) == (signal.SIGTERM, signal.SIGUSR1)
+    assert preempt_signals((signal.SIGTERM,), {}) == (signal.SIGTERM,)
+    assert torchelastic_signals((signal.SIGTERM, signal.SIGUSR1)) == "SIGINT,SIGHUP,SIGQUIT"  # ours, not its
 
 
 def test_launcher_reads_exit_codes():
