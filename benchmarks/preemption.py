@@ -3,11 +3,15 @@
 Run::
 
     flock /tmp/phalanx-bench.lock python benchmarks/preemption.py [--repeats 3] [--hidden 512]
+    flock /tmp/phalanx-bench.lock python benchmarks/preemption.py --vote-cost [--hidden 512]
 
 Per repeat: start the job, wait until it trains, send SIGUSR1 to ``phalanx run`` and time
 signal -> checkpoint manifest written -> ``phalanx run`` exited (status 85); then resume it
 (``SLURM_RESTART_COUNT=1``) and time launch -> first resumed step done, beside a fresh launch ->
 first step done. Prints medians. Wall-clock times of whole processes, seconds.
+
+``--vote-cost``: the price of ``preempt.requested()`` in a plain loop: DP steps with and without
+it, interleaved in blocks of 50, medians per step.
 """
 
 import argparse
@@ -43,6 +47,40 @@ with px.preemption.watch() as preempt:
         if preempt.requested():
             preempt.save_and_exit(mgr, state["step"], state)
 '''
+
+
+VOTE_WORKER = r'''
+import statistics, sys, time, torch, phalanx as px
+hidden = int(sys.argv[1])
+px.init()
+torch.manual_seed(0)
+model = px.DataParallel(torch.nn.Sequential(torch.nn.Linear(256, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+times = {False: [], True: []}
+with px.preemption.watch() as preempt:
+    for block in range(20):
+        vote = block % 2 == 1
+        t0 = time.perf_counter()
+        for _ in range(50):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            if vote:
+                preempt.requested()
+        times[vote].append((time.perf_counter() - t0) / 50 * 1e3)
+if px.rank() == 0:
+    a, b = statistics.median(times[False][1:]), statistics.median(times[True][1:])
+    print(f"step without vote {a:.3f} ms, with vote {b:.3f} ms, ratio {b / a:.3f}")
+'''
+
+
+def vote_cost(hidden):
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "vote.py")
+        with open(path, "w") as f:
+            f.write(VOTE_WORKER)
+        subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, path, str(hidden)],
+                       check=True)
 
 
 def _launch(out, hidden, env=None):
@@ -92,7 +130,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vote-cost", action="store_true")
     args = ap.parse_args()
+    if args.vote_cost:
+        return vote_cost(args.hidden)
     runs = [one(args.hidden) for _ in range(args.repeats)]
     print(f"preemption timings, phalanx run -np 2, MLP 256-{args.hidden}-10, medians of {args.repeats} (s)")
     for key in runs[0]:

@@ -3,7 +3,7 @@
 The signal reaches ranks at different moments (the launcher forwards it one worker after
 another; ``scancel --signal=USR1 --full`` hits each process when SLURM gets to it; a spot
 reclaim may hit one host only). Each rank only notes it (:mod:`.signals`); the ranks agree
-at a step boundary through **a flag carried by a collective every rank makes anyway**:
+at a step boundary through **a flag carried by a collective**:
 
     rank 0: step 41 ─ allreduce(MAX, [0])      ─ step 42 ─ allreduce(MAX, [10]) = 10 → save step 42, exit
     rank 1: step 41 ─ allreduce(MAX, [0])      ─ step 42 ─ allreduce(MAX, [0])  = 10 → save step 42, exit
@@ -16,8 +16,9 @@ step to the store host *and* a second round to agree on the step (a rank that re
 flag late may already be one step further), while a data-parallel step already
 synchronises the ranks; one 4-byte allreduce is the whole protocol. The Trainer adds the
 flag to the allreduce it already makes each step (the inf/NaN check), so there it costs
-nothing; a plain loop pays one small allreduce per :meth:`Preemption.requested` call
-(``every=N`` checks every N-th call only).
+nothing; in a plain loop :meth:`Preemption.requested` starts a 4-byte allreduce and reads
+it at the next call, so its latency hides behind a step (the save comes one step later),
+and ``every=N`` votes on every N-th call only.
 
 Example (a plain loop)::
 
@@ -47,7 +48,8 @@ import torch
 from phalanx import runtime
 from phalanx.comm import collectives as c
 from phalanx.log import get_logger
-from phalanx.preemption import signals, slurm
+from phalanx.preemption import signals as notes
+from phalanx.preemption import slurm
 
 __all__ = ["Preempted", "Preemption", "watch"]
 
@@ -57,14 +59,14 @@ log = get_logger(__name__)
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is complete.
 
-    A ``SystemExit`` with code 85 (:data:`~phalanx.preemption.signals.PREEMPTED_EXIT_CODE`):
+    A ``SystemExit`` with code 85 (:data:`~phalanx.preemption.notes.PREEMPTED_EXIT_CODE`):
     left uncaught, the process exits quietly with that status, which ``phalanx run`` passes
     on. ``path`` is the checkpoint, ``signal`` the signal agreed on, ``requeued`` whether
     SLURM took the job back. Catch it to clean up, then re-raise.
     """
 
     def __init__(self, path: str | None, sig: signal.Signals | None, requeued: bool = False) -> None:
-        super().__init__(signals.PREEMPTED_EXIT_CODE)
+        super().__init__(notes.PREEMPTED_EXIT_CODE)
         self.path, self.signal, self.requeued = path, sig, requeued
 
 
@@ -77,25 +79,28 @@ class Preemption:
     one process). Handlers are installed by ``with`` (or :meth:`install`) and removed at exit.
     """
 
-    def __init__(self, signals_=None, *, every: int = 1, topology=None) -> None:
+    def __init__(self, signals=None, *, every: int = 1, topology=None) -> None:
         if every < 1:
             raise ValueError(f"Preemption(every={every}): check every 1 or more calls")
-        self.signals = list(signals.from_env() if signals_ is None else
-                            [signals.parse_signal(s) for s in signals_])
+        self.signals = list(notes.from_env() if signals is None else [notes.parse_signal(s) for s in signals])
         self.every, self._calls = every, 0
         if topology is None and runtime.is_initialized():
             topology = runtime.topology()
         self.topology = topology
         self.signal: signal.Signals | None = None  # the agreed one, once requested() said True
+        self._pending = None  # the vote in flight (requested() reads it at its next call)
 
     # ------------------------------------------------------------------ handlers
     def install(self) -> Preemption:
-        if not signals.install(self.signals):
+        if not notes.install(self.signals):
             log.warning("preemption signals can only be caught on the main thread; not watching")
         return self
 
     def close(self) -> None:
-        signals.uninstall()
+        if self._pending is not None:  # every rank started it; finish it before other collectives
+            self._pending.wait()
+            self._pending = None
+        notes.uninstall()
 
     def __enter__(self) -> Preemption:
         return self.install()
@@ -106,7 +111,7 @@ class Preemption:
     # ------------------------------------------------------------------ agreement
     def local_flag(self) -> int:
         """This rank's vote: the number of the signal it got, 0 for none."""
-        sig = signals.received()
+        sig = notes.received()
         return int(sig) if sig is not None else 0
 
     def decide(self, reduced: int) -> bool:
@@ -119,19 +124,24 @@ class Preemption:
         """True on every rank at the same call once any rank got a preemption signal.
 
         A collective when the job has more than one rank: every rank calls it at the same
-        point of its loop (one 4-byte allreduce, on every ``every``-th call).
+        point of its loop. The vote is an asynchronous 4-byte allreduce started here and read
+        at the next call (``every``-th call), so its latency hides behind a step; a signal is
+        acted on one or two calls after it came.
         """
         self._calls += 1
         if self.signal is not None:
             return True
         if self._calls % self.every:
             return False
-        vote = self.local_flag()
         topo = self.topology
-        if topo is not None and topo.size > 1:
-            flag = torch.tensor([vote], dtype=torch.int32, device=topo.device)
-            vote = int(c.allreduce(flag, op=c.Max, name="preemption", check=False).item())
-        return self.decide(vote)
+        if topo is None or topo.size == 1:
+            return self.decide(self.local_flag())
+        reduced = int(self._pending.wait().item()) if self._pending is not None else 0
+        self._pending = None
+        if not reduced:
+            flag = torch.tensor([self.local_flag()], dtype=torch.int32, device=topo.device)
+            self._pending = c.allreduce(flag, op=c.Max, name="preemption", check=False, async_op=True)
+        return self.decide(reduced)
 
     # ------------------------------------------------------------------ save, requeue, exit
     def save_and_exit(self, manager, step: int, state: dict):
@@ -145,13 +155,13 @@ class Preemption:
         rank = self.topology.rank if self.topology is not None else 0
         requeued = False
         if rank == 0:
-            at = signals.received_at()
+            at = notes.received_at()
             since = f"{time.monotonic() - at:.2f} s after the signal reached rank 0" if at is not None else \
                 "signal reached another rank"
             took = f" (save {save_s:.2f} s)" if save_s is not None else ""
             log.warning("preempted by %s: checkpoint %s complete on every rank, %s%s; exiting with status %d "
                         "(resume me)", self.signal.name if self.signal else "a signal", path, since, took,
-                        signals.PREEMPTED_EXIT_CODE)
+                        notes.PREEMPTED_EXIT_CODE)
             if slurm.requeue_wanted(self.signal):
                 requeued = slurm.requeue()
         raise Preempted(path, self.signal, requeued)
@@ -174,6 +184,6 @@ class Preemption:
         return path
 
 
-def watch(signals_=None, *, every: int = 1, topology=None) -> Preemption:
+def watch(signals=None, *, every: int = 1, topology=None) -> Preemption:
     """A :class:`Preemption` to use as a context manager (``with px.preemption.watch() as p:``)."""
-    return Preemption(signals_, every=every, topology=topology)
+    return Preemption(signals, every=every, topology=topology)
