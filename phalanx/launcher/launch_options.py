@@ -5,7 +5,7 @@ Example::
 
     phalanx run -np 4 --max-restarts 3 --resume-from ckpts python train.py
     phalanx run -np 2 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py
-    phalanx run -np 2 --preempt-signal USR1 --requeue python train.py     # in an sbatch script
+    phalanx run -np 2 --preempt-signal USR1 python train.py     # USR1 or SIGTERM: save, exit 85
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
                    help="resume from the newest intact checkpoint under DIR (exported to the "
                         "workers as PHALANX_RESUME_FROM)")
     g.add_argument("--preempt-signal", default=None, metavar="SIG",
-                   help="besides SIGTERM, this signal (e.g. USR1, as in #SBATCH --signal=B:USR1@90) means "
+                   help="besides SIGTERM, this signal (e.g. USR1, as in #SBATCH --signal=USR1@90) means "
                         "'preempted': forwarded to the workers, which save one checkpoint at the same step "
                         "and exit 85; phalanx run then exits 85 (docs/preemption.md)")
     g.add_argument("--requeue", dest="requeue", action="store_true", default=None,
