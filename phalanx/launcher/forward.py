@@ -1,7 +1,7 @@
 """``phalanx run`` on a preemption signal: pass it to every worker, wait for their checkpoint, exit 85.
 
 TorchElastic's agent answers SIGTERM by sending SIGTERM to the workers and killing them
-30 s later, and exits 143 whatever they did; SIGUSR1 (SLURM's ``--signal=B:USR1@90``)
+30 s later, and exits 143 whatever they did; SIGUSR1 (SLURM's ``--signal=USR1@90``)
 would simply kill the launcher. Instead, on SIGTERM and ``--preempt-signal``:
 
     signal ─ forward it to each worker ─ wait (≤ GRACE_S) until every worker exited ─┐

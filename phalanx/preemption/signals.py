@@ -7,7 +7,7 @@ step boundary and the ranks agree there (:mod:`phalanx.preemption.watch`).
 
 Which signals: SIGTERM always (Kubernetes, SLURM at the time limit, spot reclaim,
 ``phalanx run`` forwarding), plus ``$PHALANX_PREEMPT_SIGNAL`` (``phalanx run
---preempt-signal USR1`` sets it, matching ``#SBATCH --signal=B:USR1@90``).
+--preempt-signal USR1`` sets it, matching ``#SBATCH --signal=USR1@90``).
 
 Example::
 
@@ -47,7 +47,7 @@ def parse_signal(name: str | int) -> signal.Signals:
         return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
     except (KeyError, ValueError):
         raise ValueError(f"--preempt-signal {name!r} is not a signal name; use e.g. USR1, USR2, TERM "
-                         "(as in #SBATCH --signal=B:USR1@90)") from None
+                         "(as in #SBATCH --signal=USR1@90)") from None
 
 
 def from_env(env: dict | None = None) -> list[signal.Signals]:

@@ -1,7 +1,7 @@
 """SLURM requeue on preemption, and automatic resume in the requeued job.
 
 When the job holds a SLURM allocation (``$SLURM_JOB_ID``) and the signal that came is the
-scheduler's early warning (``#SBATCH --signal=B:USR1@90``, any signal but SIGTERM), rank 0
+scheduler's early warning (``#SBATCH --signal=USR1@90``, any signal but SIGTERM), rank 0
 runs ``scontrol requeue $SLURM_JOB_ID`` once every rank's checkpoint is complete; SLURM
 then ends this run and puts the job back in the queue with ``SLURM_RESTART_COUNT`` one
 higher, and the next run loads the newest checkpoint without any flag.
