@@ -1,10 +1,11 @@
 """``phalanx run`` options for fault tolerance: --min-np/--max-np, --host-discovery-script,
---resume-from, --max-restarts. Kept here so the launcher's own file stays small.
+--resume-from, --max-restarts, --preempt-signal, --requeue. Kept here so the launcher's own file stays small.
 
 Example::
 
     phalanx run -np 4 --max-restarts 3 --resume-from ckpts python train.py
     phalanx run -np 2 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py
+    phalanx run -np 2 --preempt-signal USR1 python train.py     # USR1 or SIGTERM: save, exit 85
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
+
+from phalanx.preemption.signals import parse_signal
 
 __all__ = ["add_elastic_arguments", "elastic_launch_options"]
 
@@ -31,6 +35,14 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume-from", default=None, metavar="DIR",
                    help="resume from the newest intact checkpoint under DIR (exported to the "
                         "workers as PHALANX_RESUME_FROM)")
+    g.add_argument("--preempt-signal", default=None, metavar="SIG",
+                   help="besides SIGTERM, this signal (e.g. USR1, as in #SBATCH --signal=USR1@90) means "
+                        "'preempted': forwarded to the workers, which save one checkpoint at the same step "
+                        "and exit 85; phalanx run then exits 85 (docs/preemption.md)")
+    g.add_argument("--requeue", dest="requeue", action="store_true", default=None,
+                   help="under SLURM, requeue the job (scontrol requeue) after a --preempt-signal checkpoint "
+                        "(default: when the job is requeueable, e.g. sbatch --requeue)")
+    g.add_argument("--no-requeue", dest="requeue", action="store_false", help="never requeue under SLURM")
 
 
 def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str]) -> dict:
@@ -58,6 +70,12 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
     if args.resume_from is not None:
         env["PHALANX_RESUME_FROM"] = os.path.abspath(args.resume_from)
     out: dict = {}
+    if args.preempt_signal is not None:
+        sig = parse_signal(args.preempt_signal)  # ValueError: one line naming the flag
+        env["PHALANX_PREEMPT_SIGNAL"] = sig.name
+        out["preempt_signals"] = tuple(dict.fromkeys((signal.SIGTERM, sig)))
+    if args.requeue is not None:
+        env["PHALANX_REQUEUE"] = "1" if args.requeue else "0"
     restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else None)
     if restarts is not None:
         out["max_restarts"] = restarts

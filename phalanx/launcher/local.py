@@ -33,6 +33,8 @@ import tempfile
 import time
 import uuid
 
+from phalanx.launcher import forward
+
 __all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -59,6 +61,7 @@ class LaunchSpec:
     monitor_interval_s: float = 0.1
     ranks_filter: frozenset[int] | None = None  # local ranks whose output the console shows (None: all)
     quiet_agent: bool = True  # TorchElastic's own INFO lines off (on at --log-level DEBUG)
+    preempt_signals: tuple[int, ...] = (signal.SIGTERM,)  # forwarded to the workers, then exit 85 (forward.py)
 
 
 def _become_subreaper() -> None:
@@ -168,6 +171,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     os.environ.update(spec.env)
     os.environ["PHALANX_LAUNCHER"] = "run"
     store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
+    preempt_signals = forward.preempt_signals(spec.preempt_signals, {**os.environ, **spec.env})
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
@@ -182,21 +186,29 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         log_line_prefix_template="[${rank}]: ",
         logs_specs=logs,
         local_addr=spec.local_addr,
+        signals_to_handle=forward.torchelastic_signals(preempt_signals),
     )
     # The agent logs its own progress at INFO/WARNING; users want the workers' lines.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL if spec.quiet_agent else logging.INFO)
     log.info("starting %d worker(s) on this host: rendezvous %s, run id %s%s", spec.nproc_per_node, endpoint,
              spec.run_id, f", rank output kept in {spec.log_dir}/rank.N/" if spec.log_dir else "")
     started = time.monotonic()
+    forwarding = forward.forward_preemption(preempt_signals)
+    preempt = forwarding.__enter__()
     try:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)
         return 0
     except ChildFailedError as err:
+        if forward.all_preempted(f.exitcode for f in err.failures.values()):  # the workers got the signal themselves
+            return forward.report_preempted(preempt.signal)
         return _report_failure(err, logs.stderrs, spec.ranks_filter)
     except SignalException as err:
+        if preempt.preempted:
+            return forward.report_preempted(err.sigval)
         print(f"phalanx: received {err.sigval.name}; stopped every worker", file=sys.stderr)
         return 128 + int(err.sigval)
     finally:
+        forwarding.__exit__(None, None, None)
         del store
         leftovers = kill_descendants()
         if leftovers:

@@ -1,0 +1,61 @@
+"""Preemption on a real SLURM cluster (tests/slurm_cluster.py): an ``sbatch --requeue`` job of two
+tasks on two nodes gets ``scancel --signal=USR1 --full`` mid-run; both ranks save one checkpoint at
+the same step, rank 0 requeues the job (``scontrol requeue``), and the requeued run resumes with no
+flag (``SLURM_RESTART_COUNT``) and ends with parameters bitwise equal to an uninterrupted run."""
+
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+from slurm_cluster import needs_slurm, slurm  # noqa: F401  (slurm: the session's cluster fixture)
+
+from phalanx.checkpoint import list_checkpoints
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preempt_job.py")
+
+
+def _job_state(slurm, job_id):  # noqa: F811
+    out = slurm.run(["scontrol", "show", "job", "-o", job_id]).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return fields.get("JobState"), int(fields.get("Restarts", "0") or 0)
+
+
+@needs_slurm
+def test_usr1_checkpoints_requeues_and_resumes_bitwise_equal(slurm, tmp_path):  # noqa: F811
+    out = tmp_path
+    os.chmod(out, 0o755)
+    script = out / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH -N2 -n2 --requeue --open-mode=append -o {out}/slurm.out
+trap 'echo "batch shell got USR1"' USR1          # scancel --full signals the batch shell too
+export PHALANX_PREEMPT_SIGNAL=USR1 PYTHONPATH={os.environ.get("PYTHONPATH", "")}
+srun {sys.executable} {JOB} {out} slurm &
+wait $!; wait $!                                 # the trap interrupts the first wait
+""")
+    sub = slurm.run(["sbatch", "--parsable", str(script)])
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 240
+    while not (out / "waiting").exists():
+        assert time.monotonic() < deadline, f"job never reached the step: {(out / 'slurm.out').read_text()}"
+        time.sleep(0.1)
+    sig = slurm.run(["scancel", "--signal=USR1", "--full", job_id])
+    assert sig.returncode == 0, sig.stderr
+    while _job_state(slurm, job_id) != ("COMPLETED", 1):
+        state = _job_state(slurm, job_id)
+        assert state[0] not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), \
+            f"{state}: {(out / 'slurm.out').read_text()[-3000:]} {slurm.log()}"
+        assert time.monotonic() < deadline + 240, f"{state}: {(out / 'slurm.out').read_text()[-3000:]}"
+        time.sleep(0.2)
+    log = (out / "slurm.out").read_text()
+    stops = [json.loads((out / f"plain_stop.{r}.json").read_text()) for r in (0, 1)]
+    assert stops[0]["step"] == stops[1]["step"] and stops[0]["path"] == stops[1]["path"], stops
+    assert stops[0]["requeued"] and stops[0]["code"] == 85, stops  # rank 0 ran scontrol requeue
+    assert list_checkpoints(str(out / "plain_ckpt"))[-1] == stops[0]["path"]
+    assert re.search(rf"resumed from .*step-0+{stops[0]['step']}\b", log), log[-3000:]
+    assert json.loads((out / "slurm_done.0.json").read_text())["restart"] == "1"
+    ref, resumed = torch.load(out / "plain_ref.pt"), torch.load(out / "plain_resumed.pt")
+    assert all(torch.equal(ref[k], resumed[k]) for k in ref)
