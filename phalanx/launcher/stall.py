@@ -22,7 +22,8 @@ Example (what the elastic supervisor does)::
 
     detector = StallDetector(store, ranks=range(4))
     for stall in detector.stalled(timeout_s=30):
-        os.kill(stall.pid, signal.SIGKILL)      # then re-form as for a killed worker
+        if is_child(stall.pid):                 # a heartbeat's pid is only a claim
+            os.kill(stall.pid, signal.SIGKILL)  # then re-form as for a killed worker
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from collections.abc import Iterable
 
 from phalanx.runtime.heartbeat import heartbeat_key
 
-__all__ = ["RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position"]
+__all__ = ["RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position", "is_child"]
 
 _STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible (disk/driver)", "T": "stopped",
            "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "dead", "I": "idle"}
@@ -51,6 +52,19 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def is_child(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process: the only processes the watcher will signal.
+
+    A heartbeat's pid is a claim made over the store, which has no authentication; the
+    launcher signals a pid only if it started that process itself.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _state_words(letter: str | None) -> str:
@@ -106,9 +120,13 @@ class Stall:
 
 
 class StallDetector:
-    """Reads the heartbeats of ``ranks`` from ``store`` (the launcher's) and judges them."""
+    """Reads the heartbeats of ``ranks`` from ``store`` (the launcher's) and judges them.
 
-    def __init__(self, store, ranks: Iterable[int], clock=time.monotonic) -> None:
+    ``ranks``: the ids the workers publish under: their ranks, or in an elastic job their
+    worker ids (``"w0"``, ``"w1"``: PHALANX_ELASTIC_WID), which survive a re-form.
+    """
+
+    def __init__(self, store, ranks: Iterable[int | str], clock=time.monotonic) -> None:
         self.store, self.ranks, self.clock = store, list(ranks), clock
         self.views: dict[int, RankView] = {}
 
@@ -199,6 +217,8 @@ class Watcher(threading.Thread):
                 print(f"phalanx: stall watcher: {err}", file=self.out or sys.stderr, flush=True)
 
     def _kill(self, view: RankView, why: str) -> None:
+        if not is_child(view.pid):
+            return
         self.killed[view.rank] = (time.monotonic(), why)
         try:
             os.kill(view.pid, signal.SIGKILL)
@@ -261,6 +281,7 @@ class Watcher(threading.Thread):
     def _stacks(self, views: list[RankView]) -> list[str]:
         if not self.stack_dir or not views:
             return []
+        views = [v for v in views if is_child(v.pid)]
         for v in views:
             try:
                 os.kill(v.pid, signal.SIGUSR1)

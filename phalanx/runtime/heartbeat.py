@@ -56,8 +56,9 @@ STACK_DIR_ENV = "PHALANX_STACK_DIR"
 _RECENT = 8  # entries each beat carries (the ring keeps more, for a stack dump or a debugger)
 
 
-def heartbeat_key(rank: int) -> str:
-    return f"phalanx/heartbeat/{rank}"
+def heartbeat_key(ident: int | str) -> str:
+    """The store key of one worker's heartbeat: its rank, or its elastic worker id (``w3``) in elastic jobs."""
+    return f"phalanx/heartbeat/{ident}"
 
 
 class CollectiveRecord:
@@ -121,8 +122,10 @@ RECORD = CollectiveRecord()
 class Heartbeat:
     """A daemon thread that writes ``RECORD``'s snapshot to ``store`` every ``interval_s`` seconds."""
 
-    def __init__(self, store, rank: int, interval_s: float = 1.0, record: CollectiveRecord = RECORD) -> None:
+    def __init__(self, store, rank: int, interval_s: float = 1.0, record: CollectiveRecord = RECORD,
+                 ident: int | str | None = None) -> None:
         self.store, self.rank, self.interval_s, self.record = store, rank, interval_s, record
+        self.key = heartbeat_key(rank if ident is None else ident)
         self.beat = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="phalanx-heartbeat", daemon=True)
@@ -140,7 +143,7 @@ class Heartbeat:
                      "beat": self.beat, "time": time.time(), **self.record.snapshot()}
             if state:
                 value["state"] = state
-            self.store.set(heartbeat_key(self.rank), json.dumps(value))
+            self.store.set(self.key, json.dumps(value))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -179,7 +182,8 @@ def start_from_env(rank: int, env=None) -> Heartbeat | None:
         # a client of its own: the process group's store connection is not shared with this thread
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=30),
                               wait_for_workers=False)
-        _started = Heartbeat(store, rank, float(interval)).start()
+        # an elastic worker keeps its id (PHALANX_ELASTIC_WID) across re-forms; its rank may change
+        _started = Heartbeat(store, rank, float(interval), ident=env.get("PHALANX_ELASTIC_WID") or None).start()
     except Exception as err:  # noqa: BLE001 - a job without a reachable store runs without a heartbeat
         from phalanx.log import get_logger
 
