@@ -133,6 +133,25 @@ def test_heartbeat_record_contents():
         assert last_state == "exited"
 
 
+def _leaves_early():
+    import phalanx as px
+
+    if px.rank() == 1:
+        return "left"  # the uneven-data bug: this rank's loop ended first
+    for _ in range(100):
+        px.allreduce(torch.ones(1))
+    return "finished"
+
+
+def test_phalanx_run_names_a_rank_that_returned_early():
+    from phalanx.launcher.spawn import RankError
+
+    with pytest.raises(RankError) as err:
+        distributed(_leaves_early, np=2, env={"PHALANX_TIMEOUT": "5"}, timeout=120)
+    assert str(err.value).startswith("rank 1 returned while ranks [0] were still running collectives"), err.value
+    assert err.value.rank == 1 and "join()" in str(err.value).splitlines()[0]
+
+
 class _Clock:
     def __init__(self):
         self.now = 100.0

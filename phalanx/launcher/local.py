@@ -42,7 +42,7 @@ import time
 import uuid
 
 from phalanx.launcher import secret as job_secret
-from phalanx.launcher.stall import Watcher
+from phalanx.launcher.stall import Watcher, lost_a_peer
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV, STACK_DIR_ENV
 
 __all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
@@ -273,16 +273,9 @@ def _bind_shared_worker_store(timeout) -> None:
                                                                    timeout=timeout))
 
 
-# What a rank prints when a peer died before it: a consequence, not the cause of the failure.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "peer closed",
-              "collectiveabort", "a peer rank failed", "socket timeout", "recvbytes", "read error",
-              "gloo/transport", "timed out waiting")
-
-
 def _is_consequence(failure, stderrs: dict[int, str]) -> bool:
     """SIGTERM (how the agent stops the rest of the group) or last words about a lost peer."""
-    text = _stderr_tail(stderrs.get(failure.local_rank), 5).lower()
-    return failure.exitcode == -signal.SIGTERM or any(p in text for p in _PEER_LOST)
+    return failure.exitcode == -signal.SIGTERM or lost_a_peer(_stderr_tail(stderrs.get(failure.local_rank), 5))
 
 
 def _root_cause(failures, stderrs: dict[int, str]):

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 
 from phalanx.runtime.heartbeat import heartbeat_key
 
-__all__ = ["RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position", "is_child"]
+__all__ = ["PEER_LOST", "lost_a_peer", "RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position", "is_child"]
 
 _STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible (disk/driver)", "T": "stopped",
            "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "dead", "I": "idle"}
@@ -52,6 +52,18 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+# What a rank prints when a peer died or left before it: a consequence, not the cause of the failure.
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "peer closed",
+             "collectiveabort", "a peer rank failed", "socket timeout", "recvbytes", "read error",
+             "gloo/transport", "timed out waiting")
+
+
+def lost_a_peer(text: str) -> bool:
+    """Whether a rank's last words say it only lost a peer (a timeout, a closed connection)."""
+    text = text.lower()
+    return any(p in text for p in PEER_LOST)
 
 
 def is_child(pid: int) -> bool:
