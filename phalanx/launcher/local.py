@@ -185,12 +185,15 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     stack_dir = os.path.join(work_dir, "stacks")
     os.makedirs(stack_dir)
     os.environ[STACK_DIR_ENV] = stack_dir
+    ours = [STACK_DIR_ENV]  # variables this launch sets in its own environment, dropped at the end
     if not os.environ.get(job_secret.SECRET_FILE_ENV):
         os.environ[job_secret.SECRET_FILE_ENV] = job_secret.write_secret_file(job_secret.new_secret(), work_dir)
+        ours.append(job_secret.SECRET_FILE_ENV)
     store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
     watcher = None
     if store is not None:  # this agent hosts the store: its ranks' heartbeats arrive here
         os.environ.update({HEARTBEAT_ENV: str(spec.heartbeat_s), HEARTBEAT_STORE_ENV: endpoint})
+        ours += [HEARTBEAT_ENV, HEARTBEAT_STORE_ENV]
         watcher = Watcher(store, range(spec.nproc_per_node * spec.max_nodes), stall_warning_s=spec.stall_warning_s,
                           stall_timeout_s=spec.stall_timeout_s, stack_dir=stack_dir)
         watcher.start()
@@ -227,6 +230,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     finally:
         if watcher is not None:
             watcher.stop()
+        for name in ours:  # a later launch from this process (a group restart) makes its own
+            os.environ.pop(name, None)
         del store
         leftovers = kill_descendants()
         if leftovers:

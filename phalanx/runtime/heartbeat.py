@@ -180,7 +180,7 @@ def start_from_env(rank: int, env=None) -> Heartbeat | None:
     try:
         host, _, port = address.rpartition(":")
         # a client of its own: the process group's store connection is not shared with this thread
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=30),
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=5),
                               wait_for_workers=False)
         # an elastic worker keeps its id (PHALANX_ELASTIC_WID) across re-forms; its rank may change
         _started = Heartbeat(store, rank, float(interval), ident=env.get("PHALANX_ELASTIC_WID") or None).start()
