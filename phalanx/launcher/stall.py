@@ -209,7 +209,7 @@ class Watcher(threading.Thread):
         self.detector = StallDetector(store, ranks)
         self.stall_warning_s, self.stall_timeout_s = stall_warning_s, stall_timeout_s
         self.stack_dir, self.interval_s, self.out = stack_dir, interval_s, out
-        self.killed: dict[int, tuple[float, str]] = {}  # rank -> (when, why) for the ones this watcher killed
+        self.killed: dict[int, tuple[int, str]] = {}  # rank -> (pid, why) for the ones this watcher killed
         self._warned: set = set()
         self._stack_offsets: dict[int, int] = {}
         self._halt = threading.Event()
@@ -231,7 +231,7 @@ class Watcher(threading.Thread):
     def _kill(self, view: RankView, why: str) -> None:
         if not is_child(view.pid):
             return
-        self.killed[view.rank] = (time.monotonic(), why)
+        self.killed[view.rank] = (view.pid, why)
         try:
             os.kill(view.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -242,15 +242,19 @@ class Watcher(threading.Thread):
         ending = any(v.gone_at is not None for v in views)  # a stopped worker then only delays the end
         now = time.monotonic()
         for v in views:
-            if v.gone_at is not None or v.rank in self.killed:
+            if v.gone_at is not None or self._was_killed(v.rank, v.pid):
                 continue
             state = process_state(v.pid)
             if ending and state in ("T", "t"):
                 self._kill(v, f"stopped responding {v.silent_s(now):.0f} s ago: process state {_state_words(state)}")
         if self.stall_timeout_s:
             for stall in self.detector.stalled(self.stall_timeout_s):
-                if stall.rank not in self.killed:
+                if not self._was_killed(stall.rank, stall.pid):
                     self._kill(self.detector.views[stall.rank], stall.reason)
+
+    def _was_killed(self, rank: int, pid: int) -> bool:
+        """Killed already (a group restart gives the rank a new pid: that one may be killed again)."""
+        return self.killed.get(rank, (None,))[0] == pid
 
     def _warn(self) -> None:
         waiting = self.detector.waiting(self.stall_warning_s)
