@@ -25,7 +25,11 @@ from phalanx.cli.parser import UsageError
 from phalanx.cli.torchrun_flags import add_torchrun_arguments, parse_ranks, torchrun_layout
 from phalanx.launcher.horovodrun_flags import add_horovodrun_arguments, horovodrun_env
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
-from phalanx.launcher.launch_options import add_elastic_arguments, elastic_launch_options
+from phalanx.launcher.launch_options import (
+    add_elastic_arguments,
+    elastic_launch_options,
+    stall_launch_options,
+)
 from phalanx.launcher.local import LaunchSpec, launch
 from phalanx.launcher.ssh import add_remote_arguments
 from phalanx.version import __version__
@@ -102,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"-np {np} exceeds the {sum(h.slots for h in hosts)} slots of the hosts given")
     try:
         elastic = elastic_launch_options(args, np, env)
+        elastic.update(stall_launch_options(args))
     except ValueError as err:
         raise UsageError(str(err)) from None
     if layout and layout["multi"]:

@@ -17,7 +17,7 @@ import signal
 
 from phalanx.preemption.signals import parse_signal
 
-__all__ = ["add_elastic_arguments", "elastic_launch_options"]
+__all__ = ["add_elastic_arguments", "elastic_launch_options", "stall_launch_options"]
 
 
 def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,12 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
                         "the job resizes to this machine's slots (within --min-np..--max-np) at the next commit")
     g.add_argument("--discovery-interval", type=float, default=1.0, metavar="S",
                    help="seconds between runs of the host discovery script (default 1)")
+    g.add_argument("--stall-warning", type=float, default=60.0, metavar="S",
+                   help="after S seconds of one collective waiting (or a rank silent), print which ranks are "
+                        "behind, where, and their Python stacks (default 60, Horovod's stall check)")
+    g.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                   help="kill a rank whose heartbeat stopped, or that every other rank has waited on, for S "
+                        "seconds (default: none; the collective --timeout ends the job)")
     g.add_argument("--resume-from", default=None, metavar="DIR",
                    help="resume from the newest intact checkpoint under DIR (exported to the "
                         "workers as PHALANX_RESUME_FROM)")
@@ -90,3 +96,12 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
             # (re)start; late nodes are admitted at the next restart anyway, so wait 2 s
             out["rdzv_extra"] = {"last_call_timeout": 2}
     return out
+
+
+def stall_launch_options(args: argparse.Namespace) -> dict:
+    """LaunchSpec fields of --stall-warning/--stall-timeout; ValueError naming the flag if bad."""
+    if args.stall_warning <= 0:
+        raise ValueError(f"--stall-warning must be positive seconds, got {args.stall_warning:g}")
+    if args.stall_timeout is not None and args.stall_timeout <= 0:
+        raise ValueError(f"--stall-timeout must be positive seconds, got {args.stall_timeout:g}")
+    return {"stall_warning_s": args.stall_warning, "stall_timeout_s": args.stall_timeout}

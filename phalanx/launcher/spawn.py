@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
+from phalanx.launcher.stall import lost_a_peer
+
 __all__ = ["run", "RankError", "RankTimeoutError", "free_port"]
 
 _GRACE_S = 5.0
@@ -200,6 +202,7 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
         readers[reader] = rank
     results: dict[int, Any] = {}
     failures: dict[int, _Failure] = {}
+    returned_at: dict[int, float] = {}  # wall clock, as _Failure.at
     deadline = time.monotonic() + timeout
     first_failure_at = 0.0
     try:
@@ -218,6 +221,7 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
                     status, payload = "err", _Failure("died", f"rank {rank} exited with code {code} before returning", None)
                 if status == "ok":
                     results[rank] = payload
+                    returned_at[rank] = time.time()
                 else:
                     if not failures:
                         first_failure_at = time.monotonic()
@@ -235,14 +239,22 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
         for p in procs:
             p.join(5)
     if failures:
-        rank = min(failures, key=lambda r: failures[r].at)  # the root cause fails first
         if any(_port_taken(f) for f in failures.values()):
             raise _PortTaken()
+        # the root cause fails first, and is not a rank that only lost its peer
+        real = [r for r in failures if not lost_a_peer(failures[r].text)]
+        rank = min(real or failures, key=lambda r: failures[r].at)
         others = sorted(set(failures) - {rank})
         extra = f" (ranks {others} failed too)" if others else ""
         if hung:
             extra += f"; ranks {hung} were killed after the failure"
         f = failures[rank]
+        early = sorted(r for r, t in returned_at.items() if t <= f.at) if not real else []
+        if early:  # every failure is a lost peer, and these ranks had returned before: they are the cause
+            raise RankError(f"rank {early[0]} returned while ranks {sorted(failures)} were still running "
+                            f"collectives (uneven work per rank? call join() on the DataParallel model or "
+                            f"optimizer when a rank runs out of data); then rank {rank} failed{extra}:\n{f.text}",
+                            early[0], f.exception)
         raise RankError(f"rank {rank} failed{extra}:\n{f.text}", rank, f.exception)
     if hung:
         report = "\n".join(f"--- rank {r} stack ---\n{stacks.get(r, '(no stack)')}" for r in hung)
