@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from phalanx.log import get_logger
 
-__all__ = ["active", "prepare", "is_joiner", "generation", "reform", "join", "membership_changed", "is_collective_error",
+__all__ = ["active", "prepare", "is_joiner", "generation", "latest_generation", "reform", "join", "membership_changed", "is_collective_error",
            "MembershipChanged", "ReformFailed", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -108,6 +108,12 @@ def _context() -> _Ctx:
 def generation() -> int:
     """The generation this worker is in (0 at the start, and outside an in-process elastic job)."""
     return _context().gen if active() else 0
+
+
+def latest_generation() -> int:
+    """The newest generation the launcher has published (> :func:`generation` while a change is
+    pending: this worker's next commit re-forms). 0 outside an in-process elastic job."""
+    return _latest() if active() else 0
 
 
 def _get(key: str) -> bytes | None:

@@ -62,6 +62,7 @@ class _Worker:
         self.code: int | None = None
         self.admitted = not joiner  # in a published generation
         self.ready = not joiner
+        self.started = time.monotonic()
 
 
 def _describe(code: int) -> str:
@@ -236,6 +237,8 @@ class Supervisor:
                 kept.append(w)
         ready = [w for w in self.workers if w.code is None and not w.admitted and w.ready]
         starting = [w for w in self.workers if w.code is None and not w.ready]
+        if any(time.monotonic() - w.started < self.start_timeout for w in starting):
+            ready = []  # admit the joiners started together in one generation (one re-form, not several)
         target = kept + ready[: max(0, self.max_np - len(kept))]
         if len(target) < self.min_np:
             if len(target) + len(starting) >= self.min_np:

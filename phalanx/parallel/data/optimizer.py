@@ -89,6 +89,7 @@ class DistributedOptimizer:
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         # Registered before the engine's hooks, so on every parameter it runs first.
         self.join_ready = join_ready
+        self._named = named
         self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
                                 for _, p in named] if world > 1 and join_ready else []
         self._engine = GradientEngine(
@@ -97,9 +98,19 @@ class DistributedOptimizer:
             sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
         )
+        self._engine.on_reform.append(self._world_changed)
         # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
         self.balancer = self._engine.attach(resolve_balance(balance, group))
         self._skip = False
+
+    def _world_changed(self) -> None:
+        """Elastic re-form: the per-step join announcement exists exactly when the new world has peers."""
+        for h in self._announce_hooks:
+            h.remove()
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self._join_flag = None
+        self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
+                                for _, p in self._named] if world > 1 and self.join_ready else []
 
     # delegation -----------------------------------------------------------------
     @property
