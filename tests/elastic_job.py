@@ -60,9 +60,10 @@ JOB = textwrap.dedent('''
     OUT, ARGS = sys.argv[1], json.loads(sys.argv[2])
     EPOCHS, BATCHES, API = ARGS["epochs"], ARGS["batches"], ARGS["api"]
     SCHEDULE = {int(k): v for k, v in ARGS.get("hosts", {}).items()}   # epoch -> discovery output
-    EXITS = ARGS.get("exits", {})   # "epoch,batch" -> [host, ...]: workers there fail at that point
+    EXITS = ARGS.get("exits", {})   # "epoch,batch" -> [host or worker id, ...]: they fail at that point
     HOST = os.environ.get("HOROVOD_HOSTNAME", "?")
     WID = os.environ.get("PHALANX_ELASTIC_WID", "?")
+    START_RANK = os.environ.get("HOROVOD_RANK")   # as a Horovod script reads it at start
 
     if API == "hvd":
         import phalanx.horovod.torch as hvd
@@ -98,11 +99,38 @@ JOB = textwrap.dedent('''
                                 "size": size(), "gen": inprocess.generation(), "t": time.time(), **kw}) + "\\n")
 
     def maybe_fail(epoch, batch):
-        if HOST in EXITS.get(f"{epoch},{batch}", []):
-            log("fail", epoch=epoch, batch=batch, mode=ARGS.get("mode", "exception"))
-            if ARGS.get("mode") == "kill":
+        # "epoch,batch": fail there ("admitting": see commit())
+        due = EXITS.get(f"{epoch},{batch}", [])
+        fail_now(due, epoch, batch)
+
+    def fail_now(due, epoch, batch):
+        for entry in due:   # "kill:NAME": by SIGKILL, else by an exception
+            kill, name = entry.startswith("kill:"), entry.removeprefix("kill:")
+            if name not in (HOST, WID):
+                continue
+            log("fail", epoch=epoch, batch=batch, mode="kill" if kill else "exception")
+            if kill:
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"scheduled failure at epoch {epoch} batch {batch} on {HOST} ({WID})")
+
+    def commit(epoch, batch):
+        # "admitting": fail at the first commit that admits newcomers, while their generation forms
+        try:
+            state.commit()
+        except inprocess.MembershipChanged:
+            grown = len(inprocess.members_of(inprocess.latest_generation())) > size()
+            if grown and not os.path.exists(OUT + "/admit." + WID):
+                open(OUT + "/admit." + WID, "w").close()   # (once per worker)
+                fail_now(EXITS.get("admitting", []), epoch, batch)
+            raise
+
+    def wait_for_joiners():
+        # rank 0, at the end of an epoch: below ARGS["size"], wait (bounded) for the launcher to admit more
+        deadline = time.time() + 120
+        while size() < ARGS.get("size", 0) and inprocess.latest_generation() <= inprocess.generation():
+            if time.time() > deadline:
+                return
+            time.sleep(0.02)
 
     def change_hosts(epoch):
         # rank 0, at the end of an epoch: the next epoch's hosts, and wait (bounded) for the launcher
@@ -111,15 +139,17 @@ JOB = textwrap.dedent('''
             return
         with open(os.path.join(OUT, "hosts.txt"), "w") as f:
             f.write(nxt)
-        deadline = time.time() + 90
+        deadline = time.time() + ARGS.get("change_wait", 90)
         while inprocess.latest_generation() <= inprocess.generation():
             if time.time() > deadline:
+                if ARGS.get("change_wait"):
+                    return   # (random test: a change may leave the membership as it is)
                 raise TimeoutError("the launcher published no new generation within 90 s")
             time.sleep(0.02)
 
     @el.run
     def train(state):
-        log("start", epoch=state.epoch, batch=state.batch)
+        log("start", epoch=state.epoch, batch=state.batch, start_rank=START_RANK)
         while state.epoch < EPOCHS:
             while state.batch < BATCHES:
                 maybe_fail(state.epoch, state.batch)
@@ -129,15 +159,16 @@ JOB = textwrap.dedent('''
                 opt.step()
                 state.sampler.record_batch(state.batch, 4) if API == "hvd" else state.sampler.record_batch(4)
                 state.batch += 1
-                state.commit()
+                commit(state.epoch, state.batch)
             if rank() == 0:
                 log("epoch", epoch=state.epoch)
                 change_hosts(state.epoch)
+                wait_for_joiners()
             state.epoch, state.batch = state.epoch + 1, 0
             state.sampler.set_epoch(state.epoch)
-            state.commit()
+            commit(state.epoch, state.batch)
 
     train(state)
-    log("end", epoch=state.epoch)
+    log("end", epoch=state.epoch, resets=state.resets if API == "hvd" else None)
     torch.save([p.detach() for p in net.parameters()], os.path.join(OUT, f"params.{rank()}.pt"))
 ''')

@@ -8,25 +8,35 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import elastic_job
 import torch
 
 
-def _run(tmp_path, api, hosts, *flags, exits=None, mode="exception", epochs=3, batches=3, timeout=180):
-    """Run JOB under `phalanx run FLAGS --host-discovery-script`; return (proc, log rows, report)."""
+def _run(tmp_path, api, hosts, *flags, exits=None, epochs=3, batches=3, timeout=240, change_wait=None, size=None):
+    """Run JOB under `phalanx run FLAGS` (with a discovery script printing hosts[epoch] when hosts is a
+    dict); return (proc, log rows, report)."""
     (tmp_path / "job.py").write_text(elastic_job.JOB)
-    (tmp_path / "hosts.txt").write_text(hosts[0])
-    disc = tmp_path / "discover.sh"
-    disc.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
-    disc.chmod(0o755)
-    args = {"epochs": epochs, "batches": batches, "api": api, "hosts": {str(k): v for k, v in hosts.items()},
-            "exits": exits or {}, "mode": mode}
-    cmd = [sys.executable, "-m", "phalanx", "run", *flags, "--host-discovery-script", str(disc),
-           "--discovery-interval", "0.2", "--timeout", "30", "python", str(tmp_path / "job.py"), str(tmp_path),
-           json.dumps(args)]
+    args = {"epochs": epochs, "batches": batches, "api": api, "exits": exits or {}, "hosts": {}}
+    if change_wait:
+        args["change_wait"] = change_wait
+    if size:
+        args["size"] = size  # rank 0 waits at the end of an epoch for the launcher to admit up to this
+    if hosts is not None:
+        (tmp_path / "hosts.txt").write_text(hosts[0])
+        disc = tmp_path / "discover.sh"
+        disc.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
+        disc.chmod(0o755)
+        args["hosts"] = {str(k): v for k, v in hosts.items()}
+        flags = (*flags, "--host-discovery-script", str(disc), "--discovery-interval", "0.2")
+    cmd = [sys.executable, "-m", "phalanx", "run", *flags, "--timeout", "30", "python", str(tmp_path / "job.py"),
+           str(tmp_path), json.dumps(args)]
+    started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.ended = time.time()
+    proc.took = proc.ended - started
     log = tmp_path / "log.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     report = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}\nlog:\n" + "\n".join(
@@ -47,12 +57,74 @@ def _equal_params(tmp_path, n, report):
     assert all(torch.isfinite(p).all() for p in params[0]), report
 
 
-def test_grow_2_to_4_with_distributed_optimizer(tmp_path):
+def _ended(rows):
+    return sorted(r["wid"] for r in rows if r["what"] == "end")
+
+
+def test_grow_2_to_4_then_shrink_to_2_with_distributed_optimizer(tmp_path):
     # the issue's crash: old ranks' learned bucket layout vs a newcomer's fresh one ("Received data
-    # size doesn't match expected size"), then a hang; every rank now re-derives its engine at the re-form
-    proc, rows, report = _run(tmp_path, "hvd", {0: "localhost:2\n", 1: "localhost:4\n"},
-                              "-np", "2", "--min-np", "2", "--max-np", "4")
+    # size doesn't match expected size"), then a hang; every rank now re-derives its engine at the re-form.
+    # localhost and 127.0.0.1 are two hosts (Horovod's way of testing several hosts on one machine).
+    proc, rows, report = _run(tmp_path, "hvd", {0: "localhost:2\n", 1: "localhost:2\n127.0.0.1:2\n",
+                                                2: "localhost:2\n"}, "-np", "2", "--min-np", "2", "--max-np", "4")
     assert proc.returncode == 0, report
-    assert _sizes_per_epoch(rows) == [2, 4, 4], report
-    assert len([r for r in rows if r["what"] == "end"]) == 4, report
+    assert _sizes_per_epoch(rows) == [2, 4, 2], report  # the world size each epoch, as the script wrote it
+    grown = [r for r in rows if r["what"] == "start" and r["size"] == 4]
+    assert sorted(r["host"] for r in grown) == ["127.0.0.1", "127.0.0.1", "localhost", "localhost"], report
+    assert _ended(rows) == ["w0", "w1"] and "leaves this worker (w2) out" in proc.stderr, report
+    _equal_params(tmp_path, 2, report)
+    resets = [r["resets"] for r in rows if r["what"] == "end"]  # register_reset_callbacks ran at both resets
+    assert resets == [2, 2], report
+
+
+def test_failed_host_is_set_aside_and_the_job_completes_on_the_rest(tmp_path):
+    # phalanx.elastic + DataParallel; w2 (on 127.0.0.1) raises at epoch 1: the host is set aside (no
+    # --blacklist-cooldown-range: for good), its other worker leaves, the job ends on localhost's two
+    logs = tmp_path / "logs"
+    proc, rows, report = _run(tmp_path, "px", {0: "localhost:2\n127.0.0.1:2\n"}, "-np", "4", "--min-np", "2",
+                              "--output-filename", str(logs), exits={"1,1": ["w2"]})
+    assert proc.returncode == 0, report
+    # --output-filename: horovodrun's layout, the failed worker's traceback in its own stderr
+    assert sorted(p.name for p in logs.iterdir()) == ["rank.0", "rank.1", "rank.2", "rank.3"], report
+    assert "scheduled failure at epoch 1" in (logs / "rank.2" / "stderr").read_text(), report
+    assert "host 127.0.0.1 set aside for good" in proc.stderr, report
+    assert proc.stderr.count("Traceback") == 1, report  # its traceback, shown once
+    assert _sizes_per_epoch(rows) == [4, 2, 2] and _ended(rows) == ["w0", "w1"], report
+    assert {r["host"] for r in rows if r["what"] == "start" and r["gen"] > 0} == {"localhost"}, report
+    _equal_params(tmp_path, 2, report)
+
+
+def test_failures_while_a_replacement_is_admitted_complete_with_new_identities(tmp_path):
+    # no named hosts: failed workers are replaced on this machine (--max-restarts). w1 raises at epoch 0;
+    # at the commit that admits its replacement (w4), while that generation forms, w2 is SIGKILLed: the
+    # round is abandoned for the next one, and w2's replacement (w5) is admitted later. The replacements
+    # have their own ids and HOROVOD_RANK: neither fails in w1's or w2's place.
+    proc, rows, report = _run(tmp_path, "hvd", None, "-np", "4", "--min-np", "2", "--max-restarts", "2",
+                              exits={"0,1": ["w1"], "admitting": ["kill:w2"]}, size=4)
+    assert proc.returncode == 0, report
+    failed = [(r["wid"], r["mode"]) for r in rows if r["what"] == "fail"]
+    assert failed == [("w1", "exception"), ("w2", "kill")], report
+    assert _ended(rows) == ["w0", "w3", "w4", "w5"] and _sizes_per_epoch(rows)[-1] == 4, report
+    # a replacement's HOROVOD_RANK at start is the rank it is to take (3 of 4), not 0 nor a dead worker's
+    assert {r["wid"]: r["start_rank"] for r in rows if r["what"] == "start" and r["wid"] in ("w4", "w5")} == \
+        {"w4": "3", "w5": "3"}, report
     _equal_params(tmp_path, 4, report)
+
+
+def test_every_worker_failing_ends_the_job_naming_the_first_failure(tmp_path):
+    proc, rows, report = _run(tmp_path, "hvd", None, "-H", "localhost:2,127.0.0.1:2", "-np", "2",
+                              "--min-np", "2", exits={"0,1": ["localhost", "127.0.0.1"]}, timeout=120)
+    assert proc.returncode != 0, report
+    fails = [r for r in rows if r["what"] == "fail"]
+    assert len(fails) == 4 and not [r for r in rows if r["what"] == "end"], report  # -H: the 4 slots offered
+    assert "fewer than --min-np 2" in proc.stderr and "(first failure: rank " in proc.stderr, report
+    assert proc.stderr.count("Traceback") == 4, report  # each worker's own, once; the launcher repeats none
+    print(f"\nlast failure to the launcher's exit: {proc.ended - max(r['t'] for r in fails):.1f}s")
+
+
+def test_reset_limit_stops_the_job_at_the_second_change(tmp_path):
+    proc, rows, report = _run(tmp_path, "hvd", {0: "localhost:2\n", 1: "localhost:3\n", 2: "localhost:2\n"},
+                              "-np", "2", "--min-np", "2", "--max-np", "4", "--reset-limit", "1", timeout=180)
+    assert proc.returncode != 0, report
+    assert "the job reached --reset-limit 1: 1 reset(s) done and another is needed" in proc.stderr, report
+    assert _sizes_per_epoch(rows)[:2] == [2, 3], report

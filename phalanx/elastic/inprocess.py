@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from phalanx.log import get_logger
 
-__all__ = ["active", "prepare", "is_joiner", "generation", "latest_generation", "reform", "join", "membership_changed", "is_collective_error",
+__all__ = ["active", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
            "MembershipChanged", "ReformFailed", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -88,6 +88,11 @@ def _reform_timeout_s(collective_s: float) -> float:
     return float(os.environ.get("PHALANX_ELASTIC_REFORM_TIMEOUT") or collective_s + 30)
 
 
+def _form_timeout_s() -> float:
+    """How long making one generation's process group may take once every member checked in."""
+    return float(os.environ.get("PHALANX_ELASTIC_FORM_TIMEOUT") or 30)
+
+
 def active() -> bool:
     """True in a worker started by the in-process elastic launcher."""
     return bool(os.environ.get(STORE_ENV) and os.environ.get(WID_ENV))
@@ -114,6 +119,11 @@ def latest_generation() -> int:
     """The newest generation the launcher has published (> :func:`generation` while a change is
     pending: this worker's next commit re-forms). 0 outside an in-process elastic job."""
     return _latest() if active() else 0
+
+
+def members_of(gen: int) -> list[str]:
+    """The worker ids of generation ``gen`` in rank order, as the launcher published it."""
+    return [m[0] for m in json.loads(_context().store.get(f"pxe/gen/{gen}"))["members"]]
 
 
 def _get(key: str) -> bytes | None:
@@ -273,19 +283,27 @@ def _check_stop() -> None:
 def reform(reason: str, *, joining: bool = False) -> float:
     """Leave the current group and join the next generation the launcher publishes.
 
-    Returns the seconds it took. A worker left out of the new generation exits 0 (the
-    job shrank); one that cannot join within the timeout raises :class:`ReformFailed`.
+    One round per generation g: check in (``pxe/g<g>/ack/<wid>``, counted in ``pxe/g<g>/arrived``),
+    wait until every member of g has, then make g's process group. A newer generation
+    published meanwhile (a member died while g formed) abandons the round for the newer one;
+    so does a process group that could not be made (a member died after checking in).
+    Returns the seconds it took. A worker left out of the new generation exits 0 (the job
+    shrank); one that cannot join within the timeout raises :class:`ReformFailed` naming the
+    generation and the workers that did not check in.
     """
     from phalanx import runtime
 
     ctx = _context()
     started = time.monotonic()
     wait_s = _reform_timeout_s(ctx.timeout_s)
+    if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
+        wait_s = max(wait_s, float(os.environ.get("PHALANX_ELASTIC_JOIN_TIMEOUT") or 600))
     deadline = started + wait_s
     _leave_group()
     if joining:
         ctx.store.set(f"pxe/ready/{ctx.wid}", b"1")
     seen = ctx.gen if not joining else -1
+    missing: tuple[int, list[str]] | None = None
     while True:
         _check_stop()
         latest = _latest()
@@ -299,24 +317,40 @@ def reform(reason: str, *, joining: bool = False) -> float:
                 log.warning("generation %d leaves this worker (%s) out: the job shrank; exiting", latest, ctx.wid)
                 ctx.store.set(f"pxe/left/{ctx.wid}", b"1")
                 _exit_now(0)
-            arrived_key = f"pxe/g{latest}/arrived"
-            ctx.store.add(arrived_key, 1)
-            while ctx.store.add(arrived_key, 0) < len(wids):
-                if _latest() > latest or time.monotonic() > deadline:
-                    break
-                _check_stop()
-                time.sleep(_POLL_S)
+            if _all_checked_in(ctx, latest, wids, deadline):
+                try:
+                    _join_group(ctx, latest, members)
+                except Exception as err:  # noqa: BLE001 - a member died while the group was made
+                    log.warning("generation %d could not form (%s: %s); waiting for the next one", latest,
+                                type(err).__name__, str(err).splitlines()[0][:160] if str(err) else "")
+                    _leave_group()
+                else:
+                    took = time.monotonic() - started
+                    log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
+                                runtime.rank(), runtime.size(), took)
+                    return took
             else:
-                _join_group(ctx, latest, members)
-                took = time.monotonic() - started
-                log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
-                            runtime.rank(), runtime.size(), took)
-                return took
+                missing = (latest, [w for w in wids if not ctx.store.check([f"pxe/g{latest}/ack/{w}"])])
             seen = latest
         if time.monotonic() > deadline:
-            raise ReformFailed(f"no generation after {ctx.gen} with all its members within {wait_s:.0f}s "
-                               f"({reason}); set PHALANX_ELASTIC_REFORM_TIMEOUT to wait longer")
+            where = (f"generation {missing[0]} still misses {', '.join(missing[1])}" if missing else
+                     f"the launcher published no generation after {ctx.gen}")
+            raise ReformFailed(f"{ctx.wid} could not re-form within {wait_s:.0f}s ({reason}): {where}; "
+                               "set PHALANX_ELASTIC_REFORM_TIMEOUT to wait longer")
         time.sleep(_POLL_S)
+
+
+def _all_checked_in(ctx: _Ctx, gen: int, wids: list[str], deadline: float) -> bool:
+    """Check in to generation ``gen``; True once every member has (False: a newer one, or the deadline)."""
+    ctx.store.set(f"pxe/g{gen}/ack/{ctx.wid}", b"1")
+    arrived_key = f"pxe/g{gen}/arrived"
+    ctx.store.add(arrived_key, 1)
+    while ctx.store.add(arrived_key, 0) < len(wids):
+        if _latest() > gen or time.monotonic() > deadline:
+            return False
+        _check_stop()
+        time.sleep(_POLL_S)
+    return True
 
 
 def join() -> float:
@@ -342,8 +376,14 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
     timeout = datetime.timedelta(seconds=ctx.timeout_s)
     before = _group_sockets(ctx.store_port)
     runtime.import_dynamo_first()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
-                            world_size=len(members), timeout=timeout)
+    # making the group waits on the store for every member's address: bounded by the formation
+    # timeout, so a member that died after checking in aborts this round instead of holding it
+    ctx.store.set_timeout(datetime.timedelta(seconds=min(ctx.timeout_s, _form_timeout_s())))
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
+                                world_size=len(members), timeout=timeout)
+    finally:
+        ctx.store.set_timeout(timeout)
     ctx.group_sockets = _group_sockets(ctx.store_port) - before
     ctx.gen, ctx.members = gen, members
     os.environ.pop(JOIN_ENV, None)
