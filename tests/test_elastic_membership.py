@@ -128,3 +128,90 @@ def test_reset_limit_stops_the_job_at_the_second_change(tmp_path):
     assert proc.returncode != 0, report
     assert "the job reached --reset-limit 1: 1 reset(s) done and another is needed" in proc.stderr, report
     assert _sizes_per_epoch(rows)[:2] == [2, 3], report
+
+
+# ---------------------------------------------------------------- pieces, in this process
+
+
+def test_set_aside_hosts_cool_down_and_back_off():
+    from phalanx.launcher.hosts import SetAside
+
+    now = [0.0]
+
+    class Low:  # uniform(low, high) -> low
+        def uniform(self, low, high):
+            return low
+
+    aside = SetAside((2.0, 5.0), clock=lambda: now[0], rng=Low())
+    assert aside.add("b") == 2.0 and aside.usable({"a": 2, "b": 2}) == {"a": 2}
+    assert aside.any_returns() and aside.returning() == []
+    now[0] = 2.0
+    assert aside.returning() == ["b"] and aside.usable({"a": 2, "b": 2}) == {"a": 2, "b": 2}
+    assert aside.add("b") == 4.0 and aside.add("b") == 5.0  # doubled at each failure, capped at MAX
+    forever = SetAside(None)
+    assert forever.add("a") == float("inf") and not forever.any_returns()
+
+
+def test_discovery_keeps_host_names_and_new_flags_are_checked(tmp_path):
+    import argparse
+
+    import pytest
+
+    from phalanx.launcher.discovery import discover_hosts, discover_slots
+    from phalanx.launcher.launch_options import add_elastic_arguments, elastic_launch_options
+
+    script = tmp_path / "d.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\necho node7:4\n")
+    script.chmod(0o755)
+    assert discover_hosts(str(script)) == {"localhost": 2, "127.0.0.1": 1, "node7": 4}  # two hosts here
+    assert discover_slots(str(script)) == 3
+    p = argparse.ArgumentParser()
+    add_elastic_arguments(p)
+    args = p.parse_args(["--reset-limit", "2", "--blacklist-cooldown-range", "1", "5", "--elastic-timeout", "30"])
+    assert (args.reset_limit, args.blacklist_cooldown_range, args.elastic_timeout) == (2, [1.0, 5.0], 30.0)
+    elastic_launch_options(args, 2, {})
+    for bad, message in ((["--reset-limit", "-1"], "--reset-limit must be >= 0"),
+                         (["--blacklist-cooldown-range", "5", "1"], "write MIN MAX"),
+                         (["--elastic-timeout", "0"], "--elastic-timeout must be positive")):
+        with pytest.raises(ValueError, match=message):
+            elastic_launch_options(p.parse_args(bad), 2, {})
+
+
+def _old_rank_and_newcomer():
+    import phalanx as px
+    from phalanx.parallel.data.gradients import reform_engines
+
+    def build():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        return net, px.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                            named_parameters=net.named_parameters())
+
+    net, opt = build()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(px.rank()))
+    for _ in range(2):  # the buckets are re-planned from rank 0's order and no longer mismatch-checked
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+    learned = opt._engine.buckets.rebuilt
+    if px.rank() == 1:  # a newcomer: a fresh model and optimizer, rank 0's state by broadcast
+        net, opt = build()
+    reformed = reform_engines(px.topology())  # on every rank after a re-form (phalanx.elastic.run does)
+    fresh = opt._engine.buckets.rebuilt
+    px.broadcast_parameters(net.state_dict(), root_rank=0)
+    for _ in range(2):  # the same collectives on both ranks now (before: a mismatch, then a hang)
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+    return {"learned": learned, "fresh": fresh, "reformed": reformed, "world": opt._engine.world,
+            "params": [p.detach().clone() for p in net.parameters()]}
+
+
+def test_engines_start_over_at_a_reform_so_old_ranks_and_newcomers_match():
+    from phalanx.testing import distributed
+
+    out = distributed(_old_rank_and_newcomer, np=2, timeout=120)
+    assert [o["learned"] for o in out] == [True, True] and [o["fresh"] for o in out] == [False, False]
+    assert out[0]["reformed"] >= 1 and out[1]["reformed"] >= 2 and {o["world"] for o in out} == {2}
+    for a, b in zip(out[0]["params"], out[1]["params"]):
+        assert torch.equal(a, b)
