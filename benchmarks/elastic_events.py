@@ -14,7 +14,8 @@ rank 0 logs the wall time of every completed step. One job per event and repeat:
 
 Peer for kill and exception: TorchElastic's group restart (`phalanx run -np N --max-restarts 1`),
 the same job; grow and shrink have no peer there (TorchElastic restarts every worker for them).
-Prints per event the median seconds to the next completed step, both paths and the ratio.
+Prints per event the median seconds from the event to the first step completed by the changed job
+(a later generation, or the restarted group), both paths and the ratio.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ WORKER = textwrap.dedent('''
 
     def log(what, **kw):
         with open(OUT + "/log.jsonl", "a") as f:
-            f.write(json.dumps({"what": what, "t": time.time(), "size": hvd.size(), **kw}) + "\\n")
+            f.write(json.dumps({"what": what, "t": time.time(), "size": hvd.size(), "gen": inprocess.generation(),
+                                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **kw}) + "\\n")
 
     @el.run
     def train(state):
@@ -108,7 +110,9 @@ def one(event: str, path: str, np: int, at: int, steps: int) -> float | None:
             return None
         rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
     ev = next(r for r in rows if r["what"] == "event")
-    after = [r for r in rows if r["what"] == "step" and r["t"] > ev["t"]]
+    # the first step completed in the changed job: a later generation (in-process) or a restart
+    after = [r for r in rows if r["what"] == "step" and r["t"] > ev["t"]
+             and (r["gen"], r["restart"]) > (ev["gen"], ev["restart"])]
     return after[0]["t"] - ev["t"] if after else None
 
 

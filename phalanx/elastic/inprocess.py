@@ -11,7 +11,7 @@ process across generations::
               ─ ranks 0,1,2 ─ restore() the commit in memory ─ sync() ─ train_fn again
 
     launcher: new worker w4 ready (pxe/ready/w4) ─ publish gen 2 = [w0, w1, w3, w4]
-    workers:  state.commit() ─ rank 0 reads pxe/latest (one store get), broadcasts ─ 2 > 1 ─
+    workers:  state.commit() ─ rank 0 reads pxe/latest (one store get), allreduce(MAX) ─ 2 > 1 ─
               every rank re-forms as above, w4 included; w4 receives the state in sync()
 
 A worker missing from a new generation (the launcher shrinks the job) leaves with exit
@@ -144,7 +144,9 @@ def _stop_reason() -> dict | None:
 def membership_changed() -> bool:
     """At a commit: True on every rank when the launcher published a newer generation.
 
-    Rank 0 asks the store once and broadcasts the answer (one small broadcast per commit).
+    Rank 0 asks the store once; one small allreduce carries the answer to every rank (an
+    allreduce, not a broadcast: every rank takes part, so a peer that died since the last
+    step makes it fail on every rank at once).
     """
     if not active():
         return False
@@ -156,12 +158,12 @@ def membership_changed() -> bool:
     if size == 1 or runtime.rank() == 0:
         flag[0] = int(_latest() > ctx.gen)
     if size > 1:
-        dist.broadcast(flag, src=0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag[0])
 
 
 _COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
-                     "timeout", "nccl", "peer", "socket", "store")
+                     "timeout", "nccl", "peer", "socket", "store", "no answer within")
 
 
 def is_collective_error(err: BaseException) -> bool:
@@ -169,7 +171,8 @@ def is_collective_error(err: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(err, dist_error):
         return True
-    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
+    # TimeoutError: a checkpoint's cross-rank wait on the store for a rank that is gone
+    return isinstance(err, (RuntimeError, TimeoutError)) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
 
 
 def _socket_fds() -> dict[str, int]:

@@ -52,17 +52,15 @@ log = get_logger(__name__)
 _EXEC_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
 _GRACE_S = 10.0
 _LOCAL = "localhost"
-_PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+_PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "HOROVOD_RANK",
+                  "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 
 
 class _Worker:
     def __init__(self, wid: str, host: str, proc: subprocess.Popen, joiner: bool) -> None:
         self.wid, self.host, self.proc, self.joiner = wid, host, proc, joiner
         self.code: int | None = None
-        self.admitted = not joiner  # in a published generation
-        self.ready = not joiner
+        self.admitted = self.ready = not joiner  # admitted: in a published generation
         self.started = time.monotonic()
 
 
@@ -282,7 +280,13 @@ class Supervisor:
         starting = [w for w in self.workers if w.code is None and not w.ready]
         if any(time.monotonic() - w.started < self.start_timeout for w in starting):
             ready = []  # admit the joiners started together in one generation (one re-form, not several)
+        if not kept and keep:  # the job moves off its hosts: one old member stays to hand the state over
+            if not ready:
+                return None  # (until the newcomers are ready; it leaves at the next change)
+            kept = keep[:1]
         target = kept + ready[: max(0, self.max_np - len(kept))]
+        if not kept and self.members:  # no live member to take the state from: newcomers would start over
+            return f"every worker of generation {self.gen} was lost; stopping the job" + self._first()
         if len(target) < self.min_np:
             if len(target) + len(starting) >= self.min_np:
                 return None  # wait for the replacements to come up (the survivors wait, bounded, to re-form)
@@ -402,8 +406,7 @@ class Supervisor:
                     changed.append("host discovery")
             if not finished and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + 0.5
-                if self.aside.until or self._short_since is not None or self._waiting_joiners():
-                    changed.append("cooldowns and waits")  # a host may be back, a wait may be over
+                changed.append("cooldowns and waits")  # a host may be back, a wait may be over
             if changed and not finished:
                 self.wanted = self._wanted()
                 self._fill(replacing=not self.horovod_hosts)
@@ -415,9 +418,6 @@ class Supervisor:
             if not self._alive() or (finished and not any(w.admitted for w in self._alive())):
                 return failure or (0 if finished else 1)  # (joiners never admitted are stopped)
             time.sleep(0.05)
-
-    def _waiting_joiners(self) -> bool:
-        return any(w.code is None and not w.admitted for w in self.workers)
 
     def _fall_back(self, why: str) -> int:
         n = len([w for w in self.members if w.code is None or w.code == inprocess.REFORM_FAILED_EXIT])
