@@ -227,8 +227,8 @@ class Supervisor:
 
     def _fill(self, replacing: bool) -> None:
         """Start joiners until the wanted size is reached (the usable hosts' free slots permitting)."""
-        alive = [w for w in self._alive() if w.host not in self.aside.until]
         hosts = self._usable()
+        alive = [w for w in self._alive() if w.host in hosts]  # (not those about to leave)
         while len(alive) < self.wanted and (not replacing or self.replacements_left > 0):
             used = {h: sum(1 for w in alive if w.host == h) for h in hosts}
             free = [h for h, slots in hosts.items() if used[h] < slots]
