@@ -45,3 +45,130 @@ def reference(worker: str, total: int, n_data: int):
     for _ in range(total):
         ns["step"](model, opt, sampler, x, y, 1)
     return [p.detach() for p in model.parameters()], model
+
+
+# A whole worker script (run as `python SCRIPT OUT ARGS_JSON`), in the shape of Horovod's elastic
+# integration test: epochs of a few batches, a commit every batch, a host list per epoch written
+# by rank 0 for the discovery script to print, and failures scheduled by (epoch, batch) on the
+# workers of a named host. api "hvd": phalanx.horovod.elastic (TorchState, ObjectState-like extras,
+# register_reset_callbacks, ElasticSampler) with hvd.DistributedOptimizer; api "px":
+# phalanx.elastic (State, run) with px.DataParallel. Every rank writes its parameters at the end.
+JOB = textwrap.dedent('''
+    import json, os, signal, sys, time
+    import torch
+
+    OUT, ARGS = sys.argv[1], json.loads(sys.argv[2])
+    EPOCHS, BATCHES, API = ARGS["epochs"], ARGS["batches"], ARGS["api"]
+    SCHEDULE = {int(k): v for k, v in ARGS.get("hosts", {}).items()}   # epoch -> discovery output
+    EXITS = ARGS.get("exits", {})   # "epoch,batch" -> [host or worker id, ...]: they fail at that point
+    HOST = os.environ.get("HOROVOD_HOSTNAME", "?")
+    WID = os.environ.get("PHALANX_ELASTIC_WID", "?")
+    START_RANK = os.environ.get("HOROVOD_RANK")   # as a Horovod script reads it at start
+
+    if API == "hvd":
+        import phalanx.horovod.torch as hvd
+        from phalanx.horovod import elastic as el
+        hvd.init()
+        rank, size = hvd.rank, hvd.size
+    else:
+        import phalanx as px
+        from phalanx import elastic as el
+        px.init()
+        rank, size = px.rank, px.size
+    from phalanx.elastic import inprocess
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(256, 4, generator=g, dtype=torch.float64)
+    Y = torch.randn(256, 2, generator=g, dtype=torch.float64)
+    if API == "hvd":
+        model, opt = net, hvd.DistributedOptimizer(inner, named_parameters=net.named_parameters())
+        sampler = el.ElasticSampler(list(range(256)), shuffle=True, seed=3)
+        state = el.TorchState(net, inner, sampler=sampler, epoch=0, batch=0, resets=0, commit_dir=OUT + "/c")
+        state.register_reset_callbacks([lambda: setattr(state, "resets", state.resets + 1)])
+    else:
+        model, opt = px.DataParallel(net), inner
+        sampler = el.ElasticSampler(256, shuffle=True, seed=3)
+        state = el.TorchState(net, inner, sampler=sampler, epoch=0, batch=0, commit_dir=OUT + "/c")
+
+    def log(what, **kw):
+        with open(os.path.join(OUT, "log.jsonl"), "a") as f:
+            f.write(json.dumps({"what": what, "wid": WID, "host": HOST, "pid": os.getpid(), "rank": rank(),
+                                "size": size(), "gen": inprocess.generation(), "t": time.time(), **kw}) + "\\n")
+
+    def maybe_fail(epoch, batch):
+        # "epoch,batch": fail there ("admitting": see commit())
+        due = EXITS.get(f"{epoch},{batch}", [])
+        fail_now(due, epoch, batch)
+
+    def fail_now(due, epoch, batch):
+        for entry in due:   # "kill:NAME": by SIGKILL, else by an exception
+            kill, name = entry.startswith("kill:"), entry.removeprefix("kill:")
+            if name not in (HOST, WID):
+                continue
+            log("fail", epoch=epoch, batch=batch, mode="kill" if kill else "exception")
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"scheduled failure at epoch {epoch} batch {batch} on {HOST} ({WID})")
+
+    def commit(epoch, batch):
+        # "admitting": fail at the first commit that admits newcomers, while their generation forms
+        try:
+            state.commit()
+        except inprocess.MembershipChanged:
+            grown = len(inprocess.members_of(inprocess.latest_generation())) > size()
+            if grown and not os.path.exists(OUT + "/admit." + WID):
+                open(OUT + "/admit." + WID, "w").close()   # (once per worker)
+                fail_now(EXITS.get("admitting", []), epoch, batch)
+            raise
+
+    def wait_for_joiners():
+        # rank 0, at the end of an epoch: below ARGS["size"], wait (bounded) for the launcher to admit more
+        deadline = time.time() + 120
+        while size() < ARGS.get("size", 0) and inprocess.latest_generation() <= inprocess.generation():
+            if time.time() > deadline:
+                return
+            time.sleep(0.02)
+
+    def change_hosts(epoch):
+        # rank 0, at the end of an epoch: the next epoch's hosts, and wait (bounded) for the launcher
+        nxt = SCHEDULE.get(epoch + 1)
+        if nxt is None or nxt == SCHEDULE.get(epoch):
+            return
+        with open(os.path.join(OUT, "hosts.txt"), "w") as f:
+            f.write(nxt)
+        deadline = time.time() + ARGS.get("change_wait", 90)
+        while inprocess.latest_generation() <= inprocess.generation():
+            if time.time() > deadline:
+                if ARGS.get("change_wait"):
+                    return   # (random test: a change may leave the membership as it is)
+                raise TimeoutError("the launcher published no new generation within 90 s")
+            time.sleep(0.02)
+
+    @el.run
+    def train(state):
+        log("start", epoch=state.epoch, batch=state.batch, start_rank=START_RANK)
+        while state.epoch < EPOCHS:
+            while state.batch < BATCHES:
+                maybe_fail(state.epoch, state.batch)
+                idx = state.sampler.indices[:4]
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(X[idx]), Y[idx]).backward()
+                opt.step()
+                state.sampler.record_batch(state.batch, 4) if API == "hvd" else state.sampler.record_batch(4)
+                state.batch += 1
+                commit(state.epoch, state.batch)
+            if rank() == 0:
+                log("epoch", epoch=state.epoch)
+                change_hosts(state.epoch)
+                wait_for_joiners()
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.sampler.set_epoch(state.epoch)
+            commit(state.epoch, state.batch)
+
+    train(state)
+    log("end", epoch=state.epoch, resets=state.resets if API == "hvd" else None)
+    torch.save([p.detach() for p in net.parameters()], os.path.join(OUT, f"params.{rank()}.pt"))
+''')

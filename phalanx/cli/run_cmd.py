@@ -119,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
                       ranks_filter=ranks_filter, quiet_agent=level != logging.DEBUG, local_addr=args.local_addr,
                       monitor_interval_s=args.monitor_interval or 0.1, **elastic)
     if in_process_elastic(args):
-        code = _run_in_process(args, spec, command, np)
+        code = _run_in_process(args, spec, command, np, hosts)
     else:
         code = launch(spec, command)
     if args.timeline:
@@ -210,7 +210,7 @@ def in_process_elastic(args: argparse.Namespace) -> bool:
     return args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
 
 
-def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[str], np: int) -> int:
+def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[str], np: int, hosts) -> int:
     """The in-process elastic supervisor, with TorchElastic's group restart as its fallback."""
     import dataclasses
 
@@ -227,11 +227,10 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
                      script=os.path.abspath(args.host_discovery_script) if args.host_discovery_script else None,
                      interval_s=args.discovery_interval, max_restarts=spec.max_restarts, ssh=ssh,
                      network_interface=args.network_interface, start_timeout=args.start_timeout,
-                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter)
-    if spec.log_dir:
-        logging.getLogger("phalanx.launcher").warning(
-            "--output-filename is not honoured by in-process elastic jobs (--min-np/--max-np) yet; "
-            "their output is on the console only")
+                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter,
+                     hosts={h.name: h.slots for h in hosts} if hosts else None, reset_limit=args.reset_limit,
+                     cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
+                     elastic_timeout=args.elastic_timeout, log_dir=spec.log_dir)
     return sup.run()
 
 

@@ -121,8 +121,20 @@ def _reform_or_fall_back(reform: Callable[[], float]) -> None:
     """Re-form, or end this worker with REFORM_FAILED_EXIT so the launcher restarts the whole group."""
     try:
         reform()
+        _rederive_strategies()
     except Exception as err:  # noqa: BLE001 - any failure to re-form hands over to the restart path
         log.error("could not re-form in-process (%s: %s); exiting with status %d so the launcher restarts "
                   "the group from the last commit (path: group restart)", type(err).__name__, err,
                   inprocess.REFORM_FAILED_EXIT)
         inprocess._exit_now(inprocess.REFORM_FAILED_EXIT)
+
+
+def _rederive_strategies() -> None:
+    """The world changed: every DataParallel / DistributedOptimizer re-derives its collectives
+    (bucket layout, world size, join announcement) so old ranks and newcomers issue the same ones."""
+    from phalanx import runtime
+    from phalanx.parallel.data.gradients import reform_engines
+
+    count = reform_engines(runtime.topology())
+    if count:
+        log.info("re-derived %d gradient engine(s) for a world of %d", count, runtime.size())

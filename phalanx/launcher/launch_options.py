@@ -38,6 +38,15 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-timeout", type=float, default=None, metavar="S",
                    help="kill a rank whose heartbeat stopped, or that every other rank has waited on, for S "
                         "seconds (default: none; the collective --timeout ends the job)")
+    g.add_argument("--reset-limit", type=int, default=None, metavar="N",
+                   help="elastic (horovodrun's flag): stop the job when its membership would change an "
+                        "N+1-th time (default: no limit)")
+    g.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="elastic (horovodrun's flag): a host whose worker failed may return after a random "
+                        "MIN..MAX seconds, doubled at each failure there (default: never)")
+    g.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+                   help="elastic (horovodrun's flag): seconds to wait for --min-np workers to be possible "
+                        "again before the job stops (default 600)")
     g.add_argument("--resume-from", default=None, metavar="DIR",
                    help="resume from the newest intact checkpoint under DIR (exported to the "
                         "workers as PHALANX_RESUME_FROM)")
@@ -66,6 +75,14 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
         raise ValueError(f"--max-np {max_np} is smaller than -np {np}; raise --max-np or lower -np")
     if args.discovery_interval <= 0:
         raise ValueError(f"--discovery-interval must be positive, got {args.discovery_interval}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        raise ValueError(f"--reset-limit must be >= 0, got {args.reset_limit}")
+    if args.elastic_timeout <= 0:
+        raise ValueError(f"--elastic-timeout must be positive, got {args.elastic_timeout}")
+    cooldown = args.blacklist_cooldown_range
+    if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
+        raise ValueError(f"--blacklist-cooldown-range {cooldown[0]:g} {cooldown[1]:g}: write MIN MAX "
+                         "with 0 <= MIN <= MAX seconds")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.host_discovery_script is not None:

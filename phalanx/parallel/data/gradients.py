@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -49,9 +50,25 @@ from phalanx.parallel.data.reduction import (
     TakesGrads,
 )
 
-__all__ = ["GradientEngine"]
+__all__ = ["GradientEngine", "reform_engines"]
 
 _log = get_logger(__name__)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every engine with hooks on: re-derived at a change of world
+
+
+def reform_engines(topology) -> int:
+    """After an elastic re-form: every live engine re-derives itself for the new world (``topology``).
+
+    Old ranks and a newcomer must then issue the same collectives: each engine goes back to
+    the layout a fresh one has (buckets in reverse parameter order, re-planned from rank 0's
+    order at the end of the first step, mismatch-checked until then), forgets the step in
+    flight and its accumulation count, and reads the new world size. Returns how many engines
+    were re-derived.
+    """
+    engines = [e for e in list(_LIVE) if e._hooks]
+    for engine in engines:
+        engine.reform(topology)
+    return len(engines)
 
 
 class GradientEngine:
@@ -107,7 +124,11 @@ class GradientEngine:
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
         self.reduction.bind(self)
         self._init_step_state()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params if p.requires_grad]
+        self._hooked = [p for _, p in named_params if p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._hooked]
+        self._bucket_bytes = int(bucket_mb * 2**20)
+        self.on_reform: list[Callable[[], None]] = []  # the fronts' own per-world state (join flags)
+        _LIVE.add(self)
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
         _log.info("%s", self.describe())
@@ -181,6 +202,39 @@ class GradientEngine:
             observer.bind(self)
         self.observer = observer
         return observer
+
+    def reform(self, topology) -> None:
+        """The world changed under this engine (elastic re-form): start over as a fresh engine would.
+
+        Only engines on the default group follow the job; one on an explicit group keeps it
+        (that group belonged to the old world: build a new engine on a new group instead).
+        """
+        if self.group is not None:
+            _log.warning("a gradient engine on an explicit process group cannot follow an elastic re-form; "
+                         "build DataParallel/DistributedOptimizer on the new group after the re-form")
+            return
+        self.topology = topology
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
+        if not isinstance(self.buckets, PlannedBuckets):
+            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch)
+        else:
+            self.buckets.reset()
+        self.finite = FiniteGuard(self.compressor, self.buckets.params)
+        reset = getattr(self.compressor, "reset_state", None)
+        if callable(reset):
+            reset()  # error-feedback residuals: a newcomer has none either
+        self.reduction.bind(self)
+        self._passes, self._queued, self._syncing, self._pending, self.shadowing = 0, False, False, False, False
+        self._used, self._followups = set(), []
+        self._last_step_end = None
+        for fn in self.on_reform:
+            fn()
+        # after the fronts' hooks (a DistributedOptimizer's join announcement runs first on each
+        # parameter, before any bucket launches), as at construction
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._hooked]
 
     # ------------------------------------------------------------------ backward
     def sync_now(self) -> bool:

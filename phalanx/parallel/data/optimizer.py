@@ -99,9 +99,16 @@ class DistributedOptimizer:
         # (one call a step, not a Python hook on every parameter).
         if world > 1 and join_ready:
             self._engine.on_first_grad = self._announce
+        self._engine.on_reform.append(self._world_changed)
         # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
         self.balancer = self._engine.attach(resolve_balance(balance, group))
         self._skip = False
+
+    def _world_changed(self) -> None:
+        """Elastic re-form: the per-step join announcement exists exactly when the new world has peers."""
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self._join_flag = None
+        self._engine.on_first_grad = self._announce if world > 1 and self.join_ready else None
 
     # delegation -----------------------------------------------------------------
     @property
