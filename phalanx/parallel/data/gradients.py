@@ -40,7 +40,7 @@ from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
 from phalanx.comm.compressed_paths import ring_bytes
 from phalanx.log import get_logger
-from phalanx.parallel.data.config import job_defaults, resolve_topology
+from phalanx.parallel.data.config import check_engine_args, job_defaults, resolve_topology
 from phalanx.parallel.data.followups import FiniteGuard, FollowUp, UsedCounts, launch_sparse
 from phalanx.parallel.data.hooks import StepObserver, run_engine_hooks
 from phalanx.parallel.data.reduction import (
@@ -102,7 +102,7 @@ class GradientEngine:
         pad_to: int = 1,
         lazy_buckets: bool = False,
     ) -> None:
-        _check_args(op, gradient_predivide_factor, backward_passes_per_step)
+        check_engine_args(op, gradient_predivide_factor, backward_passes_per_step)
         self.op = ReduceOp(op)
         self.group = group
         self.topology = resolve_topology(topology)
@@ -446,16 +446,3 @@ class GradientEngine:
             h.remove()
         self._hooks = []
 
-
-def _check_args(op, predivide: float, passes: int) -> None:
-    try:
-        op = ReduceOp(op)
-    except ValueError:
-        raise settings.SettingsError(f"op={op!r} is not accepted; accepted: px.Average | px.Sum "
-                                     "(ReduceOp.AVERAGE | ReduceOp.SUM)") from None
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError(f"op must be Sum or Average for gradients, got {ReduceOp(op).name.title()}")
-    if predivide <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
-    if passes < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
