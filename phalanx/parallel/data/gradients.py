@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import settings, trace
+from phalanx import trace
 from phalanx.comm.broadcast import root_of
 from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
 from phalanx.comm.codec_types import Stateful
