@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from phalanx.log import get_logger
 
-__all__ = ["active", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
+__all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
            "MembershipChanged", "ReformFailed", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -233,6 +233,15 @@ def _shut_group_sockets(ctx: _Ctx) -> int:
             s.close()  # closes our duplicate only
     ctx.group_sockets = set()
     return count
+
+
+def abandon() -> int:
+    """This worker is lost (its training raised): shut its group connections so the peers'
+    collectives fail now, not when this process has finished exiting. Returns how many."""
+    ctx = _context()
+    if not ctx.group_sockets:
+        ctx.group_sockets = _group_sockets(ctx.store_port)
+    return _shut_group_sockets(ctx)
 
 
 def prepare() -> None:

@@ -90,6 +90,13 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 state.sync()
             except Exception as err:
                 if not (inprocess.active() and inprocess.is_collective_error(err)):
+                    if inprocess.active():
+                        # In-process: this worker is lost. Cut its connections now, so the others
+                        # fail at once and re-form while this process prints and exits.
+                        inprocess.abandon()
+                        log.error("training failed (%s: %s); this worker exits, the others re-form "
+                                  "in-process", type(err).__name__, err)
+                        raise
                     # Under TorchElastic a dead peer breaks this process group; the agent restarts
                     # everyone from the last commit. Say so, then let the error end us.
                     log.error("training failed (%s: %s); exiting so the agent restarts the group "
