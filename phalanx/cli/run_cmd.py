@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 
 from phalanx.cli.parser import UsageError
@@ -128,7 +129,7 @@ def _allocation_tasks() -> int | None:
     from phalanx.launcher.slurm import allocation
 
     alloc = allocation()
-    return alloc.total if alloc else None
+    return alloc.total if alloc and shutil.which("srun") else None
 
 
 def _run_in_allocation(args, np, command, env, ranks_filter) -> int | None:
@@ -140,6 +141,10 @@ def _run_in_allocation(args, np, command, env, ranks_filter) -> int | None:
     except ValueError as err:
         raise UsageError(str(err)) from None
     if alloc is None:
+        return None
+    if not shutil.which("srun"):  # e.g. a container started inside the job: SLURM's variables, no srun
+        logging.getLogger("phalanx.launcher").warning(
+            "inside %s but srun is not on PATH; running on this host only", alloc.describe())
         return None
     if in_process_elastic(args):
         logging.getLogger("phalanx.launcher").warning(
