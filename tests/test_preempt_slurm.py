@@ -1,5 +1,5 @@
-"""Preemption on a real SLURM cluster (tests/slurm_cluster.py): an ``sbatch --requeue`` job of two
-tasks on two nodes gets ``scancel --signal=USR1 --full`` mid-run; both ranks save one checkpoint at
+"""Preemption on a real SLURM cluster (tests/slurm_cluster.py): docs/slurm.md's ``sbatch --requeue`` script,
+two tasks on two nodes, gets ``scancel --signal=USR1 --full`` mid-run; both ranks save one checkpoint at
 the same step, rank 0 requeues the job (``scontrol requeue``), and the requeued run resumes with no
 flag (``SLURM_RESTART_COUNT``) and ends with parameters bitwise equal to an uninterrupted run."""
 
@@ -27,14 +27,15 @@ def _job_state(slurm, job_id):  # noqa: F811
 def test_usr1_checkpoints_requeues_and_resumes_bitwise_equal(slurm, tmp_path):  # noqa: F811
     out = tmp_path
     os.chmod(out, 0o755)
+    # docs/slurm.md's preemption script, with this test's job, log and PYTHONPATH
+    doc = open(os.path.join(os.path.dirname(JOB), "..", "docs", "slurm.md")).read()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if b.startswith("#!/usr/bin/env bash")]
+    assert "srun python train.py &" in block and "#SBATCH --requeue" in block
+    block = block.replace("#SBATCH --requeue", f"#SBATCH --requeue\n#SBATCH -o {out}/slurm.out")
+    block = block.replace("export PHALANX_PREEMPT_SIGNAL=USR1",
+                          f"export PHALANX_PREEMPT_SIGNAL=USR1 PYTHONPATH={os.environ.get('PYTHONPATH', '')}")
     script = out / "job.sh"
-    script.write_text(f"""#!/bin/bash
-#SBATCH -N2 -n2 --requeue --open-mode=append -o {out}/slurm.out
-trap 'echo "batch shell got USR1"' USR1          # scancel --full signals the batch shell too
-export PHALANX_PREEMPT_SIGNAL=USR1 PYTHONPATH={os.environ.get("PYTHONPATH", "")}
-srun {sys.executable} {JOB} {out} slurm &
-wait $!; wait $!                                 # the trap interrupts the first wait
-""")
+    script.write_text(block.replace("srun python train.py &", f"srun {sys.executable} {JOB} {out} slurm &"))
     sub = slurm.run(["sbatch", "--parsable", str(script)])
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]

@@ -17,8 +17,9 @@ flag late may already be one step further), while a data-parallel step already
 synchronises the ranks; one 4-byte allreduce is the whole protocol. The Trainer adds the
 flag to the allreduce it already makes each step (the inf/NaN check), so there it costs
 nothing; in a plain loop :meth:`Preemption.requested` starts a 4-byte allreduce and reads
-it at the next call, so its latency hides behind a step (the save comes one step later),
-and ``every=N`` votes on every N-th call only.
+it at the next call, so its latency overlaps a step (the save comes one step later); on
+5-6 ms steps it still cost x1.07-1.19 (docs/preemption.md), so ``every=N`` votes on every N-th
+call only.
 
 Example (a plain loop)::
 
