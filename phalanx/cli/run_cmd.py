@@ -230,7 +230,8 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
                      run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter,
                      hosts={h.name: h.slots for h in hosts} if hosts else None, reset_limit=args.reset_limit,
                      cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
-                     elastic_timeout=args.elastic_timeout, log_dir=spec.log_dir)
+                     elastic_timeout=args.elastic_timeout, log_dir=spec.log_dir,
+                     stall_timeout=args.stall_timeout)
     return sup.run()
 
 

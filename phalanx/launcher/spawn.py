@@ -7,7 +7,7 @@ torch, so a rank starts in tens of milliseconds, not seconds.
 Failure handling, in the spirit of DeepSpeed's test launcher: nothing waits
 forever. When a rank raises, the others get a short grace period and are then
 killed; when the deadline passes, each rank still running is asked for its
-Python stack (faulthandler on SIGUSR1) and the error names the ranks that hung
+Python stack (faulthandler on SIGUSR2) and the error names the ranks that hung
 with their stacks.
 
 Example::
@@ -105,7 +105,7 @@ def _rank_main(fn, rank, size, local_size, port, args, kwargs, conn, stack_path,
     )
     os.environ.update(env)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
     import torch
 
     torch.set_num_threads(threads)
@@ -266,7 +266,7 @@ def _collect_stacks(procs, ranks: list[int], stack_dir: str) -> dict[int, str]:
     for r in ranks:
         if procs[r].is_alive():
             try:
-                os.kill(procs[r].pid, signal.SIGUSR1)
+                os.kill(procs[r].pid, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
     time.sleep(0.5)

@@ -11,7 +11,7 @@ Here the launcher reads them every half second.
   ``stalled(timeout)`` is the elastic supervisor's question: which workers are lost?
 * :class:`Watcher` is the thread ``phalanx run`` runs beside TorchElastic's agent: after
   ``--stall-warning`` seconds of one collective waiting (or a rank silent) it prints one
-  block with each rank's position and the Python stack of every live rank (SIGUSR1 ->
+  block with each rank's position and the Python stack of every live rank (SIGUSR2 ->
   faulthandler, written to ``PHALANX_STACK_DIR``); when a worker has gone and another is
   stopped (state T), it SIGKILLs the stopped one at once (a stopped process never honours
   the agent's SIGTERM, which would cost its 30 s grace); with ``--stall-timeout`` it also
@@ -300,7 +300,7 @@ class Watcher(threading.Thread):
         views = [v for v in views if is_child(v.pid)]
         for v in views:
             try:
-                os.kill(v.pid, signal.SIGUSR1)
+                os.kill(v.pid, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
         lines = []
@@ -369,3 +369,27 @@ class Watcher(threading.Thread):
             return v.rank, (f"rank {v.rank} (pid {v.pid}) never reached collective #{k} that the others waited "
                             f"in; it was running, at {describe_position(v.value)}")
         return None
+
+
+class ElasticStalls:
+    """For the elastic supervisor: the workers (by worker id) to treat as lost because they stalled.
+
+    With ``--stall-timeout S``: a worker silent for S seconds, or behind a collective every other
+    member has waited in that long (:meth:`StallDetector.stalled`). Without it, only a worker whose
+    heartbeat has stopped for ``silent_s`` (a stopped or frozen process: its heartbeat thread cannot
+    run) is lost; a slow worker that still beats is left to the collective ``--timeout``.
+    """
+
+    def __init__(self, store, timeout_s: float | None, silent_s: float = 15.0) -> None:
+        self.detector = StallDetector(store, [])
+        self.timeout_s, self.silent_s = timeout_s, silent_s
+
+    def lost(self, wids: Iterable[str]) -> list[Stall]:
+        self.detector.ranks = list(wids)
+        if self.timeout_s:
+            return self.detector.stalled(self.timeout_s)
+        self.detector.poll()
+        now = self.detector.clock()
+        return [Stall(v.rank, v.pid, f"stopped responding {v.silent_s(now):.0f} s ago: process state "
+                      f"{_state_words(process_state(v.pid))}", v.silent_s(now))
+                for v in self.detector.silent(self.silent_s) if v.rank in self.detector.ranks]

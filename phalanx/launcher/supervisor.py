@@ -44,7 +44,9 @@ from phalanx.launcher import secret as job_secret
 from phalanx.launcher.discovery import discover_hosts
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
+from phalanx.launcher.stall import ElasticStalls
 from phalanx.log import get_logger
+from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
 
 __all__ = ["Supervisor"]
 
@@ -84,7 +86,8 @@ class Supervisor:
                  start_timeout: int = 60, run_id: str | None = None, fallback=None,
                  ranks_filter: frozenset[int] | None = None, hosts: dict[str, int] | None = None,
                  reset_limit: int | None = None, cooldown: tuple[float, float] | None = None,
-                 elastic_timeout: float = 600.0, log_dir: str | None = None) -> None:
+                 elastic_timeout: float = 600.0, log_dir: str | None = None,
+                 stall_timeout: float | None = None) -> None:
         self.command, self.np = list(command), np
         self.named_hosts = dict(hosts) if hosts else None  # -H / --hostfile: Horovod's host semantics
         offered = sum(self.named_hosts.values()) if self.named_hosts else np
@@ -94,8 +97,7 @@ class Supervisor:
         self.horovod_hosts = bool(hosts) or bool(script)
         self.aside = SetAside(cooldown)
         self.reset_limit, self.resets = reset_limit, 0
-        self.elastic_timeout = elastic_timeout
-        self.log_dir = log_dir
+        self.elastic_timeout, self.log_dir, self.stall_timeout = elastic_timeout, log_dir, stall_timeout
         self.first_failure: str | None = None
         self._short_since: float | None = None  # since when fewer than --min-np workers can run
         self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
@@ -157,7 +159,8 @@ class Supervisor:
         env.update({"PHALANX_LAUNCHER": "run", "TORCHELASTIC_RUN_ID": self.run_id,
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "true",
                     "MASTER_ADDR": self.addr, "MASTER_PORT": str(self.store.port),
-                    inprocess.STORE_ENV: f"{self.addr}:{self.store.port}"})
+                    inprocess.STORE_ENV: f"{self.addr}:{self.store.port}",
+                    HEARTBEAT_ENV: "1", HEARTBEAT_STORE_ENV: f"{self.addr}:{self.store.port}"})
         return env
 
     def _start(self, host: str, rank_env: dict[str, int] | None, expected_rank: int = 0) -> _Worker:
@@ -327,6 +330,7 @@ class Supervisor:
         from phalanx.runtime import bound_tcp_store
 
         self.store = bound_tcp_store(self.addr, 0, timeout=datetime.timedelta(seconds=max(60, self.start_timeout)))
+        self.stalls = ElasticStalls(self.store, self.stall_timeout)  # a stalled worker is a lost worker
         plan, left = [], self.wanted
         for h, slots in self.hosts.items():
             take = min(slots, left)
@@ -407,6 +411,12 @@ class Supervisor:
             if not finished and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + 0.5
                 changed.append("cooldowns and waits")  # a host may be back, a wait may be over
+                by_wid = {w.wid: w for w in self._alive()}
+                for s in self.stalls.lost(by_wid):  # killed through its own handle: never by a claimed pid
+                    print(f"phalanx: worker {s.rank} {s.reason}; killing it (a stalled worker is a lost worker)",
+                          file=sys.stderr, flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        by_wid[s.rank].proc.kill()
             if changed and not finished:
                 self.wanted = self._wanted()
                 self._fill(replacing=not self.horovod_hosts)

@@ -19,7 +19,7 @@ seconds, one data-only JSON value to that store under ``phalanx/heartbeat/<rank>
 (the script ended) or ``failed`` (an uncaught exception ended it).
 A stopped or wedged process stops beating: the launcher notices that the ``beat``
 counter no longer moves (its own clock, so host clocks never matter). The same
-start registers :mod:`faulthandler` on SIGUSR1, writing every thread's Python stack
+start registers :mod:`faulthandler` on SIGUSR2, writing every thread's Python stack
 to ``PHALANX_STACK_DIR/rank<N>.txt``, which is how the launcher shows where a stuck
 rank is.
 
@@ -164,14 +164,14 @@ _started: Heartbeat | None = None
 
 
 def start_from_env(rank: int, env=None) -> Heartbeat | None:
-    """Start the heartbeat (and the SIGUSR1 stack dump) when the launcher asked for it; once per process."""
+    """Start the heartbeat (and the SIGUSR2 stack dump) when the launcher asked for it; once per process."""
     global _started
     env = os.environ if env is None else env
     stack_dir = env.get(STACK_DIR_ENV)
-    if stack_dir and hasattr(signal, "SIGUSR1"):
+    if stack_dir and hasattr(signal, "SIGUSR2"):
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             stacks = open(os.path.join(stack_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - kept for faulthandler
-            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+            faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     interval, address = env.get(HEARTBEAT_ENV), env.get(HEARTBEAT_STORE_ENV, "")
     if not interval or not address or _started is not None:
         return _started
