@@ -104,13 +104,15 @@ JOB = textwrap.dedent('''
         fail_now(due, epoch, batch)
 
     def fail_now(due, epoch, batch):
-        for entry in due:   # "kill:NAME": by SIGKILL, else by an exception
-            kill, name = entry.startswith("kill:"), entry.removeprefix("kill:")
+        for entry in due:   # "kill:NAME": by SIGKILL, "stop:NAME": SIGSTOP (frozen), else by an exception
+            mode, _, name = entry.rpartition(":")
             if name not in (HOST, WID):
                 continue
-            log("fail", epoch=epoch, batch=batch, mode="kill" if kill else "exception")
-            if kill:
+            log("fail", epoch=epoch, batch=batch, mode=mode or "exception")
+            if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"scheduled failure at epoch {epoch} batch {batch} on {HOST} ({WID})")
 
     def commit(epoch, batch):

@@ -216,3 +216,20 @@ def test_engines_start_over_at_a_reform_so_old_ranks_and_newcomers_match():
     assert out[0]["reformed"] >= 1 and out[1]["reformed"] >= 2 and {o["world"] for o in out} == {2}
     for a, b in zip(out[0]["params"], out[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_a_frozen_worker_is_a_lost_worker_and_the_survivors_go_on(tmp_path):
+    # issue 27: w1 stops (SIGSTOP: a rank stuck in a driver call or a swapped-out host looks so). Its
+    # heartbeat stops with it; after 15 s of silence the supervisor kills it through its own handle, and
+    # the survivor re-forms in-process as for a kill (before: the collective --timeout, then 50 s of a
+    # re-form that could not happen while the frozen process lived, then a group restart).
+    proc, rows, report = _run(tmp_path, "px", None, "-np", "2", "--min-np", "1", "--max-np", "2",
+                              exits={"0,1": ["stop:w1"]}, size=2)
+    assert proc.returncode == 0, report
+    assert [(r["wid"], r["mode"]) for r in rows if r["what"] == "fail"] == [("w1", "stop")], report
+    assert "worker w1 stopped responding" in proc.stderr and "process state T (stopped)" in proc.stderr, report
+    assert "a stalled worker is a lost worker" in proc.stderr and "group restart" not in proc.stderr, report
+    assert "w1" not in _ended(rows) and _sizes_per_epoch(rows)[-1] == 2, report  # its replacement took its slot
+    _equal_params(tmp_path, 2, report)
+    froze = next(r["t"] for r in rows if r["what"] == "fail")
+    print(f"\nfreeze to the job's end: {proc.ended - froze:.1f}s")

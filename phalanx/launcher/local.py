@@ -43,7 +43,7 @@ import uuid
 
 from phalanx.launcher import forward
 from phalanx.launcher import secret as job_secret
-from phalanx.launcher.stall import Watcher, lost_a_peer
+from phalanx.launcher.stall import Watcher, describe_exit, lost_a_peer
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV, STACK_DIR_ENV
 
 __all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
@@ -157,14 +157,6 @@ def _stderr_tail(path: str | None, lines: int = 15) -> str:
     with open(path, errors="replace") as f:
         tail = f.read().splitlines()[-lines:]
     return "\n".join("    " + line for line in tail)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def launch(spec: LaunchSpec, command: list[str]) -> int:
@@ -321,7 +313,7 @@ def _report_failure(err, stderrs: dict[int, str], ranks_filter, watcher: Watcher
     else:
         root_rank, root = _root_cause(failures, stderrs)
         first = (f"rank {root_rank} (local rank {root.local_rank}, pid {root.pid}) failed first: "
-                 f"{_describe_exit(root.exitcode)}")
+                 f"{describe_exit(root.exitcode)}")
     lines = ["phalanx: " + first]
     if root is not None and ranks_filter is not None and root.local_rank not in ranks_filter:
         tail = _stderr_tail(stderrs.get(root.local_rank))  # its traceback was not shown
@@ -332,7 +324,7 @@ def _report_failure(err, stderrs: dict[int, str], ranks_filter, watcher: Watcher
         lines.append(f"phalanx: then, as a consequence, the other ranks {others} were stopped or failed:")
         for r in others:
             f, words = failures[r], _last_words(stderrs.get(failures[r].local_rank))
-            lines.append(f"  rank {r} (pid {f.pid}): {_describe_exit(f.exitcode)}" + (f": {words}" if words else ""))
+            lines.append(f"  rank {r} (pid {f.pid}): {describe_exit(f.exitcode)}" + (f": {words}" if words else ""))
     print("\n".join(lines), file=sys.stderr, flush=True)
     code = root.exitcode if root is not None else 1
     return code if code > 0 else 128 + (-code if code < 0 else 1)

@@ -28,6 +28,7 @@ Example (what the elastic supervisor does)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,6 +59,18 @@ def process_state(pid: int) -> str | None:
 PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "peer closed",
              "collectiveabort", "a peer rank failed", "socket timeout", "recvbytes", "read error",
              "gloo/transport", "timed out waiting")
+
+
+def describe_exit(code: int) -> str:
+    """``killed by SIGKILL`` / ``exit code 1``; a remote worker's ``128 + N`` as its agent reports it."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    if code > 128 and code - 128 < 65:
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} ({signal.Signals(code - 128).name})"
+    return f"exit code {code}"
 
 
 def lost_a_peer(text: str) -> bool:

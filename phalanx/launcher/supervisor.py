@@ -44,7 +44,7 @@ from phalanx.launcher import secret as job_secret
 from phalanx.launcher.discovery import discover_hosts
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
-from phalanx.launcher.stall import ElasticStalls
+from phalanx.launcher.stall import ElasticStalls, describe_exit
 from phalanx.log import get_logger
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
 
@@ -64,17 +64,6 @@ class _Worker:
         self.code: int | None = None
         self.admitted = self.ready = not joiner  # admitted: in a published generation
         self.started = time.monotonic()
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-        return f"killed by signal {-code}"
-    if code > 128 and code - 128 < 65:  # a remote worker's signal, as its agent reports it
-        with contextlib.suppress(ValueError):
-            return f"exit code {code} ({signal.Signals(code - 128).name})"
-    return f"exit code {code}"
 
 
 class Supervisor:
@@ -388,7 +377,7 @@ class Supervisor:
                     continue
                 if code == inprocess.REFORM_FAILED_EXIT:
                     return self._fall_back(f"{who} ({w.wid}) could not re-form in-process")
-                what = f"{who} ({w.wid} on {w.host}, pid {w.proc.pid}) failed: {_describe(code)}"
+                what = f"{who} ({w.wid} on {w.host}, pid {w.proc.pid}) failed: {describe_exit(code)}"
                 print(f"phalanx: {what}", file=sys.stderr, flush=True)
                 if finished:
                     failure = failure or code
