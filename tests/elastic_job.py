@@ -174,3 +174,68 @@ JOB = textwrap.dedent('''
     log("end", epoch=state.epoch, resets=state.resets if API == "hvd" else None)
     torch.save([p.detach() for p in net.parameters()], os.path.join(OUT, f"params.{rank()}.pt"))
 ''')
+
+
+# An elastic job for preemption (`python SCRIPT OUT MODE TOTAL`, under `phalanx run --min-np`): every
+# rank takes the gradient of the same batch, so the average of the two is bitwise the one-process
+# gradient and `preempt_reference` is the uninterrupted run. MODE "first": rank 0 writes OUT/waiting
+# after commit 3 and waits for its preemption signal; every rank notes where it stopped.
+PREEMPT_JOB = textwrap.dedent('''
+    import json, os, sys, time
+    import torch
+    import phalanx as px
+    from phalanx import elastic
+    from phalanx.preemption import Preempted, signals
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 4, generator=g, dtype=torch.float64)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), x, x.sum(1, keepdim=True).sin()
+
+    def step(model, opt, x, y, i, n):
+        idx = slice(8 * (i % 8), 8 * (i % 8) + 8)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        if n > 1:
+            for p in model.parameters():
+                px.allreduce(p.grad, op=px.Average, inplace=True)
+        opt.step()
+
+    if __name__ == "__main__":
+        OUT, MODE, TOTAL = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        px.init()
+        model, opt, x, y = make()
+        state = elastic.TorchState(model, opt, step=0)
+
+        @elastic.run
+        def train(state):
+            while state.step < TOTAL:
+                step(model, opt, x, y, state.step, px.size())
+                state.step += 1
+                state.commit()
+                if MODE == "first" and state.step == 3 and px.rank() == 0:
+                    open(os.path.join(OUT, "waiting"), "w").close()
+                    deadline = time.monotonic() + 120
+                    while signals.received() is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
+
+        try:
+            train(state)
+        except Preempted as stop:
+            with open(os.path.join(OUT, f"stop.{px.rank()}.json"), "w") as f:
+                json.dump({"step": state.step, "path": stop.path, "code": stop.code}, f)
+            raise
+        torch.save([p.detach() for p in model.parameters()], os.path.join(OUT, f"params.{px.rank()}.pt"))
+''')
+
+
+def preempt_reference(total: int):
+    """PREEMPT_JOB's model after ``total`` uninterrupted steps in one process."""
+    ns = {"__name__": "reference"}
+    exec(compile(PREEMPT_JOB, "preempt_job", "exec"), ns)
+    model, opt, x, y = ns["make"]()
+    for i in range(total):
+        ns["step"](model, opt, x, y, i, 1)
+    return [p.detach() for p in model.parameters()]

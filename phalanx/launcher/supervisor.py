@@ -42,6 +42,7 @@ from phalanx.elastic import inprocess
 from phalanx.launcher import handoff
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.discovery import discover_hosts
+from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreemption
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
 from phalanx.launcher.stall import ElasticStalls, describe_exit
@@ -138,9 +139,8 @@ class Supervisor:
     def _base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _PER_RANK_VARS}
         env.update(self.env)
-        # the workers import the phalanx this launcher runs (also from a source checkout that is
-        # not installed); a site-packages install is on their path already, and putting
-        # site-packages on PYTHONPATH would put it ahead of the standard library
+        # the workers import the phalanx this launcher runs (also an uninstalled checkout); a site-packages
+        # install is on their path already, and on PYTHONPATH would come ahead of the standard library
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if root not in {*site.getsitepackages(), site.getusersitepackages()}:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -334,25 +334,23 @@ class Supervisor:
         self._publish(started, "start")
         print(f"phalanx: elastic job of {len(started)} workers (--min-np {self.min_np}, --max-np {self.max_np}); "
               "a lost worker is recovered in-process (the survivors keep running)", flush=True)
-        stop = threading.Event()
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):
-                previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        stop, self.preempt = threading.Event(), ElasticPreemption({**os.environ, **self.env})
+        previous = self.preempt.install(stop, self._alive)  # SIGTERM, --preempt-signal: forwarded (exit 85)
         try:
             return self._loop(stop)
         finally:
             self._kill_all()
             for t in self._pumps:
                 t.join(2)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            self.preempt.uninstall(previous)
 
     def _loop(self, stop: threading.Event) -> int:
         finished, failure = False, None
         next_poll = time.monotonic() + self.interval_s
         next_tick = time.monotonic() + 0.5
         while True:
+            if self.preempt.signal is not None:  # forwarded: wait (bounded) for the members' exit 85
+                return self.preempt.finish(self.members, self._stop)
             if stop.is_set():
                 self._stop({"abort": "interrupted"})
                 print("phalanx: interrupted; stopping every worker", file=sys.stderr, flush=True)
@@ -375,6 +373,8 @@ class Supervisor:
                         finished = True
                         self._stop({"done": True})  # workers still waiting to join exit 0
                     continue
+                if code == PREEMPTED_EXIT_CODE and w.admitted:  # preempted, not lost: the others follow
+                    return self.preempt.finish(self.members, self._stop)
                 if code == inprocess.REFORM_FAILED_EXIT:
                     return self._fall_back(f"{who} ({w.wid}) could not re-form in-process")
                 what = f"{who} ({w.wid} on {w.host}, pid {w.proc.pid}) failed: {describe_exit(code)}"

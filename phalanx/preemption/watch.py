@@ -109,6 +109,10 @@ class Preemption:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def retopologize(self, topology) -> None:
+        """The job re-formed (elastic): vote among ``topology``'s members; a vote in flight is dropped."""
+        self.topology, self._pending, self._calls = topology, None, 0
+
     # ------------------------------------------------------------------ agreement
     def local_flag(self) -> int:
         """This rank's vote: the number of the signal it got, 0 for none."""
