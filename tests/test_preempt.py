@@ -196,3 +196,28 @@ def test_bad_preempt_signal_flag_is_one_line():
     proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "1", "--preempt-signal", "USR9", "true"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--preempt-signal 'USR9' is not a signal name" in proc.stderr, proc.stderr
+
+
+def test_sbatch_level_launcher_leaves_the_signal_to_srun_and_exits_with_its_status(capsys):
+    # phalanx run as the batch step (launcher/slurm.py): USR1 goes on to srun, whose 85 it returns.
+    # The fake srun signals this process until the launcher's handler passes USR1 back to it.
+    import threading
+
+    from phalanx.launcher.slurm import _pump, _supervise
+
+    fake_srun = ("import os, signal, sys, time\n"
+                 "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(85))\n"
+                 "for _ in range(600):\n    os.kill(os.getppid(), signal.SIGUSR1)\n    time.sleep(0.05)\n"
+                 "sys.exit(3)\n")  # never passed back
+    before = signal.signal(signal.SIGUSR1, lambda *a: None)  # until _supervise installs its own
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", fake_srun], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, sys.stdout), daemon=True)
+        pump.start()
+        code = _supervise(proc, pump, (signal.SIGTERM, signal.SIGUSR1))
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    err = capsys.readouterr().err
+    assert code == PREEMPTED_EXIT_CODE and proc.returncode == PREEMPTED_EXIT_CODE, err
+    assert "received SIGUSR1; srun passes it" in err and "preempted by SIGUSR1" in err, err

@@ -1,5 +1,5 @@
-"""Preemption on a real SLURM cluster (tests/slurm_cluster.py): docs/slurm.md's ``sbatch --requeue`` script,
-two tasks on two nodes, gets ``scancel --signal=USR1 --full`` mid-run; both ranks save one checkpoint at
+"""Preemption on a real SLURM cluster (tests/slurm_cluster.py): docs/slurm.md's ``sbatch --requeue`` script
+(``phalanx run`` as the batch step: one agent per node through srun), two ranks on two nodes, gets ``scancel --signal=USR1 --full`` mid-run; both ranks save one checkpoint at
 the same step, rank 0 requeues the job (``scontrol requeue``), and the requeued run resumes with no
 flag (``SLURM_RESTART_COUNT``) and ends with parameters bitwise equal to an uninterrupted run."""
 
@@ -30,12 +30,13 @@ def test_usr1_checkpoints_requeues_and_resumes_bitwise_equal(slurm, tmp_path):  
     # docs/slurm.md's preemption script, with this test's job, log and PYTHONPATH
     doc = open(os.path.join(os.path.dirname(JOB), "..", "docs", "slurm.md")).read()
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if b.startswith("#!/usr/bin/env bash")]
-    assert "srun python train.py &" in block and "#SBATCH --requeue" in block
+    line = "exec phalanx run --preempt-signal USR1 python train.py"
+    assert line in block and "#SBATCH --requeue" in block
     block = block.replace("#SBATCH --requeue", f"#SBATCH --requeue\n#SBATCH -o {out}/slurm.out")
-    block = block.replace("export PHALANX_PREEMPT_SIGNAL=USR1",
-                          f"export PHALANX_PREEMPT_SIGNAL=USR1 PYTHONPATH={os.environ.get('PYTHONPATH', '')}")
     script = out / "job.sh"
-    script.write_text(block.replace("srun python train.py &", f"srun {sys.executable} {JOB} {out} slurm &"))
+    script.write_text(block.replace(line, f"export PYTHONPATH={os.environ.get('PYTHONPATH', '')}\n"
+                                          f"exec {sys.executable} -m phalanx run --preempt-signal USR1 "
+                                          f"{sys.executable} {JOB} {out} slurm"))
     sub = slurm.run(["sbatch", "--parsable", str(script)])
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]
@@ -52,6 +53,9 @@ def test_usr1_checkpoints_requeues_and_resumes_bitwise_equal(slurm, tmp_path):  
         assert time.monotonic() < deadline + 240, f"{state}: {(out / 'slurm.out').read_text()[-3000:]}"
         time.sleep(0.2)
     log = (out / "slurm.out").read_text()
+    # the batch-level phalanx run caught USR1 and left it to srun (it used to die of it); its own exit
+    # status is moot here: scontrol requeue ends the job's processes at once
+    assert "phalanx: received SIGUSR1; srun passes it" in log, log[-3000:]
     stops = [json.loads((out / f"plain_stop.{r}.json").read_text()) for r in (0, 1)]
     assert stops[0]["step"] == stops[1]["step"] and stops[0]["path"] == stops[1]["path"], stops
     assert stops[0]["requeued"] and stops[0]["code"] == 85, stops  # rank 0 ran scontrol requeue

@@ -14,7 +14,8 @@ train.py`` reads the allocation and starts one agent per node through ``srun`` (
   ``-np`` uses the first nodes only; more than the allocation holds is a one-line error.
 * A node name that does not resolve is reached at SLURM's ``NodeAddr`` (``scontrol show node``).
 * The job secret reaches every agent on srun's standard input (``--input=all``), which then
-  stays open: closing it (Ctrl-C, SIGTERM to the launcher) stops every node's workers.
+  stays open: closing it (Ctrl-C) stops every node's workers. SIGTERM and ``--preempt-signal``
+  are srun's to pass on (preemption: the workers save and exit 85; see :func:`_supervise`).
 * The agent step asks for the node's CPUs (``--cpus-per-task``, the fewest any planned node
   has) so that SLURM's CPU binding does not squeeze the workers onto one core; GPUs of the job
   are the step's by SLURM's default.
@@ -39,11 +40,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 
 from phalanx.launcher import secret as job_secret
+from phalanx.launcher.forward import GRACE_S, preempt_signals, report_preempted
 from phalanx.log import get_logger
+from phalanx.preemption.signals import PREEMPTED_EXIT_CODE
 from phalanx.runtime.env import slurm_batch_only
 from phalanx.runtime.hostlist import expand_counts, expand_hostlist, node_addresses
 
@@ -154,7 +158,7 @@ def launch_slurm(alloc: Allocation, np: int, command: list[str], *, env: dict[st
     proc.stdin.flush()
     pump = threading.Thread(target=_pump, args=(proc.stdout, sys.stdout), daemon=True)
     pump.start()
-    return _supervise(proc, pump)
+    return _supervise(proc, pump, preempt_signals((signal.SIGTERM,), {**os.environ, **(env or {})}))
 
 
 def _pump(stream, out) -> None:
@@ -164,20 +168,35 @@ def _pump(stream, out) -> None:
     stream.close()
 
 
-def _supervise(proc: subprocess.Popen, pump: threading.Thread) -> int:
-    stop = threading.Event()
-    previous = {}
+def _supervise(proc: subprocess.Popen, pump: threading.Thread, preempt=(signal.SIGTERM,)) -> int:
+    """Wait for srun. SIGINT stops every node. SIGTERM and the preempt signal are srun's to pass on
+    (``scancel --full`` signals srun and the agents too): the agents forward them to their workers,
+    which save and exit 85; this launcher waits (≤ GRACE_S) and exits with srun's status."""
+    stop, got = threading.Event(), []
 
     def on_signal(signum, _frame):
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    def on_preempt(signum, _frame):
+        if not got:
+            print(f"phalanx: received {signal.Signals(signum).name}; srun passes it to every node's workers, "
+                  f"waiting up to {GRACE_S:.0f} s for their preemption checkpoint", file=sys.stderr, flush=True)
+        got.append((signal.Signals(signum), time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)  # srun forwards it to the agents (a repeat is ignored there)
+
+    previous = {}
+    for sig, handler in ((signal.SIGINT, on_signal), *((s, on_preempt) for s in preempt)):
         with contextlib.suppress(ValueError):  # not the main thread
-            previous[sig] = signal.signal(sig, on_signal)
+            previous[sig] = signal.signal(sig, handler)
     try:
         while proc.poll() is None and not stop.is_set():
+            if got and time.monotonic() - got[0][1] > GRACE_S:
+                print(f"phalanx: the workers did not finish their preemption checkpoint within {GRACE_S:.0f} s; "
+                      "stopping them", file=sys.stderr, flush=True)
+                stop.set()
             stop.wait(0.1)
-        if stop.is_set():
+        if stop.is_set() and not got:
             print("phalanx: interrupted; stopping the workers on every node", file=sys.stderr, flush=True)
     finally:
         with contextlib.suppress(OSError, ValueError):
@@ -191,7 +210,11 @@ def _supervise(proc: subprocess.Popen, pump: threading.Thread) -> int:
         pump.join(2)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 130 if stop.is_set() else proc.returncode
+    if stop.is_set():
+        return 130 if not got else 128 + int(got[0][0])
+    if proc.returncode == PREEMPTED_EXIT_CODE:
+        return report_preempted(got[0][0] if got else None)
+    return proc.returncode
 
 
 def node_main(argv: list[str]) -> int:
