@@ -2,14 +2,16 @@
 
 One :class:`~phalanx.preemption.Preemption` per worker, built when ``elastic.run`` starts
 (SIGTERM + ``$PHALANX_PREEMPT_SIGNAL``), its topology replaced after each re-form. Each
-``TorchState.commit()`` votes (a 4-byte allreduce read at the next commit, so every member
-answers the same at the same commit); when the answer is yes the commit just written is
+``TorchState.commit()`` votes (a blocking 4-byte allreduce, :meth:`Preemption.requested_now`:
+every member answers the same at the same commit, and no vote stays in flight into the steps
+after it, where a lost worker must fail the next collective at once); when the answer is yes the
+commit just written is
 the preemption checkpoint: :meth:`Preemption.finish` requeues under SLURM and raises
 ``Preempted`` (exit 85). The relaunched job resumes from it in ``restore()``::
 
-    SIGTERM ─ phalanx run forwards it ─ commit k votes ─ commit k+1: "yes" on every member
-            ─ commit k+1 written (fsync) ─ exit 85 ─ phalanx run exits 85
-    phalanx run --resume-from DIR ... ─ restore() loads commit k+1 ─ training goes on
+    SIGTERM ─ phalanx run forwards it ─ the next commit k is written, votes "yes" on every member
+            ─ exit 85 ─ phalanx run exits 85
+    phalanx run --resume-from DIR ... ─ restore() loads commit k ─ training goes on
 
 Example::
 
@@ -58,7 +60,7 @@ def reformed(leaving: bool = False) -> None:
 
 def at_commit(path: str, commit_dir: str) -> None:
     """Called by every member in ``commit()`` after the snapshot ``path``; raises ``Preempted`` when agreed."""
-    if _current is None or not _current.requested():
+    if _current is None or not _current.requested_now():
         return
     if commit_dir.startswith("/dev/shm"):
         log.warning("the preemption checkpoint %s is in /dev/shm: it does not survive this machine; "

@@ -148,6 +148,18 @@ class Preemption:
             self._pending = c.allreduce(flag, op=c.Max, name="preemption", check=False, async_op=True)
         return self.decide(reduced)
 
+    def requested_now(self) -> bool:
+        """:meth:`requested` answered at this very call: a blocking 4-byte allreduce, nothing left in
+        flight. For points that are rare and already synchronise the ranks (an elastic commit), where a
+        vote still running into the next steps would tie a failure's detection to it."""
+        if self.signal is not None:
+            return True
+        topo = self.topology
+        if topo is None or topo.size == 1:
+            return self.decide(self.local_flag())
+        flag = torch.tensor([self.local_flag()], dtype=torch.int32, device=topo.device)
+        return self.decide(int(c.allreduce(flag, op=c.Max, name="preemption", check=False).item()))
+
     # ------------------------------------------------------------------ save, requeue, exit
     def save_and_exit(self, manager, step: int, state: dict):
         """Every rank: save ``state`` as checkpoint ``step`` of ``manager`` (synchronously), then :meth:`finish`."""
