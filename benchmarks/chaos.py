@@ -178,15 +178,16 @@ def soak(a, out: str) -> dict:
     rng = random.Random(a.seed)
     script = os.path.join(out, "worker.py")
     launcher = launch(out, a.np, {"seed": a.seed, "commit_every": a.commit_every}, a.timeout)
-    t_end = time.time() + 60 * a.minutes
     faults: list[dict] = []
     status = None
     try:
-        # wait for the first step at the full size
+        # wait (bounded) for the first step at the full size; the soak's minutes count from there
+        t_start = time.time()
         while not any(r["what"] == "step" and r["size"] == a.np for r in rows(out)):
-            if launcher.poll() is not None or time.time() > t_end + a.bound:
+            if launcher.poll() is not None or time.time() > t_start + a.bound + 60:
                 break
             time.sleep(0.2)
+        t_end = time.time() + 60 * a.minutes
         while launcher.poll() is None and time.time() < t_end and len(faults) < a.faults:
             time.sleep(rng.uniform(a.gap_min, a.gap_max))
             live = workers(launcher, script)
