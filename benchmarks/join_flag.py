@@ -3,7 +3,8 @@
 Run:  python benchmarks/join_flag.py [--steps 30 --repeats 7]
 
 ``phalanx.DistributedOptimizer`` (and so ``hvd.DistributedOptimizer``) is always ready for
-``join()``: every step starts with a one-element allreduce counting the ranks still training.
+``join()``: every step starts with a small allreduce (``phalanx.comm.negotiate.step_probe``)
+telling ranks that already joined that a step is coming.
 torch DDP pays a similar allreduce per forward, but only inside ``with Join([model]):``. On two
 gloo ranks, for a small MLP (the worst case: the extra round trip weighs most when a step is
 short) and a larger one, each repeat times back to back, in alternating order:

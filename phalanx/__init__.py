@@ -15,7 +15,7 @@ Example::
 Run it with ``phalanx run -np 2 python train.py``.
 """
 
-from phalanx import balance, checkpoint, elastic
+from phalanx import balance, checkpoint, elastic, preemption
 from phalanx.comm.broadcast import broadcast_optimizer_state, broadcast_parameters
 from phalanx.comm.collectives import (
     Average,
@@ -128,4 +128,5 @@ __all__ = [
     # fault tolerance (subpackages)
     "checkpoint",
     "elastic",
+    "preemption",
 ]

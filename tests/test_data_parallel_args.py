@@ -39,3 +39,24 @@ def test_a_bad_bucket_size_in_the_environment_is_one_line():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == "phalanx: error: PHALANX_BUCKET_MB='big' is not a number; accepted: a number > 0"
     assert "Traceback" not in out.stderr
+
+
+def test_the_bucket_plan_and_compression_are_logged_at_info_once():
+    script = textwrap.dedent("""
+        import torch, phalanx as px
+        px.init()
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+        px.DataParallel(model, bucket_mb=0.5, compression="fp16")
+    """)
+    env = {**__import__("os").environ}
+    env.pop("PHALANX_LOG_LEVEL", None)
+    quiet = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    loud = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**env, "PHALANX_LOG_LEVEL": "INFO"})
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
+    assert "bucket plan" not in quiet.stderr
+    plan = [line for line in loud.stderr.splitlines() if "bucket plan" in line]
+    assert len(plan) == 1, loud.stderr
+    # reverse order: the last layer and the first bias (4 + 2048 + 512 floats), then the 1 MB weight
+    assert "bucket plan: 2 buckets, sizes 0.00978, 1 MB" in plan[0], plan[0]
+    assert "compression fp16" in plan[0] and "algorithm flat" in plan[0], plan[0]

@@ -274,6 +274,17 @@ def _facade_optimizer(trace_path):
         emb_model(tokens[r * 2:(r + 1) * 2]).pow(2).mean().backward()
         opt3.step()
     out["sparse_as_dense"] = _flat(emb_model)
+    # sparse gradients by default (sparse_as_dense=False): allgathered, as Horovod does; the first
+    # step finds them sparse inside a bucket, the second runs with them outside the buckets
+    emb_model = _embedding_model()
+    opt4 = hvd.DistributedOptimizer(torch.optim.SGD(emb_model.parameters(), lr=0.5),
+                                    named_parameters=emb_model.named_parameters())
+    for _ in range(2):
+        opt4.zero_grad()
+        emb_model(tokens[r * 2:(r + 1) * 2]).pow(2).mean().backward()
+        opt4.step()
+        out.setdefault("sparse_grad_is_sparse", []).append(emb_model[0].weight.grad.is_sparse)
+    out["sparse"] = _flat(emb_model)
     # broadcast_parameters also takes model.parameters() (a plain list), as Horovod's does
     with torch.no_grad():
         for p in model2.parameters():
@@ -328,6 +339,8 @@ def test_distributed_optimizer_matches_full_batch_reference(tmp_path):
         opt3.step()
     for out in results:
         torch.testing.assert_close(out["sparse_as_dense"], _flat(emb_model), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out["sparse"], _flat(emb_model), atol=1e-6, rtol=1e-5)
+        assert out["sparse_grad_is_sparse"] == [True, True]
     # the timeline: one Chrome-trace JSON file with the spans of both ranks
     events = json.loads(trace_path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

@@ -86,6 +86,17 @@ def _process_sets():
         got2 = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=again).item() if again.included() else None
         return got, removed, after, got2, hvd.remove_process_set(hvd.global_process_set)
     _safe(out, "dynamic", dynamic)
+
+    def overlapping():
+        # rank 3 is not in the first set: with member-only group creation it named [0, 3]
+        # differently from rank 0 and both hung in dist.new_group
+        sets = [hvd.add_process_set(ranks) for ranks in ([0, 1, 2], [0, 3], [1, 2, 3])]
+        got = [hvd.allreduce(torch.ones(1) * (r + 1), op=hvd.Sum, process_set=s).item() if s.included() else None
+               for s in sets]
+        for s in sets:
+            hvd.remove_process_set(s)
+        return got
+    _safe(out, "overlapping", overlapping)
     hvd.barrier()  # rank 0 holds the store: it must not leave while others still build a group
     return out
 
@@ -162,3 +173,8 @@ def test_sets_are_added_and_removed_at_run_time(results):
         assert removed is True and removed_global is False
         assert "not registered" in after
         assert got2 == (2.0 if r in (0, 3) else None)
+
+
+def test_overlapping_sets_added_where_some_ranks_are_not_members(results):
+    want = {0: [6.0, 5.0, None], 1: [6.0, None, 9.0], 2: [6.0, None, 9.0], 3: [None, 5.0, 9.0]}
+    assert _ok(results, "overlapping") == [want[r] for r in range(4)]

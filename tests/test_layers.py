@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("comm", ("phalanx.comm",)),
     ("strategies", ("phalanx.parallel", "phalanx.ps", "phalanx.optim")),
     ("services", ("phalanx.checkpoint", "phalanx.elastic", "phalanx.balance", "phalanx.profiler",
-                  "phalanx.planner", "phalanx.memory")),
+                  "phalanx.planner", "phalanx.memory", "phalanx.preemption")),
     ("launch", ("phalanx.launcher",)),
     ("fronts", ("phalanx", "phalanx.__main__", "phalanx.trainer", "phalanx.horovod", "phalanx.keras",
                 "phalanx.tensorflow", "phalanx.ray", "phalanx.tune", "phalanx.testing", "phalanx.cli",

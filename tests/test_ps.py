@@ -210,6 +210,8 @@ def train(worker):
 px.init()
 out = run_ps(model, lambda ps: torch.optim.SGD(ps, lr=0.5), train, mode="sync")
 print("ROLE", out["role"], out["stats"].get("pushes"), out["result"])
+from phalanx.runtime.jobkey import job_key
+print("SIGNED", job_key() is not None)  # phalanx run made a job secret: the frames were signed with it
 px.shutdown()
 """
 
@@ -227,6 +229,7 @@ def test_phalanx_run_servers_flag(tmp_path):
     torch.manual_seed(0)
     bias = round(nn.Linear(4, 2).bias.sum().item() - 3.0, 6)
     assert roles == ["server 3 None", "server 3 None", f"worker None {bias}"], proc.stdout
+    assert proc.stdout.count("SIGNED True") == 3, proc.stdout
     proc = subprocess.run(cli + ["-np", "2", "--servers", "2", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--servers 2 must be between 1 and -np minus 1 (1)" in proc.stderr

@@ -67,3 +67,42 @@ def test_signed_link_between_ranks_and_forged_sender_refused():
     assert same[0] == "sent" and all(err < 0.5 for err in same[1])  # int8: quantisation error only
     forged = distributed(_link, np=2, args=([b"f" * 32, b"s" * 32],))
     assert "bad or missing HMAC" in forged[1]
+
+
+def _roles_with_job_secret(wrong_key):
+    """Rank 0 serves with the job secret (PHALANX_SECRET_FILE); rank 1 works with ``wrong_key`` or the secret."""
+    import phalanx as px
+    from phalanx.ps import ParameterServer, PSWorker
+    from phalanx.runtime.jobkey import job_key
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    if px.rank() == 0:
+        server = ParameterServer(model, lambda ps: torch.optim.SGD(ps, lr=0.1), servers=[0], workers=[1],
+                                 timeout_s=10)
+        try:
+            server.serve()
+            return server.cache.key == job_key(), "served"
+        except protocol.PSError as err:
+            return server.cache.key == job_key(), type(err).__name__
+    worker = PSWorker(model, servers=[0], workers=[1], timeout_s=10, key=wrong_key)
+    try:
+        worker.pull()  # the server's reply meta is signed with the job secret
+        worker.close()
+        return worker.cache.key == job_key(), "pulled"
+    except protocol.PSAuthError as err:
+        return worker.cache.key == job_key(), str(err)
+
+
+def test_ps_roles_sign_with_the_job_secret_and_refuse_a_bad_hmac(tmp_path):
+    from phalanx.launcher.secret import new_secret, write_secret_file
+
+    path = write_secret_file(new_secret(), str(tmp_path))
+    env = {"PHALANX_SECRET_FILE": path}
+    (s_keyed, served), (w_keyed, pulled) = distributed(_roles_with_job_secret, np=2, args=(None,), env=env)
+    assert s_keyed and w_keyed and served == "served" and pulled == "pulled"  # both read the job secret
+    (s_keyed, server_end), (w_keyed, refused) = distributed(_roles_with_job_secret, np=2, args=(b"w" * 64,),
+                                                            env=env, timeout=90)
+    assert s_keyed and not w_keyed
+    assert "bad or missing HMAC" in refused, refused  # refused before the meta was decoded
+    assert server_end != "served", server_end  # the server does not take that worker's session as done

@@ -57,7 +57,7 @@ def test_torchrun_environment():
 def test_slurm_environment():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
            "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NTASKS_PER_NODE": "2",
-           "SLURM_JOB_ID": "42"}
+           "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}
     info = detect_environment(env)
     assert (info.rank, info.size, info.local_rank, info.local_size) == (3, 4, 1, 2)
     assert (info.cross_rank, info.cross_size, info.master_addr, info.source) == (1, 2, "gpu07", "slurm")

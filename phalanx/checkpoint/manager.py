@@ -26,7 +26,10 @@ __all__ = ["CheckpointManager", "list_checkpoints", "load_latest", "resume"]
 
 log = get_logger(__name__)
 
-_STEP_RE = re.compile(r"(\d+)$")
+# step-N / epoch-N, and a Trainer's preemption checkpoint inside an epoch: epoch-N-batch-B, which
+# sorts after epoch N-1 and before the end of epoch N (a finished epoch counts as batch "infinity")
+_ORDER_RE = re.compile(r"(\d+)(?:-batch-(\d+))?$")
+_WHOLE = 1 << 62
 
 
 def list_checkpoints(root: str, complete_only: bool = True) -> list[str]:
@@ -38,8 +41,7 @@ def list_checkpoints(root: str, complete_only: bool = True) -> list[str]:
         p = os.path.join(root, name)
         if not os.path.isdir(p) or (complete_only and not os.path.exists(os.path.join(p, MANIFEST))):
             continue
-        m = _STEP_RE.search(name)
-        out.append(((int(m.group(1)) if m else -1), os.path.getmtime(p), p))
+        out.append((_order_of(name), os.path.getmtime(p), p))
     return [p for _, _, p in sorted(out, reverse=True)]
 
 
@@ -107,9 +109,9 @@ class CheckpointManager:
         if not complete:
             return
         keep = set(complete[: self.keep])
-        oldest_kept = _step_of(complete[: self.keep][-1])
+        oldest_kept = _order_of(complete[: self.keep][-1])
         for p in list_checkpoints(self.root, complete_only=False):
-            if p not in keep and _step_of(p) < oldest_kept:
+            if p not in keep and _order_of(p) < oldest_kept:
                 shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, state: dict) -> str | None:
@@ -120,9 +122,11 @@ class CheckpointManager:
         return found[0] if found else None
 
 
-def _step_of(path: str) -> int:
-    m = _STEP_RE.search(os.path.basename(path))
-    return int(m.group(1)) if m else -1
+def _order_of(path: str) -> tuple[int, int]:
+    m = _ORDER_RE.search(os.path.basename(path))
+    if not m:
+        return (-1, _WHOLE)
+    return (int(m.group(1)), int(m.group(2)) if m.group(2) else _WHOLE)
 
 
 def resume(state: dict, root: str | None = None, *, topology=None) -> str | None:

@@ -18,13 +18,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 
 from phalanx.cli.parser import UsageError
 from phalanx.cli.torchrun_flags import add_torchrun_arguments, parse_ranks, torchrun_layout
 from phalanx.launcher.horovodrun_flags import add_horovodrun_arguments, horovodrun_env
 from phalanx.launcher.hosts import is_local, parse_hostfile, parse_hosts
-from phalanx.launcher.launch_options import add_elastic_arguments, elastic_launch_options
+from phalanx.launcher.launch_options import (
+    add_elastic_arguments,
+    elastic_launch_options,
+    stall_launch_options,
+)
 from phalanx.launcher.local import LaunchSpec, launch
 from phalanx.launcher.ssh import add_remote_arguments
 from phalanx.version import __version__
@@ -82,12 +87,16 @@ def main(args: argparse.Namespace) -> int:
         np = layout["np"] if layout and layout["np"] is not None else args.np
         if np is not None and np < 1:
             raise ValueError(f"-np must be at least 1, got {np}")
-        np = np or (sum(h.slots for h in hosts) if hosts else 1)
+        np = np or (sum(h.slots for h in hosts) if hosts else (_allocation_tasks() or 1))
         ranks_filter = parse_ranks(args.local_ranks_filter) if args.local_ranks_filter else None
         env = job_env(args, np)
     except (OSError, ValueError) as err:
         raise UsageError(str(err)) from None
     level = _launcher_log_level(args)
+    if not hosts and not (layout and layout["multi"]):
+        code = _run_in_allocation(args, np, command, env, ranks_filter)
+        if code is not None:
+            return code
     if any(not is_local(h.name) for h in hosts):
         from phalanx.launcher.ssh import run_remote
 
@@ -97,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"-np {np} exceeds the {sum(h.slots for h in hosts)} slots of the hosts given")
     try:
         elastic = elastic_launch_options(args, np, env)
+        elastic.update(stall_launch_options(args))
     except ValueError as err:
         raise UsageError(str(err)) from None
     if layout and layout["multi"]:
@@ -109,10 +119,53 @@ def main(args: argparse.Namespace) -> int:
                       ranks_filter=ranks_filter, quiet_agent=level != logging.DEBUG, local_addr=args.local_addr,
                       monitor_interval_s=args.monitor_interval or 0.1, **elastic)
     if in_process_elastic(args):
-        code = _run_in_process(args, spec, command, np)
+        code = _run_in_process(args, spec, command, np, hosts)
     else:
         code = launch(spec, command)
     if args.timeline:
+        from phalanx.profiler.timeline import merge_parts
+
+        merge_parts(os.path.abspath(args.timeline))
+    return code
+
+
+def _allocation_tasks() -> int | None:
+    """Inside a SLURM allocation (salloc, sbatch) and no -H: its task count, the default -np."""
+    from phalanx.launcher.slurm import allocation
+
+    alloc = allocation()
+    return alloc.total if alloc and shutil.which("srun") else None
+
+
+def _run_in_allocation(args, np, command, env, ranks_filter) -> int | None:
+    """``phalanx run`` in an salloc shell or sbatch script: one agent per node through srun; None elsewhere."""
+    from phalanx.launcher.slurm import allocation, launch_slurm
+
+    try:
+        alloc = allocation()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if alloc is None:
+        return None
+    if not shutil.which("srun"):  # e.g. a container started inside the job: SLURM's variables, no srun
+        logging.getLogger("phalanx.launcher").warning(
+            "inside %s but srun is not on PATH; running on this host only", alloc.describe())
+        return None
+    if in_process_elastic(args):
+        logging.getLogger("phalanx.launcher").warning(
+            "--min-np/--max-np inside %s run on this host only (elastic over the allocation's nodes is not "
+            "supported yet); give -H to choose hosts", alloc.describe())
+        return None
+    try:
+        if elastic_launch_options(args, np, env).get("max_restarts"):  # validates; exports --resume-from
+            logging.getLogger("phalanx.launcher").warning(
+                "--max-restarts is not applied inside a SLURM allocation yet; a failed worker ends the job")
+        code = launch_slurm(alloc, np, command, env=env, network_interface=args.network_interface,
+                            start_timeout=args.start_timeout, port=args.rdzv_port, log_dir=args.log_dir,
+                            ranks_filter=ranks_filter)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.timeline:  # the parts are on the nodes' disks: merged here when the directory is shared
         from phalanx.profiler.timeline import merge_parts
 
         merge_parts(os.path.abspath(args.timeline))
@@ -157,7 +210,7 @@ def in_process_elastic(args: argparse.Namespace) -> bool:
     return args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
 
 
-def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[str], np: int) -> int:
+def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[str], np: int, hosts) -> int:
     """The in-process elastic supervisor, with TorchElastic's group restart as its fallback."""
     import dataclasses
 
@@ -174,11 +227,11 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
                      script=os.path.abspath(args.host_discovery_script) if args.host_discovery_script else None,
                      interval_s=args.discovery_interval, max_restarts=spec.max_restarts, ssh=ssh,
                      network_interface=args.network_interface, start_timeout=args.start_timeout,
-                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter)
-    if spec.log_dir:
-        logging.getLogger("phalanx.launcher").warning(
-            "--output-filename is not honoured by in-process elastic jobs (--min-np/--max-np) yet; "
-            "their output is on the console only")
+                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter,
+                     hosts={h.name: h.slots for h in hosts} if hosts else None, reset_limit=args.reset_limit,
+                     cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
+                     elastic_timeout=args.elastic_timeout, log_dir=spec.log_dir,
+                     stall_timeout=args.stall_timeout)
     return sup.run()
 
 

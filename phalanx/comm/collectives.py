@@ -24,6 +24,7 @@ import enum
 import functools
 import hashlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import trace
+from phalanx.runtime.heartbeat import RECORD
 
 __all__ = [
     "all_gather_flat",
@@ -100,13 +102,16 @@ class Handle:
     ``is_completed()`` polls without blocking; ``wait()`` blocks and returns the result.
     """
 
-    __slots__ = ("_work", "_result", "_finish", "_done")
+    __slots__ = ("_work", "_result", "_finish", "_done", "_entry")
 
-    def __init__(self, work, result, finish: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, work, result, finish: Callable[[Any], Any] | None = None, entry: list | None = None) -> None:
         self._work = work
         self._result = result
         self._finish = finish
         self._done = False
+        if entry is None and work is not None:  # a caller's own torch work: record it, unnamed
+            entry = RECORD.begin("collective", None, (result.shape,) if isinstance(result, torch.Tensor) else ())
+        self._entry = entry  # this collective's line in the rank's record (runtime.heartbeat)
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
@@ -118,10 +123,18 @@ class Handle:
 
     def wait(self):
         if not self._done:
+            entry = self._entry
             if self._work is not None:
-                self._work.wait()
+                if entry is not None:
+                    RECORD.waiting = (entry, time.time())
+                try:
+                    self._work.wait()
+                finally:
+                    RECORD.waiting = None
             if self._finish is not None:
                 self._result = self._finish(self._result)
+            if entry is not None:
+                entry[5] = time.time()
             self._done = True
         return self._result
 
@@ -153,7 +166,12 @@ def _digest(signature: tuple) -> int:
     return int.from_bytes(raw, "little") >> 1  # fits a signed int64
 
 
-def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, **extra) -> None:
+# the rank's collective record (runtime.heartbeat): open an entry; run a blocking torch call marked as the wait
+_record, _blocking = RECORD.open, RECORD.blocking
+
+
+def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, entry: list | None = None,
+           **extra) -> None:
     """Raise on every rank if the ranks are not all about to make the same call."""
     if not _check_enabled:
         return
@@ -166,7 +184,10 @@ def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, **ex
     device = tensor.device if tensor is not None and tensor.device.type != "meta" else default_device()
     probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
     with trace.span("negotiate", "comm", call=kind, tensor=name):  # shown apart on the timeline
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        if entry is None:
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        else:
+            _blocking(entry, dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
     if int(probe[0]) == -int(probe[1]):
         return
     mine = {"call": kind, "name": name, "dtype": dtype, "shape": shape, **extra}
@@ -213,8 +234,8 @@ def _done(result, async_op: bool):
     return Handle(None, result) if async_op else result
 
 
-def _launch(work, result, finish, async_op: bool):
-    handle = Handle(work, result, finish)
+def _launch(work, result, finish, async_op: bool, entry: list | None = None):
+    handle = Handle(work, result, finish, entry)
     return handle if async_op else handle.wait()
 
 
@@ -253,10 +274,11 @@ def allreduce(
 
     if n == 1:
         return _done(finish(out), async_op)
+    entry = _record("allreduce", name, tensor)
     if check:
-        _check("allreduce", name, tensor, group, op=op.value)
+        _check("allreduce", name, tensor, group, entry, op=op.value)
     work = dist.all_reduce(out, op=_TORCH_OP[op], group=group, async_op=True)
-    return _launch(work, out, finish, async_op)
+    return _launch(work, out, finish, async_op, entry)
 
 
 def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name: str | None = None,
@@ -265,26 +287,27 @@ def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name:
     n = dist.get_world_size(group)
     if n == 1:
         return _done(tensor.clone(), async_op)
+    entry = _record("allgather", name, tensor)
     if check:
-        _check("allgather", name, tensor, group)
+        _check("allgather", name, tensor, group, entry)
     t = tensor.contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
     sizes = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     every = torch.empty(n, dtype=torch.int64, device=t.device)
-    all_gather_flat(every, sizes, group=group)
+    _blocking(entry, all_gather_flat, every, sizes, group=group)
     counts = [int(c) for c in every.tolist()]
     if len(set(counts)) == 1:
         out = torch.empty((n * counts[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         work = all_gather_flat(out, t, group=group, async_op=True)
-        return _launch(work, out, None, async_op)
+        return _launch(work, out, None, async_op, entry)
     # Uneven first dimensions: pad to the largest, gather, then cut the padding away.
     biggest = max(counts)
     padded = torch.zeros((biggest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(n)]
     work = dist.all_gather(parts, padded, group=group, async_op=True)
-    return _launch(work, parts, lambda ps: torch.cat([p[:c] for p, c in zip(ps, counts)]), async_op)
+    return _launch(work, parts, lambda ps: torch.cat([p[:c] for p, c in zip(ps, counts)]), async_op, entry)
 
 
 def broadcast(
@@ -305,10 +328,11 @@ def broadcast(
     members = dist.get_process_group_ranks(group) if group is not None else range(n)
     if root_rank not in members:
         raise ValueError(f"root_rank {root_rank} is not a member of the group {list(members)}")
+    entry = _record("broadcast", name, tensor)
     if check:
-        _check("broadcast", name, tensor, group, root=root_rank)
+        _check("broadcast", name, tensor, group, entry, root=root_rank)
     work = dist.broadcast(out, src=root_rank, group=group, async_op=True)
-    return _launch(work, out, None, async_op)
+    return _launch(work, out, None, async_op, entry)
 
 
 def reducescatter(
@@ -338,8 +362,9 @@ def reducescatter(
         tensor = scale_(tensor.clone(), prescale_factor)
     if n == 1:
         return _done(scale_(tensor.clone(), postscale_factor), async_op)
+    entry = _record("reducescatter", name, tensor)
     if check:
-        _check("reducescatter", name, tensor, group, op=op.value)
+        _check("reducescatter", name, tensor, group, entry, op=op.value)
     me = dist.get_rank(group)
     rows = tensor.shape[0]
     counts = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
@@ -354,11 +379,11 @@ def reducescatter(
     if len(set(counts)) == 1:
         out = torch.empty((counts[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         work = reduce_scatter_flat(out, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return _launch(work, out, finish, async_op)
+        return _launch(work, out, finish, async_op, entry)
     parts = list(torch.split(t, counts))
     out = torch.empty_like(parts[me])
     work = dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _launch(work, out, finish, async_op)
+    return _launch(work, out, finish, async_op, entry)
 
 
 def alltoall(
@@ -385,22 +410,23 @@ def alltoall(
         raise ValueError(f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}")
     if n == 1:
         return _done((tensor.clone(), torch.tensor(splits)), async_op)
+    entry = _record("alltoall", name, tensor)
     if check:
-        _check("alltoall", name, tensor, group)
+        _check("alltoall", name, tensor, group, entry)
     t = tensor.contiguous()
     send = torch.tensor(splits, dtype=torch.int64, device=t.device)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _blocking(entry, dist.all_to_all_single, recv, send, group=group)
     recv_splits = [int(s) for s in recv.tolist()]
     out = torch.empty((sum(recv_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     work = dist.all_to_all_single(out, t, recv_splits, splits, group=group, async_op=True)
-    return _launch(work, (out, recv.cpu()), None, async_op)
+    return _launch(work, (out, recv.cpu()), None, async_op, entry)
 
 
 def barrier(group=None) -> None:
     """Block until every rank of the group has reached this point."""
     if dist.get_world_size(group) > 1:
-        dist.barrier(group=group)
+        RECORD.call("barrier", dist.barrier, group=group)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, *, group=None) -> Any:
@@ -408,7 +434,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, group=None) -> Any:
     if dist.get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=root_rank, group=group)
+    RECORD.call("broadcast_object", dist.broadcast_object_list, box, src=root_rank, group=group)
     return box[0]
 
 
@@ -418,5 +444,5 @@ def allgather_object(obj: Any, *, group=None) -> list[Any]:
     if n == 1:
         return [obj]
     out: list[Any] = [None] * n
-    dist.all_gather_object(out, obj, group=group)
+    RECORD.call("allgather_object", dist.all_gather_object, out, obj, group=group)
     return out

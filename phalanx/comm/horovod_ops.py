@@ -9,7 +9,7 @@ Each function takes a :class:`~phalanx.comm.process_sets.ProcessSet` and an opti
   still issue with zeros of the described shape (:mod:`phalanx.comm.negotiate`);
 - dtypes the backend lacks travel cast (:mod:`phalanx.comm.dtypes`); in-place forms work on
   non-contiguous tensors (through a contiguous copy);
-- Adasum (``op=ADASUM``) on any backend: allgather, then the same pairwise tree on every rank.
+- Adasum (``op=ADASUM``) on any backend: Horovod's vector-halving tree (:mod:`phalanx.comm.adasum`).
 
 ``synchronize``/``poll`` take every handle returned here.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import adasum, negotiate
 from phalanx.comm import collectives as c
-from phalanx.comm import negotiate
 from phalanx.comm.dtypes import FusedHandle, fuse, to_wire
 from phalanx.comm.process_sets import ProcessSet, global_process_set, group_of
 
@@ -115,9 +115,9 @@ def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
 
 
 # ---------------------------------------------------------------- the collectives (run parts)
-def _allreduce(tensor, op, pre, post, group, check, inplace, name=None):
+def _allreduce(tensor, op, pre, post, group, check, inplace, name=None, counts=None):
     if op == ADASUM:
-        return _adasum(tensor, pre, post, group, check, inplace, name)
+        return _adasum(tensor, pre, post, group, check, inplace, name, counts)
     return _carry(tensor, group, inplace, lambda t, into: c.allreduce(
         t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, inplace=into, check=check))
 
@@ -164,8 +164,9 @@ def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.
         part_name = None if name is None else f"{name}.{k}"
         group, check = _start("allreduce", part_name, ps, flat, op=_op_value(op), pre=prescale_factor,
                               post=postscale_factor)
+        counts = [tensors[j].numel() for j in idx] if op == ADASUM else None  # Adasum: per tensor
         parts.append((idx, _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True,
-                                         part_name)))
+                                         part_name, counts)))
     return _track(name, ps, FusedHandle(parts, tensors, inplace))
 
 
@@ -252,38 +253,25 @@ def allgather_object(obj, name=None, process_set=None):
 
 
 # ---------------------------------------------------------------- Adasum
-def adasum_combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Adasum of two gradients (Maleki et al., MLSys 2021): each keeps what is orthogonal to the other.
-
-    ``(1 - a·b / 2|a|²) a + (1 - a·b / 2|b|²) b``; equal vectors give the vector, orthogonal ones their sum.
-    """
-    a64, b64 = a.double(), b.double()
-    dot, aa, bb = (a64 * b64).sum(), (a64 * a64).sum(), (b64 * b64).sum()
-    ca = 1 - dot / (2 * aa) if aa > 0 else torch.ones((), dtype=torch.float64)
-    cb = 1 - dot / (2 * bb) if bb > 0 else torch.ones((), dtype=torch.float64)
-    return (ca * a64 + cb * b64).to(a.dtype)
+adasum_combine = adasum.combine
 
 
-def _adasum(tensor, pre, post, group, check, inplace, name=None):
-    """Allgather the tensors, then combine them pairwise in a binary tree over the ranks
-    ((0,1),(2,3),… then the pairs of pairs), the same order on every rank — Horovod's recursive
-    halving computes the same tree with partial dot products. Floating point only."""
+def _adasum(tensor, pre, post, group, check, inplace, name=None, counts=None):
+    """Adasum over the group (:mod:`phalanx.comm.adasum`: Horovod's vector-halving tree, power-of-two
+    worlds). Floating point only; ``counts`` splits a fused tensor into tensors with coefficients
+    of their own. Runs at once; the handle is already complete."""
     if not tensor.is_floating_point():
         raise HorovodInternalError(f"Adasum needs a floating point tensor, got {tensor.dtype}")
-    n = dist.get_world_size(group) if dist.is_initialized() else 1
-    scaled = c.scale_(tensor.detach().clone(), pre)
-    inner = c.allgather(scaled.reshape(1, -1), group=group, async_op=True, name=name, check=check) if n > 1 else \
-        c.Handle(None, scaled.reshape(1, -1))
-
-    def finish(hs):
-        level = list(hs[0].wait().unbind(0))
-        while len(level) > 1:
-            level = [adasum_combine(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
-                     for i in range(0, len(level), 2)]
-        out = c.scale_(level[0].reshape(tensor.shape), post)
-        return tensor.copy_(out) if inplace else out
-
-    return CompositeHandle([inner], finish)
+    flat = c.scale_(tensor.detach().reshape(-1).clone(), pre)
+    try:
+        adasum.adasum_(flat, counts, group=group, check=check, name=name)
+    except ValueError as e:
+        raise HorovodInternalError(str(e)) from None
+    out = c.scale_(flat.reshape(tensor.shape), post)
+    if inplace:
+        tensor.copy_(out)
+        out = tensor
+    return CompositeHandle([c.Handle(None, out)], lambda hs: out)
 
 
 # ---------------------------------------------------------------- join

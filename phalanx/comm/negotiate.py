@@ -2,25 +2,33 @@
 
 Horovod's coordinator knows every pending tensor, so a rank that has run out of data
 (``join()``) can answer the others' collectives with zeros. phalanx has no coordinator;
-instead each collective of the Horovod facade on the global set starts with a 4-byte
-``SUM`` allreduce, the same kind the data-parallel optimizer starts each step with::
+instead each collective of the Horovod facade on the global set starts with its cross-rank
+check, a 24-byte ``MAX`` allreduce of ``[h, -h, joined]`` (``h`` a digest of the call), and
+the data-parallel optimizer starts each step with the same probe carrying ``STEP``::
 
-    training rank   facade collective: MARK      optimizer step: 1      join(): 0
-    sum == MARK·n   nobody has joined: run the collective as usual (the usual cross-rank check)
-    otherwise       exchange descriptors (all_gather_object), compare them, run the collective
-                    unchecked; a joined rank runs it too, with zeros of the described shape
+    training rank   facade collective: [h, -h, 0]    optimizer step: [STEP, -STEP, 0]
+    joined rank     [NOBODY, NOBODY, 1]              (NOBODY is below every digest)
 
-A joined rank loops on that allreduce: 0 means every rank has joined; below MARK is an
-optimizer step (answered through ``on_step``); MARK or more is a facade collective,
-whose descriptor it then receives. A descriptor mismatch raises
-:class:`CollectiveMismatchError` on every rank, the joined ones included.
+    joined == 0     nobody has joined: max h == -max(-h) means every rank makes the same call
+                    (checked: the collective runs without a check of its own); otherwise the
+                    descriptors are gathered and CollectiveMismatchError names the difference
+    joined == 1     exchange descriptors (all_gather_object), compare them, run the collective;
+                    a joined rank runs it too, with zeros of the described shape
 
-The probe costs one 4-byte allreduce per facade collective. It is skipped, together with
-the cross-rank check, when ``set_mismatch_check(False)`` is in force; ``join`` then only
-answers optimizer steps.
+A joined rank loops on that probe: ``h == NOBODY`` means every rank has joined; ``STEP`` an
+optimizer step (answered through ``on_step``); any other digest a facade collective, whose
+descriptor it then receives. A descriptor mismatch raises :class:`CollectiveMismatchError` on
+every rank, the joined ones included.
+
+So join costs nothing while nobody has joined: the probe *is* the cross-rank check every
+checked collective makes anyway (before, a separate 4-byte join probe went first: two blocking
+round trips per facade collective, now one). ``set_mismatch_check(False)`` drops it, and
+``join`` then only answers optimizer steps.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -31,13 +39,32 @@ from phalanx.comm.collectives import (
     mismatch_check_enabled,
 )
 
-__all__ = ["MARK", "JOINED", "announce", "next_request", "last_to_join", "device_for"]
+__all__ = ["STEP", "NOBODY", "JOINED", "digest", "step_probe", "announce", "next_request", "joined_wait",
+           "last_to_join", "device_for"]
 
-MARK = 4096.0
-"""A facade collective's contribution; an optimizer step contributes 1 per training rank
-(so fewer than 4096 ranks keep the two apart, and MARK·n stays exact in float32 up to 4096 ranks)."""
+STEP = 1
+"""An optimizer step's code in the probe (digests of facade calls are 2 or more)."""
+NOBODY = -(2**62)
+"""A joined rank's code: below every digest, so the MAX is the training ranks' call."""
 
 JOINED = {"call": "join", "name": None}
+
+
+def digest(desc: dict) -> int:
+    """A stable code for a call's descriptor (the same on every rank), 2 or more."""
+    raw = hashlib.blake2b(repr(sorted(desc.items(), key=lambda kv: kv[0])).encode(), digest_size=7).digest()
+    return int.from_bytes(raw, "little") + 2
+
+
+def _probe(code: int, joined: int, group) -> torch.Tensor:
+    out = torch.tensor([code, -code if code != NOBODY else NOBODY, joined], dtype=torch.int64,
+                       device=device_for(group))
+    return out
+
+
+def step_probe(device: torch.device) -> torch.Tensor:
+    """The probe an optimizer step contributes (``all_reduce(..., MAX)``; its result is not needed)."""
+    return torch.tensor([STEP, -STEP, 0], dtype=torch.int64, device=device)
 
 
 def device_for(group) -> torch.device:
@@ -66,16 +93,21 @@ def _compare(every: list[dict], group) -> dict | None:
 
 
 def announce(desc: dict, group) -> bool:
-    """Training rank, before a facade collective. True when some rank has joined: the
-    descriptors were compared and the collective must run unchecked."""
+    """Training rank, before a facade collective: the cross-rank check and the join probe in one.
+    True when the call was checked here (the collective runs without a check of its own)."""
     if group is not None or not mismatch_check_enabled() or dist.get_world_size(group) == 1:
         return False
     n = dist.get_world_size(group)
-    flag = torch.full((1,), MARK, device=device_for(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
-    if flag.item() == MARK * n:
-        return False
-    every: list[dict] = [None] * n  # type: ignore[list-item]
+    probe = _probe(digest(desc), 0, group)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    high, low, joined = probe.tolist()
+    if not joined:
+        if high == -low:
+            return True
+        every: list[dict] = [None] * n  # type: ignore[list-item]
+        dist.all_gather_object(every, desc, group=group)
+        raise CollectiveMismatchError(describe_mismatch(every, group))
+    every = [None] * n
     dist.all_gather_object(every, desc, group=group)
     _compare(every, group)
     return True
@@ -85,17 +117,25 @@ def next_request(group) -> tuple[str, dict | None]:
     """Joined rank: wait for the others' next move. ``("done", None)`` when every rank has
     joined, ``("step", None)`` for an optimizer step, ``("call", descriptor)`` for a collective,
     ``("skip", None)`` for one the training ranks refuse (a broadcast from a joined root)."""
-    flag = torch.zeros(1, device=device_for(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
-    total = flag.item()
-    if total == 0:
+    probe = _probe(NOBODY, 1, group)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    code = int(probe[0])
+    if code == NOBODY:
         return "done", None
-    if total < MARK:
+    if code == STEP:
         return "step", None
     every: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(every, JOINED, group=group)
     desc = _compare(every, group)
     return ("call", desc) if desc is not None else ("skip", None)
+
+
+def joined_wait(group, device: torch.device) -> bool:
+    """Joined rank of a plain ``DistributedOptimizer.join``: True when another step is coming,
+    False when every rank has joined."""
+    probe = torch.tensor([NOBODY, NOBODY, 1], dtype=torch.int64, device=device)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    return int(probe[0]) != NOBODY
 
 
 def last_to_join(answered: int, group) -> int:

@@ -1,10 +1,10 @@
 """Process sets: named subsets of the ranks that run their own collectives (Horovod's process sets).
 
 A :class:`ProcessSet` is a sorted list of global ranks and, on its members, a c10d
-subgroup built on first use. ``global_process_set`` is every rank (``group`` is
+subgroup built when it is added (every rank adds every set, in the same order, as Horovod requires). ``global_process_set`` is every rank (``group`` is
 ``None``). Sets are added and removed at run time, as in Horovod 0.28::
 
-    even = add_process_set([0, 2])         # every rank calls it; the members build the group
+    even = add_process_set([0, 2])         # every rank calls it, in the same order; the members build the group
     hvd.allreduce(t, process_set=even)     # members only; a non-member raises at once
     remove_process_set(even)               # the group is destroyed; using the set again raises
 
@@ -34,12 +34,24 @@ class ProcessSet:
 
     @property
     def group(self):
-        """The c10d group of this set (``None`` for the global set); built by its members on first use."""
+        """The c10d group of this set (``None`` for the global set), built by :func:`add_process_set`."""
         if self.ranks is None:
             return None
-        if self._group is None:
-            self._group = dist.new_group(self.ranks, use_local_synchronization=True)
+        if self._group is None:  # registered before torch.distributed was up: build it now
+            self._build()
         return self._group
+
+    def _build(self) -> None:
+        """Every rank, in registration order (``dist.new_group`` is collective over the world).
+
+        Not ``use_local_synchronization=True``: its group name hashes the ranks *and the number of
+        groups this rank already has*, so a member that skipped an earlier set (a non-member does)
+        names the same group differently from the other members, and they wait on different store
+        keys forever (4 ranks adding [0, 1, 2], [0, 3]: ranks 0 and 3 hung in ``new_group``). Called
+        by every rank in the same order, the name is the world's group counter, the same everywhere.
+        """
+        group = dist.new_group(self.ranks)
+        self._group = group if self.included() else None
 
     def included(self) -> bool:
         return self.ranks is None or runtime.rank() in self.ranks
@@ -83,8 +95,8 @@ def add_process_set(process_set) -> ProcessSet:
         raise ValueError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{runtime.size() - 1}")
     ps.process_set_id = next(_ids)
     _registered[ps.process_set_id] = ps
-    if ps.included():
-        _ = ps.group
+    if ps.ranks is not None and dist.is_initialized():
+        ps._build()
     return ps
 
 

@@ -11,7 +11,7 @@ process across generations::
               ─ ranks 0,1,2 ─ restore() the commit in memory ─ sync() ─ train_fn again
 
     launcher: new worker w4 ready (pxe/ready/w4) ─ publish gen 2 = [w0, w1, w3, w4]
-    workers:  state.commit() ─ rank 0 reads pxe/latest (one store get), broadcasts ─ 2 > 1 ─
+    workers:  state.commit() ─ rank 0 reads pxe/latest (one store get), allreduce(MAX) ─ 2 > 1 ─
               every rank re-forms as above, w4 included; w4 receives the state in sync()
 
 A worker missing from a new generation (the launcher shrinks the job) leaves with exit
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from phalanx.log import get_logger
 
-__all__ = ["active", "prepare", "is_joiner", "generation", "reform", "join", "membership_changed", "is_collective_error",
+__all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
            "MembershipChanged", "ReformFailed", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -88,6 +88,11 @@ def _reform_timeout_s(collective_s: float) -> float:
     return float(os.environ.get("PHALANX_ELASTIC_REFORM_TIMEOUT") or collective_s + 30)
 
 
+def _form_timeout_s() -> float:
+    """How long making one generation's process group may take once every member checked in."""
+    return float(os.environ.get("PHALANX_ELASTIC_FORM_TIMEOUT") or 30)
+
+
 def active() -> bool:
     """True in a worker started by the in-process elastic launcher."""
     return bool(os.environ.get(STORE_ENV) and os.environ.get(WID_ENV))
@@ -110,6 +115,17 @@ def generation() -> int:
     return _context().gen if active() else 0
 
 
+def latest_generation() -> int:
+    """The newest generation the launcher has published (> :func:`generation` while a change is
+    pending: this worker's next commit re-forms). 0 outside an in-process elastic job."""
+    return _latest() if active() else 0
+
+
+def members_of(gen: int) -> list[str]:
+    """The worker ids of generation ``gen`` in rank order, as the launcher published it."""
+    return [m[0] for m in json.loads(_context().store.get(f"pxe/gen/{gen}"))["members"]]
+
+
 def _get(key: str) -> bytes | None:
     store = _context().store
     return store.get(key) if store.check([key]) else None
@@ -128,7 +144,9 @@ def _stop_reason() -> dict | None:
 def membership_changed() -> bool:
     """At a commit: True on every rank when the launcher published a newer generation.
 
-    Rank 0 asks the store once and broadcasts the answer (one small broadcast per commit).
+    Rank 0 asks the store once; one small allreduce carries the answer to every rank (an
+    allreduce, not a broadcast: every rank takes part, so a peer that died since the last
+    step makes it fail on every rank at once).
     """
     if not active():
         return False
@@ -140,12 +158,12 @@ def membership_changed() -> bool:
     if size == 1 or runtime.rank() == 0:
         flag[0] = int(_latest() > ctx.gen)
     if size > 1:
-        dist.broadcast(flag, src=0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag[0])
 
 
 _COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
-                     "timeout", "nccl", "peer", "socket", "store")
+                     "timeout", "nccl", "peer", "socket", "store", "no answer within")
 
 
 def is_collective_error(err: BaseException) -> bool:
@@ -153,7 +171,8 @@ def is_collective_error(err: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(err, dist_error):
         return True
-    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
+    # TimeoutError: a checkpoint's cross-rank wait on the store for a rank that is gone
+    return isinstance(err, (RuntimeError, TimeoutError)) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
 
 
 def _socket_fds() -> dict[str, int]:
@@ -216,6 +235,15 @@ def _shut_group_sockets(ctx: _Ctx) -> int:
     return count
 
 
+def abandon() -> int:
+    """This worker is lost (its training raised): shut its group connections so the peers'
+    collectives fail now, not when this process has finished exiting. Returns how many."""
+    ctx = _context()
+    if not ctx.group_sockets:
+        ctx.group_sockets = _group_sockets(ctx.store_port)
+    return _shut_group_sockets(ctx)
+
+
 def prepare() -> None:
     """At the start of ``elastic.run``: connect to the launcher's store and note which TCP
     connections belong to the process group ``px.init()`` made (to shut them at a failure)."""
@@ -267,19 +295,27 @@ def _check_stop() -> None:
 def reform(reason: str, *, joining: bool = False) -> float:
     """Leave the current group and join the next generation the launcher publishes.
 
-    Returns the seconds it took. A worker left out of the new generation exits 0 (the
-    job shrank); one that cannot join within the timeout raises :class:`ReformFailed`.
+    One round per generation g: check in (``pxe/g<g>/ack/<wid>``, counted in ``pxe/g<g>/arrived``),
+    wait until every member of g has, then make g's process group. A newer generation
+    published meanwhile (a member died while g formed) abandons the round for the newer one;
+    so does a process group that could not be made (a member died after checking in).
+    Returns the seconds it took. A worker left out of the new generation exits 0 (the job
+    shrank); one that cannot join within the timeout raises :class:`ReformFailed` naming the
+    generation and the workers that did not check in.
     """
     from phalanx import runtime
 
     ctx = _context()
     started = time.monotonic()
     wait_s = _reform_timeout_s(ctx.timeout_s)
+    if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
+        wait_s = max(wait_s, float(os.environ.get("PHALANX_ELASTIC_JOIN_TIMEOUT") or 600))
     deadline = started + wait_s
     _leave_group()
     if joining:
         ctx.store.set(f"pxe/ready/{ctx.wid}", b"1")
     seen = ctx.gen if not joining else -1
+    missing: tuple[int, list[str]] | None = None
     while True:
         _check_stop()
         latest = _latest()
@@ -293,24 +329,40 @@ def reform(reason: str, *, joining: bool = False) -> float:
                 log.warning("generation %d leaves this worker (%s) out: the job shrank; exiting", latest, ctx.wid)
                 ctx.store.set(f"pxe/left/{ctx.wid}", b"1")
                 _exit_now(0)
-            arrived_key = f"pxe/g{latest}/arrived"
-            ctx.store.add(arrived_key, 1)
-            while ctx.store.add(arrived_key, 0) < len(wids):
-                if _latest() > latest or time.monotonic() > deadline:
-                    break
-                _check_stop()
-                time.sleep(_POLL_S)
+            if _all_checked_in(ctx, latest, wids, deadline):
+                try:
+                    _join_group(ctx, latest, members)
+                except Exception as err:  # noqa: BLE001 - a member died while the group was made
+                    log.warning("generation %d could not form (%s: %s); waiting for the next one", latest,
+                                type(err).__name__, str(err).splitlines()[0][:160] if str(err) else "")
+                    _leave_group()
+                else:
+                    took = time.monotonic() - started
+                    log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
+                                runtime.rank(), runtime.size(), took)
+                    return took
             else:
-                _join_group(ctx, latest, members)
-                took = time.monotonic() - started
-                log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
-                            runtime.rank(), runtime.size(), took)
-                return took
+                missing = (latest, [w for w in wids if not ctx.store.check([f"pxe/g{latest}/ack/{w}"])])
             seen = latest
         if time.monotonic() > deadline:
-            raise ReformFailed(f"no generation after {ctx.gen} with all its members within {wait_s:.0f}s "
-                               f"({reason}); set PHALANX_ELASTIC_REFORM_TIMEOUT to wait longer")
+            where = (f"generation {missing[0]} still misses {', '.join(missing[1])}" if missing else
+                     f"the launcher published no generation after {ctx.gen}")
+            raise ReformFailed(f"{ctx.wid} could not re-form within {wait_s:.0f}s ({reason}): {where}; "
+                               "set PHALANX_ELASTIC_REFORM_TIMEOUT to wait longer")
         time.sleep(_POLL_S)
+
+
+def _all_checked_in(ctx: _Ctx, gen: int, wids: list[str], deadline: float) -> bool:
+    """Check in to generation ``gen``; True once every member has (False: a newer one, or the deadline)."""
+    ctx.store.set(f"pxe/g{gen}/ack/{ctx.wid}", b"1")
+    arrived_key = f"pxe/g{gen}/arrived"
+    ctx.store.add(arrived_key, 1)
+    while ctx.store.add(arrived_key, 0) < len(wids):
+        if _latest() > gen or time.monotonic() > deadline:
+            return False
+        _check_stop()
+        time.sleep(_POLL_S)
+    return True
 
 
 def join() -> float:
@@ -336,8 +388,14 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
     timeout = datetime.timedelta(seconds=ctx.timeout_s)
     before = _group_sockets(ctx.store_port)
     runtime.import_dynamo_first()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
-                            world_size=len(members), timeout=timeout)
+    # making the group waits on the store for every member's address: bounded by the formation
+    # timeout, so a member that died after checking in aborts this round instead of holding it
+    ctx.store.set_timeout(datetime.timedelta(seconds=min(ctx.timeout_s, _form_timeout_s())))
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
+                                world_size=len(members), timeout=timeout)
+    finally:
+        ctx.store.set_timeout(timeout)
     ctx.group_sockets = _group_sockets(ctx.store_port) - before
     ctx.gen, ctx.members = gen, members
     os.environ.pop(JOIN_ENV, None)

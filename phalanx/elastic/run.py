@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from phalanx.elastic import inprocess
+from phalanx.elastic import inprocess, preempt
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
 
@@ -69,45 +69,62 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             raise TypeError(f"phalanx.elastic.run: state must have commit/restore/sync, got {type(state).__name__}")
         started = time.monotonic()
         inprocess.prepare()
-        if inprocess.is_joiner():
-            # started mid-run by the launcher: wait for the generation that admits us (at a commit);
-            # the state comes from rank 0 in sync() (the members restore from their memory, no I/O)
-            _reform_or_fall_back(inprocess.join)
-        elif state.restore():
-            log.warning("restart %d: resumed from the last commit after %.2fs (path: group restart)",
-                        restart_count(), time.monotonic() - started)
-        state.sync()
-        while True:
-            reform = None
-            try:
-                return func(state, *args, **kwargs)
-            except inprocess.MembershipChanged:
-                # the launcher admitted or removed workers: everyone re-forms at this very commit
-                reform = "workers joining or leaving at a commit"
-            except HostsUpdatedInterrupt:
-                log.warning("hosts updated: rolling back to the last commit and re-syncing")
-                state.restore()
-                state.sync()
-            except Exception as err:
-                if not (inprocess.active() and inprocess.is_collective_error(err)):
-                    # Under TorchElastic a dead peer breaks this process group; the agent restarts
-                    # everyone from the last commit. Say so, then let the error end us.
-                    log.error("training failed (%s: %s); exiting so the agent restarts the group "
-                              "from the last commit", type(err).__name__, err)
-                    raise
-                log.warning("collective failed (%s: %s): a peer is gone; the survivors re-form in-process "
-                            "(path: in-process, this process keeps running)", type(err).__name__,
-                            str(err).splitlines()[0][:160])
-                reform = "recovering from a lost worker"
-            if reform is not None:
-                # Outside the except block: the traceback (and the failed collective's work objects,
-                # which keep the broken group's sockets open) is gone, so leaving the group closes
-                # them at once and peers still blocked on us fail fast instead of timing out.
-                gc.collect()
-                _reform_or_fall_back(functools.partial(inprocess.reform, reform))
-                _roll_back(state)
+        preempt.start()  # SIGTERM / --preempt-signal: the members agree at a commit, save it, exit 85
+        try:
+            return _run(func, state, started, args, kwargs)
+        finally:
+            preempt.stop()
 
     return wrapper
+
+
+def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -> Any:
+    """Resume (join, or restore the last commit), then run ``func`` until it returns, re-forming on the way."""
+    if inprocess.is_joiner():
+        # started mid-run by the launcher: wait for the generation that admits us (at a commit);
+        # the state comes from rank 0 in sync() (the members restore from their memory, no I/O)
+        _reform_or_fall_back(inprocess.join)
+    elif state.restore():
+        log.warning("restart %d: resumed from the last commit after %.2fs (path: group restart)",
+                    restart_count(), time.monotonic() - started)
+    state.sync()
+    while True:
+        reform = None
+        try:
+            return func(state, *args, **kwargs)
+        except inprocess.MembershipChanged:
+            # the launcher admitted or removed workers: everyone re-forms at this very commit
+            reform = "workers joining or leaving at a commit"
+        except HostsUpdatedInterrupt:
+            log.warning("hosts updated: rolling back to the last commit and re-syncing")
+            state.restore()
+            state.sync()
+        except Exception as err:
+            if not (inprocess.active() and inprocess.is_collective_error(err)):
+                if inprocess.active():
+                    # In-process: this worker is lost. Cut its connections now, so the others
+                    # fail at once and re-form while this process prints and exits.
+                    inprocess.abandon()
+                    log.error("training failed (%s: %s); this worker exits, the others re-form "
+                              "in-process", type(err).__name__, err)
+                    raise
+                # Under TorchElastic a dead peer breaks this process group; the agent restarts
+                # everyone from the last commit. Say so, then let the error end us.
+                log.error("training failed (%s: %s); exiting so the agent restarts the group "
+                          "from the last commit", type(err).__name__, err)
+                raise
+            log.warning("collective failed (%s: %s): a peer is gone; the survivors re-form in-process "
+                        "(path: in-process, this process keeps running)", type(err).__name__,
+                        str(err).splitlines()[0][:160])
+            reform = "recovering from a lost worker"
+        if reform is not None:
+            # Outside the except block: the traceback (and the failed collective's work objects,
+            # which keep the broken group's sockets open) is gone, so leaving the group closes
+            # them at once and peers still blocked on us fail fast instead of timing out.
+            preempt.reformed(leaving=True)
+            gc.collect()
+            _reform_or_fall_back(functools.partial(inprocess.reform, reform))
+            _roll_back(state)
 
 
 def _roll_back(state: State) -> None:
@@ -121,8 +138,21 @@ def _reform_or_fall_back(reform: Callable[[], float]) -> None:
     """Re-form, or end this worker with REFORM_FAILED_EXIT so the launcher restarts the whole group."""
     try:
         reform()
+        _rederive_strategies()
+        preempt.reformed()
     except Exception as err:  # noqa: BLE001 - any failure to re-form hands over to the restart path
         log.error("could not re-form in-process (%s: %s); exiting with status %d so the launcher restarts "
                   "the group from the last commit (path: group restart)", type(err).__name__, err,
                   inprocess.REFORM_FAILED_EXIT)
         inprocess._exit_now(inprocess.REFORM_FAILED_EXIT)
+
+
+def _rederive_strategies() -> None:
+    """The world changed: every DataParallel / DistributedOptimizer re-derives its collectives
+    (bucket layout, world size, join announcement) so old ranks and newcomers issue the same ones."""
+    from phalanx import runtime
+    from phalanx.parallel.data.gradients import reform_engines
+
+    count = reform_engines(runtime.topology())
+    if count:
+        log.info("re-derived %d gradient engine(s) for a world of %d", count, runtime.size())

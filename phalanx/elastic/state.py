@@ -117,10 +117,17 @@ class TorchState:
                                      v.state_dict() if is_stateful(v) else v)
                     for k, v in self._pieces.items()}
         object.__setattr__(self, "_memory", snapshot)
-        self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
         from phalanx.elastic import inprocess
 
-        if inprocess.membership_changed():  # in-process elastic: workers join or leave at this commit
+        # in-process elastic: workers join or leave at this commit. Asked before the snapshot is
+        # written: the question is one gloo broadcast, which fails at once when a peer died since
+        # the last step, where the snapshot's cross-rank waits would only time out.
+        changed = inprocess.membership_changed()
+        path = self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
+        from phalanx.elastic import preempt
+
+        preempt.at_commit(path, self.commit_dir)  # under elastic.run: a preemption signal -> save done, exit 85
+        if changed:
             raise inprocess.MembershipChanged()
 
     def restore(self) -> bool:

@@ -47,8 +47,8 @@ from phalanx import elastic as _elastic
 from phalanx.comm.horovod_ops import HorovodInternalError
 from phalanx.elastic import HostsUpdatedInterrupt, restart_count
 
-__all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError", "restart_count"]
-
+__all__ = ["run", "TorchState", "ObjectState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError",
+           "restart_count"]
 
 
 
@@ -108,6 +108,22 @@ class TorchState(_elastic.TorchState):
 
     def _run_ends(self) -> None:
         object.__setattr__(self, "_restores_in_run", None)
+
+
+class ObjectState(TorchState):
+    """Horovod's ``ObjectState(bcast_object, get_rank, **kwargs)``: plain picklable values as one
+    elastic state (``state.epoch``, ``state.batch``), synced from rank 0 with ``bcast_object``.
+
+    phalanx syncs with its own object broadcast; the two callables are accepted for Horovod's
+    signature (and must be callable when given).
+    """
+
+    def __init__(self, bcast_object: Callable[..., Any] | None = None, get_rank: Callable[[], int] | None = None,
+                 **kwargs: Any) -> None:
+        for name, fn in (("bcast_object", bcast_object), ("get_rank", get_rank)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"ObjectState({name}=...) takes a function, got {fn!r}")
+        super().__init__(None, None, **kwargs)
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

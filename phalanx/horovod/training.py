@@ -17,6 +17,7 @@ from phalanx.comm import collectives as c
 from phalanx.comm import horovod_ops as ops
 from phalanx.comm.process_sets import global_process_set, group_of
 from phalanx.parallel import data_optimizer as dp
+from phalanx.parallel.data.adasum import AdasumOptimizer
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 
 __all__ = [
@@ -81,8 +82,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
     """
     global _last_optimizer
     if op == ops.ADASUM:
-        raise NotImplementedError("DistributedOptimizer(op=hvd.Adasum) is not supported by phalanx (hvd.allreduce "
-                                  "supports op=hvd.Adasum); use op=hvd.Average or hvd.Sum")
+        # Horovod's delta optimizer: local step, then the parameter changes combined with Adasum
+        if (process_set or global_process_set) is not global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        return AdasumOptimizer(optimizer, named_parameters, compression=compression)
     if gradient_predivide_factor != 1.0 and c.ReduceOp(op) is not c.ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging "
                          "into a division before and after the sum), as in Horovod")
@@ -132,7 +135,7 @@ def join(device: int = -1) -> int:
     if opt is not None:
         opt.synchronize()
         opt.synchronized = False
-    return ops.join(on_step=None if opt is None else opt._engine.shadow)
+    return ops.join(on_step=None if opt is None else opt.join_step)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -9,7 +9,9 @@ line; the launcher (:mod:`phalanx.launcher.supervisor`) polls it every
     fewer slots ─ the surplus workers leave at the next commit (exit 0); the rest re-form
 
 The wanted size is the total of the slots listed, clamped to ``--min-np``..``--max-np``.
-This machine's names (localhost, its hostname, loopback) all count as ``localhost``.
+A host is the name the script prints, as in Horovod: ``localhost`` and ``127.0.0.1`` are two
+hosts (both started on this machine, without SSH), each worker's ``HOROVOD_HOSTNAME`` is that
+name, and a host whose worker failed is set aside as a whole.
 A failed or malformed script run is logged and ignored (the job keeps its hosts).
 
 Example::
@@ -22,30 +24,28 @@ Example::
 
 from __future__ import annotations
 
-import socket
 import subprocess
+
+from phalanx.launcher.hosts import is_local
 
 __all__ = ["discover_hosts", "discover_slots"]
 
 
 def discover_hosts(script: str, timeout_s: float = 30.0) -> dict[str, int]:
-    """Run the discovery script once; return ``{host: slots}`` in the order printed (this
-    machine's names all become ``"localhost"``).
+    """Run the discovery script once; return ``{host: slots}`` in the order printed, names as printed.
 
     Raises ValueError (with the offending line) or subprocess errors on a bad run.
     """
     out = subprocess.run([script], capture_output=True, text=True, timeout=timeout_s, check=True).stdout
-    here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
     hosts: dict[str, int] = {}
     for line in filter(None, (s.strip() for s in out.splitlines())):
         name, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
         if not name or not slots.isdigit():
             raise ValueError(f"host discovery script {script} printed {line!r}; print host:slots lines")
-        name = "localhost" if name in here else name
         hosts[name] = hosts.get(name, 0) + int(slots)
     return hosts
 
 
 def discover_slots(script: str, timeout_s: float = 30.0) -> int:
-    """The slots the discovery script lists for this machine (remote hosts are not counted)."""
-    return discover_hosts(script, timeout_s).get("localhost", 0)
+    """The slots the discovery script lists for this machine (all its names; remote hosts are not counted)."""
+    return sum(n for h, n in discover_hosts(script, timeout_s).items() if is_local(h))

@@ -25,8 +25,7 @@ _IGNORED = (
     ("--timeline-mark-cycles", False), ("--disable-cache", False), ("--autotune-bayes-opt-max-samples", True),
     ("--autotune-gaussian-process-noise", True), ("--prefix-output-with-timestamp", False),
     ("--log-without-timestamp", False), ("--log-hide-timestamp", False), ("--tcp", False),
-    ("--mpi-threads-disable", False), ("--elastic-timeout", True), ("--reset-limit", True),
-    ("--blacklist-cooldown-range", True), ("--gloo", False),
+    ("--mpi-threads-disable", False), ("--gloo", False),
 )
 
 

@@ -18,6 +18,7 @@ import os
 
 from phalanx import runtime
 from phalanx.log import get_logger
+from phalanx.runtime.heartbeat import start_from_env as start_heartbeat
 
 __all__ = ["join"]
 
@@ -27,6 +28,7 @@ log = get_logger(__name__)
 def join(backend=None, device=None, timeout=None) -> runtime.Topology:
     """Initialise the runtime (see :func:`phalanx.runtime.init`) and start the services the environment names."""
     topo = runtime.init(backend=backend, device=device, timeout=timeout)
+    start_heartbeat(topo.rank)  # under `phalanx run`: the launcher watches it for stalls (launcher/stall.py)
     # INFO at --verbose: what a user debugging a job asks first (which rank am I, where, on what)
     log.info("joined: rank %d of %d, local rank %d of %d, host %d of %d; backend %s on %s; collective "
              "timeout %.0f s; started by %s", topo.rank, topo.size, topo.local_rank, topo.local_size,

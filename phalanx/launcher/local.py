@@ -10,9 +10,17 @@ what a user of ``horovodrun``/``mpirun`` expects around it:
 * logs only where asked: with ``log_dir`` each rank's output is kept in horovodrun's
   layout, ``log_dir/rank.N/stdout`` and ``stderr``; otherwise the agent's files live
   in a temporary folder that is removed at the end;
-* a failure report names the rank that failed first, its exit code or signal (its
-  traceback was already shown once, live; the report repeats the last lines only
-  when the rank's output was filtered out), then the launcher exits non-zero;
+* a failure report names the root cause first: the rank that stalled (its heartbeat
+  stopped, :mod:`~phalanx.launcher.stall`), left early with exit code 0 while the others
+  still ran collectives, or failed first, with what it was doing; the other ranks'
+  consequential timeouts and "connection closed" errors follow, one line each (their
+  tracebacks were already shown once, live; the report repeats the root's last lines only
+  when its output was filtered out), then the launcher exits non-zero;
+* a stall watcher (:class:`~phalanx.launcher.stall.Watcher`) prints one block, with every
+  live rank's Python stack, when a collective has waited ``--stall-warning`` seconds, and
+  SIGKILLs a stopped (state T) worker at once when the job is ending;
+* the job gets a secret (``PHALANX_SECRET_FILE``, 0600, removed at the end) unless one is
+  given: the parameter server signs its frames with it;
 * no process is left behind: the launcher is a child subreaper, so workers'
   own children are re-parented to it and killed at the end, and each worker
   receives SIGKILL if the launcher itself dies (see ``_exec.py``).
@@ -32,6 +40,11 @@ import sys
 import tempfile
 import time
 import uuid
+
+from phalanx.launcher import forward
+from phalanx.launcher import secret as job_secret
+from phalanx.launcher.stall import Watcher, describe_exit, lost_a_peer
+from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV, STACK_DIR_ENV
 
 __all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
 
@@ -59,6 +72,10 @@ class LaunchSpec:
     monitor_interval_s: float = 0.1
     ranks_filter: frozenset[int] | None = None  # local ranks whose output the console shows (None: all)
     quiet_agent: bool = True  # TorchElastic's own INFO lines off (on at --log-level DEBUG)
+    preempt_signals: tuple[int, ...] = (signal.SIGTERM,)  # forwarded to the workers, then exit 85 (forward.py)
+    stall_warning_s: float = 60.0  # one collective waiting this long: print the stall block (Horovod's 60 s)
+    stall_timeout_s: float | None = None  # a rank stalled this long is killed (None: left to --timeout)
+    heartbeat_s: float = 1.0  # how often each rank publishes its heartbeat (runtime/heartbeat.py)
 
 
 def _become_subreaper() -> None:
@@ -142,14 +159,6 @@ def _stderr_tail(path: str | None, lines: int = 15) -> str:
     return "\n".join("    " + line for line in tail)
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def launch(spec: LaunchSpec, command: list[str]) -> int:
     """Run ``command`` on ``spec.nproc_per_node`` local workers; return the job's exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -167,7 +176,22 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.update(spec.env)
     os.environ["PHALANX_LAUNCHER"] = "run"
+    stack_dir = os.path.join(work_dir, "stacks")
+    os.makedirs(stack_dir)
+    os.environ[STACK_DIR_ENV] = stack_dir
+    ours = [STACK_DIR_ENV]  # variables this launch sets in its own environment, dropped at the end
+    if not os.environ.get(job_secret.SECRET_FILE_ENV):
+        os.environ[job_secret.SECRET_FILE_ENV] = job_secret.write_secret_file(job_secret.new_secret(), work_dir)
+        ours.append(job_secret.SECRET_FILE_ENV)
     store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
+    preempt_signals = forward.preempt_signals(spec.preempt_signals, {**os.environ, **spec.env})
+    watcher = None
+    if store is not None:  # this agent hosts the store: its ranks' heartbeats arrive here
+        os.environ.update({HEARTBEAT_ENV: str(spec.heartbeat_s), HEARTBEAT_STORE_ENV: endpoint})
+        ours += [HEARTBEAT_ENV, HEARTBEAT_STORE_ENV]
+        watcher = Watcher(store, range(spec.nproc_per_node * spec.max_nodes), stall_warning_s=spec.stall_warning_s,
+                          stall_timeout_s=spec.stall_timeout_s, stack_dir=stack_dir)
+        watcher.start()
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
@@ -182,21 +206,35 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         log_line_prefix_template="[${rank}]: ",
         logs_specs=logs,
         local_addr=spec.local_addr,
+        signals_to_handle=forward.torchelastic_signals(preempt_signals),
     )
     # The agent logs its own progress at INFO/WARNING; users want the workers' lines.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL if spec.quiet_agent else logging.INFO)
     log.info("starting %d worker(s) on this host: rendezvous %s, run id %s%s", spec.nproc_per_node, endpoint,
              spec.run_id, f", rank output kept in {spec.log_dir}/rank.N/" if spec.log_dir else "")
     started = time.monotonic()
+    forwarding = forward.forward_preemption(preempt_signals)
+    preempt = forwarding.__enter__()
     try:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)
         return 0
     except ChildFailedError as err:
-        return _report_failure(err, logs.stderrs, spec.ranks_filter)
+        if watcher is not None:
+            watcher.stop()
+        if forward.all_preempted(f.exitcode for f in err.failures.values()):  # the workers got the signal themselves
+            return forward.report_preempted(preempt.signal)
+        return _report_failure(err, logs.stderrs, spec.ranks_filter, watcher)
     except SignalException as err:
+        if preempt.preempted:
+            return forward.report_preempted(err.sigval)
         print(f"phalanx: received {err.sigval.name}; stopped every worker", file=sys.stderr)
         return 128 + int(err.sigval)
     finally:
+        forwarding.__exit__(None, None, None)
+        if watcher is not None:
+            watcher.stop()
+        for name in ours:  # a later launch from this process (a group restart) makes its own
+            os.environ.pop(name, None)
         del store
         leftovers = kill_descendants()
         if leftovers:
@@ -243,10 +281,9 @@ def _bind_shared_worker_store(timeout) -> None:
                                                                    timeout=timeout))
 
 
-# What a rank prints when a peer died before it: a consequence, not the cause of the failure.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "peer closed",
-              "collectiveabort", "a peer rank failed", "socket timeout", "recvbytes", "read error",
-              "gloo/transport")
+def _is_consequence(failure, stderrs: dict[int, str]) -> bool:
+    """SIGTERM (how the agent stops the rest of the group) or last words about a lost peer."""
+    return failure.exitcode == -signal.SIGTERM or lost_a_peer(_stderr_tail(stderrs.get(failure.local_rank), 5))
 
 
 def _root_cause(failures, stderrs: dict[int, str]):
@@ -255,27 +292,39 @@ def _root_cause(failures, stderrs: dict[int, str]):
     def key(item):
         rank, failure = item
         path = stderrs.get(failure.local_rank)
-        text = _stderr_tail(path, 5).lower()
-        # SIGTERM is how the agent stops the rest of the group once one worker failed
-        consequence = failure.exitcode == -signal.SIGTERM or any(p in text for p in _PEER_LOST)
-        written = os.path.getmtime(path) if text else float("inf")  # when its last words were written
-        return (consequence, failure.timestamp, written, rank)
+        written = os.path.getmtime(path) if path and os.path.exists(path) else float("inf")
+        return (_is_consequence(failure, stderrs), failure.timestamp, written, rank)
 
     return min(failures.items(), key=key)
 
 
-def _report_failure(err, stderrs: dict[int, str], ranks_filter) -> int:
+def _last_words(path: str | None) -> str:
+    tail = [line.strip() for line in _stderr_tail(path, 8).splitlines() if line.strip()]
+    return tail[-1][:200] if tail else ""
+
+
+def _report_failure(err, stderrs: dict[int, str], ranks_filter, watcher: Watcher | None = None) -> int:
     failures = err.failures  # global rank -> ProcessFailure
-    root_rank, root = _root_cause(failures, stderrs)
-    lines = [f"phalanx: rank {root_rank} (local rank {root.local_rank}, pid {root.pid}) failed first: "
-             f"{_describe_exit(root.exitcode)}"]
-    if ranks_filter is not None and root.local_rank not in ranks_filter:  # its traceback was not shown
-        tail = _stderr_tail(stderrs.get(root.local_rank))
+    consequence = {r for r, f in failures.items() if _is_consequence(f, stderrs)}
+    found = watcher.cause(failures, consequence) if watcher is not None else None
+    if found is not None:  # the heartbeats name a rank that stalled or left: it comes first
+        root_rank, first = found
+        root = failures.get(root_rank)
+    else:
+        root_rank, root = _root_cause(failures, stderrs)
+        first = (f"rank {root_rank} (local rank {root.local_rank}, pid {root.pid}) failed first: "
+                 f"{describe_exit(root.exitcode)}")
+    lines = ["phalanx: " + first]
+    if root is not None and ranks_filter is not None and root.local_rank not in ranks_filter:
+        tail = _stderr_tail(stderrs.get(root.local_rank))  # its traceback was not shown
         if tail:
             lines.append(f"  last lines of rank {root_rank}'s stderr:\n{tail}")
     others = sorted(r for r in failures if r != root_rank)
     if others:
-        lines.append(f"phalanx: stopped the other ranks {others} after that failure")
+        lines.append(f"phalanx: then, as a consequence, the other ranks {others} were stopped or failed:")
+        for r in others:
+            f, words = failures[r], _last_words(stderrs.get(failures[r].local_rank))
+            lines.append(f"  rank {r} (pid {f.pid}): {describe_exit(f.exitcode)}" + (f": {words}" if words else ""))
     print("\n".join(lines), file=sys.stderr, flush=True)
-    code = root.exitcode
+    code = root.exitcode if root is not None else 1
     return code if code > 0 else 128 + (-code if code < 0 else 1)

@@ -29,6 +29,8 @@ import pickle
 import secrets
 import tempfile
 
+from phalanx.runtime.jobkey import SECRET_FILE_ENV, job_key
+
 __all__ = [
     "AuthenticationError",
     "AuthenticatedStore",
@@ -42,7 +44,6 @@ __all__ = [
     "SECRET_FILE_ENV",
 ]
 
-SECRET_FILE_ENV = "PHALANX_SECRET_FILE"
 _MAC_BYTES = 32
 
 
@@ -93,16 +94,7 @@ def write_secret_file(key: bytes, directory: str | None = None) -> str:
 
 def load_secret(env=None) -> bytes | None:
     """This job's secret from the file named by PHALANX_SECRET_FILE, or None outside a job."""
-    env = os.environ if env is None else env
-    path = env.get(SECRET_FILE_ENV)
-    if not path:
-        return None
-    mode = os.stat(path).st_mode & 0o777
-    if mode & 0o077:
-        raise AuthenticationError(f"{SECRET_FILE_ENV}={path} is readable by others (mode {oct(mode)}); "
-                                  "chmod 600 it")
-    with open(path, "rb") as f:
-        return f.read().strip()
+    return job_key(env, AuthenticationError)
 
 
 class AuthenticatedStore:

@@ -7,7 +7,7 @@ torch, so a rank starts in tens of milliseconds, not seconds.
 Failure handling, in the spirit of DeepSpeed's test launcher: nothing waits
 forever. When a rank raises, the others get a short grace period and are then
 killed; when the deadline passes, each rank still running is asked for its
-Python stack (faulthandler on SIGUSR1) and the error names the ranks that hung
+Python stack (faulthandler on SIGUSR2) and the error names the ranks that hung
 with their stacks.
 
 Example::
@@ -37,6 +37,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_any
 from typing import Any
+
+from phalanx.launcher.stall import lost_a_peer
 
 __all__ = ["run", "RankError", "RankTimeoutError", "free_port"]
 
@@ -103,7 +105,7 @@ def _rank_main(fn, rank, size, local_size, port, args, kwargs, conn, stack_path,
     )
     os.environ.update(env)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
     import torch
 
     torch.set_num_threads(threads)
@@ -200,6 +202,7 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
         readers[reader] = rank
     results: dict[int, Any] = {}
     failures: dict[int, _Failure] = {}
+    returned_at: dict[int, float] = {}  # wall clock, as _Failure.at
     deadline = time.monotonic() + timeout
     first_failure_at = 0.0
     try:
@@ -218,6 +221,7 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
                     status, payload = "err", _Failure("died", f"rank {rank} exited with code {code} before returning", None)
                 if status == "ok":
                     results[rank] = payload
+                    returned_at[rank] = time.time()
                 else:
                     if not failures:
                         first_failure_at = time.monotonic()
@@ -235,14 +239,22 @@ def _run_once(fn, np, args, kwargs, timeout, local_size, env, init, threads):
         for p in procs:
             p.join(5)
     if failures:
-        rank = min(failures, key=lambda r: failures[r].at)  # the root cause fails first
         if any(_port_taken(f) for f in failures.values()):
             raise _PortTaken()
+        # the root cause fails first, and is not a rank that only lost its peer
+        real = [r for r in failures if not lost_a_peer(failures[r].text)]
+        rank = min(real or failures, key=lambda r: failures[r].at)
         others = sorted(set(failures) - {rank})
         extra = f" (ranks {others} failed too)" if others else ""
         if hung:
             extra += f"; ranks {hung} were killed after the failure"
         f = failures[rank]
+        early = sorted(r for r, t in returned_at.items() if t <= f.at) if not real else []
+        if early:  # every failure is a lost peer, and these ranks had returned before: they are the cause
+            raise RankError(f"rank {early[0]} returned while ranks {sorted(failures)} were still running "
+                            f"collectives (uneven work per rank? call join() on the DataParallel model or "
+                            f"optimizer when a rank runs out of data); then rank {rank} failed{extra}:\n{f.text}",
+                            early[0], f.exception)
         raise RankError(f"rank {rank} failed{extra}:\n{f.text}", rank, f.exception)
     if hung:
         report = "\n".join(f"--- rank {r} stack ---\n{stacks.get(r, '(no stack)')}" for r in hung)
@@ -254,7 +266,7 @@ def _collect_stacks(procs, ranks: list[int], stack_dir: str) -> dict[int, str]:
     for r in ranks:
         if procs[r].is_alive():
             try:
-                os.kill(procs[r].pid, signal.SIGUSR1)
+                os.kill(procs[r].pid, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
     time.sleep(0.5)

@@ -1,20 +1,21 @@
 """The launcher side of in-process elastic training: start the workers, host the store, never restart survivors.
 
-``phalanx run --min-np A --max-np B`` (and ``--host-discovery-script``) runs this
-instead of TorchElastic's agent, whose worker group is all-or-nothing (one exit stops
-every worker). Here each worker is a process of its own, started on this machine or
-over SSH on a discovered host (``python -m phalanx.launcher.agent worker``)::
+``phalanx run --min-np A --max-np B`` (and ``-H``/``--host-discovery-script``) runs this instead
+of TorchElastic's agent, whose worker group is all-or-nothing. Each worker is a process of its
+own, on this machine or over SSH (``python -m phalanx.launcher.agent worker``); hosts are the
+names the host list or discovery gives (``localhost`` and ``127.0.0.1`` are two hosts)::
 
-    start: store on this host ─ gen 0 = w0..w{np-1} ─ workers px.init() on it
-    worker w2 exits non-zero ─ "rank 2 failed: killed by SIGKILL" ─ publish gen 1 = survivors
-        (the survivors' collectives raise; they re-form in-process: phalanx.elastic.inprocess)
-        ─ start a replacement (at most --max-restarts in all, up to the wanted size)
-    replacement / a worker on a newly discovered host says ready ─ publish gen = members + it
-        ─ the running workers see it at their next commit and all re-form, it included
+    start: store ─ gen 0 = w0..w{n-1} (the slots offered, up to --max-np) ─ workers px.init() on it
+    worker w2 exits non-zero ─ "rank 2 (w2 on h) failed: killed by SIGKILL" ─ with named hosts (-H,
+        discovery) host h is set aside (--blacklist-cooldown-range: for a while, else for good);
+        without, a replacement starts here (--max-restarts in all) ─ publish gen 1 = survivors
+        (their collectives raise; they re-form in-process: phalanx.elastic.inprocess)
+    joiners ready (all started together) ─ publish gen = members + them ─ re-form at the next commit
     discovery lists fewer slots ─ publish a gen without the surplus ─ they leave at the next commit
-    fewer than --min-np workers left, none starting ─ "stopping the job" ─ exit 1 (no hang)
-    a worker could not re-form (exit 75) ─ stop everyone ─ TorchElastic group restart from the
-        last snapshot (the fallback path, this machine's workers only)
+    each new generation is a reset: --reset-limit N stops the job at the N+1-th, naming the limit
+    fewer than --min-np can run ─ wait for hosts to return (cooldown, discovery) up to --elastic-timeout,
+        or stop at once when none can ─ exit 1 naming the first failure
+    a worker could not re-form (exit 75) ─ TorchElastic group restart from the last snapshot (fallback)
     every member exited 0 ─ done (workers still waiting to join are told to exit 0)
 
 Example::
@@ -31,7 +32,6 @@ import json
 import os
 import signal
 import site
-import socket
 import subprocess
 import sys
 import threading
@@ -42,8 +42,12 @@ from phalanx.elastic import inprocess
 from phalanx.launcher import handoff
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.discovery import discover_hosts
+from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreemption
+from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
+from phalanx.launcher.stall import ElasticStalls, describe_exit
 from phalanx.log import get_logger
+from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
 
 __all__ = ["Supervisor"]
 
@@ -51,35 +55,16 @@ log = get_logger(__name__)
 _EXEC_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
 _GRACE_S = 10.0
 _LOCAL = "localhost"
-_PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+_PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "HOROVOD_RANK",
+                  "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 
 
 class _Worker:
     def __init__(self, wid: str, host: str, proc: subprocess.Popen, joiner: bool) -> None:
         self.wid, self.host, self.proc, self.joiner = wid, host, proc, joiner
         self.code: int | None = None
-        self.admitted = not joiner  # in a published generation
-        self.ready = not joiner
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-        return f"killed by signal {-code}"
-    if code > 128 and code - 128 < 65:  # a remote worker's signal, as its agent reports it
-        with contextlib.suppress(ValueError):
-            return f"exit code {code} ({signal.Signals(code - 128).name})"
-    return f"exit code {code}"
-
-
-def _route_source(remote: str) -> str:
-    """This machine's address on the way to ``remote`` (where the workers there reach our store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(remote), 9))
-        return s.getsockname()[0]
+        self.admitted = self.ready = not joiner  # admitted: in a published generation
+        self.started = time.monotonic()
 
 
 class Supervisor:
@@ -89,9 +74,22 @@ class Supervisor:
                  env: dict[str, str] | None = None, script: str | None = None, interval_s: float = 1.0,
                  max_restarts: int = 3, ssh=None, network_interface: str | None = None,
                  start_timeout: int = 60, run_id: str | None = None, fallback=None,
-                 ranks_filter: frozenset[int] | None = None) -> None:
+                 ranks_filter: frozenset[int] | None = None, hosts: dict[str, int] | None = None,
+                 reset_limit: int | None = None, cooldown: tuple[float, float] | None = None,
+                 elastic_timeout: float = 600.0, log_dir: str | None = None,
+                 stall_timeout: float | None = None) -> None:
         self.command, self.np = list(command), np
-        self.min_np, self.max_np = min_np or 1, max(max_np or np, np)
+        self.named_hosts = dict(hosts) if hosts else None  # -H / --hostfile: Horovod's host semantics
+        offered = sum(self.named_hosts.values()) if self.named_hosts else np
+        self.min_np, self.max_np = min_np or 1, max(max_np or max(offered, np), np)
+        # Horovod's driver: with hosts named (-H, a discovery script) a host whose worker failed is
+        # set aside; without, this machine is the job and a failed worker is replaced (--max-restarts)
+        self.horovod_hosts = bool(hosts) or bool(script)
+        self.aside = SetAside(cooldown)
+        self.reset_limit, self.resets = reset_limit, 0
+        self.elastic_timeout, self.log_dir, self.stall_timeout = elastic_timeout, log_dir, stall_timeout
+        self.first_failure: str | None = None
+        self._short_since: float | None = None  # since when fewer than --min-np workers can run
         self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
         self.replacements_left = max_restarts
         self.ssh, self.network_interface, self.start_timeout = ssh, network_interface, start_timeout
@@ -116,7 +114,7 @@ class Supervisor:
         except (OSError, ValueError, subprocess.SubprocessError) as err:
             log.warning("host discovery script failed (%s); keeping the hosts known", err)
             return None
-        for h in [h for h in hosts if h != _LOCAL and h not in self._probed]:
+        for h in [h for h in hosts if not is_local(h) and h not in self._probed]:
             try:
                 probe([h], self.ssh, timeout_s=15)
                 self._probed.add(h)
@@ -128,13 +126,21 @@ class Supervisor:
     def _clamp(self, total: int) -> int:
         return max(self.min_np, min(self.max_np, total))
 
+    def _usable(self) -> dict[str, int]:
+        """The hosts' slots, less the hosts set aside (cooldowns that ended bring theirs back)."""
+        for h in self.aside.returning():
+            print(f"phalanx: host {h} is back after its cooldown (--blacklist-cooldown-range)", flush=True)
+        return self.aside.usable(self.hosts)
+
+    def _wanted(self) -> int:
+        return min(self.max_np, sum(self._usable().values()))
+
     # -- workers ----------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _PER_RANK_VARS}
         env.update(self.env)
-        # the workers import the phalanx this launcher runs (also from a source checkout that is
-        # not installed); a site-packages install is on their path already, and putting
-        # site-packages on PYTHONPATH would put it ahead of the standard library
+        # the workers import the phalanx this launcher runs (also an uninstalled checkout); a site-packages
+        # install is on their path already, and on PYTHONPATH would come ahead of the standard library
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if root not in {*site.getsitepackages(), site.getusersitepackages()}:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -142,20 +148,24 @@ class Supervisor:
         env.update({"PHALANX_LAUNCHER": "run", "TORCHELASTIC_RUN_ID": self.run_id,
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "true",
                     "MASTER_ADDR": self.addr, "MASTER_PORT": str(self.store.port),
-                    inprocess.STORE_ENV: f"{self.addr}:{self.store.port}"})
+                    inprocess.STORE_ENV: f"{self.addr}:{self.store.port}",
+                    HEARTBEAT_ENV: "1", HEARTBEAT_STORE_ENV: f"{self.addr}:{self.store.port}"})
         return env
 
-    def _start(self, host: str, rank_env: dict[str, int] | None) -> _Worker:
+    def _start(self, host: str, rank_env: dict[str, int] | None, expected_rank: int = 0) -> _Worker:
         wid = f"w{self._next_wid}"
         self._next_wid += 1
         env = self._base_env()
         env[inprocess.WID_ENV] = wid
+        env["HOROVOD_HOSTNAME"] = host  # the name the host list / discovery gave (Horovod's meaning)
         if rank_env is None:
             env[inprocess.JOIN_ENV] = "1"
+            # its own identity before it joins: the rank it is to take, not a dead worker's (nor 0)
+            env["HOROVOD_RANK"] = str(expected_rank)
         else:
             env.update({k: str(v) for k, v in rank_env.items()})
             env[inprocess.GEN_ENV] = "0"
-        if host == _LOCAL:
+        if is_local(host):
             proc = subprocess.Popen([sys.executable, _EXEC_SHIM, *self.command], env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         else:
@@ -163,8 +173,9 @@ class Supervisor:
                                       "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS or k == "PYTHONPATH"})
         w = _Worker(wid, host, proc, joiner=rank_env is None)
         self.workers.append(w)
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=self._pump, args=(w, stream, out), daemon=True)
+        files = self._log_files(w, rank_env)
+        for stream, out, keep in ((proc.stdout, sys.stdout, files[0]), (proc.stderr, sys.stderr, files[1])):
+            t = threading.Thread(target=self._pump, args=(w, stream, out, keep), daemon=True)
             t.start()
             self._pumps.append(t)
         return w
@@ -178,14 +189,26 @@ class Supervisor:
         handoff.send_secret(proc, self._secret)  # stdin then stays open: EOF tells the worker to stop
         return proc
 
-    def _pump(self, w: _Worker, stream, out) -> None:
+    def _log_files(self, w: _Worker, rank_env: dict[str, int] | None) -> tuple:
+        """``--output-filename DIR``: DIR/rank.N/stdout|stderr (N: first rank), DIR/worker.<id>/ for joiners."""
+        if not self.log_dir:
+            return None, None
+        folder = os.path.join(self.log_dir, f"rank.{rank_env['RANK']}" if rank_env else f"worker.{w.wid}")
+        os.makedirs(folder, exist_ok=True)
+        return tuple(open(os.path.join(folder, n), "a", buffering=1) for n in ("stdout", "stderr"))  # noqa: SIM115
+
+    def _pump(self, w: _Worker, stream, out, keep=None) -> None:
         for line in iter(stream.readline, ""):
+            if keep is not None:
+                keep.write(line)
             rank = self._rank_of(w)
             if rank is not None and self.ranks_filter is not None and rank not in self.ranks_filter:
                 continue
             out.write(f"[{rank}]: {line}" if rank is not None else f"[{w.wid}]: {line}")
             out.flush()
         stream.close()
+        if keep is not None:
+            keep.close()
 
     def _rank_of(self, w: _Worker) -> int | None:
         with self._lock:
@@ -195,21 +218,29 @@ class Supervisor:
         return [w for w in self.workers if w.code is None]
 
     def _fill(self, replacing: bool) -> None:
-        """Start joiners until the wanted size is reached (the hosts' free slots permitting)."""
-        alive = self._alive()
+        """Start joiners until the wanted size is reached (the usable hosts' free slots permitting)."""
+        hosts = self._usable()
+        alive = [w for w in self._alive() if w.host in hosts]  # (not those about to leave)
         while len(alive) < self.wanted and (not replacing or self.replacements_left > 0):
-            used = {h: sum(1 for w in alive if w.host == h) for h in self.hosts}
-            free = [h for h, slots in self.hosts.items() if used[h] < slots]
+            used = {h: sum(1 for w in alive if w.host == h) for h in hosts}
+            free = [h for h, slots in hosts.items() if used[h] < slots]
             if not free:
                 return
-            w = self._start(free[0], None)
+            expected = len([w for w in alive if w.code is None])
+            w = self._start(free[0], None, expected)
             if replacing:
                 self.replacements_left -= 1
             print(f"phalanx: started worker {w.wid} on {w.host}; it joins at the next commit", flush=True)
             alive.append(w)
 
     # -- generations ------------------------------------------------------------
-    def _publish(self, members: list[_Worker], why: str) -> None:
+    def _publish(self, members: list[_Worker], why: str) -> str | None:
+        """Publish the next generation; an abort reason instead when --reset-limit is reached."""
+        if self.gen >= 0 and self.reset_limit is not None:
+            if self.resets >= self.reset_limit:
+                return (f"the job reached --reset-limit {self.reset_limit}: {self.resets} reset(s) done and "
+                        f"another is needed ({why}); stopping")
+            self.resets += 1
         with self._lock:
             self.gen += 1
             self.members = list(members)
@@ -227,24 +258,46 @@ class Supervisor:
 
     def _reconcile(self, why: str) -> str | None:
         """Publish the next generation if the membership should change; returns an abort reason or None."""
+        hosts = self._usable()
+        self.wanted = self._wanted()
         keep = [w for w in self.members if w.code is None]
         per_host: dict[str, int] = {}
         kept = []
-        for w in keep:  # the hosts' slots as discovery lists them now; the surplus leaves
+        for w in keep:  # the usable hosts' slots as listed now; the surplus leaves
             per_host[w.host] = per_host.get(w.host, 0) + 1
-            if per_host[w.host] <= self.hosts.get(w.host, 0) and len(kept) < self.wanted:
+            if per_host[w.host] <= hosts.get(w.host, 0) and len(kept) < self.wanted:
                 kept.append(w)
-        ready = [w for w in self.workers if w.code is None and not w.admitted and w.ready]
+        ready = [w for w in self.workers if w.code is None and not w.admitted and w.ready
+                 and w.host in hosts]
         starting = [w for w in self.workers if w.code is None and not w.ready]
+        if any(time.monotonic() - w.started < self.start_timeout for w in starting):
+            ready = []  # admit the joiners started together in one generation (one re-form, not several)
+        if not kept and keep:  # the job moves off its hosts: one old member stays to hand the state over
+            if not ready:
+                return None  # (until the newcomers are ready; it leaves at the next change)
+            kept = keep[:1]
         target = kept + ready[: max(0, self.max_np - len(kept))]
+        if not kept and self.members:  # no live member to take the state from: newcomers would start over
+            return f"every worker of generation {self.gen} was lost; stopping the job" + self._first()
         if len(target) < self.min_np:
             if len(target) + len(starting) >= self.min_np:
                 return None  # wait for the replacements to come up (the survivors wait, bounded, to re-form)
-            return (f"{len(target)} worker(s) left, fewer than --min-np {self.min_np}, and none starting; "
-                    "stopping the job")
+            short = (f"{len(target)} worker(s) can run, fewer than --min-np {self.min_np}"
+                     + (f" ({', '.join(sorted(self.aside.until))} set aside after failures)" if self.aside.until
+                        else ""))
+            if not (self.aside.any_returns() or self.script):
+                return f"{short}, and none starting; stopping the job" + self._first()
+            self._short_since = self._short_since or time.monotonic()
+            if time.monotonic() - self._short_since > self.elastic_timeout:
+                return f"{short} for --elastic-timeout {self.elastic_timeout:g}s; stopping the job" + self._first()
+            return None  # hosts may come back (a cooldown, discovery): wait, bounded by --elastic-timeout
+        self._short_since = None
         if target != self.members:
-            self._publish(target, why)
+            return self._publish(target, why)
         return None
+
+    def _first(self) -> str:
+        return f" (first failure: {self.first_failure})" if self.first_failure else ""
 
     # -- the loop ---------------------------------------------------------------
     def run(self) -> int:
@@ -256,13 +309,17 @@ class Supervisor:
                 hosts = {_LOCAL: self.np}
             self.hosts = hosts
             self.wanted = self._clamp(sum(hosts.values()))
+        elif self.named_hosts:
+            self.hosts = dict(self.named_hosts)
+            self.wanted = self._clamp(sum(self.hosts.values()))
         else:
             self.hosts, self.wanted = {_LOCAL: self.np}, self.np
-        remote = [h for h in self.hosts if h != _LOCAL]
-        self.addr = _route_source(remote[0]) if remote else "127.0.0.1"
+        remote = [h for h in self.hosts if not is_local(h)]
+        self.addr = route_source(remote[0]) if remote else "127.0.0.1"
         from phalanx.runtime import bound_tcp_store
 
         self.store = bound_tcp_store(self.addr, 0, timeout=datetime.timedelta(seconds=max(60, self.start_timeout)))
+        self.stalls = ElasticStalls(self.store, self.stall_timeout)  # a stalled worker is a lost worker
         plan, left = [], self.wanted
         for h, slots in self.hosts.items():
             take = min(slots, left)
@@ -277,24 +334,23 @@ class Supervisor:
         self._publish(started, "start")
         print(f"phalanx: elastic job of {len(started)} workers (--min-np {self.min_np}, --max-np {self.max_np}); "
               "a lost worker is recovered in-process (the survivors keep running)", flush=True)
-        stop = threading.Event()
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):
-                previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        stop, self.preempt = threading.Event(), ElasticPreemption({**os.environ, **self.env})
+        previous = self.preempt.install(stop, self._alive)  # SIGTERM, --preempt-signal: forwarded (exit 85)
         try:
             return self._loop(stop)
         finally:
             self._kill_all()
             for t in self._pumps:
                 t.join(2)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            self.preempt.uninstall(previous)
 
     def _loop(self, stop: threading.Event) -> int:
         finished, failure = False, None
         next_poll = time.monotonic() + self.interval_s
+        next_tick = time.monotonic() + 0.5
         while True:
+            if self.preempt.signal is not None:  # forwarded: wait (bounded) for the members' exit 85
+                return self.preempt.finish(self.members, self._stop)
             if stop.is_set():
                 self._stop({"abort": "interrupted"})
                 print("phalanx: interrupted; stopping every worker", file=sys.stderr, flush=True)
@@ -317,27 +373,42 @@ class Supervisor:
                         finished = True
                         self._stop({"done": True})  # workers still waiting to join exit 0
                     continue
+                if code == PREEMPTED_EXIT_CODE and w.admitted:  # preempted, not lost: the others follow
+                    return self.preempt.finish(self.members, self._stop)
                 if code == inprocess.REFORM_FAILED_EXIT:
                     return self._fall_back(f"{who} ({w.wid}) could not re-form in-process")
-                print(f"phalanx: {who} ({w.wid} on {w.host}, pid {w.proc.pid}) failed: {_describe(code)}",
-                      file=sys.stderr, flush=True)
+                what = f"{who} ({w.wid} on {w.host}, pid {w.proc.pid}) failed: {describe_exit(code)}"
+                print(f"phalanx: {what}", file=sys.stderr, flush=True)
                 if finished:
                     failure = failure or code
                     continue
+                self.first_failure = self.first_failure or what
+                if self.horovod_hosts and w.host in self.hosts and w.host not in self.aside.until:
+                    wait = self.aside.add(w.host)
+                    print(f"phalanx: host {w.host} set aside " + ("for good (no --blacklist-cooldown-range)"
+                          if wait == float("inf") else f"for {wait:.1f}s (--blacklist-cooldown-range)"),
+                          file=sys.stderr, flush=True)
                 changed.append(f"{who} lost; survivors re-form in-process, recovery path: in-process")
-                if self.replacements_left > 0:
-                    self._fill(replacing=True)
             if self.script and not finished and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + self.interval_s
                 hosts = self._discover()
                 if hosts is not None and hosts != self.hosts:
-                    wanted = self._clamp(sum(hosts.values()))
-                    print(f"phalanx: host discovery: {hosts} (was {self.hosts}); {self.wanted} -> {wanted} "
-                          "workers at the next commit", flush=True)
-                    self.hosts, self.wanted = hosts, wanted
-                    self._fill(replacing=False)
+                    old_wanted, self.hosts = self.wanted, hosts
+                    print(f"phalanx: host discovery: {hosts}; {old_wanted} -> {self._wanted()} workers at the "
+                          "next commit", flush=True)
                     changed.append("host discovery")
+            if not finished and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + 0.5
+                changed.append("cooldowns and waits")  # a host may be back, a wait may be over
+                by_wid = {w.wid: w for w in self._alive()}
+                for s in self.stalls.lost(by_wid):  # killed through its own handle: never by a claimed pid
+                    print(f"phalanx: worker {s.rank} {s.reason}; killing it (a stalled worker is a lost worker)",
+                          file=sys.stderr, flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        by_wid[s.rank].proc.kill()
             if changed and not finished:
+                self.wanted = self._wanted()
+                self._fill(replacing=not self.horovod_hosts)
                 abort = self._reconcile("; ".join(changed))
                 if abort:
                     print(f"phalanx: {abort}", file=sys.stderr, flush=True)
@@ -351,7 +422,7 @@ class Supervisor:
         n = len([w for w in self.members if w.code is None or w.code == inprocess.REFORM_FAILED_EXIT])
         self._stop({"abort": why})
         self._kill_all()
-        if self.fallback is None or any(w.host != _LOCAL for w in self.workers):
+        if self.fallback is None or any(not is_local(w.host) for w in self.workers):
             print(f"phalanx: {why}; no restart path for this job, stopping", file=sys.stderr, flush=True)
             return inprocess.REFORM_FAILED_EXIT
         n = max(self.min_np, min(n, self.max_np))

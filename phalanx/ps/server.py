@@ -53,6 +53,7 @@ from phalanx.ps.protocol import (
     send_frame,
     wait_work,
 )
+from phalanx.runtime.jobkey import job_key
 
 __all__ = ["ParameterServer", "ServerStats", "shard_parameters", "MODES"]
 
@@ -113,6 +114,9 @@ class ParameterServer:
         staleness_lr: divide the learning rate by a push's staleness (async / ssp).
         compression: name or Compressor for pulls and pushes (``"fp16"``, ...).
         timeout_s: seconds without any message before the server gives up.
+        key: HMAC key of the frames' metas (default: the job secret, which ``phalanx run``
+            makes; none in a plain ``phalanx.run``). A frame whose meta does not carry a
+            valid HMAC under it is refused before it is decoded (:class:`PSAuthError`).
 
     Checkpoints: the server is a state piece (``state_dict`` / ``load_state_dict``);
     :func:`~phalanx.ps.run_ps` saves and restores it with a ``phalanx.checkpoint``
@@ -121,7 +125,8 @@ class ParameterServer:
 
     def __init__(self, model: nn.Module, optimizer_fn, *, servers, workers, mode: str = "sync",
                  staleness: int = 0, staleness_lr: bool = False, compression=None,
-                 timeout_s: float = 300.0, rank: int | None = None) -> None:
+                 timeout_s: float = 300.0, rank: int | None = None,
+                 key: bytes | None = None) -> None:
         import torch.distributed as dist
 
         if mode not in MODES:
@@ -143,7 +148,8 @@ class ParameterServer:
         # parameters are not gradients: no error-feedback residual on pulls, only the codec
         self.pull_compressor = (self.compressor.inner if isinstance(self.compressor, ErrorFeedback)
                                 else self.compressor)
-        self.cache = MetaCache()
+        # frame metas signed with the job secret (phalanx run makes one), checked before decoding
+        self.cache = MetaCache(key=key if key is not None else job_key())
         self.timeout_s = timeout_s
         self.version = 0
         self.clocks = {w: 0 for w in self.workers}

@@ -44,6 +44,7 @@ from torch import nn
 from phalanx.comm.compression import get_compressor
 from phalanx.ps.protocol import MetaCache, Op, PSError, recv_frame, send_frame, wait_work
 from phalanx.ps.server import MODES, ParameterServer, shard_parameters
+from phalanx.runtime.jobkey import job_key
 
 __all__ = ["PSWorker", "WorkerStats", "run_ps", "roles"]
 
@@ -71,10 +72,14 @@ class PSWorker:
 
         worker = PSWorker(model, servers=[0], workers=[1, 2])
         worker.pull(); loss.backward(); worker.push(); ...; worker.close()
+
+    ``key``: HMAC key of the frames' metas, as :class:`~phalanx.ps.server.ParameterServer`'s
+    (default: the job secret); both ends must hold the same one.
     """
 
     def __init__(self, model: nn.Module, *, servers, workers, compression=None, timeout_s: float = 300.0,
-                 prefetch: bool = True, rank: int | None = None) -> None:
+                 prefetch: bool = True, rank: int | None = None,
+                 key: bytes | None = None) -> None:
         import torch.distributed as dist
 
         self.rank = dist.get_rank() if rank is None else rank
@@ -89,7 +94,8 @@ class PSWorker:
         self.compressor = get_compressor(compression)
         self.timeout_s = timeout_s
         self.prefetch = prefetch
-        self.cache = MetaCache()
+        # frame metas signed with the job secret (phalanx run makes one), checked before decoding
+        self.cache = MetaCache(key=key if key is not None else job_key())
         self.clock = 0
         self._versions = [0] * len(self.servers)
         self._asked = [0] * len(self.servers)  # pulls asked of each server whose answer is not read yet

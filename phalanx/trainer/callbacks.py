@@ -1,7 +1,8 @@
 """Trainer callbacks: each optional behaviour of the loop is one small class.
 
 A callback overrides any of ``on_train_begin``, ``on_epoch_begin``,
-``on_step_begin``, ``on_step_end``, ``on_epoch_end``, ``on_train_end``; each
+``on_step_begin``, ``on_step_end``, ``on_epoch_end``, ``on_train_end`` and
+``on_preempt`` (every rank agreed to stop for a preemption after this step); each
 receives the trainer (``trainer.state`` holds epoch, step, metrics, history).
 
 Example::
@@ -43,6 +44,7 @@ class Callback:
     def on_step_end(self, trainer) -> None: ...
     def on_epoch_end(self, trainer) -> None: ...
     def on_train_end(self, trainer) -> None: ...
+    def on_preempt(self, trainer) -> None: ...
 
 
 class BroadcastInitialState(Callback):
@@ -191,6 +193,12 @@ class Checkpoint(Callback):
     The trainer runs this callback's ``on_train_begin`` after the others', so the loaded state
     wins over what they set up (a new scheduler, the warm-up's first rate).
 
+    With ``preempt`` (default) it also watches for preemption (SIGTERM and ``$PHALANX_PREEMPT_SIGNAL``,
+    i.e. ``phalanx run --preempt-signal USR1``): the ranks agree on one step through the allreduce
+    the trainer makes every step anyway, save ``directory/epoch-N-batch-B`` there, requeue a
+    SLURM job when wanted, and ``fit`` raises :class:`phalanx.preemption.Preempted` (exit status
+    85). The next run continues inside epoch N, after batch B (docs/preemption.md).
+
     Example::
 
         Trainer(..., callbacks=[Checkpoint("ckpt/", every=1, keep=3)]).fit(epochs=20)
@@ -198,12 +206,13 @@ class Checkpoint(Callback):
     """
 
     def __init__(self, directory: str, every: int = 1, async_: bool = False, keep: int = 3,
-                 resume: bool = True) -> None:
+                 resume: bool = True, preempt: bool = True) -> None:
         from phalanx.checkpoint import CheckpointManager
 
         if every < 1:
             raise ValueError(f"Checkpoint(every={every}): save every 1 or more epochs")
         self.directory, self.every, self.async_, self.resume = directory, every, async_, resume
+        self.preempt = preempt
         self.manager = CheckpointManager(directory, keep=keep)
         self.resumed_from: str | None = None
 
@@ -233,6 +242,22 @@ class Checkpoint(Callback):
             elif trainer.topology.rank == 0 and named and not own:
                 log.warning("--resume-from %s holds no complete checkpoint: starting from scratch", named)
         self._refuse_newer_run(trainer)
+        if self.preempt and trainer.preemption is None:
+            from phalanx.preemption import Preemption
+
+            trainer.preemption = Preemption(topology=trainer.topology).install()
+
+    def on_preempt(self, trainer) -> None:
+        """Save where the trainer stands inside this epoch, then raise Preempted (after a SLURM requeue)."""
+        import time
+
+        from phalanx.checkpoint import save
+
+        started, st = time.monotonic(), trainer.state
+        path = os.path.join(self.directory, f"epoch-{st.epoch:09d}-batch-{st.batch:09d}")
+        save(path, self._state(trainer), meta={"epoch": st.epoch, "step": st.step, "batch": st.batch,
+                                               "preempted": True}, on_done=self.manager.prune)
+        trainer.preemption.finish(path, save_s=time.monotonic() - started)
 
     def _refuse_newer_run(self, trainer) -> None:
         """This run's checkpoints must be the newest in ``directory``, or they would be pruned at once
@@ -268,7 +293,8 @@ class Checkpoint(Callback):
 
 
 def _epoch_of(path: str) -> int:
-    match = re.search(r"(\d+)$", os.path.basename(path))  # epoch-N, and step-N of earlier versions
+    # epoch-N, epoch-N-batch-B (preempted inside epoch N), and step-N of earlier versions
+    match = re.search(r"(\d+)(?:-batch-\d+)?$", os.path.basename(path))
     return int(match.group(1)) if match else -1
 
 
@@ -284,13 +310,16 @@ class _TrainerPosition:
 
     def state_dict(self) -> dict:
         st = self.trainer.state
-        history = st.history + [{"epoch": st.epoch, **st.metrics}]  # on_epoch_end runs before the append
+        # on_epoch_end runs before the append; a preemption inside an epoch has no metrics for it yet
+        history = st.history + ([] if st.batch else [{"epoch": st.epoch, **st.metrics}])
         return {"epoch": st.epoch, "step": st.step, "skipped_steps": st.skipped_steps, "history": history,
+                "batch": st.batch, "epoch_loss_sum": st.epoch_loss_sum,
                 "callbacks": {k: cb.state_dict() for k, cb in self._stateful_callbacks().items()}}
 
     def load_state_dict(self, sd: dict) -> None:
         st = self.trainer.state
-        st.epoch, st.step = int(sd["epoch"]) + 1, int(sd["step"])
+        st.batch, st.epoch_loss_sum = int(sd.get("batch", 0)), float(sd.get("epoch_loss_sum", 0.0))
+        st.epoch, st.step = int(sd["epoch"]) + (0 if st.batch else 1), int(sd["step"])
         st.skipped_steps, st.history = int(sd["skipped_steps"]), [dict(h) for h in sd["history"]]
         for key, cb in self._stateful_callbacks().items():
             if key in sd["callbacks"]:

@@ -50,6 +50,8 @@ class TrainerState:
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     skipped_steps: int = 0
     stop: bool = False
+    batch: int = 0  # micro-batches done in this epoch (kept by a preemption checkpoint taken inside an epoch)
+    epoch_loss_sum: float = 0.0  # their summed loss, so the resumed epoch reports the same mean
 
 
 class Trainer:
@@ -133,6 +135,9 @@ class Trainer:
         self.split_batch = split_batch or pair_or_dict
         self.state = TrainerState()
         self._shapes_checked = False
+        # set by Checkpoint(preempt=True): the per-step inf/NaN allreduce also carries the preemption vote
+        self.preemption = None
+        self._preempt_agreed = False
 
     # ------------------------------------------------------------------ the loop
     def fit(self, epochs: int) -> list[dict[str, float]]:
@@ -140,6 +145,13 @@ class Trainer:
         self._epochs = epochs
         progress = Progress(enabled=self.progress, rank=self.topology.rank, size=self.topology.size,
                             log_every=self.log_every)
+        try:
+            return self._fit(epochs, progress)
+        finally:
+            if self.preemption is not None:
+                self.preemption.close()
+
+    def _fit(self, epochs: int, progress: Progress) -> list[dict[str, float]]:
         self._call("on_train_begin")
         for epoch in range(self.state.epoch, epochs):
             self.state.epoch = epoch
@@ -174,8 +186,9 @@ class Trainer:
         count = len(micro) if self.model.balancer is not None else self.train_loader.steps()
         progress.epoch_begin(epoch, self._epochs, count)
         uneven = self.train_loader.uneven and self.model.balancer is None
-        stream = iter(micro)
-        i = 0
+        stream, i = self._resume_stream(micro)
+        if i:
+            total, batches = self.state.epoch_loss_sum, i
         while True:
             batch = next(stream, None)
             if uneven and not self._all_ranks(batch is not None, "trainer.has_batch"):
@@ -203,6 +216,10 @@ class Trainer:
             batches += 1
             i += 1
             progress.batch(batch_len(y), value)
+            if last_micro and self._preempt_agreed:
+                self.state.batch, self.state.epoch_loss_sum = i, total
+                self._preempted()
+        self.state.batch, self.state.epoch_loss_sum = 0, 0.0
         if i % self.grad_accum and count is None:
             # An iterable ran out inside an accumulation group: those gradients were never averaged.
             self.optimizer.zero_grad(set_to_none=True)
@@ -210,6 +227,27 @@ class Trainer:
             raise settings.SettingsError(f"epoch {epoch}: Trainer(train_data=) gave rank {self.topology.rank} no "
                                          "batch at all; an IterableDataset needs at least one full batch per rank")
         return total / batches
+
+    def _resume_stream(self, micro):
+        """This epoch's batches, past the ones a preemption checkpoint says were already trained on."""
+        skip, self.state.batch = self.state.batch, 0
+        if not skip:
+            return iter(micro), 0
+        # A DataLoader draws its base seed from torch's generator when iterated; the checkpoint's
+        # generator state is from after that draw, so it is put back after this one.
+        rng = torch.get_rng_state()
+        stream = iter(micro)
+        torch.set_rng_state(rng)
+        for _ in range(skip):
+            next(stream)
+        return stream, skip
+
+    def _preempted(self):
+        """Every rank agreed on this step: callbacks save (Checkpoint raises Preempted when done)."""
+        from phalanx.preemption import Preempted
+
+        self._call("on_preempt")
+        raise Preempted(None, self.preemption.signal if self.preemption else None)
 
     def _optimizer_step(self) -> None:
         # Gradients were averaged across ranks during backward (DataParallel).
@@ -235,8 +273,14 @@ class Trainer:
 
     def _all_ranks_finite(self) -> bool:
         finite = all(torch.isfinite(p.grad).all() for p in self.model.parameters() if p.grad is not None)
-        flag = torch.tensor([1.0 if finite else 0.0], device=self.topology.device)
-        return bool(c.allreduce(flag, op=c.Min, name="trainer.finite").item())
+        if self.preemption is None:
+            flag = torch.tensor([1.0 if finite else 0.0], device=self.topology.device)
+            return bool(c.allreduce(flag, op=c.Min, name="trainer.finite").item())
+        # The same allreduce carries the preemption vote: MIN of minus the signal number is minus the largest.
+        flag = torch.tensor([1.0 if finite else 0.0, -float(self.preemption.local_flag())], device=self.topology.device)
+        out = c.allreduce(flag, op=c.Min, name="trainer.finite")
+        self._preempt_agreed = self.preemption.decide(int(-out[1].item()))
+        return bool(out[0].item())
 
     def _any_rank(self, flag: bool, name: str) -> bool:
         if self.topology.size == 1:

@@ -18,6 +18,7 @@ The modules, lowest first::
     overlap.py        OptimizerOverlap: the optimizer stepped piece by piece as the average lands
     data_parallel.py  DataParallel (DDP's front)
     optimizer.py      DistributedOptimizer (Horovod's front)
+    adasum.py         AdasumOptimizer (Horovod's op=Adasum: local step, deltas combined with Adasum)
 
 Buckets live in :mod:`phalanx.comm.buckets`, the broadcasts in :mod:`phalanx.comm.broadcast`.
 

@@ -12,6 +12,7 @@ import os
 
 from phalanx import runtime, settings
 from phalanx.comm.algorithms import ALGORITHMS
+from phalanx.comm.collectives import ReduceOp
 
 __all__ = ["DEFAULT_BUCKET_MB", "VIEW_MIN_NUMEL", "job_defaults", "resolve_topology"]
 
@@ -61,3 +62,18 @@ def resolve_topology(topology: runtime.Topology | None) -> runtime.Topology | No
     if topology is not None:
         return topology
     return runtime.topology() if runtime.is_initialized() else None
+
+
+def check_engine_args(op, predivide: float, passes: int) -> None:
+    """A gradient engine's arguments, each mistake one line naming what is accepted."""
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise settings.SettingsError(f"op={op!r} is not accepted; accepted: px.Average | px.Sum "
+                                     "(ReduceOp.AVERAGE | ReduceOp.SUM)") from None
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"op must be Sum or Average for gradients, got {ReduceOp(op).name.title()}")
+    if predivide <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")

@@ -25,13 +25,14 @@ Example::
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import settings, trace
+from phalanx import trace
 from phalanx.comm.broadcast import root_of
 from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
 from phalanx.comm.codec_types import Stateful
@@ -39,7 +40,7 @@ from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
 from phalanx.comm.compressed_paths import ring_bytes
 from phalanx.log import get_logger
-from phalanx.parallel.data.config import job_defaults, resolve_topology
+from phalanx.parallel.data.config import check_engine_args, job_defaults, resolve_topology
 from phalanx.parallel.data.followups import FiniteGuard, FollowUp, UsedCounts, launch_sparse
 from phalanx.parallel.data.hooks import StepObserver, run_engine_hooks
 from phalanx.parallel.data.reduction import (
@@ -49,9 +50,25 @@ from phalanx.parallel.data.reduction import (
     TakesGrads,
 )
 
-__all__ = ["GradientEngine"]
+__all__ = ["GradientEngine", "reform_engines"]
 
 _log = get_logger(__name__)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every engine with hooks on: re-derived at a change of world
+
+
+def reform_engines(topology) -> int:
+    """After an elastic re-form: every live engine re-derives itself for the new world (``topology``).
+
+    Old ranks and a newcomer must then issue the same collectives: each engine goes back to
+    the layout a fresh one has (buckets in reverse parameter order, re-planned from rank 0's
+    order at the end of the first step, mismatch-checked until then), forgets the step in
+    flight and its accumulation count, and reads the new world size. Returns how many engines
+    were re-derived.
+    """
+    engines = [e for e in list(_LIVE) if e._hooks]
+    for engine in engines:
+        engine.reform(topology)
+    return len(engines)
 
 
 class GradientEngine:
@@ -85,7 +102,7 @@ class GradientEngine:
         pad_to: int = 1,
         lazy_buckets: bool = False,
     ) -> None:
-        _check_args(op, gradient_predivide_factor, backward_passes_per_step)
+        check_engine_args(op, gradient_predivide_factor, backward_passes_per_step)
         self.op = ReduceOp(op)
         self.group = group
         self.topology = resolve_topology(topology)
@@ -107,15 +124,30 @@ class GradientEngine:
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
         self.reduction.bind(self)
         self._init_step_state()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in named_params if p.requires_grad]
+        self._hooked = [p for _, p in named_params if p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._hooked]
+        self._bucket_bytes = int(bucket_mb * 2**20)
+        self.on_reform: list[Callable[[], None]] = []  # the fronts' own per-world state (join flags)
+        _LIVE.add(self)
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
+        _log.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """One line: the bucket plan, compression, algorithm and sparse parameters (logged at INFO
+        when the engine starts; the plan is re-made once from the first step's gradient order)."""
+        sizes = [b.nbytes / 2**20 for b in self.buckets.buckets]
+        shown = ", ".join(f"{mb:.3g}" for mb in sizes[:8]) + (f", … ({len(sizes) - 8} more)" if len(sizes) > 8 else "")
+        return (f"bucket plan: {len(sizes)} buckets, sizes {shown or '-'} MB ({sum(sizes):.3g} MB in all, "
+                f"{len(self.buckets.params)} parameters), compression {self.compressor.name}, algorithm "
+                f"{self.algorithm}, {len(self.sparse)} sparse parameter(s) by allgather, world {self.world}")
 
     def _split_params(self, named_params, sparse_ids) -> list[nn.Parameter]:
         """Record names and sparse parameters (reduced by allgather); return the dense ones."""
         self.names = {id(p): n for n, p in named_params}
         sparse_ids = set(sparse_ids) if not self.sparse_as_dense else set()
         self.sparse = [p for _, p in named_params if id(p) in sparse_ids]
+        self._sparse_found: list[nn.Parameter] = []  # bucketed, but their gradient came sparse (gather_grads)
         return [p for _, p in named_params if id(p) not in sparse_ids]
 
     def _make_buckets(self, dense, plan, bucket_mb: float, pad_to: int, lazy: bool) -> BucketManager:
@@ -131,6 +163,9 @@ class GradientEngine:
         """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
         self.sample_weight: float | None = None
         self.observer: StepObserver | None = None  # told when a step's phases begin and end (hooks.py)
+        # called at the first gradient of a backward pass that reduces, before any bucket is
+        # launched (DistributedOptimizer's join announcement)
+        self.on_first_grad: Callable[[], None] | None = None
         self.bytes_sent = 0
         self.require_sync = True
         self._passes = 0
@@ -168,6 +203,39 @@ class GradientEngine:
         self.observer = observer
         return observer
 
+    def reform(self, topology) -> None:
+        """The world changed under this engine (elastic re-form): start over as a fresh engine would.
+
+        Only engines on the default group follow the job; one on an explicit group keeps it
+        (that group belonged to the old world: build a new engine on a new group instead).
+        """
+        if self.group is not None:
+            _log.warning("a gradient engine on an explicit process group cannot follow an elastic re-form; "
+                         "build DataParallel/DistributedOptimizer on the new group after the re-form")
+            return
+        self.topology = topology
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
+        if not isinstance(self.buckets, PlannedBuckets):
+            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch)
+        else:
+            self.buckets.reset()
+        self.finite = FiniteGuard(self.compressor, self.buckets.params)
+        reset = getattr(self.compressor, "reset_state", None)
+        if callable(reset):
+            reset()  # error-feedback residuals: a newcomer has none either
+        self.reduction.bind(self)
+        self._passes, self._queued, self._syncing, self._pending, self.shadowing = 0, False, False, False, False
+        self._used, self._followups = set(), []
+        self._last_step_end = None
+        for fn in self.on_reform:
+            fn()
+        # after the fronts' hooks (a DistributedOptimizer's join announcement runs first on each
+        # parameter, before any bucket launches), as at construction
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._hooked]
+
     # ------------------------------------------------------------------ backward
     def sync_now(self) -> bool:
         return self.require_sync and (self._passes + 1) % self.k == 0
@@ -178,6 +246,8 @@ class GradientEngine:
         if not self._queued:
             self._queued = True
             self._syncing = self.sync_now() and self._needs_sync
+            if self._syncing and self.on_first_grad is not None:
+                self.on_first_grad()
             if self.observer is not None:
                 weight = self.observer.backward_begins()
                 if self._syncing:
@@ -257,16 +327,39 @@ class GradientEngine:
                 continue  # already the bucket's view (gradient_as_bucket_view): nothing to copy
             if g.layout is not torch.strided:
                 if not self.sparse_as_dense:
-                    raise RuntimeError(
-                        f"parameter {self.names[id(p)]!r} produced a sparse gradient; pass sparse_as_dense=True "
-                        "(or wrap the module with DataParallel, which reduces nn.Embedding(sparse=True) by "
-                        "allgather)"
-                    )
+                    self._found_sparse(p, view)
+                    continue
                 g = p.grad = g.to_dense()
             grads.append(g)
             views.append(view)
         if grads:
             torch._foreach_copy_(views, grads)
+
+    def _found_sparse(self, p: nn.Parameter, view: torch.Tensor) -> None:
+        """``p`` is bucketed but its gradient came sparse (an ``nn.Embedding(sparse=True)`` the
+        engine was not told about, e.g. under ``DistributedOptimizer``): Horovod reduces it by
+        allgather, and so does this step (its follow-up, launched after the buckets). Its slot in
+        the bucket carries zeros this once; at the end of the step the buckets are re-planned
+        without it. Every rank sees the same gradients sparse in the same bucket order, so the
+        ranks add the same follow-ups in the same order."""
+        view.zero_()
+        if p not in self.sparse:
+            self.sparse.append(p)
+            self._sparse_found.append(p)
+
+    def _unbucket_sparse(self) -> None:
+        """Re-plan the buckets without the parameters found sparse (keeping the order)."""
+        gone = {id(p) for p in self._sparse_found}
+        self._sparse_found = []
+        old = self.buckets
+        order = [p for b in old.buckets for p in b.params if id(p) not in gone]
+        dense = [p for p in old.params if id(p) not in gone]
+        self.buckets = BucketManager(dense, old.bucket_bytes, self._launch)
+        index = {id(p): i for i, p in enumerate(dense)}
+        self.buckets.maybe_rebuild([index[id(p)] for p in order])
+        self.finite = FiniteGuard(self.compressor, self.buckets.params)
+        _log.info("%d parameter(s) have sparse gradients: reduced by allgather, outside the %d bucket(s)",
+                  len(gone), len(self.buckets.buckets))
 
     # ------------------------------------------------------------------ collectives
     def ring_bytes(self, nbytes: int) -> int:
@@ -307,6 +400,8 @@ class GradientEngine:
     def _end_step(self) -> None:
         self._followups, self._used = [], set()
         self._maybe_rebuild()
+        if self._sparse_found:
+            self._unbucket_sparse()
         self.buckets.reset()
 
     def _maybe_rebuild(self) -> None:
@@ -351,16 +446,3 @@ class GradientEngine:
             h.remove()
         self._hooks = []
 
-
-def _check_args(op, predivide: float, passes: int) -> None:
-    try:
-        op = ReduceOp(op)
-    except ValueError:
-        raise settings.SettingsError(f"op={op!r} is not accepted; accepted: px.Average | px.Sum "
-                                     "(ReduceOp.AVERAGE | ReduceOp.SUM)") from None
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError(f"op must be Sum or Average for gradients, got {ReduceOp(op).name.title()}")
-    if predivide <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
-    if passes < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx import trace
+from phalanx.comm import negotiate
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.parallel.data.config import resolve_topology
 from phalanx.parallel.data.gradients import GradientEngine
@@ -43,7 +44,7 @@ class DistributedOptimizer:
     Args mirror ``horovod.torch.DistributedOptimizer``; ``bucket_mb`` and
     ``find_unused_parameters`` (default True here: a parameter without a gradient
     contributes zeros, as in Horovod) tune the shared engine. ``join_ready`` (default True,
-    as Horovod) starts each step with a one-element allreduce so that :meth:`join` works
+    as Horovod) starts each step with a small (24-byte) allreduce so that :meth:`join` works
     with uneven data; ``False`` saves it (benchmarks/join_flag.py measures the cost).
     """
 
@@ -87,19 +88,27 @@ class DistributedOptimizer:
         self._join_flag = None  # this step's "I still have data" allreduce (see join())
         self._flag_device = named[0][1].device if named else torch.device("cpu")
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        # Registered before the engine's hooks, so on every parameter it runs first.
         self.join_ready = join_ready
-        self._announce_hooks = [p.register_post_accumulate_grad_hook(self._announce)
-                                for _, p in named] if world > 1 and join_ready else []
         self._engine = GradientEngine(
             named, group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
         )
+        # The engine calls it once per step, at the first gradient, before any bucket launches
+        # (one call a step, not a Python hook on every parameter).
+        if world > 1 and join_ready:
+            self._engine.on_first_grad = self._announce
+        self._engine.on_reform.append(self._world_changed)
         # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
         self.balancer = self._engine.attach(resolve_balance(balance, group))
         self._skip = False
+
+    def _world_changed(self) -> None:
+        """Elastic re-form: the per-step join announcement exists exactly when the new world has peers."""
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self._join_flag = None
+        self._engine.on_first_grad = self._announce if world > 1 and self.join_ready else None
 
     # delegation -----------------------------------------------------------------
     @property
@@ -146,24 +155,25 @@ class DistributedOptimizer:
             self._join_flag.wait()
             self._join_flag = None
 
-    def _announce(self, _p) -> None:
-        # First gradient of a pass that communicates: one 4-byte SUM tells ranks that already
-        # joined that one more step is coming, before this step's first bucket is launched.
-        if self._join_flag is None and self._engine.sync_now():
-            flag = torch.ones(1, device=self._flag_device)
-            self._join_flag = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+    def _announce(self) -> None:
+        # First gradient of a pass that communicates: one small MAX tells ranks that already
+        # joined that one more step is coming, before this step's first bucket is launched (the
+        # same probe the Horovod facade's collectives start with: phalanx.comm.negotiate).
+        if self._join_flag is None:
+            flag = negotiate.step_probe(self._flag_device)
+            self._join_flag = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def join(self) -> int:
         """Uneven data: call when this rank has no more batches; returns when every rank has.
 
         Until then this rank answers each step of the others with zero gradients (the average
         still divides by the whole group, as Horovod's join does). Every rank's step starts with
-        a one-element allreduce counting the ranks that still train (launched from the first
+        a small allreduce telling joined ranks that a step is coming (launched from the first
         gradient hook of the step), so a joined rank knows whether to take part in one more
         step or to leave::
 
-            training rank:  [flag=1][buckets…] [flag=1][buckets…] join: [flag=0] -> 0: done
-            joined rank:    join:   [flag=0] -> 1: [zeros…] [flag=0] -> 1: [zeros…] [flag=0] -> 0: done
+            training rank:  [step][buckets…] [step][buckets…] join: [joined] -> nobody: done
+            joined rank:    join: [joined] -> step: [zeros…] [joined] -> step: [zeros…] [joined] -> nobody: done
 
         Only the optimizer's gradient reductions are answered: other collectives the training
         ranks make meanwhile must come after ``join()``. Returns the global rank that joined
@@ -179,12 +189,8 @@ class DistributedOptimizer:
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return dist.get_rank() if dist.is_initialized() else 0
         answered = 0
-        while True:
-            flag = torch.zeros(1, device=self._flag_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
-            if flag.item() == 0:
-                break
-            self._engine.shadow()
+        while negotiate.joined_wait(self.group, self._flag_device):
+            self.join_step()
             answered += 1
         every = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=self._flag_device)
         every[dist.get_rank(self.group)] = answered  # steps each rank answered with zeros
@@ -193,6 +199,14 @@ class DistributedOptimizer:
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(len(every)))
         fewest = min(every)
         return max(r for r, n in zip(ranks, every) if n == fewest)
+
+    def join_step(self) -> None:
+        """Take part in one step of the other ranks with zero gradients (a rank that has joined).
+
+        For a ``join`` loop of one's own (the Horovod facade's ``hvd.join`` answers the
+        optimizer's steps with it): every rank must have the same ``DistributedOptimizer``.
+        """
+        self._engine.shadow()
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -209,8 +209,8 @@ class AllReduceReduction(BucketReduction):
         grads, views = [], []
         for p, view in zip(bucket.params, bucket.views):
             g = p.grad
-            if g is None or g.data_ptr() == view.data_ptr():
-                continue
+            if g is None or g.layout is not torch.strided or g.data_ptr() == view.data_ptr():
+                continue  # no gradient, or a sparse one (its follow-up writes it)
             if engine.grad_as_view and view.numel() >= VIEW_MIN_NUMEL:
                 p.grad = view  # later backward passes accumulate straight into the bucket
             else:
