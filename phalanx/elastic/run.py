@@ -69,7 +69,12 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             raise TypeError(f"phalanx.elastic.run: state must have commit/restore/sync, got {type(state).__name__}")
         started = time.monotonic()
         inprocess.prepare()
-        preempt.start()  # SIGTERM / --preempt-signal: the members agree at a commit, save it, exit 85
+        # SIGTERM / --preempt-signal: the members agree at a commit, save it, exit 85. Only under the
+        # in-process supervisor, which forwards a preemption and kills what it stops itself: under
+        # TorchElastic's group restart the agent's SIGTERM must end a worker blocked in a collective on
+        # a dead peer at once (a caught SIGTERM waits there until the agent's SIGKILL 30 s later)
+        if inprocess.active():
+            preempt.start()
         try:
             return _run(func, state, started, args, kwargs)
         finally:
