@@ -266,7 +266,8 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of " + ",".join(KINDS))
+    p.add_argument("--kinds", default="kill,stop,raise", help="comma-separated, of " + ",".join(KINDS) +
+                   " (term: elastic jobs now take SIGTERM as a preemption: every member saves and the job exits 85)")
     p.add_argument("--faults", type=int, default=1 << 30, help="stop injecting after this many faults")
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--gap-min", type=float, default=2.0, help="seconds after recovery before the next fault")
