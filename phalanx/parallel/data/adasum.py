@@ -28,11 +28,12 @@ import torch.distributed as dist
 
 from phalanx.comm import adasum
 from phalanx.comm.codecs import get_compressor
+from phalanx.parallel.data.delegation import WrapsOptimizer
 
 __all__ = ["AdasumOptimizer"]
 
 
-class AdasumOptimizer:
+class AdasumOptimizer(WrapsOptimizer):
     """Step locally, then combine the parameter deltas across ``group`` with Adasum."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, compression=None,
@@ -53,19 +54,7 @@ class AdasumOptimizer:
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self.names = [names.get(id(p), f"param.{i}") for i, p in enumerate(self.params)]
 
-    # delegation -----------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
+    # delegation: param_groups, state, defaults (WrapsOptimizer) -------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 

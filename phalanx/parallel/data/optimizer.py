@@ -32,13 +32,14 @@ from phalanx import trace
 from phalanx.comm import negotiate
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.parallel.data.config import resolve_topology
+from phalanx.parallel.data.delegation import WrapsOptimizer
 from phalanx.parallel.data.gradients import GradientEngine
 from phalanx.parallel.data.hooks import resolve_balance
 
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(WrapsOptimizer):
     """Average gradients across ranks before the inner optimizer's step (Horovod's front).
 
     Args mirror ``horovod.torch.DistributedOptimizer``; ``bucket_mb`` and
@@ -110,19 +111,7 @@ class DistributedOptimizer:
         self._join_flag = None
         self._engine.on_first_grad = self._announce if world > 1 and self.join_ready else None
 
-    # delegation -----------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
+    # delegation: param_groups, state, defaults (WrapsOptimizer) -------------------
     def add_param_group(self, group: dict) -> None:
         raise NotImplementedError("DistributedOptimizer: build a new one after adding param groups")
 
