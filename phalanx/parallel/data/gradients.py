@@ -35,7 +35,7 @@ from torch import nn
 from phalanx import trace
 from phalanx.comm.broadcast import root_of
 from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
-from phalanx.comm.codec_types import Stateful
+from phalanx.comm.codec_types import Resettable, Stateful
 from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
 from phalanx.comm.compressed_paths import ring_bytes
@@ -221,9 +221,8 @@ class GradientEngine:
         else:
             self.buckets.reset()
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
-        reset = getattr(self.compressor, "reset_state", None)
-        if callable(reset):
-            reset()  # error-feedback residuals: a newcomer has none either
+        if isinstance(self.compressor, Resettable):
+            self.compressor.reset_state()  # error-feedback residuals: a newcomer has none either
         self.reduction.bind(self)
         self._passes, self._queued, self._syncing, self._pending, self.shadowing = 0, False, False, False, False
         self._used, self._followups = set(), []
