@@ -179,6 +179,12 @@ class StallDetector:
         return [v for v in self.views.values() if v.gone_at is None and v.value.get("state") != "exited"
                 and v.silent_s(now) >= after_s]
 
+    def silent_stalls(self, after_s: float) -> list[Stall]:
+        """:meth:`silent` as stalls, each with its one-line reason (the process state it is in)."""
+        now = self.clock()
+        return [Stall(v.rank, v.pid, f"stopped responding {v.silent_s(now):.0f} s ago: process state "
+                      f"{_state_words(process_state(v.pid))}", v.silent_s(now)) for v in self.silent(after_s)]
+
     def waiting(self, after_s: float) -> list[RankView]:
         now = self.clock()
         return [v for v in self.views.values() if v.gone_at is None and v.waited_s(now) >= after_s]
@@ -196,9 +202,7 @@ class StallDetector:
         live member has waited in that long. Polls first."""
         self.poll()
         now = self.clock()
-        out = {v.rank: Stall(v.rank, v.pid, f"stopped responding {v.silent_s(now):.0f} s ago: process state "
-                             f"{_state_words(process_state(v.pid))}", v.silent_s(now))
-               for v in self.silent(timeout_s)}
+        out = {s.rank: s for s in self.silent_stalls(timeout_s)}
         k, behind = self.behind()
         live = [v for v in self.views.values() if v.gone_at is None]
         waiters = [v for v in live if v not in behind]
@@ -402,7 +406,4 @@ class ElasticStalls:
         if self.timeout_s:
             return self.detector.stalled(self.timeout_s)
         self.detector.poll()
-        now = self.detector.clock()
-        return [Stall(v.rank, v.pid, f"stopped responding {v.silent_s(now):.0f} s ago: process state "
-                      f"{_state_words(process_state(v.pid))}", v.silent_s(now))
-                for v in self.detector.silent(self.silent_s) if v.rank in self.detector.ranks]
+        return [s for s in self.detector.silent_stalls(self.silent_s) if s.rank in self.detector.ranks]
