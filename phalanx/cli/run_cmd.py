@@ -152,17 +152,12 @@ def _run_in_allocation(args, np, command, env, ranks_filter) -> int | None:
             "inside %s but srun is not on PATH; running on this host only", alloc.describe())
         return None
     if in_process_elastic(args):
-        logging.getLogger("phalanx.launcher").warning(
-            "--min-np/--max-np inside %s run on this host only (elastic over the allocation's nodes is not "
-            "supported yet); give -H to choose hosts", alloc.describe())
-        return None
+        return None  # the in-process supervisor over the allocation's nodes (_run_in_process)
     try:
-        if elastic_launch_options(args, np, env).get("max_restarts"):  # validates; exports --resume-from
-            logging.getLogger("phalanx.launcher").warning(
-                "--max-restarts is not applied inside a SLURM allocation yet; a failed worker ends the job")
+        restarts = elastic_launch_options(args, np, env).get("max_restarts", 0)  # validates; exports its env
         code = launch_slurm(alloc, np, command, env=env, network_interface=args.network_interface,
                             start_timeout=args.start_timeout, port=args.rdzv_port, log_dir=args.log_dir,
-                            ranks_filter=ranks_filter)
+                            ranks_filter=ranks_filter, max_restarts=restarts)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.timeline:  # the parts are on the nodes' disks: merged here when the directory is shared
@@ -222,13 +217,22 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
         return launch(dataclasses.replace(spec, nproc_per_node=n, min_nodes=1, max_nodes=1, rdzv_extra={},
                                           max_restarts=restarts, run_id=sup.run_id, env=env), command)
 
-    ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
+    where = {"ssh": SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port,
+                               user=args.ssh_user),
+             "hosts": {h.name: h.slots for h in hosts} if hosts else None}
+    if not hosts and not args.host_discovery_script and _allocation_tasks():  # salloc/sbatch: its nodes
+        from phalanx.launcher.slurm import allocation, elastic_options
+
+        try:
+            where = elastic_options(allocation(), np)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     sup = Supervisor(command, np, min_np=args.min_np, max_np=args.max_np, env=spec.env,
                      script=os.path.abspath(args.host_discovery_script) if args.host_discovery_script else None,
-                     interval_s=args.discovery_interval, max_restarts=spec.max_restarts, ssh=ssh,
+                     interval_s=args.discovery_interval, max_restarts=spec.max_restarts,
                      network_interface=args.network_interface, start_timeout=args.start_timeout,
-                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter,
-                     hosts={h.name: h.slots for h in hosts} if hosts else None, reset_limit=args.reset_limit,
+                     run_id=spec.run_id, fallback=fallback, ranks_filter=spec.ranks_filter, **where,
+                     reset_limit=args.reset_limit,
                      cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
                      elastic_timeout=args.elastic_timeout, log_dir=spec.log_dir,
                      stall_timeout=args.stall_timeout)

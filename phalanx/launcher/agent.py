@@ -61,6 +61,7 @@ def agent_main(argv: list[str]) -> int:
     p.add_argument("--start-timeout", type=int, default=60)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--ranks-filter", default=None)
+    p.add_argument("--max-restarts", type=int, default=0)  # group restarts (every node's agent re-forms)
     options, command = _split(argv, "phalanx-agent", "agent")
     args = p.parse_args(options)
     try:
@@ -72,7 +73,7 @@ def agent_main(argv: list[str]) -> int:
     spec = LaunchSpec(nproc_per_node=args.nproc, min_nodes=args.nnodes, max_nodes=args.nnodes,
                       rdzv_endpoint=args.rdzv, run_id=args.run_id, start_timeout_s=args.start_timeout,
                       local_addr=args.local_addr, env=env, rdzv_extra={"is_host": args.is_host},
-                      log_dir=args.log_dir,
+                      log_dir=args.log_dir, max_restarts=args.max_restarts,
                       ranks_filter=frozenset(map(int, args.ranks_filter.split(","))) if args.ranks_filter else None)
     try:
         return launch(spec, command)

@@ -51,7 +51,8 @@ from phalanx.preemption.signals import PREEMPTED_EXIT_CODE
 from phalanx.runtime.env import slurm_batch_only
 from phalanx.runtime.hostlist import expand_counts, expand_hostlist, node_addresses
 
-__all__ = ["Allocation", "allocation", "plan_nodes", "srun_command", "launch_slurm", "node_main", "main"]
+__all__ = ["Allocation", "allocation", "plan_nodes", "srun_command", "launch_slurm", "node_main", "main",
+           "SrunSteps", "elastic_options"]
 
 log = get_logger(__name__)
 _GRACE_S = 10.0
@@ -134,7 +135,8 @@ def srun_command(alloc: Allocation, plan: list[tuple[str, int]], agent_options: 
 
 def launch_slurm(alloc: Allocation, np: int, command: list[str], *, env: dict[str, str] | None = None,
                  network_interface: str | None = None, start_timeout: int = 60, port: int | None = None,
-                 log_dir: str | None = None, ranks_filter: frozenset[int] | None = None) -> int:
+                 log_dir: str | None = None, ranks_filter: frozenset[int] | None = None,
+                 max_restarts: int = 0) -> int:
     """Start ``command`` on ``np`` workers over the allocation's nodes; return the job's exit code."""
     plan = plan_nodes(alloc, np)
     if len({k for _, k in plan}) != 1:
@@ -142,6 +144,8 @@ def launch_slurm(alloc: Allocation, np: int, command: list[str], *, env: dict[st
                     [k for _, k in plan])
     options = ["--nnodes", str(len(plan)), "--run-id", uuid.uuid4().hex[:12], "--start-timeout", str(start_timeout),
                "--port", str(port or random.randint(20000, 40000))]
+    if max_restarts:  # a failed worker: its node's agent restarts its group, the others follow (re-rendezvous)
+        options += ["--max-restarts", str(max_restarts)]
     if log_dir:
         options += ["--log-dir", os.path.abspath(log_dir)]
     if ranks_filter is not None:
@@ -159,6 +163,44 @@ def launch_slurm(alloc: Allocation, np: int, command: list[str], *, env: dict[st
     pump = threading.Thread(target=_pump, args=(proc.stdout, sys.stdout), daemon=True)
     pump.start()
     return _supervise(proc, pump, preempt_signals((signal.SIGTERM,), {**os.environ, **(env or {})}))
+
+
+class SrunSteps:
+    """How the elastic supervisor reaches a node of the allocation (in place of SSH): one ``srun`` step
+    per worker, ``srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap --input=all … sh -c LINE``.
+
+    ``--overlap``: a replacement may start while SLURM still counts the lost worker's step. The
+    step's per-task variables (SLURM_PROCID=0, SLURM_NTASKS=1) are unset for the worker.
+    """
+
+    def __init__(self, alloc: Allocation) -> None:
+        self.alloc = alloc
+        self.cpus = {n: c // max(k, 1) for n, c, k in zip(alloc.nodes, alloc.cpus, alloc.tasks) if c}
+
+    def command(self, node: str, remote: str) -> list[str]:
+        argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--input=all",
+                f"--job-name={os.environ.get('SLURM_JOB_NAME', 'phalanx')}"]
+        if self.cpus.get(node):
+            argv.append(f"--cpus-per-task={self.cpus[node]}")
+        unset = [f"--unset={k}" for k in _STEP_TASK_VARIABLES]
+        return [*argv, "env", *unset, "sh", "-c", remote]
+
+
+def elastic_options(alloc: Allocation, np: int) -> dict:
+    """The Supervisor's keywords for ``--min-np/--max-np`` inside ``alloc``: its nodes with their task
+    counts as slots, reached through srun, a failed worker replaced on a node with a free slot (up to
+    --max-restarts). ValueError (one line) when -np is more than the allocation holds."""
+    from phalanx.launcher.hosts import is_local, route_source
+
+    plan_nodes(alloc, np)  # validates -np
+    hosts: dict[str, int] = {}
+    for node, slots in zip(alloc.nodes, alloc.tasks):
+        hosts[node] = hosts.get(node, 0) + slots
+    remote = [n for n in hosts if not is_local(n)]
+    addr = None
+    if remote:  # node names that do not resolve: SLURM's NodeAddr
+        addr = route_source(node_addresses(remote[:1])[remote[0]])
+    return {"hosts": hosts, "ssh": SrunSteps(alloc), "store_addr": addr, "replace_failed": True}
 
 
 def _pump(stream, out) -> None:

@@ -77,14 +77,15 @@ class Supervisor:
                  ranks_filter: frozenset[int] | None = None, hosts: dict[str, int] | None = None,
                  reset_limit: int | None = None, cooldown: tuple[float, float] | None = None,
                  elastic_timeout: float = 600.0, log_dir: str | None = None,
-                 stall_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None, store_addr: str | None = None, replace_failed: bool = False) -> None:
         self.command, self.np = list(command), np
         self.named_hosts = dict(hosts) if hosts else None  # -H / --hostfile: Horovod's host semantics
         offered = sum(self.named_hosts.values()) if self.named_hosts else np
         self.min_np, self.max_np = min_np or 1, max(max_np or max(offered, np), np)
         # Horovod's driver: with hosts named (-H, a discovery script) a host whose worker failed is
         # set aside; without, this machine is the job and a failed worker is replaced (--max-restarts)
-        self.horovod_hosts = bool(hosts) or bool(script)
+        self.horovod_hosts = (bool(hosts) or bool(script)) and not replace_failed  # (SLURM nodes: replaced)
+        self.store_addr = store_addr  # where workers reach the store (None: our route to the first remote host)
         self.aside = SetAside(cooldown)
         self.reset_limit, self.resets = reset_limit, 0
         self.elastic_timeout, self.log_dir, self.stall_timeout = elastic_timeout, log_dir, stall_timeout
@@ -315,7 +316,7 @@ class Supervisor:
         else:
             self.hosts, self.wanted = {_LOCAL: self.np}, self.np
         remote = [h for h in self.hosts if not is_local(h)]
-        self.addr = route_source(remote[0]) if remote else "127.0.0.1"
+        self.addr = self.store_addr or (route_source(remote[0]) if remote else "127.0.0.1")
         from phalanx.runtime import bound_tcp_store
 
         self.store = bound_tcp_store(self.addr, 0, timeout=datetime.timedelta(seconds=max(60, self.start_timeout)))
