@@ -70,6 +70,25 @@ def test_allocation_is_read_only_outside_a_step():
         allocation({**job, "SLURM_TASKS_PER_NODE": "2(x2)"})
 
 
+def test_elastic_in_allocation_uses_its_nodes_through_srun_steps(monkeypatch):
+    import phalanx.launcher.slurm as slurm_launcher
+    from phalanx.launcher.slurm import elastic_options
+
+    monkeypatch.setattr(slurm_launcher, "node_addresses", lambda names: {n: "127.0.0.1" for n in names})
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu-[01-03],cpu1", "SLURM_TASKS_PER_NODE": "2(x3),1",
+           "SLURM_JOB_CPUS_PER_NODE": "8(x3),4"}
+    opts = elastic_options(allocation(job), 7)
+    assert opts["hosts"] == {"gpu-01": 2, "gpu-02": 2, "gpu-03": 2, "cpu1": 1}  # task counts are the slots
+    assert opts["store_addr"] == "127.0.0.1" and opts["replace_failed"] is True  # NodeAddr; replaced, not set aside
+    line = "cd /x; exec python -m phalanx.launcher.agent worker -- python t.py"
+    argv = opts["ssh"].command("cpu1", line)
+    assert argv[:6] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=cpu1", "--overlap", "--input=all"]
+    assert "--cpus-per-task=4" in argv and "--unset=SLURM_PROCID" in argv and argv[-3:] == ["sh", "-c", line]
+    assert "--cpus-per-task=4" in opts["ssh"].command("gpu-01", line)  # 8 CPUs over its 2 tasks
+    with pytest.raises(ValueError, match="-np 8 is more than the 7 task"):
+        elastic_options(allocation(job), 8)
+
+
 @needs_slurm
 def test_hostlist_against_scontrol_show_hostnames(slurm):  # noqa: F811
     for text, _ in HOSTLISTS:

@@ -36,7 +36,7 @@ def _write_script(tmp_path):
 @needs_slurm
 def test_doc_salloc_uses_every_node_and_matches_one_host(slurm, tmp_path):  # noqa: F811
     _write_script(tmp_path)
-    command = _block("bash", "salloc").strip()
+    command = _block("bash", "salloc -N2 -n2 phalanx run python").strip()
     assert command == "salloc -N2 -n2 phalanx run python train.py"
     res = slurm.run(["bash", "-c", command], cwd=tmp_path, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Recovery inside a SLURM allocation, on the real test cluster (tests/slurm_cluster.py; root, slurm-wlm, munge).
 
-* ``salloc -N2 -n2 phalanx run --min-np 1 --max-np 2``: one worker per node, each its own ``srun`` step;
+* docs/slurm.md's ``salloc -N2 -n2 phalanx run --min-np 1 --max-np 2 …`` line: one worker per node, each its own ``srun`` step;
   the test ``scancel``s the step of the worker on n2 mid-run; the survivor on n1 re-forms in-process
   (same process), a replacement step starts on n2 (the node with a free slot) and is admitted at a
   commit; the job completes with both replicas equal to each other and to a one-process run.
@@ -9,6 +9,7 @@
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import torch
 from slurm_cluster import needs_slurm, slurm  # noqa: F401  (slurm: the session's cluster fixture)
 
 TOTAL, COMMIT, G, N_DATA, KILL_AT = 24, 4, 12, 96, 6
+DOC = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "slurm.md")).read()
 
 WORKER = textwrap.dedent(f"""
     import os, sys, time
@@ -72,7 +74,7 @@ WORKER = textwrap.dedent(f"""
         torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"final.{px.rank()}.pt"))
 
     if __name__ == "__main__":
-        main(sys.argv[1])
+        main(os.getcwd())
 """)
 
 
@@ -88,12 +90,11 @@ def _events(path):
 @needs_slurm
 def test_elastic_in_allocation_survives_a_scancelled_step_and_replaces_it(slurm, tmp_path):  # noqa: F811
     os.chmod(tmp_path, 0o755)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = ["salloc", "-N2", "-n2", sys.executable, "-m", "phalanx", "run", "--min-np", "1", "--max-np", "2",
-           "--max-restarts", "1", "--timeout", "60", "python", str(script), str(tmp_path)]
-    proc = subprocess.Popen(cmd, env={**slurm.env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    (tmp_path / "train_elastic.py").write_text(WORKER)
+    (line,) = [b.strip() for b in re.findall(r"```bash\n(.*?)```", DOC, re.S) if "--min-np" in b]
+    assert line == "salloc -N2 -n2 phalanx run --min-np 1 --max-np 2 --max-restarts 1 python train_elastic.py"
+    proc = subprocess.Popen(["bash", "-c", line], env={**slurm.env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "kill").exists():

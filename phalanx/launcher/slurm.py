@@ -19,6 +19,11 @@ train.py`` reads the allocation and starts one agent per node through ``srun`` (
 * The agent step asks for the node's CPUs (``--cpus-per-task``, the fewest any planned node
   has) so that SLURM's CPU binding does not squeeze the workers onto one core; GPUs of the job
   are the step's by SLURM's default.
+* ``--max-restarts N``: each node's agent restarts its workers after a failure and the others follow
+  it into the new rendezvous (a group restart on every node), N times at most.
+* ``--min-np/--max-np``: the in-process elastic supervisor over the allocation's nodes
+  (:func:`elastic_options`): one ``srun --nodes=1 --ntasks=1 --overlap`` step per worker
+  (:class:`SrunSteps`), the nodes' task counts as slots, a lost worker replaced on a node with a free slot.
 * Workers see ``RANK``/``WORLD_SIZE`` as under any ``phalanx run``; the step's per-task SLURM
   variables (SLURM_PROCID, SLURM_NTASKS, …: they describe the agent, not the worker) are removed.
 
