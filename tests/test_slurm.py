@@ -100,12 +100,23 @@ def test_hostlist_against_scontrol_show_hostnames(slurm):  # noqa: F811
 WHERE = "import os; print('worker', os.environ['RANK'], os.environ.get('SLURMD_NODENAME'), os.environ.get('SLURM_PROCID'))"
 
 
+@pytest.fixture(scope="module")
+def jobs(slurm, tmp_path_factory):  # noqa: F811
+    """This module's two allocations, started at once (the cluster holds both); each test checks its own."""
+    where = tmp_path_factory.mktemp("slurm_jobs")
+    run = [sys.executable, "-m", "phalanx", "run"]
+    started = {"uneven": slurm.start(["salloc", "-N2", "-n3", *run, "python", "-c", WHERE], cwd=where),
+               "too many": slurm.start(["salloc", "-N2", "-n2", *run, "-np", "3", "python", "-c", "pass"], cwd=where)}
+    yield started
+    for job in started.values():
+        job.wait()
+
+
 @needs_slurm
-def test_uneven_allocation_fills_nodes_in_order_and_hides_the_agent_procid(slurm, tmp_path):  # noqa: F811
+def test_uneven_allocation_fills_nodes_in_order_and_hides_the_agent_procid(jobs):
     # salloc -N2 -n3: SLURM_TASKS_PER_NODE=2,1, so n1 runs two workers and n2 one (the docs' tests cover 1 and 2
     # per node, and the parameters)
-    res = slurm.run(["salloc", "-N2", "-n3", sys.executable, "-m", "phalanx", "run", "python", "-c", WHERE],
-                    timeout=240, cwd=tmp_path)
+    res = jobs["uneven"].wait()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     workers = sorted(line.split(": ", 1)[1].split() for line in res.stdout.splitlines() if ": worker " in line)
     assert sorted(w[2] for w in workers) == ["n1", "n1", "n2"], res.stdout  # nodes filled in order
@@ -117,9 +128,8 @@ def test_uneven_allocation_fills_nodes_in_order_and_hides_the_agent_procid(slurm
 
 
 @needs_slurm
-def test_np_more_than_the_allocation_is_one_line(slurm, tmp_path):  # noqa: F811
-    res = slurm.run(["salloc", "-N2", "-n2", sys.executable, "-m", "phalanx", "run", "-np", "3", "python", "-c",
-                     "pass"], timeout=120, cwd=tmp_path)
+def test_np_more_than_the_allocation_is_one_line(jobs):
+    res = jobs["too many"].wait()
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("phalanx")]
     assert lines == [lines[0]] and "-np 3 is more than the 2 task(s) of SLURM job" in lines[0], res.stderr

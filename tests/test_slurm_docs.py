@@ -7,9 +7,9 @@ plain srun. The mpirun line is checked here and run by tests/test_mpirun.py.
 
 import os
 import re
-import subprocess
 import sys
 
+import pytest
 from slurm_cluster import needs_slurm, slurm  # noqa: F401  (slurm: the session's cluster fixture)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -29,22 +29,36 @@ def _ranks(output):
     return {int(m[0]): (int(m[1]), int(m[2]), m[3], m[4]) for m in LINE.findall(output)}
 
 
-def _write_script(tmp_path):
-    (tmp_path / "train.py").write_text(_block("python", "# train.py"))
+@pytest.fixture(scope="module")
+def runs(slurm, tmp_path_factory):  # noqa: F811
+    """The page's salloc, sbatch and srun examples and the one-host reference, all started at once (the cluster
+    holds them together: 1 + 2 + 1 of each node's 4 CPUs); each test collects its own and checks it."""
+    where = tmp_path_factory.mktemp("slurm_docs")
+    (where / "train.py").write_text(_block("python", "# train.py"))
+    script = _block("bash", "#!/bin/bash")
+    assert "#SBATCH --gpus-per-node=2\n" in script
+    (where / "train.sbatch").write_text(script.replace("#SBATCH --gpus-per-node=2\n", ""))
+    salloc, srun = _block("bash", "salloc -N2 -n2 phalanx run python").strip(), _block("bash", "srun").strip()
+    assert salloc == "salloc -N2 -n2 phalanx run python train.py" and srun == "srun -N2 -n2 python train.py"
+    started = {
+        "salloc": slurm.start(["bash", "-c", salloc], cwd=where),
+        "sbatch": slurm.start(["sbatch", "--wait", "train.sbatch"], cwd=where),
+        "srun": slurm.start(["bash", "-c", srun], cwd=where),
+        "one host": slurm.start([sys.executable, "-m", "phalanx", "run", "-np", "2", "python", "train.py"], cwd=where),
+    }
+    yield where, started
+    for job in started.values():
+        job.wait()
 
 
 @needs_slurm
-def test_doc_salloc_uses_every_node_and_matches_one_host(slurm, tmp_path):  # noqa: F811
-    _write_script(tmp_path)
-    command = _block("bash", "salloc -N2 -n2 phalanx run python").strip()
-    assert command == "salloc -N2 -n2 phalanx run python train.py"
-    res = slurm.run(["bash", "-c", command], cwd=tmp_path, timeout=240)
+def test_doc_salloc_uses_every_node_and_matches_one_host(runs):
+    res = runs[1]["salloc"].wait()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ranks = _ranks(res.stdout)
     assert sorted(ranks) == [0, 1] and {r[0] for r in ranks.values()} == {2}, res.stdout  # -np = the 2 tasks
     assert sorted(r[2] for r in ranks.values()) == ["n1", "n2"], res.stdout  # one rank on each node
-    ref = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "python", "train.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    ref = runs[1]["one host"].wait()
     assert ref.returncode == 0, ref.stderr[-3000:]
     one_host = _ranks(ref.stdout)
     assert {r[2] for r in one_host.values()} == {"this host"}
@@ -53,15 +67,11 @@ def test_doc_salloc_uses_every_node_and_matches_one_host(slurm, tmp_path):  # no
 
 
 @needs_slurm
-def test_doc_sbatch_two_nodes_two_workers_each(slurm, tmp_path):  # noqa: F811
-    _write_script(tmp_path)
-    script = _block("bash", "#!/bin/bash")
-    assert "#SBATCH --gpus-per-node=2\n" in script
-    (tmp_path / "train.sbatch").write_text(script.replace("#SBATCH --gpus-per-node=2\n", ""))
-    res = slurm.run(["sbatch", "--wait", "train.sbatch"], cwd=tmp_path, timeout=240)
+def test_doc_sbatch_two_nodes_two_workers_each(runs):
+    res = runs[1]["sbatch"].wait()
     job = re.search(r"Submitted batch job (\d+)", res.stdout)
     assert job, res.stdout + res.stderr
-    output = (tmp_path / f"train-{job.group(1)}.out").read_text()
+    output = (runs[0] / f"train-{job.group(1)}.out").read_text()
     assert res.returncode == 0, output[-3000:] + res.stderr
     ranks = _ranks(output)
     assert sorted(ranks) == [0, 1, 2, 3] and {r[0] for r in ranks.values()} == {4}, output
@@ -71,11 +81,8 @@ def test_doc_sbatch_two_nodes_two_workers_each(slurm, tmp_path):  # noqa: F811
 
 
 @needs_slurm
-def test_doc_plain_srun(slurm, tmp_path):  # noqa: F811
-    _write_script(tmp_path)
-    command = _block("bash", "srun").strip()
-    assert command == "srun -N2 -n2 python train.py"
-    res = slurm.run(["bash", "-c", command], cwd=tmp_path, timeout=240)
+def test_doc_plain_srun(runs):
+    res = runs[1]["srun"].wait()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ranks = _ranks(res.stdout)
     assert sorted(ranks) == [0, 1] and sorted(r[2] for r in ranks.values()) == ["n1", "n2"], res.stdout

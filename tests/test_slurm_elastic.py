@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import elastic_job
+import pytest
 import torch
 from slurm_cluster import needs_slurm, slurm  # noqa: F401  (slurm: the session's cluster fixture)
 
@@ -87,8 +88,19 @@ def _events(path):
     return rows
 
 
+@pytest.fixture(scope="module")
+def restart_job(slurm, tmp_path_factory):  # noqa: F811
+    """The --max-restarts job, started first so that it runs beside the elastic one (the cluster holds both)."""
+    where = tmp_path_factory.mktemp("slurm_restart")
+    (where / "restart.py").write_text(RESTART)
+    job = slurm.start(["salloc", "-N2", "-n2", sys.executable, "-m", "phalanx", "run", "--max-restarts", "1",
+                       "python", "restart.py"], cwd=where)
+    yield job
+    job.wait()
+
+
 @needs_slurm
-def test_elastic_in_allocation_survives_a_scancelled_step_and_replaces_it(slurm, tmp_path):  # noqa: F811
+def test_elastic_in_allocation_survives_a_scancelled_step_and_replaces_it(slurm, tmp_path, restart_job):  # noqa: F811
     os.chmod(tmp_path, 0o755)
     (tmp_path / "train_elastic.py").write_text(WORKER)
     (line,) = [b.strip() for b in re.findall(r"```bash\n(.*?)```", DOC, re.S) if "--min-np" in b]
@@ -144,10 +156,8 @@ RESTART = textwrap.dedent("""
 
 
 @needs_slurm
-def test_max_restarts_in_allocation_restarts_the_group_on_every_node(slurm, tmp_path):  # noqa: F811
-    (tmp_path / "restart.py").write_text(RESTART)
-    res = slurm.run(["salloc", "-N2", "-n2", sys.executable, "-m", "phalanx", "run", "--max-restarts", "1",
-                     "python", "restart.py"], timeout=240, cwd=tmp_path)
+def test_max_restarts_in_allocation_restarts_the_group_on_every_node(restart_job):
+    res = restart_job.wait()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = sorted(ln.split(": ", 1)[1].split() for ln in res.stdout.splitlines() if " restart " in ln and ": rank" in ln)
     # (the restarted group's ranks follow the re-rendezvous order: rank 0 may now be on either node)
