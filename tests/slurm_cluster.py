@@ -41,10 +41,14 @@ import time
 
 import pytest
 
-__all__ = ["SlurmCluster", "requirements_missing", "get_cluster", "needs_slurm", "slurm", "NODES"]
+__all__ = ["SlurmCluster", "Started", "requirements_missing", "get_cluster", "needs_slurm", "slurm", "NODES"]
 
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than the machine has (config_overrides): a node may run 2 tasks and a step
+# AuthInfo cred_expire: a step credential's lifetime, and how long a requeued job must wait before it
+# starts again (SLURM's default 120 s; 30 s here keeps the preemption test short, and is still ample
+# time to launch a step on a loaded machine)
+CRED_EXPIRE_S = 30
 _TOOLS = ("munged", "slurmctld", "slurmd", "srun", "salloc", "sbatch", "scontrol", "sinfo")
 
 
@@ -75,10 +79,29 @@ def _tool(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
+class Started:
+    """A command started by :meth:`SlurmCluster.start`; :meth:`wait` gives its CompletedProcess (once)."""
+
+    def __init__(self, proc: subprocess.Popen, timeout: float) -> None:
+        self.proc, self.deadline, self._done = proc, time.monotonic() + timeout, None
+
+    def wait(self) -> subprocess.CompletedProcess:
+        if self._done is None:
+            try:
+                out, err = self.proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+                err += f"\n(killed: still running at its timeout: {self.proc.args})"
+            self._done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+        return self._done
+
+
 class SlurmCluster:
     """One slurmctld and two slurmd on this host; :meth:`up` starts it, :meth:`down` stops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cred_expire: int = CRED_EXPIRE_S) -> None:
+        self.cred_expire = cred_expire  # also how long a requeued job waits before it may start again
         self.dir = tempfile.mkdtemp(prefix="phalanx-slurm-")
         os.chmod(self.dir, 0o755)
         self.conf = os.path.join(self.dir, "slurm.conf")
@@ -137,6 +160,12 @@ class SlurmCluster:
         env = {**self.env, **kw.pop("env", {})}
         return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
+    def start(self, argv: list[str], timeout: float = 240, **kw) -> Started:
+        """Start a client command now and collect it later (:meth:`Started.wait`): several jobs at once."""
+        env = {**self.env, **kw.pop("env", {})}
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+        return Started(proc, timeout)
+
     def log(self, name: str = "slurmctld.log", tail: int = 3000) -> str:
         with contextlib.suppress(OSError), open(os.path.join(self.dir, name)) as f:
             return f.read()[-tail:]
@@ -177,7 +206,7 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire}",
             f"StateSaveLocation={d}/state",
             f"SlurmdSpoolDir={d}/spool-%n",
             f"SlurmctldPidFile={d}/slurmctld.pid",
