@@ -25,58 +25,24 @@ needs_mpi4py = pytest.mark.skipif(not runtime_mpi.mpi4py_available(),
                                   reason="mpi4py not installed (pip install 'phalanx[mpi]')")
 
 
-class _Mpirun:
-    """``mpirun --allow-run-as-root --oversubscribe -np N …`` started now; :meth:`wait` collects it (once)."""
-
-    def __init__(self, np, *argv, timeout=300, env=None):
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np), *argv]
-        env = {**(os.environ if env is None else env), "OMPI_MCA_btl": "self,tcp"}  # no shared-memory probing
-        self.proc, self.timeout, self.done = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                              text=True, env=env), timeout, None
-
-    def wait(self):
-        if self.done is None:
-            try:
-                out, err = self.proc.communicate(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                out, err = self.proc.communicate()
-            self.done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
-        return self.done
-
-
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Both mpirun jobs of this module, started at once; each test collects and checks its own."""
-    where = tmp_path_factory.mktemp("mpirun")
-    started = {}
-    if shutil.which("mpirun"):
-        # The example unchanged, run as `mpirun -np 2 python examples/horovod_seed_002.py` would; the
-        # wrapper only saves each rank's model after it so that the replicas can be compared.
-        wrapper = where / "run_example.py"
-        wrapper.write_text(textwrap.dedent(f'''
-            import runpy, sys, torch
-            sys.argv = [{EXAMPLE!r}]
-            g = runpy.run_path({EXAMPLE!r}, run_name="__main__")
-            torch.save(g["model"].state_dict(), "{where}/rank%d.pt" % g["hvd"].rank())
-        '''))
-        started["seed"] = _Mpirun(2, sys.executable, str(wrapper))
-        if runtime_mpi.mpi4py_available():
-            # Two "hosts": each rank is told it is alone on its node, as mpirun says across two machines.
-            script = where / "across.py"
-            script.write_text(ACROSS)
-            shell = (f"OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 "
-                     f"OMPI_COMM_WORLD_NODE_RANK=$OMPI_COMM_WORLD_RANK exec {sys.executable} {script}")
-            env = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}
-            started["across"] = _Mpirun(2, "sh", "-c", shell, timeout=180, env=env)
-    yield where, started
-    for job in started.values():
-        job.wait()
+def _mpirun(np, *argv, timeout=300):
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np), *argv]
+    env = {**os.environ, "OMPI_MCA_btl": "self,tcp"}  # no shared-memory transport probing in containers
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @needs_mpirun
-def test_mpirun_runs_seed_002_horovod_script_and_replicas_agree(jobs):
-    tmp_path, res = jobs[0], jobs[1]["seed"].wait()
+def test_mpirun_runs_seed_002_horovod_script_and_replicas_agree(tmp_path):
+    # The example unchanged, run as `mpirun -np 2 python examples/horovod_seed_002.py` would; the
+    # wrapper only saves each rank's model after it so that the replicas can be compared.
+    wrapper = tmp_path / "run_example.py"
+    wrapper.write_text(textwrap.dedent(f'''
+        import runpy, sys, torch
+        sys.argv = [{EXAMPLE!r}]
+        g = runpy.run_path({EXAMPLE!r}, run_name="__main__")
+        torch.save(g["model"].state_dict(), "{tmp_path}/rank%d.pt" % g["hvd"].rank())
+    '''))
+    res = _mpirun(2, sys.executable, str(wrapper))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     losses = [float(line.rsplit(" ", 1)[1]) for line in res.stdout.splitlines() if line.startswith("Epoch")]
     assert len(losses) == 20 and losses[-1] < losses[0] * 0.8, res.stdout[-2000:]  # it learns
@@ -99,8 +65,18 @@ ACROSS = textwrap.dedent('''
 
 @needs_mpirun
 @needs_mpi4py
-def test_mpirun_across_hosts_needs_no_master_addr_with_mpi4py(jobs):
-    res = jobs[1]["across"].wait()
+def test_mpirun_across_hosts_needs_no_master_addr_with_mpi4py(tmp_path):
+    # Two "hosts": each rank is told it is alone on its node, as mpirun says across two machines.
+    script = tmp_path / "across.py"
+    script.write_text(ACROSS)
+    shell = (f"OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 "
+             f"OMPI_COMM_WORLD_NODE_RANK=$OMPI_COMM_WORLD_RANK exec {sys.executable} {script}")
+    env_before = os.environ.pop("MASTER_ADDR", None)
+    try:
+        res = _mpirun(2, "sh", "-c", shell, timeout=180)
+    finally:
+        if env_before is not None:
+            os.environ["MASTER_ADDR"] = env_before
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank "))
     host = socket.gethostname()
