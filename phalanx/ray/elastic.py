@@ -1,0 +1,276 @@
+"""Elastic jobs on Ray: ``RayExecutor(settings, min_workers=, max_workers=)`` and ``ElasticRayExecutor``.
+
+The driver plays the part ``phalanx run --min-np/--max-np`` plays: it runs the launcher's own
+:class:`~phalanx.launcher.supervisor.Supervisor` (store, generations, replacements, admission,
+``reset_limit``, ``elastic_timeout``), with a Ray actor in place of each worker process::
+
+    run(fn): store on the driver's node ─ gen 0 = w0..w{n-1}, one actor each (num_cpus=cpus_per_worker)
+    ray.kill(w1) / its process dies ─ the driver sees the actor die ─ publish gen 1 = survivors
+        ─ they re-form in-process (phalanx.elastic.inprocess), roll back to the last commit in memory
+    the cluster has a free slot (Ray's available CPUs), up to max_workers ─ a new actor joins
+        ─ admitted at the members' next commit, gets the state from rank 0 in sync()
+    fewer than min_workers for elastic_timeout ─ the job stops; run() raises naming the cause
+    every member returned ─ run() returns their results in rank order; no actor is left
+
+Slots come from the cluster: the job's running actors, plus the free CPUs (or its own actors
+still waiting to be placed), capped at ``max_workers``. Every actor counts as one host
+("ray"): ``local_rank`` is the rank, so GPU jobs are not supported in this mode yet.
+
+Example::
+
+    executor = RayExecutor(settings, min_workers=1, max_workers=2)
+    executor.start()
+    results = executor.run(train)          # train uses phalanx.elastic.run and a State
+    executor.world_sizes                   # [(t0, 2), (t1, 1), (t2, 2)]: each generation, when published
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from phalanx.elastic import inprocess
+from phalanx.launcher import secret as job_secret
+from phalanx.launcher.supervisor import Supervisor
+from phalanx.log import get_logger
+from phalanx.ray.executor import RayExecutor, Settings
+from phalanx.ray.worker import EXIT_KEY, BaseWorker, FunctionCall, WorkerFailure
+
+__all__ = ["ActorProcess", "ElasticJob", "ElasticRayExecutor", "HOST", "UNBOUNDED"]
+
+log = get_logger(__name__)
+HOST = "ray"  # the one host every actor counts as
+UNBOUNDED = 1 << 20  # max_workers=None: as many as the cluster holds
+_SENT = ("PHALANX_", "TORCHELASTIC_", "MASTER_", "HOROVOD_", "GLOO_", "NCCL_", "OMP_")
+_PER_RANK = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+
+
+class ActorProcess:
+    """One elastic worker's actor behind the interface the supervisor uses for a process
+    (``poll``, ``wait``, ``kill``, ``send_signal``, ``pid``, ``returncode``, empty output streams:
+    Ray forwards the actor's output to the driver itself)."""
+
+    def __init__(self, actor, name: str, wid: str, info_ref, done_ref, store) -> None:
+        self.actor, self.name, self.wid, self.store = actor, name, wid, store
+        self.stdin = None
+        self.stdout, self.stderr = io.StringIO(), io.StringIO()
+        self.returncode: int | None = None
+        self.result: Any = None
+        self.failure: str | None = None  # the traceback, when the function raised
+        self._info_ref, self._done_ref, self._info = info_ref, done_ref, None
+
+    def placed(self) -> bool:
+        """True once Ray has started the actor (it had a free slot)."""
+        if self._info is None and ray.wait([self._info_ref], timeout=0)[0]:
+            try:
+                self._info = ray.get(self._info_ref)
+            except Exception:  # noqa: BLE001 - it died before answering
+                self._info = {}
+        return self._info is not None
+
+    @property
+    def pid(self) -> int | str:
+        return self._info.get("pid", "?") if self.placed() else "not placed"
+
+    def poll(self) -> int | None:
+        if self.returncode is not None or not ray.wait([self._done_ref], timeout=0)[0]:
+            return self.returncode
+        try:
+            self.result, code = ray.get(self._done_ref), 0
+        except RayTaskError as err:  # the function raised: this worker is lost (its group broken)
+            cause = err.cause if isinstance(getattr(err, "cause", None), WorkerFailure) else None
+            self.failure = cause.text if cause else str(err)
+            print(f"[{self.wid}]: {self.failure}", file=sys.stderr, end="" if self.failure.endswith("\n") else "\n",
+                  flush=True)
+            code = 1
+            self.kill()
+        except RayActorError as err:  # killed, or ended its process (os._exit records the status first)
+            log.info("actor %s (%s) ended: %s", self.name, self.wid, str(err).splitlines()[0][:300])
+            key = EXIT_KEY + self.wid
+            code = int(self.store.get(key)) if self.store.check([key]) else -9
+        self.returncode = code
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.name, timeout)
+            ray.wait([self._done_ref], timeout=0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def send_signal(self, _signum) -> None:
+        """Ray cannot signal an actor busy in its task: stopping it is killing it."""
+        self.kill()
+
+
+class ElasticJob:
+    """One ``run(fn)`` of an elastic executor: the supervisor, its actors, the world size over time."""
+
+    def __init__(self, executor, fn, args, kwargs, callbacks) -> None:
+        self.executor, self.call = executor, FunctionCall(fn, args, kwargs)
+        self.callbacks = list(callbacks or [])
+        self.job = uuid.uuid4().hex[:8]
+        self.handles: list[ActorProcess] = []
+        self.world_sizes: list[tuple[float, int]] = []
+        self.key = job_secret.new_secret()
+        self.queue = None
+        self._done = threading.Event()
+        self._first_slots = True
+
+    # -- what the supervisor calls ---------------------------------------------------------
+    def slots(self) -> dict[str, int]:
+        """Host discovery: the actors running, plus free CPUs (or our actors waiting for them)."""
+        ex = self.executor
+        if self._first_slots:  # the first generation: the size asked for (extra actors wait for room)
+            self._first_slots = False
+            return {HOST: ex.initial_workers()}
+        live = [h for h in self.handles if h.returncode is None]
+        placed = sum(1 for h in live if h.placed())
+        free = int(ray.available_resources().get("CPU", 0.0) / ex.spec.cpus_per_worker + 1e-9)
+        return {HOST: min(ex.max_workers or UNBOUNDED, placed + max(len(live) - placed, free))}
+
+    def start_worker(self, wid: str, host: str, env: dict[str, str]) -> ActorProcess:
+        """The supervisor's starter: one actor, set up and running the function, without waiting."""
+        ex = self.executor
+        sent = {k: v for k, v in env.items() if k.startswith(_SENT) or k in _PER_RANK or k in ex.extra_env}
+        sent["PHALANX_LAUNCHER"] = "ray"
+        name = f"phalanx-{self.job}-{wid}"
+        actor = ray.remote(BaseWorker).options(num_cpus=ex.spec.cpus_per_worker, name=name, max_restarts=0,
+                                               max_concurrency=1).remote()
+        info = actor.node_info.remote()
+        actor.setup.remote(sent, self.key, int(env.get("RANK", -1)), max(1, int(ex.spec.cpus_per_worker)))
+        if self.queue is not None:
+            actor.set_queue.remote(self.queue)
+        handle = ActorProcess(actor, name, wid, info, actor.execute.remote(self.call), self.supervisor.store)
+        self.handles.append(handle)
+        ex.worker_names.append(name)
+        return handle
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> list[Any]:
+        ex = self.executor
+        if self.callbacks:
+            from ray.util.queue import Queue
+
+            self.queue = Queue(actor_options={"num_cpus": 0})
+        env = dict(ex.extra_env)
+        env.setdefault("PHALANX_ELASTIC_REFORM_TIMEOUT", str(ex.elastic_timeout + 30))  # the driver decides
+        self.supervisor = sup = Supervisor(
+            [], np=ex.initial_workers(), min_np=ex.min_workers, max_np=ex.max_workers or UNBOUNDED, env=env,
+            script=self.slots, interval_s=1.0, max_restarts=ex.max_replacements, start_timeout=int(ex.settings.timeout_s),
+            run_id=self.job, reset_limit=ex.reset_limit, cooldown=ex.cooldown_range,
+            elastic_timeout=ex.elastic_timeout, starter=self.start_worker, store_addr=ray.util.get_node_ip_address())
+        watcher = threading.Thread(target=self._watch, name="phalanx-ray-elastic", daemon=True)
+        watcher.start()
+        try:
+            code = sup.run()
+        finally:
+            self._done.set()
+            watcher.join(5)
+            self._drain()
+            self._stop_all()
+        if code != 0:
+            raise RuntimeError(self._failure_text(code))
+        return [w.proc.result for w in sup.members if w.proc.returncode == 0]
+
+    def _watch(self) -> None:
+        """Record each generation's size when published; hand rank 0's logs to the callbacks."""
+        seen = -1
+        while not self._done.wait(0.02):
+            gen = getattr(self.supervisor, "gen", -1)
+            if gen > seen and getattr(self.supervisor, "store", None) is not None:
+                for g in range(seen + 1, gen + 1):
+                    members = json.loads(self.supervisor.store.get(f"pxe/gen/{g}"))["members"]
+                    self.world_sizes.append((time.time(), len(members)))
+                seen = gen
+            self._drain()
+
+    def _drain(self) -> None:
+        if self.queue is None:
+            return
+        n = self.queue.qsize()
+        for item in self.queue.get_nowait_batch(n) if n else ():
+            for cb in self.callbacks:
+                cb(item)
+
+    def _stop_all(self) -> None:
+        for h in self.handles:
+            h.kill()
+        if self.queue is not None:
+            try:
+                ray.kill(self.queue.actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for h in self.handles:  # read (and drop) the killed tasks' results, or Ray logs them as unhandled
+            if h.returncode is None:
+                try:
+                    ray.get(h._done_ref, timeout=5)
+                except Exception:  # noqa: BLE001 - expected: killed
+                    pass
+
+    def _failure_text(self, code: int) -> str:
+        store = self.supervisor.store
+        stop = json.loads(store.get("pxe/stop")) if store.check(["pxe/stop"]) else {}
+        why = stop.get("abort") or (f"a worker could not re-form in-process (status {code}); on Ray there is no "
+                                    "group restart to fall back to" if code == inprocess.REFORM_FAILED_EXIT
+                                    else f"the job ended with status {code}")
+        for flag, arg in (("--min-np", "min_workers"), ("--elastic-timeout", "elastic_timeout"),
+                          ("--reset-limit", "reset_limit")):
+            why = why.replace(flag, arg)
+        failed = [h for h in self.handles if h.failure]
+        tail = f"\nfirst worker traceback ({failed[0].wid}):\n{failed[0].failure}" if failed else ""
+        return f"RayExecutor (elastic): {why}{tail}"
+
+
+
+class ElasticRayExecutor(RayExecutor):
+    """horovod.ray's ``ElasticRayExecutor``: the bounds come from ``create_settings(min_np=, max_np=)``.
+
+    Example::
+
+        settings = ElasticRayExecutor.create_settings(min_np=1, max_np=4, elastic_timeout=60)
+        executor = ElasticRayExecutor(settings, cpus_per_slot=1)
+        executor.start()
+        results = executor.run(train)
+    """
+
+    @classmethod
+    def create_settings(cls, min_np: int = 1, max_np: int | None = None, reset_limit: int | None = None,
+                        elastic_timeout: float = 600, timeout_s: float = 30, ssh_identity_file: str | None = None,
+                        nics=None, min_num_proc: int | None = None, max_num_proc: int | None = None,
+                        **_ignored) -> Settings:
+        """horovod.ray's elastic settings (``min_num_proc``/``max_num_proc``: its older names)."""
+        settings = RayExecutor.create_settings(timeout_s=timeout_s, ssh_identity_file=ssh_identity_file, nics=nics)
+        settings.elastic = True
+        settings.min_np, settings.max_np = min_num_proc or min_np, max_num_proc or max_np
+        settings.reset_limit, settings.elastic_timeout = reset_limit, elastic_timeout
+        return settings
+
+    def __init__(self, settings: Settings | None = None, use_gpu: bool = False, cpus_per_slot: float = 1,
+                 gpus_per_slot: float | None = None, env_vars: dict | None = None, override_discovery: bool = True,
+                 cpus_per_worker: float | None = None, gpus_per_worker: float | None = None) -> None:
+        settings = settings or ElasticRayExecutor.create_settings()
+        super().__init__(settings, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker or cpus_per_slot,
+                         gpus_per_worker=gpus_per_worker or gpus_per_slot, min_workers=settings.min_np or 1,
+                         max_workers=settings.max_np, reset_limit=settings.reset_limit,
+                         elastic_timeout=settings.elastic_timeout)
+        self.env_vars = dict(env_vars or {})
+
+    def start(self, executable_cls=None, executable_args=None, executable_kwargs=None, extra_env_vars=None) -> None:
+        super().start(executable_cls, executable_args, executable_kwargs, {**self.env_vars, **(extra_env_vars or {})})
