@@ -67,6 +67,7 @@ class ActorProcess:
         self.result: Any = None
         self.failure: str | None = None  # the traceback, when the function raised
         self._info_ref, self._done_ref, self._info = info_ref, done_ref, None
+        self.created = time.monotonic()
 
     def placed(self) -> bool:
         """True once Ray has started the actor (it had a free slot)."""
@@ -132,6 +133,8 @@ class ElasticJob:
         self.queue = None
         self._done = threading.Event()
         self._first_slots = True
+        self.abort: str | None = None  # why the driver stopped the job itself
+        self._short_since: float | None = None
 
     # -- what the supervisor calls ---------------------------------------------------------
     def slots(self) -> dict[str, int]:
@@ -200,6 +203,28 @@ class ElasticJob:
                     self.world_sizes.append((time.time(), len(members)))
                 seen = gen
             self._drain()
+            self._check_room()
+
+    def _check_room(self) -> None:
+        """Fewer than min_workers actors running for elastic_timeout, none of the others still
+        starting (an actor Ray has not started within settings.timeout_s waits for room): stop the
+        job. (The supervisor counts such an actor as starting, and would wait for it without bound.)"""
+        ex = self.executor
+        live = [h for h in list(self.handles) if h.returncode is None]
+        running = sum(1 for h in live if h.placed())
+        starting = any(not h.placed() and time.monotonic() - h.created < ex.settings.timeout_s for h in live)
+        if running >= ex.min_workers or starting or self.abort:
+            self._short_since = None
+            return
+        self._short_since = self._short_since or time.monotonic()
+        if time.monotonic() - self._short_since > ex.elastic_timeout:
+            self.abort = (f"{running} worker(s) running, fewer than min_workers {ex.min_workers} for elastic_timeout "
+                          f"{ex.elastic_timeout:g}s: the cluster has no room for more (available: "
+                          f"{ray.available_resources()}, each worker needs {ex.spec.worker_resources()}); "
+                          "stopping the job")
+            print(f"phalanx: {self.abort}", file=sys.stderr, flush=True)
+            for h in list(self.handles):
+                h.kill()
 
     def _drain(self) -> None:
         if self.queue is None:
@@ -227,9 +252,11 @@ class ElasticJob:
     def _failure_text(self, code: int) -> str:
         store = self.supervisor.store
         stop = json.loads(store.get("pxe/stop")) if store.check(["pxe/stop"]) else {}
-        why = stop.get("abort") or (f"a worker could not re-form in-process (status {code}); on Ray there is no "
+        why = self.abort or stop.get("abort") or (f"a worker could not re-form in-process (status {code}); on Ray there is no "
                                     "group restart to fall back to" if code == inprocess.REFORM_FAILED_EXIT
                                     else f"the job ended with status {code}")
+        if self.abort and self.supervisor.first_failure:
+            why += f" (first failure: {self.supervisor.first_failure})"
         for flag, arg in (("--min-np", "min_workers"), ("--elastic-timeout", "elastic_timeout"),
                           ("--reset-limit", "reset_limit")):
             why = why.replace(flag, arg)
