@@ -32,7 +32,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("phalanx.ray needs Ray: pip install 'phalanx[ray]'") from err
 
 from phalanx.ray import ray_logger
-from phalanx.ray.elastic import ElasticRayExecutor
+from phalanx.ray.elastic_executor import ElasticRayExecutor
 from phalanx.ray.executor import RayExecutor, Settings
 from phalanx.ray.worker import BaseWorker
 

@@ -45,6 +45,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.spawn import RankError
 from phalanx.log import get_logger
+from phalanx.ray.elastic import ElasticJob
 from phalanx.ray.placement import (
     STRATEGIES,
     WorkerSpec,
@@ -272,8 +273,6 @@ class RayExecutor:
         """One elastic job: actors come and go; the results of the workers that finished, in rank order."""
         if self.startup_s is None:
             raise RuntimeError("RayExecutor.run: call start() first")
-        from phalanx.ray.elastic import ElasticJob
-
         job = ElasticJob(self, fn, args, kwargs, callbacks)
         self.world_sizes, self.worker_names = job.world_sizes, []
         return job.run()
