@@ -187,6 +187,8 @@ class ElasticJob:
             watcher.join(5)
             self._drain()
             self._stop_all()
+        if code == 130:
+            raise KeyboardInterrupt("RayExecutor (elastic): interrupted; every actor of the job was stopped")
         if code != 0:
             raise RuntimeError(self._failure_text(code))
         return [w.proc.result for w in sup.members if w.proc.returncode == 0]
