@@ -131,7 +131,7 @@ class ElasticJob:
         self.key = job_secret.new_secret()
         self.queue = None
         self._done = threading.Event()
-        self._first_slots = True
+        self._first: int | None = None  # the first generation's size, until the supervisor asked for it
         self.abort: str | None = None  # why the driver stopped the job itself
         self._short_since: float | None = None
 
@@ -139,9 +139,9 @@ class ElasticJob:
     def slots(self) -> dict[str, int]:
         """Host discovery: the actors running, plus free CPUs (or our actors waiting for them)."""
         ex = self.executor
-        if self._first_slots:  # the first generation: the size asked for (extra actors wait for room)
-            self._first_slots = False
-            return {HOST: ex.initial_workers()}
+        if self._first is not None:  # the first generation: the size asked for (extra actors wait for room)
+            first, self._first = self._first, None
+            return {HOST: first}
         live = [h for h in self.handles if h.returncode is None]
         placed = sum(1 for h in live if h.placed())
         free = int(ray.available_resources().get("CPU", 0.0) / ex.spec.cpus_per_worker + 1e-9)
@@ -172,9 +172,11 @@ class ElasticJob:
 
             self.queue = Queue(actor_options={"num_cpus": 0})
         env = dict(ex.extra_env)
-        env.setdefault("PHALANX_ELASTIC_REFORM_TIMEOUT", str(ex.elastic_timeout + 30))  # the driver decides
+        # survivors wait to re-form as long as the driver may wait for room (it stops the job itself)
+        env.setdefault("PHALANX_ELASTIC_REFORM_TIMEOUT", str(ex.settings.timeout_s + ex.elastic_timeout + 30))
+        self._first = ex.initial_workers()
         self.supervisor = sup = Supervisor(
-            [], np=ex.initial_workers(), min_np=ex.min_workers, max_np=ex.max_workers or UNBOUNDED, env=env,
+            [], np=self._first, min_np=ex.min_workers, max_np=ex.max_workers or UNBOUNDED, env=env,
             script=self.slots, interval_s=1.0, max_restarts=ex.max_replacements, start_timeout=int(ex.settings.timeout_s),
             run_id=self.job, reset_limit=ex.reset_limit, cooldown=ex.cooldown_range,
             elastic_timeout=ex.elastic_timeout, starter=self.start_worker, store_addr=ray.util.get_node_ip_address())
