@@ -64,6 +64,7 @@ class ActorProcess:
         self.stdout, self.stderr = io.StringIO(), io.StringIO()
         self.returncode: int | None = None
         self.result: Any = None
+        self.returned = False  # the function returned (not: the process ended with status 0)
         self.failure: str | None = None  # the traceback, when the function raised
         self._info_ref, self._done_ref, self._info = info_ref, done_ref, None
         self.created = time.monotonic()
@@ -86,6 +87,7 @@ class ActorProcess:
             return self.returncode
         try:
             self.result, code = ray.get(self._done_ref), 0
+            self.returned = True
         except RayTaskError as err:  # the function raised: this worker is lost (its group broken)
             cause = err.cause if isinstance(getattr(err, "cause", None), WorkerFailure) else None
             self.failure = cause.text if cause else str(err)
@@ -193,7 +195,9 @@ class ElasticJob:
             raise KeyboardInterrupt("RayExecutor (elastic): interrupted; every actor of the job was stopped")
         if code != 0:
             raise RuntimeError(self._failure_text(code))
-        return [w.proc.result for w in sup.members if w.proc.returncode == 0]
+        # a member admitted in a generation that never formed (the others had finished) ended with
+        # status 0 without a result: only the workers whose function returned
+        return [w.proc.result for w in sup.members if w.proc.returned]
 
     def _watch(self) -> None:
         """Record each generation's size when published; hand rank 0's logs to the callbacks."""
