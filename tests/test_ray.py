@@ -291,6 +291,23 @@ def test_elastic_killed_actor_survived_in_process_and_replaced(local_ray):
     assert (horovod_style.min_workers, horovod_style.max_workers, horovod_style.elastic_timeout) == (1, 2, 30)
 
 
+def test_elastic_worker_records_its_exit_status_and_prefixes_its_rank():
+    # Ray reports only that an actor died; a worker leaving by os._exit (shrunk out, the job done while it
+    # waited to join, a failed re-form) first writes its status to the job's store for the driver
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    code = ("import os\nfrom phalanx.ray.worker import BaseWorker\n"
+            f"BaseWorker().setup({{'PHALANX_ELASTIC_STORE': '127.0.0.1:{store.port}', 'PHALANX_ELASTIC_WID': 'w9', "
+            "'PHALANX_ELASTIC_JOIN': '1'}, None, -1, 1)\n"
+            "print('waiting to join', flush=True)\nos.environ.pop('PHALANX_ELASTIC_JOIN')\n"
+            "os.environ['RANK'] = '2'\nprint('admitted', flush=True)\nos._exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert store.check(["pxe/exit/w9"]) and store.get("pxe/exit/w9") == b"3", "no exit status on the store"
+    assert proc.stdout.splitlines() == ["[w9]: waiting to join", "[2]: admitted"], proc.stdout
+
+
 def test_rank_environments_host_major_with_gpus():
     from phalanx.ray.placement import rank_environments, ranks_host_major
 

@@ -87,9 +87,10 @@ def _elastic_prefix() -> str:
     """``[rank]: `` once admitted to a generation (the rank of the latest), ``[w3]: `` while joining."""
     from phalanx.elastic import inprocess
 
-    if os.environ.get(inprocess.JOIN_ENV) == "1":
+    rank = os.environ.get("RANK")
+    if os.environ.get(inprocess.JOIN_ENV) == "1" or rank is None:
         return f"[{os.environ.get(inprocess.WID_ENV)}]: "
-    return f"[{os.environ.get('RANK')}]: "
+    return f"[{rank}]: "
 
 
 def _record_exits(store_addr: str, wid: str) -> None:
