@@ -225,8 +225,9 @@ def test_worker_exception_names_rank_and_leaves_no_actor(local_ray):
 # -- elastic --------------------------------------------------------------------------------------------
 
 def train_elastic(steps):
-    """phalanx.elastic State with DataParallel; below 2 workers, rank 0 waits (bounded) at a commit for the
-    driver to admit a replacement, so the job grows back before it ends."""
+    """phalanx.elastic State with DataParallel. After step 3 of generation 0 every rank waits (bounded) for the
+    next generation (the test kills rank 1 there, so the kill always lands mid-run); below 2 workers, rank 0
+    waits (bounded) at a commit for the driver to admit a replacement, so the job grows back before it ends."""
     from phalanx import elastic
     from phalanx.elastic import inprocess
 
@@ -250,6 +251,11 @@ def train_elastic(steps):
                 time.sleep(0.02)
             state.commit()
             ray_logger.log({"step": state.step, "size": px.size()})
+            if state.step == 3 and inprocess.generation() == 0:  # the driver's callback kills rank 1 now:
+                while inprocess.latest_generation() == 0:  # every rank waits for the survivors' generation
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("rank 1 was not killed within 120 s")
+                    time.sleep(0.02)
 
     loop(state)
     return _flat(model.module if hasattr(model, "module") else model), os.environ["PHALANX_ELASTIC_WID"]
