@@ -41,7 +41,7 @@ import torch.distributed as dist
 from phalanx.log import get_logger
 
 __all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
-           "MembershipChanged", "ReformFailed", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
+           "MembershipChanged", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
 
@@ -188,6 +188,16 @@ def _socket_fds() -> dict[str, int]:
     return out
 
 
+_kept: set[str] = set()  # connections never taken for the group's (a Ray actor's own RPC links)
+
+
+def keep_current_connections() -> int:
+    """Before ``px.init()`` in a process that has connections of its own (a Ray actor's links to
+    its cluster): mark them as not the process group's, so a re-form never shuts them down."""
+    _kept.update(_group_sockets(-1))
+    return len(_kept)
+
+
 def _group_sockets(store_port: int) -> set[str]:
     """Inodes of this process's established TCP connections that are not to the launcher's store."""
     if not os.path.isdir("/proc/self/fd"):
@@ -203,7 +213,7 @@ def _group_sockets(store_port: int) -> set[str]:
         for row in rows:
             cols = row.split()
             remote_port, state, inode = int(cols[2].rsplit(":", 1)[1], 16), cols[3], cols[9]
-            if inode in mine and state == "01" and remote_port != store_port:  # 01: ESTABLISHED
+            if inode in mine and state == "01" and remote_port != store_port and inode not in _kept:  # ESTABLISHED
                 found.add(inode)
     return found
 

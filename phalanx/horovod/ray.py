@@ -8,6 +8,6 @@ Example::
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
 """
 
-from phalanx.ray import BaseHorovodWorker, RayExecutor, Settings, ray_logger
+from phalanx.ray import BaseHorovodWorker, ElasticRayExecutor, RayExecutor, Settings, ray_logger
 
-__all__ = ["RayExecutor", "Settings", "BaseHorovodWorker", "ray_logger"]
+__all__ = ["RayExecutor", "ElasticRayExecutor", "Settings", "BaseHorovodWorker", "ray_logger"]

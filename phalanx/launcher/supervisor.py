@@ -1,9 +1,9 @@
 """The launcher side of in-process elastic training: start the workers, host the store, never restart survivors.
 
-``phalanx run --min-np A --max-np B`` (and ``-H``/``--host-discovery-script``) runs this instead
-of TorchElastic's agent, whose worker group is all-or-nothing. Each worker is a process of its
-own, on this machine or over SSH (``python -m phalanx.launcher.agent worker``); hosts are the
-names the host list or discovery gives (``localhost`` and ``127.0.0.1`` are two hosts)::
+``phalanx run --min-np A --max-np B`` (and ``-H``/``--host-discovery-script``) runs this instead of TorchElastic's agent,
+whose worker group is all-or-nothing. Each worker is a process of its own, here or over SSH (``python -m phalanx.launcher.agent
+worker``), or the Popen-like handle ``starter(wid, host, env)`` returns (phalanx.ray's actors; ``script`` a function giving
+the slots); hosts are the names the host list or discovery gives (``localhost`` and ``127.0.0.1`` are two hosts)::
 
     start: store ─ gen 0 = w0..w{n-1} (the slots offered, up to --max-np) ─ workers px.init() on it
     worker w2 exits non-zero ─ "rank 2 (w2 on h) failed: killed by SIGKILL" ─ with named hosts (-H,
@@ -20,8 +20,7 @@ names the host list or discovery gives (``localhost`` and ``127.0.0.1`` are two 
 
 Example::
 
-    sup = Supervisor(["python", "train.py"], np=4, min_np=2, max_np=4)
-    code = sup.run()
+    code = Supervisor(["python", "train.py"], np=4, min_np=2, max_np=4).run()
 """
 
 from __future__ import annotations
@@ -77,16 +76,18 @@ class Supervisor:
                  ranks_filter: frozenset[int] | None = None, hosts: dict[str, int] | None = None,
                  reset_limit: int | None = None, cooldown: tuple[float, float] | None = None,
                  elastic_timeout: float = 600.0, log_dir: str | None = None,
-                 stall_timeout: float | None = None, store_addr: str | None = None, replace_failed: bool = False) -> None:
+                 stall_timeout: float | None = None, starter=None, store_addr: str | None = None,
+                 replace_failed: bool = False) -> None:
         self.command, self.np = list(command), np
         self.named_hosts = dict(hosts) if hosts else None  # -H / --hostfile: Horovod's host semantics
         offered = sum(self.named_hosts.values()) if self.named_hosts else np
         self.min_np, self.max_np = min_np or 1, max(max_np or max(offered, np), np)
         # Horovod's driver: with hosts named (-H, a discovery script) a host whose worker failed is
         # set aside; without, this machine is the job and a failed worker is replaced (--max-restarts)
-        self.horovod_hosts = (bool(hosts) or bool(script)) and not replace_failed  # (SLURM nodes: replaced)
+        # (slots from a function, SLURM nodes: replaced)
+        self.horovod_hosts = (bool(hosts) or isinstance(script, str)) and not replace_failed
+        self.aside, self.starter = SetAside(cooldown), starter
         self.store_addr = store_addr  # where workers reach the store (None: our route to the first remote host)
-        self.aside = SetAside(cooldown)
         self.reset_limit, self.resets = reset_limit, 0
         self.elastic_timeout, self.log_dir, self.stall_timeout = elastic_timeout, log_dir, stall_timeout
         self.first_failure: str | None = None
@@ -111,11 +112,11 @@ class Supervisor:
     # -- hosts ------------------------------------------------------------------
     def _discover(self) -> dict[str, int] | None:
         try:
-            hosts = discover_hosts(self.script, timeout_s=max(self.interval_s, 5.0))
+            hosts = self.script() if callable(self.script) else discover_hosts(self.script, timeout_s=max(self.interval_s, 5.0))
         except (OSError, ValueError, subprocess.SubprocessError) as err:
             log.warning("host discovery script failed (%s); keeping the hosts known", err)
             return None
-        for h in [h for h in hosts if not is_local(h) and h not in self._probed]:
+        for h in [h for h in hosts if not (is_local(h) or h in self._probed or callable(self.script))]:
             try:
                 probe([h], self.ssh, timeout_s=15)
                 self._probed.add(h)
@@ -166,7 +167,9 @@ class Supervisor:
         else:
             env.update({k: str(v) for k, v in rank_env.items()})
             env[inprocess.GEN_ENV] = "0"
-        if is_local(host):
+        if self.starter is not None:  # e.g. a Ray actor; its handle's stdout/stderr may be empty
+            proc = self.starter(wid, host, env)
+        elif is_local(host):
             proc = subprocess.Popen([sys.executable, _EXEC_SHIM, *self.command], env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         else:

@@ -45,6 +45,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.spawn import RankError
 from phalanx.log import get_logger
+from phalanx.ray.elastic import ElasticJob
 from phalanx.ray.placement import (
     STRATEGIES,
     WorkerSpec,
@@ -52,7 +53,7 @@ from phalanx.ray.placement import (
     rank_environments,
     ranks_host_major,
 )
-from phalanx.ray.worker import WorkerFailure
+from phalanx.ray.worker import FunctionCall, WorkerFailure
 
 __all__ = ["RayExecutor", "Settings"]
 
@@ -75,6 +76,11 @@ class Settings:
     verbose: int = 1
     ssh_identity_file: str | None = None
     elastic: bool = False
+    # ElasticRayExecutor.create_settings (horovod.ray's elastic settings)
+    min_np: int | None = None
+    max_np: int | None = None
+    reset_limit: int | None = None
+    elastic_timeout: float = 600
 
 
 _dedup_warned = False
@@ -91,16 +97,6 @@ def _warn_if_dedup_hides_ranks() -> None:
     _dedup_warned = True
     log.warning("Ray folds log lines that differ only in numbers, so most ranks' output will show as "
                 "'[repeated Nx across cluster]'; set RAY_DEDUP_LOGS=0 (or import phalanx.ray before ray)")
-
-
-class _Call:
-    """``fn(*args, **kwargs)`` ignoring the executable (what ``run`` sends to each actor)."""
-
-    def __init__(self, fn, args, kwargs) -> None:
-        self.fn, self.args, self.kwargs = fn, list(args or []), dict(kwargs or {})
-
-    def __call__(self, _executable):
-        return self.fn(*self.args, **self.kwargs)
 
 
 class RayExecutor:
@@ -123,9 +119,10 @@ class RayExecutor:
                  reset_limit: int | None = None, cooldown_range=None, elastic_timeout: int = 600,
                  override_discovery: bool = True) -> None:
         settings = settings or Settings()
-        if min_workers is not None or max_workers is not None:
-            raise NotImplementedError("RayExecutor: elastic mode (min_workers/max_workers) is not available yet; "
-                                      "give num_workers for a fixed-size job")
+        self.elastic = min_workers is not None or max_workers is not None
+        if self.elastic:
+            num_workers = self._check_elastic(num_workers, num_hosts, use_gpu, min_workers, max_workers, reset_limit,
+                                              cooldown_range, elastic_timeout)
         if num_workers is not None and num_hosts is not None:
             raise ValueError("RayExecutor: give num_workers or num_hosts (with num_workers_per_host), not both")
         if num_workers is None and num_hosts is None:
@@ -151,6 +148,46 @@ class RayExecutor:
         self._group = None
         self._queue = None
         self.startup_s: float | None = None
+        self.world_sizes: list[tuple[float, int]] = []  # elastic: (time, size) of each generation, when published
+        self.extra_env: dict[str, str] = {}
+
+    def _check_elastic(self, num_workers, num_hosts, use_gpu, min_workers, max_workers, reset_limit, cooldown_range,
+                       elastic_timeout) -> int:
+        """Check the elastic arguments, keep them; the starting size (num_workers, else min_workers)."""
+        if num_hosts is not None:
+            raise ValueError("RayExecutor: num_hosts is for a fixed-size job; an elastic job (min_workers/max_workers) "
+                             "places one actor per worker wherever Ray has room: drop num_hosts")
+        if use_gpu:
+            raise NotImplementedError("RayExecutor: use_gpu with min_workers/max_workers is not supported yet; "
+                                      "run a GPU job with num_workers (fixed size)")
+        min_workers = 1 if min_workers is None else min_workers
+        for name, value in (("min_workers", min_workers), ("max_workers", max_workers)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"RayExecutor: {name} must be a positive integer, got {value!r}")
+        if max_workers is not None and min_workers > max_workers:
+            raise ValueError(f"RayExecutor: min_workers={min_workers} is larger than max_workers={max_workers}; "
+                             "give min_workers <= max_workers")
+        if num_workers is not None and not (min_workers <= num_workers <= (max_workers or num_workers)):
+            raise ValueError(f"RayExecutor: num_workers={num_workers} (the starting size of an elastic job) must lie "
+                             f"between min_workers={min_workers} and max_workers={max_workers}")
+        if elastic_timeout <= 0:
+            raise ValueError(f"RayExecutor: elastic_timeout must be positive seconds, got {elastic_timeout}")
+        if reset_limit is not None and reset_limit < 0:
+            raise ValueError(f"RayExecutor: reset_limit must be >= 0 (or None: no limit), got {reset_limit}")
+        if cooldown_range is not None and (len(cooldown_range) != 2 or not 0 <= cooldown_range[0] <= cooldown_range[1]):
+            raise ValueError(f"RayExecutor: cooldown_range must be (low, high) seconds, got {cooldown_range!r}")
+        self.min_workers, self.max_workers, self.reset_limit = min_workers, max_workers, reset_limit
+        self.cooldown_range = tuple(cooldown_range) if cooldown_range else None
+        self.elastic_timeout, self.requested_workers = float(elastic_timeout), num_workers
+        self.max_replacements = 4 * (max_workers or max(min_workers, num_workers or 1)) + 4
+        return num_workers or min_workers
+
+    def initial_workers(self) -> int:
+        """Elastic: how many workers the first generation has (num_workers, else what fits now, within bounds)."""
+        if self.requested_workers is not None:
+            return self.requested_workers
+        free = int(ray.available_resources().get("CPU", 0.0) / self.spec.cpus_per_worker + 1e-9)
+        return max(self.min_workers, min(self.max_workers or free, free))
 
     @property
     def num_workers(self) -> int:
@@ -167,6 +204,14 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init()  # as Ray's own first remote call would
         _warn_if_dedup_hides_ranks()
+        if self.elastic:
+            if executable_cls is not None:
+                raise ValueError("RayExecutor.start: executable_cls is for a fixed-size job (execute); an elastic "
+                                 "job runs a function with run(fn), as horovod.ray's ElasticRayExecutor")
+            self.extra_env = {k: str(v) for k, v in (extra_env_vars or {}).items()}
+            self._wait_for_room()
+            self.startup_s = time.perf_counter() - began
+            return
         placed = place_workers(self.spec, job=uuid.uuid4().hex[:8])
         self._group, self.worker_names = placed.group, placed.names
         self.workers = placed.workers
@@ -190,6 +235,17 @@ class RayExecutor:
         self.startup_s = time.perf_counter() - began
         log.info("RayExecutor: %d workers up in %.2fs", len(self.workers), self.startup_s)
 
+    def _wait_for_room(self) -> None:
+        """Elastic: until the cluster has CPUs for min_workers (bounded by placement_group_timeout_s)."""
+        need = self.min_workers * self.spec.cpus_per_worker
+        deadline = time.monotonic() + self.settings.placement_group_timeout_s
+        while ray.available_resources().get("CPU", 0.0) + 1e-9 < need:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RayExecutor: the cluster has no room for min_workers={self.min_workers} x "
+                                   f"cpus_per_worker={self.spec.cpus_per_worker:g} within placement_group_timeout_s="
+                                   f"{self.settings.placement_group_timeout_s:g}; available: {ray.available_resources()}")
+            time.sleep(0.2)
+
     def _environments(self, infos: list[dict], extra: dict) -> list[dict[str, str]]:
         addr, iface = infos[0]["ip"], None
         if self.settings.nics:
@@ -207,15 +263,25 @@ class RayExecutor:
             callbacks: list[Callable] | None = None) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order. ``callbacks`` get each
         dict rank 0 sends with :func:`phalanx.ray.ray_logger.log`, as it arrives."""
+        if self.elastic:
+            return self._run_elastic(fn, args, kwargs, callbacks)
         self._check_started("run")
         self._set_queue(callbacks)
-        return self._gather([w.execute.remote(_Call(fn, args, kwargs)) for w in self.workers], callbacks)
+        return self._gather([w.execute.remote(FunctionCall(fn, args, kwargs)) for w in self.workers], callbacks)
+
+    def _run_elastic(self, fn, args, kwargs, callbacks) -> list[Any]:
+        """One elastic job: actors come and go; the results of the workers that finished, in rank order."""
+        if self.startup_s is None:
+            raise RuntimeError("RayExecutor.run: call start() first")
+        job = ElasticJob(self, fn, args, kwargs, callbacks)
+        self.world_sizes, self.worker_names = job.world_sizes, []
+        return job.run()
 
     def run_remote(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         """As :meth:`run` without waiting: one ObjectRef per rank (``ray.get`` them; a failure is then
         yours to handle: call :meth:`shutdown` so no rank is left waiting in a collective)."""
         self._check_started("run_remote")
-        return [w.execute.remote(_Call(fn, args, kwargs)) for w in self.workers]
+        return [w.execute.remote(FunctionCall(fn, args, kwargs)) for w in self.workers]
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable] | None = None) -> list[Any]:
         """``fn(executable)`` on every rank (the object made by ``start(executable_cls=…)``)."""
@@ -258,6 +324,9 @@ class RayExecutor:
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_started(self, what: str) -> None:
+        if self.elastic:
+            raise RuntimeError(f"RayExecutor.{what}: an elastic job (min_workers/max_workers) runs functions with "
+                               "run(fn) only; its actors change as the job grows and shrinks")
         if not self.workers:
             raise RuntimeError(f"RayExecutor.{what}: no workers; call start() first (or the job was shut down "
                                "after a failure)")

@@ -28,9 +28,20 @@ from typing import Any
 from phalanx.launcher import secret as job_secret
 from phalanx.ray import ray_logger
 
-__all__ = ["BaseWorker", "WorkerFailure"]
+__all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+EXIT_KEY = "pxe/exit/"  # + worker id: the status an elastic worker ended its process with (Ray sees only a death)
+
+
+class FunctionCall:
+    """``fn(*args, **kwargs)`` ignoring the executable (what ``run`` sends to each actor)."""
+
+    def __init__(self, fn, args=None, kwargs=None) -> None:
+        self.fn, self.args, self.kwargs = fn, list(args or []), dict(kwargs or {})
+
+    def __call__(self, _executable):
+        return self.fn(*self.args, **self.kwargs)
 
 
 class WorkerFailure(Exception):
@@ -45,7 +56,9 @@ class WorkerFailure(Exception):
 
 
 class _RankPrefixed(io.TextIOBase):
-    """A text stream that starts every line with ``[rank]: `` (the prefix ``phalanx run`` prints)."""
+    """A text stream that starts every line with ``[rank]: `` (the prefix ``phalanx run`` prints).
+
+    ``prefix``: a string, or a function giving it (an elastic worker's rank changes at a re-form)."""
 
     def __init__(self, stream, prefix: str) -> None:
         self._stream, self._prefix, self._at_line_start = stream, prefix, True
@@ -54,7 +67,7 @@ class _RankPrefixed(io.TextIOBase):
         out = []
         for piece in text.splitlines(keepends=True):
             if self._at_line_start:
-                out.append(self._prefix)
+                out.append(self._prefix() if callable(self._prefix) else self._prefix)
             out.append(piece)
             self._at_line_start = piece.endswith("\n")
         self._stream.write("".join(out))
@@ -68,6 +81,38 @@ class _RankPrefixed(io.TextIOBase):
 
     def isatty(self) -> bool:
         return False
+
+
+def _elastic_prefix() -> str:
+    """``[rank]: `` once admitted to a generation (the rank of the latest), ``[w3]: `` while joining."""
+    from phalanx.elastic import inprocess
+
+    rank = os.environ.get("RANK")
+    if os.environ.get(inprocess.JOIN_ENV) == "1" or rank is None:
+        return f"[{os.environ.get(inprocess.WID_ENV)}]: "
+    return f"[{rank}]: "
+
+
+def _record_exits(store_addr: str, wid: str) -> None:
+    """Make ``os._exit(code)`` (how an elastic worker leaves: shrunk out, the job done, a failed
+    re-form) first write ``code`` under EXIT_KEY+wid on the job's store, for the driver to read."""
+    import datetime
+
+    import torch.distributed as dist
+
+    real_exit = os._exit
+    host, _, port = store_addr.rpartition(":")
+
+    def exit_recorded(code: int) -> None:
+        try:
+            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=5))
+            store.set(EXIT_KEY + wid, str(code))
+        except Exception:  # noqa: BLE001 - the driver then reports a plain death
+            pass
+        real_exit(code)
+
+    os._exit = exit_recorded
 
 
 def _interface_address(names) -> tuple[str, str] | None:
@@ -118,9 +163,16 @@ class BaseWorker:
         import torch
 
         torch.set_num_threads(max(1, threads))
+        from phalanx.elastic import inprocess
+
+        elastic = inprocess.active()  # started by the elastic driver: the rank changes at each re-form
+        if elastic:  # a re-form shuts the old group's connections down: never Ray's own
+            inprocess.keep_current_connections()
+            _record_exits(os.environ[inprocess.STORE_ENV], os.environ[inprocess.WID_ENV])
         if not isinstance(sys.stdout, _RankPrefixed):
-            sys.stdout = _RankPrefixed(sys.stdout, f"[{rank}]: ")
-            sys.stderr = _RankPrefixed(sys.stderr, f"[{rank}]: ")
+            prefix = _elastic_prefix if elastic else f"[{rank}]: "
+            sys.stdout = _RankPrefixed(sys.stdout, prefix)
+            sys.stderr = _RankPrefixed(sys.stderr, prefix)
 
     def _keep_secret(self, key: bytes) -> str:
         """A 0600 file holding the secret, as the launcher's agent writes it.
