@@ -41,8 +41,9 @@ from keras import ops
 
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression import NoneCompressor, get_compressor
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
+from phalanx.keras.overlap import BackwardOverlap
 from phalanx.keras.tensors import over_torch
 
 __all__ = ["DistributedOptimizer", "reduce_gradients"]
@@ -122,6 +123,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.num_groups = len(groups) if isinstance(groups, (list, tuple)) else int(groups or num_groups or 0)
         self.bucket_mb = bucket_mb
         self.sparse_as_dense = sparse_as_dense
+        self._overlap = None
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
@@ -132,6 +134,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                              name="backward_passes")
             self._accumulated = [self.add_variable_from_reference(v, name="accumulated_grad") for v in var_list]
         super().build(var_list)
+        self._bucket_mb_value = self._bucket_mb()
+        if (keras.backend.backend() == "torch" and runtime.size() > 1 and self.backward_passes_per_step == 1
+                and isinstance(self.compression, NoneCompressor) and self.gradient_predivide_factor == 1.0):
+            # launch the buckets from backward (armed by scale_loss, which Keras's torch train_step calls)
+            self._overlap = BackwardOverlap([v.value for v in var_list], bucket_mb=self._bucket_mb_value,
+                                            average=self.op is ReduceOp.AVERAGE, name=f"{self.name}.grads")
 
     @property
     def variables(self):
@@ -150,6 +158,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def scale_loss(self, loss):
+        if self._overlap is not None:
+            self._overlap.arm()
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
@@ -173,7 +183,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce(self, grads):
         return reduce_gradients(grads, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
-                                bucket_mb=self._bucket_mb(), predivide=self.gradient_predivide_factor,
+                                bucket_mb=self._bucket_mb_value, predivide=self.gradient_predivide_factor,
                                 name=f"{self.name}.grads")
 
     def apply(self, grads, trainable_variables=None):
@@ -185,6 +195,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        overlap = self._overlap
+        if overlap is not None and overlap.armed:
+            if overlap.covers([v.value for v in variables]):  # the buckets were launched from backward
+                averaged = overlap.finish()
+                self.inner_optimizer.apply([None if g is None else a for g, a in zip(grads, averaged)], variables)
+                return
+            overlap.finish()  # other variables than the model's: complete what backward launched, then reduce
+
         if self.backward_passes_per_step == 1:
             self.inner_optimizer.apply(self._reduce(grads), variables)
             return
