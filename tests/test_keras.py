@@ -1,4 +1,4 @@
-"""phalanx.keras on real ranks, on the torch and the TensorFlow Keras backends.
+"""phalanx.keras on real ranks, on the torch, TensorFlow and JAX Keras backends.
 
 One spawned group per backend runs every check (TensorFlow's import alone takes
 seconds): 2 ranks with local batch B against one process with batch 2B (SGD with
@@ -19,8 +19,12 @@ from phalanx.testing import distributed
 
 HAS_KERAS = importlib.util.find_spec("keras") is not None
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
+HAS_JAX = importlib.util.find_spec("jax") is not None
 
 ATOL = 1e-5  # as tests/test_data_parallel.py: float32 sums in another order
+ALL_CASES = ("sgd_k1", "sgd_k2", "adam_k1", "adam_k2")
+# JAX runs one case of each of its two reduction paths (direct; accumulated without branches)
+EQUIVALENCE = {"torch": ALL_CASES, "tensorflow": ALL_CASES, "jax": ("sgd_k1", "adam_k2")}
 B, STEPS, FEATURES, CLASSES = 8, 6, 12, 5
 
 
@@ -81,12 +85,14 @@ def _keras_checks(backend, tmp):
     hvd.init()
     n, r = hvd.size(), hvd.rank()
     out = {"sizes": (n, r, hvd.local_size(), hvd.local_rank(), hvd.cross_size(), hvd.cross_rank())}
-    for kind in ("sgd", "adam"):
-        for k in (1, 2):
-            out[f"{kind}_k{k}"] = _equivalence(keras, hvd, kind, k)
+    for key in EQUIVALENCE[backend]:
+        out[key] = _equivalence(keras, hvd, key[:-3], int(key[-1]))
+    x, y = _data()
+    if backend == "jax":  # its own paths only (each fit compiles a step): the reduction, the collectives
+        _collectives(keras, hvd, r, out)
+        return out
 
     # Warm-up: the learning rate each batch starts with, and metrics averaged at epoch end.
-    x, y = _data()
     seen, logs_seen = [], []
 
     class Record(keras.callbacks.Callback):
@@ -108,16 +114,7 @@ def _keras_checks(backend, tmp):
     out["logs"] = logs_seen
     out["broadcast_weights"] = _weights(model)
 
-    # Collectives on backend tensors, NumPy and numbers.
-    t = keras.ops.convert_to_tensor(np.array([1.0, 2.0], dtype="float32") * (r + 1))
-    out["allreduce"] = np.array(keras.ops.convert_to_numpy(hvd.allreduce(t)))
-    out["allreduce_sum_fp16"] = np.array(hvd.allreduce(np.ones(3, "float32") * r, op=hvd.Sum,
-                                                       compression=hvd.Compression.fp16))
-    out["allreduce_kind"] = type(hvd.allreduce(t)).__module__.split(".")[0]
-    out["allgather"] = np.array(keras.ops.convert_to_numpy(hvd.allgather(
-        keras.ops.convert_to_tensor(np.full((r + 1, 2), r, dtype="float32")))))
-    out["broadcast"] = np.array(keras.ops.convert_to_numpy(hvd.broadcast(
-        keras.ops.convert_to_tensor(np.array([r], dtype="float32")), root_rank=1)))
+    _collectives(keras, hvd, r, out)
 
     # load_model: the optimizer (and its state) comes back distributed, and trains on.
     path = f"{tmp}/model_{r}.keras"
@@ -128,6 +125,19 @@ def _keras_checks(backend, tmp):
     loaded.fit(x[:2 * B], y[:2 * B], batch_size=B, verbose=0)
     out["loaded_after"] = _weights(loaded)
     return out
+
+
+def _collectives(keras, hvd, r, out):
+    """Collectives on backend tensors, NumPy and numbers."""
+    t = keras.ops.convert_to_tensor(np.array([1.0, 2.0], dtype="float32") * (r + 1))
+    out["allreduce"] = np.array(keras.ops.convert_to_numpy(hvd.allreduce(t)))
+    out["allreduce_sum_fp16"] = np.array(hvd.allreduce(np.ones(3, "float32") * r, op=hvd.Sum,
+                                                       compression=hvd.Compression.fp16))
+    out["allreduce_kind"] = type(hvd.allreduce(t)).__module__.split(".")[0]
+    out["allgather"] = np.array(keras.ops.convert_to_numpy(hvd.allgather(
+        keras.ops.convert_to_tensor(np.full((r + 1, 2), r, dtype="float32")))))
+    out["broadcast"] = np.array(keras.ops.convert_to_numpy(hvd.broadcast(
+        keras.ops.convert_to_tensor(np.array([r], dtype="float32")), root_rank=1)))
 
 
 def _warmup_expected(initial_lr, warmup_epochs, steps_per_epoch, epochs, size):
@@ -148,17 +158,27 @@ def _warmup_expected(initial_lr, warmup_epochs, steps_per_epoch, epochs, size):
     "torch",
     pytest.param("tensorflow", marks=pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed "
                                                                               "(pip install 'phalanx[tensorflow]')")),
+    pytest.param("jax", marks=pytest.mark.skipif(not HAS_JAX, reason="jax is not installed (pip install "
+                                                                      "'phalanx[jax]')")),
 ])
 def test_keras_front_on_two_ranks(backend, tmp_path):
     results = distributed(_keras_checks, np=2, args=(backend, str(tmp_path)), env={"KERAS_BACKEND": backend},
                           timeout=300)
     a, b = results
     assert a["sizes"][:2] == (2, 0) and b["sizes"][:2] == (2, 1)
-    for key in ("sgd_k1", "sgd_k2", "adam_k1", "adam_k2"):
+    for key in EQUIVALENCE[backend]:
         assert a[key]["diff"] < ATOL, f"{key}: 2 ranks x batch {B} differ from 1 process by {a[key]['diff']}"
         for w0, w1 in zip(a[key]["mine"], b[key]["mine"]):
             np.testing.assert_array_equal(w0, w1, err_msg=f"{key}: ranks ended with different weights")
         assert a[key]["iterations"] == STEPS * 2 // int(key[-1]), f"{key}: iterations counts updates"
+    for res in results:
+        np.testing.assert_allclose(res["allreduce"], [1.5, 3.0])
+        np.testing.assert_allclose(res["allreduce_sum_fp16"], [1.0, 1.0, 1.0])
+        assert res["allreduce_kind"] == {"torch": "torch", "tensorflow": "tensorflow", "jax": "jaxlib"}[backend]
+        np.testing.assert_allclose(res["allgather"], [[0, 0], [1, 1], [1, 1]])
+        np.testing.assert_allclose(res["broadcast"], [1.0])
+    if backend == "jax":
+        return
     expected = _warmup_expected(0.4, 2, 5, 3, 2)
     for res in results:
         np.testing.assert_allclose(res["warmup_lr"], expected, rtol=1e-6, err_msg="warm-up differs from Horovod's")
@@ -169,11 +189,6 @@ def test_keras_front_on_two_ranks(backend, tmp_path):
     for w0, w1 in zip(a["broadcast_weights"], b["broadcast_weights"]):
         np.testing.assert_array_equal(w0, w1, err_msg="BroadcastGlobalVariablesCallback left ranks apart")
     for res in results:
-        np.testing.assert_allclose(res["allreduce"], [1.5, 3.0])
-        np.testing.assert_allclose(res["allreduce_sum_fp16"], [1.0, 1.0, 1.0])
-        assert res["allreduce_kind"] == ("torch" if backend == "torch" else "tensorflow")
-        np.testing.assert_allclose(res["allgather"], [[0, 0], [1, 1], [1, 1]])
-        np.testing.assert_allclose(res["broadcast"], [1.0])
         assert res["loaded_optimizer"] == "DistributedOptimizer"
         assert res["loaded_iterations"] == 3 * 5
     for w0, w1 in zip(a["loaded_after"], b["loaded_after"]):
