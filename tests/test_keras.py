@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -221,3 +222,100 @@ def test_seed_002_keras_script_runs_under_phalanx_run(backend, tmp_path):
     assert not any(line.startswith("[1]") and "saving model" in line for line in proc.stdout.splitlines())
     events = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
     assert len(events) == 1, f"TensorBoard files from more than one rank: {events}"
+
+
+ELASTIC_WORKER = textwrap.dedent("""
+    import os, signal, sys, zlib
+    import numpy as np
+    import keras
+    import phalanx.keras as hvd
+    from phalanx.elastic import inprocess
+
+    EPOCHS, B, COMMIT_EVERY = 3, 8, 4
+
+    def main(out):
+        hvd.init()
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2 * 6 * B, 12)).astype("float32")
+        y = rng.integers(0, 5, len(x))
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(5)])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        state = hvd.elastic.KerasState(model, batch=0, epoch=0, commit_dir=os.path.join(out, "commits"))
+        resets = []
+        state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+        def digest():
+            values = model.get_weights() + [keras.ops.convert_to_numpy(v.value) for v in model.optimizer.variables]
+            return zlib.crc32(b"".join(np.asarray(w).tobytes() for w in values))
+
+        def event(what):
+            with open(os.path.join(out, "events.txt"), "a") as f:
+                f.write(f"{what} rank={hvd.rank()} size={hvd.size()} pid={os.getpid()} gen={inprocess.generation()} "
+                        f"epoch={state.epoch} batch={state.batch} w={digest()} resets={len(resets)}\\n")
+
+        class Watch(keras.callbacks.Callback):  # after the state callbacks: sees what they committed
+            seen = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                if state.commits != self.seen:
+                    self.seen = state.commits
+                    event("commit")
+                if state.epoch == 1 and batch == 4 and hvd.rank() == 1 and inprocess.generation() == 0:
+                    event("kill")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.seen = state.commits
+                event("commit")
+
+        callbacks = [hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+                     hvd.elastic.CommitStateCallback(state, batches_per_commit=COMMIT_EVERY), Watch()]
+
+        @hvd.elastic.run
+        def train(state):
+            event("start")
+            n, r = hvd.size(), hvd.rank()
+            state.model.fit(x[r::n], y[r::n], batch_size=B, epochs=EPOCHS - state.epoch, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+
+        train(state)
+        event("end")
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+""")
+
+
+@pytest.mark.skipif(not HAS_KERAS, reason="keras is not installed (pip install 'phalanx[keras]')")
+def test_keras_elastic_survivor_rolls_back_to_the_commit_and_finishes(tmp_path):
+    """hvd.elastic.KerasState + the three callbacks under `phalanx run --min-np 1 --max-np 2`: rank 1 is
+    killed in epoch 1 after the mid-epoch commit; rank 0 fails in its next step, re-forms alone in the same process, restores that
+    commit (weights and optimizer state, epoch and batch), runs its reset callback and finishes."""
+    script = tmp_path / "worker.py"
+    script.write_text(ELASTIC_WORKER)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--max-restarts", "0", "--timeout", "60", sys.executable, str(script), str(tmp_path)]
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    report = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, report
+    rows = [dict(kv.split("=", 1) for kv in line.split()[1:]) | {"what": line.split()[0]}
+            for line in (tmp_path / "events.txt").read_text().splitlines()]
+    kill = [e for e in rows if e["what"] == "kill"]
+    assert len(kill) == 1 and kill[0]["rank"] == "1", report
+    mine = [e for e in rows if e["pid"] == [s for s in rows if s["what"] == "start" and s["rank"] == "0"][0]["pid"]]
+    before = [e for e in mine if e["gen"] == "0"]
+    last_commit = [e for e in before if e["what"] == "commit"][-1]
+    # every 4 batches, counted across epochs (as Horovod's callback): epoch 0's batch 3, then epoch 1's batch 1
+    assert (last_commit["epoch"], last_commit["batch"]) == ("1", "1"), before
+    resumed = [e for e in mine if e["what"] == "start" and e["gen"] != "0"]
+    assert len(resumed) == 1, (mine, report)
+    # the same process, alone now, back at the commit: weights and optimizer state, epoch and batch
+    assert resumed[0]["size"] == "1" and resumed[0]["resets"] == "1", resumed
+    assert (resumed[0]["epoch"], resumed[0]["batch"], resumed[0]["w"]) == (
+        last_commit["epoch"], last_commit["batch"], last_commit["w"]), (last_commit, resumed)
+    end = [e for e in mine if e["what"] == "end"]
+    assert len(end) == 1 and end[0]["epoch"] == "3" and end[0]["batch"] == "0", mine
