@@ -49,6 +49,7 @@ class BackwardOverlap:
         self.manager = BucketManager(self.params, max(int(bucket_mb * 2**20), 1), self._launch)
         self.manager.maybe_rebuild(None)  # the layout stays reverse registration order (no re-plan)
         self.armed = False
+        self.overlapped_steps = 0  # steps whose buckets all started during backward (for tests and curiosity)
         self._checked_group = None  # the process group whose first step passed the mismatch check
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
@@ -89,6 +90,8 @@ class BackwardOverlap:
     def finish(self) -> list[torch.Tensor | None]:
         """Wait for every bucket; ``p``'s averaged gradient (a view of its bucket) per parameter, or None."""
         self.armed = False
+        if self.manager.next_to_launch == len(self.manager.buckets):
+            self.overlapped_steps += 1
         for bucket in self.manager.buckets:  # gradients backward never produced: zeros, as DataParallel
             for p, view in zip(bucket.params, bucket.views):
                 if id(p) not in bucket.ready:
