@@ -4,7 +4,9 @@ One spawned group per backend runs every check (TensorFlow's import alone takes
 seconds): 2 ranks with local batch B against one process with batch 2B (SGD with
 momentum and Adam, backward_passes_per_step 1 and 2), Horovod's warm-up formula
 batch by batch, metric averaging, the broadcast callback, the collectives and
-load_model.
+load_model (JAX: the equivalence through both of its reduction paths and the
+collectives). Then seed 002's script under ``phalanx run`` and an elastic Keras job
+that loses a worker.
 """
 
 import importlib.util
