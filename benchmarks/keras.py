@@ -1,6 +1,6 @@
 """phalanx.keras vs its peers: samples/s on the same model and data, two ranks.
 
-Run:  flock /tmp/phalanx-bench.lock python benchmarks/keras.py [--steps 60 --repeats 3 --batch 64]
+Run:  flock /tmp/phalanx-bench.lock python benchmarks/keras.py [--steps 60 --repeats 3 --batch 64 --models mlp,wide]
 
 Two launches of ``phalanx run -np 2`` (each rank imports its framework once; inside a
 launch the contenders alternate, who goes first rotating, and the median is reported):
@@ -13,10 +13,19 @@ launch the contenders alternate, who goes first rotating, and the median is repo
   Also measured: what crossing into phalanx costs per step (the gradients of one step
   through ``tf.py_function`` and DLPack and back, no collective).
 * torch backend: ``model.fit`` with ``phalanx.keras`` against phalanx's own
-  ``DataParallel`` with a plain torch loop on the same MLP, plus both without communication.
+  ``DataParallel`` with a plain torch loop on the same model, plus both without
+  communication, for each model of ``--models``. The single-rank pair (Keras ``fit``
+  vs the torch loop, no communication) is the frameworks' own cost; the two-rank
+  pair's scaling efficiency (two-rank samples/s over twice the one-rank pace) is what
+  the communication costs each, so their ratio isolates phalanx.keras's part.
 
-Model: MLP 64-512-512-10 (301k parameters), softmax cross-entropy, SGD, local batch
-``--batch``; random data in memory.
+Models (softmax cross-entropy, SGD, random data in memory):
+
+* ``mlp``: MLP 64-512-512-10 (301k parameters), local batch ``--batch``: Keras's fixed
+  per-step cost dominates;
+* ``wide``: MLP 256-2048-2048-10 (4.7M parameters), local batch ``--wide-batch``:
+  compute-dominated, Keras's per-step cost is small next to the matmuls.
+The TensorFlow comparison runs on ``mlp``.
 """
 
 from __future__ import annotations
@@ -35,19 +44,25 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FEATURES, HIDDEN, CLASSES = 64, 512, 10
+CLASSES = 10
+MODELS = {"mlp": (64, 512), "wide": (256, 2048)}  # name: (features, hidden); two hidden layers each
+FEATURES, HIDDEN = MODELS["mlp"]  # the TensorFlow comparison's model
 
 
-def _data(n, seed=0):
+def _data(n, seed=0, features=FEATURES):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((n, FEATURES)).astype("float32"), rng.integers(0, CLASSES, n).astype("int64")
+    return rng.standard_normal((n, features)).astype("float32"), rng.integers(0, CLASSES, n).astype("int64")
 
 
-def _keras_model(keras, distributed_opt=None):
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="relu"),
-                              keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.Dense(CLASSES)])
+def _params(features, hidden):
+    return features * hidden + hidden + hidden * hidden + hidden + hidden * CLASSES + CLASSES
+
+
+def _keras_model(keras, distributed_opt=None, features=FEATURES, hidden=HIDDEN):
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(hidden, activation="relu"),
+                              keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(CLASSES)])
     opt = keras.optimizers.SGD(0.01)
     model.compile(optimizer=distributed_opt(opt) if distributed_opt else opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -134,7 +149,7 @@ def worker_tensorflow(steps, repeats, batch):
     return result if r == 0 else None
 
 
-def worker_torch(steps, repeats, batch):
+def worker_torch(steps, repeats, batches, models):
     import keras
     import torch
     from torch import nn
@@ -144,47 +159,57 @@ def worker_torch(steps, repeats, batch):
 
     hvd.init()
     n, r = hvd.size(), hvd.rank()
-    x, y = _data(batch * n * steps)
-    mine_x, mine_y = x[r::n], y[r::n]
-    ours, local = _keras_model(keras, hvd.DistributedOptimizer), _keras_model(keras)
-    hvd.broadcast_variables(ours.variables, root_rank=0)
-
-    def torch_mlp():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                             nn.Linear(HIDDEN, CLASSES))
-
-    dp, plain = px.DataParallel(torch_mlp()), torch_mlp()
-    opts = {id(dp): torch.optim.SGD(dp.parameters(), lr=0.01), id(plain): torch.optim.SGD(plain.parameters(), lr=0.01)}
-    tx, ty = torch.from_numpy(mine_x), torch.from_numpy(mine_y)
+    results = {}
     loss_fn = nn.CrossEntropyLoss()
+    for model_name in models:
+        features, hidden = MODELS[model_name]
+        batch = batches[model_name]
+        x, y = _data(batch * n * steps, features=features)
+        mine_x, mine_y = x[r::n], y[r::n]
+        ours = _keras_model(keras, hvd.DistributedOptimizer, features, hidden)
+        local = _keras_model(keras, None, features, hidden)
+        hvd.broadcast_variables(ours.variables, root_rank=0)
 
-    def loop(model):
-        opt = opts[id(model)]
-        for i in range(steps):
-            xb, yb = tx[i * batch:(i + 1) * batch], ty[i * batch:(i + 1) * batch]
-            opt.zero_grad()
-            loss_fn(model(xb), yb).backward()
-            opt.step()
+        def torch_mlp(features=features, hidden=hidden):
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, CLASSES))
 
-    def timed(fn):
-        def run():
-            px.barrier()
-            start = time.perf_counter()
-            fn()
-            px.barrier()
-            return time.perf_counter() - start
-        return run
+        dp, plain = px.DataParallel(torch_mlp()), torch_mlp()
+        opts = {id(dp): torch.optim.SGD(dp.parameters(), lr=0.01),
+                id(plain): torch.optim.SGD(plain.parameters(), lr=0.01)}
+        tx, ty = torch.from_numpy(mine_x), torch.from_numpy(mine_y)
 
-    contenders = {
-        "phalanx.keras": timed(lambda: ours.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)),
-        "DataParallel": timed(lambda: loop(dp)),
-        "keras local": timed(lambda: local.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)),
-        "torch local": timed(lambda: loop(plain)),
-    }
-    med = _median_rounds(contenders, repeats)
-    result = {k: (batch * steps * (n if "local" not in k else 1)) / v for k, v in med.items()}
-    return result if r == 0 else None
+        def loop(model, opts=opts, tx=tx, ty=ty, batch=batch):
+            opt = opts[id(model)]
+            for i in range(steps):
+                xb, yb = tx[i * batch:(i + 1) * batch], ty[i * batch:(i + 1) * batch]
+                opt.zero_grad()
+                loss_fn(model(xb), yb).backward()
+                opt.step()
+
+        def timed(fn):
+            def run():
+                px.barrier()
+                start = time.perf_counter()
+                fn()
+                px.barrier()
+                return time.perf_counter() - start
+            return run
+
+        def fit(model, mine_x=mine_x, mine_y=mine_y, batch=batch):
+            model.fit(mine_x, mine_y, batch_size=batch, shuffle=False, verbose=0)
+
+        contenders = {
+            "phalanx.keras": timed(lambda ours=ours: fit(ours)),
+            "DataParallel": timed(lambda dp=dp: loop(dp)),
+            "keras local": timed(lambda local=local: fit(local)),
+            "torch local": timed(lambda plain=plain: loop(plain)),
+        }
+        med = _median_rounds(contenders, repeats)
+        results[model_name] = {k: (batch * steps * (n if "local" not in k else 1)) / v for k, v in med.items()}
+        results[model_name]["batch"] = batch
+    return results if r == 0 else None
 
 
 def _launch(backend, args):
@@ -192,7 +217,8 @@ def _launch(backend, args):
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TF_CONFIG", None)
     cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, os.path.abspath(__file__),
-           "--worker", backend, "--steps", str(args.steps), "--repeats", str(args.repeats), "--batch", str(args.batch)]
+           "--worker", backend, "--steps", str(args.steps), "--repeats", str(args.repeats), "--batch", str(args.batch),
+           "--wide-batch", str(args.wide_batch), "--models", args.models]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
@@ -200,37 +226,54 @@ def _launch(backend, args):
     raise SystemExit(f"{backend} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def _print_torch(model_name, row):
+    features, hidden = MODELS[model_name]
+    framework = row["keras local"] / row["torch local"]
+    eff_keras = row["phalanx.keras"] / (2 * row["keras local"])
+    eff_dp = row["DataParallel"] / (2 * row["torch local"])
+    print(f"\ntorch backend, {model_name}: MLP {features}-{hidden}-{hidden}-{CLASSES} "
+          f"({_params(features, hidden) / 1e6:.2f}M parameters), local batch {row['batch']} (samples/s)\n"
+          f"  1 rank, no communication: Keras fit {row['keras local']:9.0f}  torch loop {row['torch local']:9.0f}"
+          f"  Keras/torch {framework:.2f}  (the frameworks' own cost)\n"
+          f"  2 ranks:        phalanx.keras {row['phalanx.keras']:9.0f}  DataParallel {row['DataParallel']:9.0f}"
+          f"  ratio {row['phalanx.keras'] / row['DataParallel']:.2f}  (goal >= 0.90)\n"
+          f"  scaling efficiency (2 ranks / twice 1 rank): phalanx.keras {eff_keras:.2f}, DataParallel "
+          f"{eff_dp:.2f}; ratio {eff_keras / eff_dp:.2f} (phalanx.keras's own part)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="local batch of the mlp model")
+    parser.add_argument("--wide-batch", type=int, default=256, help="local batch of the wide model")
+    parser.add_argument("--models", default="mlp,wide", help="torch-backend models: mlp, wide")
     parser.add_argument("--worker", choices=["tensorflow", "torch"])
     parser.add_argument("--backends", default="tensorflow,torch")
     args = parser.parse_args()
     if args.worker:
-        fn = worker_tensorflow if args.worker == "tensorflow" else worker_torch
-        result = fn(args.steps, args.repeats, args.batch)
+        if args.worker == "tensorflow":
+            result = worker_tensorflow(args.steps, args.repeats, args.batch)
+        else:
+            result = worker_torch(args.steps, args.repeats, {"mlp": args.batch, "wide": args.wide_batch},
+                                  args.models.split(","))
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
         return
-    print(f"2 ranks, MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, local batch {args.batch}, {args.steps} steps, "
-          f"median of {args.repeats}; load {os.getloadavg()[0]:.1f}")
+    print(f"2 ranks, {args.steps} steps, median of {args.repeats}; load {os.getloadavg()[0]:.1f}")
     for backend in args.backends.split(","):
         res = _launch(backend, args)
         if backend == "tensorflow":
             ratio = res["phalanx.keras"] / res["MWMS"]
-            print(f"\nTensorFlow backend (samples/s, whole job)\n  phalanx.keras {res['phalanx.keras']:9.0f}\n"
+            print(f"\nTensorFlow backend, MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, local batch {args.batch} "
+                  f"(samples/s, whole job)\n  phalanx.keras {res['phalanx.keras']:9.0f}\n"
                   f"  MWMS (tf-keras) {res['MWMS']:7.0f}\n  ratio phalanx/MWMS {ratio:.2f}  (goal >= 1.00)\n"
                   f"  one rank alone, no communication (Keras 3 fit): {res['local']:.0f}\n"
                   f"  crossing (py_function + DLPack both ways, {res['tensors']} tensors): "
                   f"{res['crossing_us']:.0f} us/step of {res['step_ms_phalanx']:.2f} ms")
         else:
-            ratio = res["phalanx.keras"] / res["DataParallel"]
-            print(f"\ntorch backend (samples/s, whole job)\n  phalanx.keras {res['phalanx.keras']:9.0f}\n"
-                  f"  DataParallel  {res['DataParallel']:9.0f}\n  ratio keras/DataParallel {ratio:.2f}  "
-                  f"(goal >= 0.90)\n  one rank alone, no communication: Keras fit {res['keras local']:.0f}, "
-                  f"torch loop {res['torch local']:.0f} (Keras/torch {res['keras local'] / res['torch local']:.2f})")
+            for model_name, row in res.items():
+                _print_torch(model_name, row)
     print(f"load at end {os.getloadavg()[0]:.1f}")
 
 

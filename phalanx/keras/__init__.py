@@ -36,7 +36,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "Average", "Sum", "Min", "Max", "Product", "Compression",
     "allreduce", "allgather", "broadcast", "broadcast_variables",
-    "DistributedOptimizer", "load_model", "callbacks",
+    "DistributedOptimizer", "load_model", "callbacks", "elastic",
 ]
 
 Average, Sum, Min, Max, Product = (collectives.Average, collectives.Sum, collectives.Min, collectives.Max,
@@ -129,3 +129,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     elif isinstance(optimizer, keras.optimizers.Optimizer):
         model.optimizer = DistributedOptimizer(optimizer, compression=compression)
     return model
+
+
+def __getattr__(name):
+    # hvd.elastic on first use: it brings in phalanx.horovod, which a job without elasticity never needs
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("phalanx.keras.elastic")
+    raise AttributeError(f"module 'phalanx.keras' has no attribute {name!r}")

@@ -16,7 +16,8 @@ One step, as Keras calls it (``optimizer.apply(grads, variables)``)::
 
 On the torch backend the gradients are torch tensors and go to phalanx's collectives
 as they are; on TensorFlow they cross by DLPack inside one ``tf.py_function`` (no copy;
-``phalanx.keras.tensors``). The JAX backend's stateless step is not supported yet.
+``phalanx.keras.tensors``); on JAX through one ``io_callback`` out of the jitted step
+(NumPy views on the host, no copy on the way in).
 
 ``backward_passes_per_step=k``: the update is the sum of the k local gradients (Horovod's
 default) or their mean with ``average_aggregated_gradients=True``; one allreduce per k
@@ -41,31 +42,45 @@ from keras import ops
 
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression import NoneCompressor, get_compressor
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
+from phalanx.keras.overlap import BackwardOverlap
 from phalanx.keras.tensors import over_torch
 
 __all__ = ["DistributedOptimizer", "reduce_gradients"]
 
 
 def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                     predivide: float = 1.0, name: str = "keras.grads"):
-    """Average (or sum) gradients (torch or TensorFlow tensors) across ranks; ``None`` entries stay ``None``.
+                     predivide: float = 1.0, name: str = "keras.grads", when=None):
+    """Average (or sum) gradients (torch, TensorFlow or JAX arrays) across ranks; ``None`` entries stay ``None``.
 
-    Works eagerly and inside a ``tf.function`` (through one ``tf.py_function``).
+    Works eagerly, inside a ``tf.function`` (through one ``tf.py_function``) and inside
+    ``jax.jit`` (one ``io_callback``). ``when``: a boolean scalar of the backend, the same
+    on every rank; where it is false the gradients come back as they are, no collective
+    (JAX's accumulation step, which cannot branch around a host call).
     """
     grads = list(grads)
     if runtime.size() == 1:
         return grads
 
     def on_torch(tensors, align_bytes):
+        if when is not None:
+            flag, tensors = tensors[-1], tensors[:-1]
+            if not bool(flag):
+                return [None if t is None else t.clone() for t in tensors] + [flag]
+            return on_torch_now(tensors, align_bytes) + [flag]
+        return on_torch_now(tensors, align_bytes)
+
+    def on_torch_now(tensors, align_bytes):
         if predivide != 1.0:
             tensors = [None if t is None else t / predivide for t in tensors]
         out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
                              align_bytes=align_bytes)
         return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
 
-    return over_torch(on_torch, grads)
+    if when is None:
+        return over_torch(on_torch, grads)
+    return over_torch(on_torch, grads + [when])[:-1]
 
 
 def _compression_name(compression) -> str | None:
@@ -122,6 +137,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.num_groups = len(groups) if isinstance(groups, (list, tuple)) else int(groups or num_groups or 0)
         self.bucket_mb = bucket_mb
         self.sparse_as_dense = sparse_as_dense
+        self._overlap = None
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
@@ -132,6 +148,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                              name="backward_passes")
             self._accumulated = [self.add_variable_from_reference(v, name="accumulated_grad") for v in var_list]
         super().build(var_list)
+        self._bucket_mb_value = self._bucket_mb()
+        if (keras.backend.backend() == "torch" and runtime.size() > 1 and self.backward_passes_per_step == 1
+                and isinstance(self.compression, NoneCompressor) and self.gradient_predivide_factor == 1.0):
+            # launch the buckets from backward (armed by scale_loss, which Keras's torch train_step calls)
+            self._overlap = BackwardOverlap([v.value for v in var_list], bucket_mb=self._bucket_mb_value,
+                                            average=self.op is ReduceOp.AVERAGE, name=f"{self.name}.grads")
 
     @property
     def variables(self):
@@ -150,6 +172,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def scale_loss(self, loss):
+        if self._overlap is not None:
+            self._overlap.arm()
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
@@ -173,7 +197,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce(self, grads):
         return reduce_gradients(grads, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
-                                bucket_mb=self._bucket_mb(), predivide=self.gradient_predivide_factor,
+                                bucket_mb=self._bucket_mb_value, predivide=self.gradient_predivide_factor,
                                 name=f"{self.name}.grads")
 
     def apply(self, grads, trainable_variables=None):
@@ -185,12 +209,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        overlap = self._overlap
+        if overlap is not None and overlap.armed:
+            if overlap.covers([v.value for v in variables]):  # the buckets were launched from backward
+                averaged = overlap.finish()
+                self.inner_optimizer.apply([None if g is None else a for g, a in zip(grads, averaged)], variables)
+                return
+            overlap.finish()  # other variables than the model's: complete what backward launched, then reduce
+
         if self.backward_passes_per_step == 1:
             self.inner_optimizer.apply(self._reduce(grads), variables)
             return
         k = self.backward_passes_per_step
         index = {id(v): i for i, v in enumerate(self._trainable_variables)}
         accumulators = [self._accumulated[index[id(v)]] for v in variables]
+        if keras.backend.backend() == "jax":
+            self._accumulate_without_branches(grads, variables, accumulators)
+            return
         for acc, g in zip(accumulators, grads):
             if g is not None:
                 acc.assign_add(ops.convert_to_tensor(g, dtype=acc.dtype))
@@ -212,9 +247,31 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.apply(grads, variables)
         return self.iterations
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError("phalanx.keras.DistributedOptimizer does not support the JAX backend's "
-                                  "stateless step yet; use KERAS_BACKEND=torch or tensorflow")
+    def _accumulate_without_branches(self, grads, variables, accumulators):
+        """JAX: ``backward_passes_per_step`` without ``cond`` (a stateless step cannot assign inside one).
+
+        Every pass computes the update and keeps it only on pass k (``where``), as Keras's
+        own ``JaxOptimizer`` does for ``gradient_accumulation_steps``; the collective runs
+        on pass k only (the host call is told whether this is the one).
+        """
+        k = self.backward_passes_per_step
+        passes = self._passes.value + 1
+        is_update = ops.equal(passes, k)
+        summed = [None if g is None else acc.value + ops.convert_to_tensor(g, dtype=acc.dtype)
+                  for acc, g in zip(accumulators, grads)]
+        ready = [None if s is None else (s / k if self.average_aggregated_gradients else s) for s in summed]
+        reduced = reduce_gradients(ready, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
+                                   bucket_mb=self._bucket_mb_value, predivide=self.gradient_predivide_factor,
+                                   name=f"{self.name}.grads", when=is_update)
+        state = list(variables) + list(self.inner_optimizer.variables)
+        before = [v.value for v in state]
+        self.inner_optimizer.apply(reduced, variables)
+        for v, old in zip(state, before):
+            v.assign(ops.where(is_update, v.value, old))
+        for acc, s in zip(accumulators, summed):
+            if s is not None:
+                acc.assign(ops.where(is_update, ops.zeros_like(s), s))
+        self._passes.assign(ops.where(is_update, ops.zeros_like(passes), passes))
 
     # ---------------------------------------------------------------- saving
     def get_config(self):
