@@ -166,6 +166,16 @@ class BucketManager:
             self.launch(bucket)
             self.next_to_launch += 1
 
+    def without(self, gone: Sequence[torch.nn.Parameter]) -> BucketManager:
+        """A manager for every parameter but ``gone``, in this one's bucket order (already rebuilt)."""
+        ids = {id(p) for p in gone}
+        order = [p for b in self.buckets for p in b.params if id(p) not in ids]
+        kept = [p for p in self.params if id(p) not in ids]
+        out = BucketManager(kept, self.bucket_bytes, self.launch)
+        index = {id(p): i for i, p in enumerate(kept)}
+        out.maybe_rebuild([index[id(p)] for p in order])
+        return out
+
     def missing(self) -> list[torch.nn.Parameter]:
         """Parameters not yet marked ready in this iteration."""
         return [p for b in self.buckets for p in b.params if id(p) not in b.ready]

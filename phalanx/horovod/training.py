@@ -100,7 +100,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
         optimizer, named_parameters=named_parameters, compression=compression,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        group=group_of(process_set or global_process_set), **kwargs,
+        group=group_of(process_set or global_process_set), missing_as_zeros=True, **kwargs,
     )
     return _last_optimizer
 

@@ -91,6 +91,7 @@ class GradientEngine:
         op: ReduceOp = Average,
         gradient_predivide_factor: float = 1.0,
         find_unused_parameters: bool = False,
+        missing_as_zeros: bool = False,
         sparse_as_dense: bool = False,
         sparse_ids: Iterable[int] = (),
         algorithm: str | None = None,
@@ -108,7 +109,9 @@ class GradientEngine:
         self.topology = resolve_topology(topology)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.predivide = float(gradient_predivide_factor)
-        self.find_unused = find_unused_parameters
+        # Horovod's rule: a missing gradient counts as zeros and gets the average (no per-step count)
+        self.missing_as_zeros = missing_as_zeros
+        self.find_unused = find_unused_parameters and not missing_as_zeros
         self.sparse_as_dense = sparse_as_dense
         bucket_mb, self.algorithm = job_defaults(bucket_mb, algorithm)
         self.k = backward_passes_per_step
@@ -118,7 +121,7 @@ class GradientEngine:
         dense = self._split_params(named_params, sparse_ids)
         self.reduction = reduction if reduction is not None else AllReduceReduction()
         # A reduction like ZeRO's reduces in a group of one too: its gradient shard is what steps.
-        self._needs_sync = self.world > 1 or find_unused_parameters or self.reduction.reduces_alone
+        self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         self.buckets = self._make_buckets(dense, plan, bucket_mb, pad_to, lazy_buckets)
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
@@ -163,8 +166,7 @@ class GradientEngine:
         """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
         self.sample_weight: float | None = None
         self.observer: StepObserver | None = None  # told when a step's phases begin and end (hooks.py)
-        # called at the first gradient of a backward pass that reduces, before any bucket is
-        # launched (DistributedOptimizer's join announcement)
+        # at the first gradient of a pass that reduces, before any bucket (DistributedOptimizer's join)
         self.on_first_grad: Callable[[], None] | None = None
         self.bytes_sent = 0
         self.require_sync = True
@@ -174,6 +176,7 @@ class GradientEngine:
         self.shadowing = False
         self._pending = False
         self._used: set[int] = set()
+        self._zero_filled: list[nn.Parameter] = []  # missing_as_zeros: given the bucket's average at wait()
         self._followups: list[FollowUp] = []  # launched after the buckets, finished after them
         self.warned_unused = False
         # Called with the seconds since the previous synchronised step ended, once per step,
@@ -190,8 +193,7 @@ class GradientEngine:
         return self._pending or self._queued
 
     def take_over(self, old: GradientEngine) -> None:
-        """Carry on from ``old`` (DataParallel re-bucketing after a ``requires_grad`` change): its
-        pass count, sync switch, sample weight, byte count, observer and optimizer overlap."""
+        """Carry on from ``old`` (DataParallel re-bucketing after a ``requires_grad`` change)."""
         self._passes, self.require_sync = old._passes, old.require_sync
         self.sample_weight, self.bytes_sent = old.sample_weight, old.bytes_sent
         self.observer, self.overlap = old.observer, old.overlap
@@ -225,7 +227,7 @@ class GradientEngine:
             self.compressor.reset_state()  # error-feedback residuals: a newcomer has none either
         self.reduction.bind(self)
         self._passes, self._queued, self._syncing, self._pending, self.shadowing = 0, False, False, False, False
-        self._used, self._followups = set(), []
+        self._used, self._followups, self._zero_filled = set(), [], []
         self._last_step_end = None
         for fn in self.on_reform:
             fn()
@@ -279,7 +281,9 @@ class GradientEngine:
     def _launch_rest(self) -> None:
         missing = self.buckets.missing()
         no_grad = [p for p in missing if p.grad is None]
-        if no_grad and not self.find_unused and not self.reduction.tolerates_missing:
+        if self.missing_as_zeros:
+            self._zero_filled = no_grad
+        elif no_grad and not self.find_unused and not self.reduction.tolerates_missing:
             names = ", ".join(self.names[id(p)] for p in no_grad[:8])
             raise RuntimeError(
                 f"phalanx DataParallel: {len(no_grad)} parameter(s) got no gradient in this backward "
@@ -304,15 +308,21 @@ class GradientEngine:
             self._followups.append(flag)
 
     def launch_all(self) -> None:
-        """Launch every bucket not launched yet in this iteration, as if all gradients were in.
-
-        For a step after fewer backward passes than ``backward_passes_per_step``: what was
-        accumulated locally is reduced now (every rank must call it at the same point).
-        """
+        """Launch every bucket not launched yet, as if all gradients were in (a step after fewer
+        backward passes than ``backward_passes_per_step``; every rank calls it at the same point)."""
+        if self.missing_as_zeros:
+            self._zero_filled = [p for p in self.buckets.missing() if p.grad is None]
         for p in self.buckets.params:
             self.buckets.bucket_of(p).mark(p)
         self.buckets.launch_ready()
         self._pending = True
+
+    def _fill_missing(self) -> None:
+        """missing_as_zeros: a parameter without gradient gets its slot's average (Horovod's rule)."""
+        for p in self._zero_filled:
+            if p.grad is None:
+                p.grad = self.buckets.bucket_of(p).view(p).clone()
+        self._zero_filled = []
 
     def gather_grads(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients into its flat (zeros for a missing gradient)."""
@@ -335,12 +345,9 @@ class GradientEngine:
             torch._foreach_copy_(views, grads)
 
     def _found_sparse(self, p: nn.Parameter, view: torch.Tensor) -> None:
-        """``p`` is bucketed but its gradient came sparse (an ``nn.Embedding(sparse=True)`` the
-        engine was not told about, e.g. under ``DistributedOptimizer``): Horovod reduces it by
-        allgather, and so does this step (its follow-up, launched after the buckets). Its slot in
-        the bucket carries zeros this once; at the end of the step the buckets are re-planned
-        without it. Every rank sees the same gradients sparse in the same bucket order, so the
-        ranks add the same follow-ups in the same order."""
+        """``p``'s gradient came sparse (an ``nn.Embedding(sparse=True)`` not declared): allgathered
+        by this step's follow-up as Horovod does, its bucket slot zeros once, re-planned out at the
+        end of the step (every rank finds the same ones in the same order)."""
         view.zero_()
         if p not in self.sparse:
             self.sparse.append(p)
@@ -348,14 +355,8 @@ class GradientEngine:
 
     def _unbucket_sparse(self) -> None:
         """Re-plan the buckets without the parameters found sparse (keeping the order)."""
-        gone = {id(p) for p in self._sparse_found}
-        self._sparse_found = []
-        old = self.buckets
-        order = [p for b in old.buckets for p in b.params if id(p) not in gone]
-        dense = [p for p in old.params if id(p) not in gone]
-        self.buckets = BucketManager(dense, old.bucket_bytes, self._launch)
-        index = {id(p): i for i, p in enumerate(dense)}
-        self.buckets.maybe_rebuild([index[id(p)] for p in order])
+        gone, self._sparse_found = self._sparse_found, []
+        self.buckets = self.buckets.without(gone)
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         _log.info("%d parameter(s) have sparse gradients: reduced by allgather, outside the %d bucket(s)",
                   len(gone), len(self.buckets.buckets))
@@ -384,6 +385,8 @@ class GradientEngine:
         t_wait = time.perf_counter()
         for bucket in self.buckets.buckets:
             self.reduction.finish(bucket)
+        if self._zero_filled:
+            self._fill_missing()
         for followup in self._followups:
             followup.finish(self)
         self._end_step()

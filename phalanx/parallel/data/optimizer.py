@@ -44,7 +44,10 @@ class DistributedOptimizer(WrapsOptimizer):
 
     Args mirror ``horovod.torch.DistributedOptimizer``; ``bucket_mb`` and
     ``find_unused_parameters`` (default True here: a parameter without a gradient
-    contributes zeros, as in Horovod) tune the shared engine. ``join_ready`` (default True,
+    contributes zeros; one that no rank used keeps ``grad=None``, at the cost of one small
+    allreduce per step) tune the shared engine. ``missing_as_zeros=True`` is Horovod's rule
+    instead: every parameter without a gradient contributes zeros and gets the average (zeros
+    where no rank had one), with no per-step count (what ``hvd.DistributedOptimizer`` does). ``join_ready`` (default True,
     as Horovod) starts each step with a small (24-byte) allreduce so that :meth:`join` works
     with uneven data; ``False`` saves it (benchmarks/join_flag.py measures the cost).
     """
@@ -66,6 +69,7 @@ class DistributedOptimizer(WrapsOptimizer):
         algorithm: str | None = None,
         balance=None,
         join_ready: bool = True,
+        missing_as_zeros: bool = False,
     ) -> None:
         self.optimizer = optimizer
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -93,7 +97,7 @@ class DistributedOptimizer(WrapsOptimizer):
         self._engine = GradientEngine(
             named, group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
-            sparse_as_dense=sparse_as_dense, algorithm=algorithm,
+            missing_as_zeros=missing_as_zeros, sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
         )
         # The engine calls it once per step, at the first gradient, before any bucket launches
