@@ -118,7 +118,7 @@ def _options():
         opt = hvd.DistributedOptimizer(torch.optim.SGD([trunk, head, idle], lr=0.0),
                                        named_parameters=[("trunk", trunk), ("head", head), ("idle", idle)])
         grads = []
-        for step in range(2):  # the second step runs on the re-planned buckets
+        for _ in range(2):  # the second step runs on the re-planned buckets
             opt.zero_grad()
             loss = (trunk * (r + 1)).sum() + ((head * 4).sum() if r == 1 else 0)
             loss.backward()
