@@ -35,6 +35,7 @@ class _Groups:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.steps: dist.ProcessGroup | None = None
 
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         """The group of ``ranks`` (a non-member gets torch's non-member handle); every rank calls."""
@@ -99,6 +100,18 @@ class Topology:
         """Any group of global ranks, created once and cached. Every rank of the world calls it, in
         the same order (a non-member gets a handle it must not use), as ``dist.new_group``."""
         return self._groups.get(tuple(sorted(int(r) for r in ranks)))
+
+    def steps_group(self) -> dist.ProcessGroup:
+        """A second group of the whole world that carries only data-parallel optimizer steps.
+
+        A rank inside ``hvd.join`` then waits for the others' next step on it and for their next
+        facade collective on the world group at once. Made on first use: every rank calls it at the
+        same point (building its first ``DistributedOptimizer``, or re-deriving one after a re-form).
+        """
+        with self._groups._lock:
+            if self._groups.steps is None:
+                self._groups.steps = dist.new_group(list(range(self.size)))
+            return self._groups.steps
 
     def describe(self) -> str:
         """One line for logs: ``rank 1/4 (local 1/2, host 0/2) gloo cpu hosts [2, 2] timeout 300s``."""

@@ -40,9 +40,15 @@ from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
 from phalanx.comm.compressed_paths import ring_bytes
 from phalanx.log import get_logger
-from phalanx.parallel.data.config import check_engine_args, job_defaults, resolve_topology
+from phalanx.parallel.data.config import (
+    check_engine_args,
+    describe_engine,
+    job_defaults,
+    resolve_topology,
+)
 from phalanx.parallel.data.followups import FiniteGuard, FollowUp, UsedCounts, launch_sparse
 from phalanx.parallel.data.hooks import StepObserver, run_engine_hooks
+from phalanx.parallel.data.joined import JoinedSteps
 from phalanx.parallel.data.reduction import (
     AllReduceReduction,
     BucketReduction,
@@ -71,7 +77,7 @@ def reform_engines(topology) -> int:
     return len(engines)
 
 
-class GradientEngine:
+class GradientEngine(JoinedSteps):
     """Buckets, hooks and collectives shared by :class:`DataParallel` and ``DistributedOptimizer``.
 
     ``wait_in_backward=True`` finishes the reduction inside the end-of-backward
@@ -92,6 +98,8 @@ class GradientEngine:
         gradient_predivide_factor: float = 1.0,
         find_unused_parameters: bool = False,
         missing_as_zeros: bool = False,
+        join_flag: bool = False,
+        follows_world: bool = False,
         sparse_as_dense: bool = False,
         sparse_ids: Iterable[int] = (),
         algorithm: str | None = None,
@@ -118,6 +126,11 @@ class GradientEngine:
         self.wait_in_backward = wait_in_backward
         self.grad_as_view = gradient_as_bucket_view
         self.compressor = get_compressor(compression)
+        # join_flag: bucket 0 carries each rank's "I am stepping" (1, or 0 from a joined rank) where
+        # the bucket is summed exactly as sent; follows_world: group is the job's steps_group()
+        self.join_flag = join_flag and self.compressor.summable and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
+            and plan is None and reduction is None
+        self.follows_world = follows_world
         dense = self._split_params(named_params, sparse_ids)
         self.reduction = reduction if reduction is not None else AllReduceReduction()
         # A reduction like ZeRO's reduces in a group of one too: its gradient shard is what steps.
@@ -134,16 +147,7 @@ class GradientEngine:
         _LIVE.add(self)
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
-        _log.info("%s", self.describe())
-
-    def describe(self) -> str:
-        """One line: the bucket plan, compression, algorithm and sparse parameters (logged at INFO
-        when the engine starts; the plan is re-made once from the first step's gradient order)."""
-        sizes = [b.nbytes / 2**20 for b in self.buckets.buckets]
-        shown = ", ".join(f"{mb:.3g}" for mb in sizes[:8]) + (f", … ({len(sizes) - 8} more)" if len(sizes) > 8 else "")
-        return (f"bucket plan: {len(sizes)} buckets, sizes {shown or '-'} MB ({sum(sizes):.3g} MB in all, "
-                f"{len(self.buckets.params)} parameters), compression {self.compressor.name}, algorithm "
-                f"{self.algorithm}, {len(self.sparse)} sparse parameter(s) by allgather, world {self.world}")
+        _log.info("%s", describe_engine(self))
 
     def _split_params(self, named_params, sparse_ids) -> list[nn.Parameter]:
         """Record names and sparse parameters (reduced by allgather); return the dense ones."""
@@ -155,7 +159,7 @@ class GradientEngine:
 
     def _make_buckets(self, dense, plan, bucket_mb: float, pad_to: int, lazy: bool) -> BucketManager:
         if plan is None:
-            return BucketManager(dense, int(bucket_mb * 2**20), self._launch)
+            return BucketManager(dense, int(bucket_mb * 2**20), self._launch, self.join_flag)
         planned = {id(p) for ps in plan for p in ps}
         if planned != {id(p) for p in dense} or sum(len(ps) for ps in plan) != len(planned):
             raise ValueError("GradientEngine(plan=...): the plan must hold every dense parameter exactly once")
@@ -211,7 +215,9 @@ class GradientEngine:
         Only engines on the default group follow the job; one on an explicit group keeps it
         (that group belonged to the old world: build a new engine on a new group instead).
         """
-        if self.group is not None:
+        if self.follows_world:
+            self.group = topology.steps_group() if dist.get_world_size() > 1 else None
+        elif self.group is not None:
             _log.warning("a gradient engine on an explicit process group cannot follow an elastic re-form; "
                          "build DataParallel/DistributedOptimizer on the new group after the re-form")
             return
@@ -219,7 +225,7 @@ class GradientEngine:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         if not isinstance(self.buckets, PlannedBuckets):
-            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch)
+            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch, self.join_flag)
         else:
             self.buckets.reset()
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
@@ -413,23 +419,6 @@ class GradientEngine:
         order = broadcast_object(order, root_rank=root_of(self.group), group=self.group)
         if self.buckets.maybe_rebuild(order):
             _log.debug("rebuilt %d buckets from the order gradients arrived in", len(self.buckets.buckets))
-
-    def shadow(self) -> None:
-        """Take part in one iteration's collectives with zero gradients (a joined rank)."""
-        self.shadowing = True
-        try:
-            for p in self.buckets.params:
-                self.buckets.bucket_of(p).mark(p)
-            self.buckets.launch_ready()
-        finally:
-            self.shadowing = False
-        self._launch_followups(shadow=True)
-        for bucket in self.buckets.buckets:
-            self.reduction.drain(bucket)
-        for followup in self._followups:
-            followup.drain()
-        self._pending = False
-        self._end_step()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
