@@ -225,6 +225,7 @@ class PaddedBucket(Bucket):
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
+        self.extra = 0
         self.padded = math.ceil(total / pad_to) * pad_to if total else 0
         self.flat = (torch.empty if lazy else torch.zeros)(self.padded, dtype=first.dtype, device=first.device)
         self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
