@@ -100,9 +100,10 @@ class DistributedOptimizer(WrapsOptimizer):
         self.join_ready = join_ready
         topology = resolve_topology(topology)
         # ready for hvd.join on the world: the steps go on a group of their own (not with balance=,
-        # which refuses join and whose Balancer reduces on the group it was given)
-        steps = group is None and world > 1 and join_ready and balance is None
-        self.group = topology.steps_group() if steps else group
+        # which refuses join and whose Balancer reduces on the group it was given). Built in a world
+        # of one (an elastic newcomer before it is admitted), it moves there at the re-form.
+        steps = group is None and join_ready and balance is None
+        self.group = topology.steps_group() if steps and world > 1 else group
         self._engine = GradientEngine(
             named, group=self.group, topology=topology, join_flag=join_ready, follows_world=steps,
             bucket_mb=bucket_mb, compression=compression, op=op,
@@ -217,7 +218,7 @@ class DistributedOptimizer(WrapsOptimizer):
     @property
     def on_steps_group(self) -> bool:
         """Its steps run on the world's steps group (``hvd.join`` answers them on a thread of their own)."""
-        return self._engine.follows_world
+        return self._engine.follows_world and self._engine.group is not None
 
     def join_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (a rank that has joined).
