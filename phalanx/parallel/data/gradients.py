@@ -136,6 +136,7 @@ class GradientEngine(JoinedSteps):
         # A reduction like ZeRO's reduces in a group of one too: its gradient shard is what steps.
         self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         self.buckets = self._make_buckets(dense, plan, bucket_mb, pad_to, lazy_buckets)
+        self.join_flag = self.join_flag and bool(self.buckets.buckets)  # (no dense parameter: no bucket 0)
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
         self.reduction.bind(self)

@@ -121,7 +121,7 @@ class DistributedOptimizer(WrapsOptimizer):
         self._skip = False
 
     def _world_changed(self) -> None:
-        """Elastic re-form: the per-step join announcement exists exactly when the new world has peers."""
+        """Elastic re-form: the steps group (the engine moved) and the fallback announcement follow the new world."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.group = self._engine.group
         self._join_flag = None
