@@ -377,7 +377,9 @@ def _join_uneven():
     out = {}
     # (steps of rank 0, steps of rank 1): rank 1 runs out first; rank 1 has no data at all; equal data
     # "mixed": a facade allreduce after every step, answered by rank 1 once it has joined too
-    for case, counts in {"uneven": (5, 3), "empty": (2, 0), "equal": (2, 2), "mixed": (3, 1)}.items():
+    # "opt_join": the optimizer's own join() (it answers steps only, on the calling thread)
+    for case, counts in {"uneven": (5, 3), "empty": (2, 0), "equal": (2, 2), "mixed": (3, 1),
+                         "opt_join": (2, 4)}.items():
         model = _join_model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters())
@@ -387,7 +389,7 @@ def _join_uneven():
             opt.step()
             if case == "mixed":
                 out.setdefault("metrics", []).append(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())
-        last = hvd.join()
+        last = opt.join() if case == "opt_join" else hvd.join()
         hvd.broadcast_parameters(model.state_dict(), root_rank=last)  # the joined replica is stale
         out[case] = (last, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     plain = px.DistributedOptimizer(torch.optim.SGD(_join_model().parameters(), lr=0.1), join_ready=False)
@@ -415,7 +417,7 @@ def _join_reference(counts):
 def test_join_with_uneven_data_answers_with_zeros_and_returns_the_last_rank():
     results = distributed(_join_uneven, np=2, timeout=120)
     for case, counts, last in (("uneven", (5, 3), 0), ("empty", (2, 0), 0), ("equal", (2, 2), 1),
-                               ("mixed", (3, 1), 0)):
+                               ("mixed", (3, 1), 0), ("opt_join", (2, 4), 1)):
         ref = _join_reference(counts)
         for r in range(2):
             got_last, params = results[r][case]
