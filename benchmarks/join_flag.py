@@ -3,14 +3,15 @@
 Run:  python benchmarks/join_flag.py [--steps 30 --repeats 7]
 
 ``phalanx.DistributedOptimizer`` (and so ``hvd.DistributedOptimizer``) is always ready for
-``join()``: every step starts with a small allreduce (``phalanx.comm.negotiate.step_probe``)
-telling ranks that already joined that a step is coming.
+``join()``: each rank's "I am stepping" rides as one extra element in the step's first bucket
+(``phalanx.parallel.data.joined``; before, every step started with a small separate allreduce),
+and the steps run on the world's ``steps_group()``.
 torch DDP pays a similar allreduce per forward, but only inside ``with Join([model]):``. On two
 gloo ranks, for a small MLP (the worst case: the extra round trip weighs most when a step is
 short) and a larger one, each repeat times back to back, in alternating order:
 
-- phalanx: DistributedOptimizer as shipped (announcement on);
-- phalanx with ``join_ready=False`` (no announcement: the step without join support);
+- phalanx: DistributedOptimizer as shipped (join flag on);
+- phalanx with ``join_ready=False`` (no flag, the default group: the step without join support);
 - DDP, and DDP inside ``Join`` (its uneven-input mode).
 
 The table shows the median step time of each and the ratios on/off (phalanx) and Join/plain (DDP).

@@ -25,6 +25,14 @@ def _every_algorithm():
     topo = px.topology()
     r = topo.rank
     out = {}
+    # Every rank makes every group, in the same order. Rank 3 is not in [0, 1, 2], so under
+    # use_local_synchronization (names from the ranks and this rank's group count) ranks 0 and 3
+    # named [0, 3] differently and hung; the hierarchical levels below come after them too.
+    g012, g03 = topo.group([0, 1, 2]), topo.group([0, 3])
+    if r in (0, 1, 2):
+        out["g012"] = px.allreduce(torch.ones(1), op=px.Sum, group=g012).item()
+    if r in (0, 3):
+        out["g03"] = px.allreduce(torch.full((1,), r + 1.0), op=px.Sum, group=g03).item()
     for algo in ALGORITHMS:
         for dtype in DTYPES:
             for numel in SIZES:
@@ -59,8 +67,8 @@ def _every_algorithm():
     except ValueError as e:
         out["bad_chunk"] = str(e)
     # the ring on a sub-group of 3 ranks (odd ring), and the errors
+    g = topo.group([0, 1, 3])  # every rank makes it; its members use it
     if r in (0, 1, 3):
-        g = topo.group([0, 1, 3])
         out["ring_sub"] = allreduce(_value(1001, torch.float32, r), "ring", topology=topo, group=g)
         try:
             allreduce(torch.ones(4), "hierarchical", topology=topo, group=g)
@@ -113,6 +121,7 @@ def test_every_algorithm_exact_on_two_simulated_hosts():
     for r in (0, 1, 3):
         assert torch.equal(results[r]["ring_sub"], ref_sub)
         assert "group=None" in results[r]["hier_sub_error"]
+    assert [results[r]["g012"] for r in (0, 1, 2)] == [3.0] * 3 and [results[r]["g03"] for r in (0, 3)] == [5.0] * 2
     assert "ring" in results[0]["bad_name"] and "bogus" in results[0]["bad_name"]
     assert results[0]["auto_big"] == "hierarchical" and results[0]["auto_small"] == "flat"
 

@@ -376,7 +376,10 @@ def _join_uneven():
     r = hvd.rank()
     out = {}
     # (steps of rank 0, steps of rank 1): rank 1 runs out first; rank 1 has no data at all; equal data
-    for case, counts in {"uneven": (5, 3), "empty": (2, 0), "equal": (2, 2)}.items():
+    # "mixed": a facade allreduce after every step, answered by rank 1 once it has joined too
+    # "opt_join": the optimizer's own join() (it answers steps only, on the calling thread)
+    for case, counts in {"uneven": (5, 3), "empty": (2, 0), "equal": (2, 2), "mixed": (3, 1),
+                         "opt_join": (2, 4)}.items():
         model = _join_model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters())
@@ -384,7 +387,9 @@ def _join_uneven():
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-        last = hvd.join()
+            if case == "mixed":
+                out.setdefault("metrics", []).append(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())
+        last = opt.join() if case == "opt_join" else hvd.join()
         hvd.broadcast_parameters(model.state_dict(), root_rank=last)  # the joined replica is stale
         out[case] = (last, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     plain = px.DistributedOptimizer(torch.optim.SGD(_join_model().parameters(), lr=0.1), join_ready=False)
@@ -411,12 +416,14 @@ def _join_reference(counts):
 
 def test_join_with_uneven_data_answers_with_zeros_and_returns_the_last_rank():
     results = distributed(_join_uneven, np=2, timeout=120)
-    for case, counts, last in (("uneven", (5, 3), 0), ("empty", (2, 0), 0), ("equal", (2, 2), 1)):
+    for case, counts, last in (("uneven", (5, 3), 0), ("empty", (2, 0), 0), ("equal", (2, 2), 1),
+                               ("mixed", (3, 1), 0), ("opt_join", (2, 4), 1)):
         ref = _join_reference(counts)
         for r in range(2):
             got_last, params = results[r][case]
             assert got_last == last, (case, r, got_last)
             torch.testing.assert_close(params, ref, atol=1e-6, rtol=1e-5)
+    assert results[0]["metrics"] == [2.0, 1.0, 1.0] and results[1]["metrics"] == [2.0]
     assert all("join_ready=True" in results[r]["not_ready"] for r in range(2))
 
 

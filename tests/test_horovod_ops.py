@@ -111,6 +111,22 @@ def _options():
         return opt.param_groups[0]["lr"], len(opt.state)
     _safe(out, "optimizer_state_without_grads", optimizer_state_without_grads)
 
+    def missing_gradients_as_horovod():
+        # Horovod's optimizer: a parameter without a gradient contributes zeros and gets the average;
+        # "head" is used on rank 1 only, "idle" on no rank (Horovod gives it zeros, not None)
+        trunk, head, idle = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([trunk, head, idle], lr=0.0),
+                                       named_parameters=[("trunk", trunk), ("head", head), ("idle", idle)])
+        grads = []
+        for _ in range(2):  # the second step runs on the re-planned buckets
+            opt.zero_grad()
+            loss = (trunk * (r + 1)).sum() + ((head * 4).sum() if r == 1 else 0)
+            loss.backward()
+            opt.step()
+            grads.append([None if p.grad is None else p.grad.tolist() for p in (trunk, head, idle)])
+        return grads
+    _safe(out, "missing_gradients_as_horovod", missing_gradients_as_horovod)
+
     def broadcast_parameters_forms():
         model = _model()
         with torch.no_grad():
@@ -191,6 +207,12 @@ def test_init_registers_process_sets(results):
 def test_horovod_internal_error_is_exported(results):
     assert _ok(results, "internal_error_type") == [True, True]
     assert hvd.elastic.HorovodInternalError is hvd.HorovodInternalError
+
+
+def test_distributed_optimizer_gives_missing_gradients_the_average_as_horovod(results):
+    for steps in _ok(results, "missing_gradients_as_horovod"):
+        for trunk, head, idle in steps:
+            assert trunk == [1.5, 1.5] and head == [2.0, 2.0] and idle == [0.0, 0.0], (trunk, head, idle)
 
 
 def test_distributed_optimizer_without_named_parameters(results):

@@ -171,6 +171,7 @@ def allreduce(
         if not topology.is_homogeneous:
             raise ValueError(f"algorithm='hierarchical' needs the same ranks on every host; hosts are "
                              f"{[len(h) for h in topology.hosts]}; use 'ring' or 'flat'")
+        topology.local_group()  # made here, on the caller's thread, in program order (not on the helper)
     if algorithm == "flat":
         work = dist.all_reduce(tensor, op=_TORCH_OP[op], group=group, async_op=True)
         if async_op:

@@ -58,10 +58,11 @@ def pack(sizes: Sequence[float], limit: float, breaks: Sequence[bool] | None = N
 class Bucket:
     """One flat buffer and the parameters whose gradients live in it.
 
-    ``view(p)`` is ``p``'s slice of the buffer, shaped like ``p``.
+    ``view(p)`` is ``p``'s slice of the buffer, shaped like ``p``. ``extra`` elements after the
+    gradients travel with them (the data-parallel optimizer's join flag, in bucket 0).
     """
 
-    def __init__(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], extra: int = 0) -> None:
         first = params[0]
         self.index = index
         self.params = list(params)
@@ -71,7 +72,8 @@ class Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
-        self.flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.extra = extra
+        self.flat = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
         self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
         self._views = {id(p): v for p, v in zip(self.params, self.views)}
         self.pending = len(self.params)
@@ -106,7 +108,7 @@ class BucketManager:
 
     ``launch(bucket)`` is called once per bucket per iteration with the bucket's
     buffer filled; it should start an async collective and store its handle in
-    ``bucket.handle``.
+    ``bucket.handle``. ``head_flag``: bucket 0 (the first launched) has one element more.
     """
 
     def __init__(
@@ -114,12 +116,14 @@ class BucketManager:
         params: Sequence[torch.nn.Parameter],
         bucket_bytes: int,
         launch: Callable[[Bucket], None],
+        head_flag: bool = False,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes; pass bucket_mb > 0")
         self.params = list(params)
         self.bucket_bytes = int(bucket_bytes)
         self.launch = launch
+        self.head_flag = head_flag
         self.rebuilt = False
         self.observed: list[int] = []  # indices into self.params, in the order grads arrived
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -135,7 +139,7 @@ class BucketManager:
         self.next_to_launch = 0
 
     def _add(self, params: list[torch.nn.Parameter]) -> None:
-        bucket = Bucket(len(self.buckets), params)
+        bucket = Bucket(len(self.buckets), params, extra=int(self.head_flag and not self.buckets))
         self.buckets.append(bucket)
         for p in params:
             self._bucket_of[id(p)] = bucket
@@ -165,6 +169,16 @@ class BucketManager:
             bucket.launched = True
             self.launch(bucket)
             self.next_to_launch += 1
+
+    def without(self, gone: Sequence[torch.nn.Parameter]) -> BucketManager:
+        """A manager for every parameter but ``gone``, in this one's bucket order (already rebuilt)."""
+        ids = {id(p) for p in gone}
+        order = [p for b in self.buckets for p in b.params if id(p) not in ids]
+        kept = [p for p in self.params if id(p) not in ids]
+        out = BucketManager(kept, self.bucket_bytes, self.launch, self.head_flag)
+        index = {id(p): i for i, p in enumerate(kept)}
+        out.maybe_rebuild([index[id(p)] for p in order])
+        return out
 
     def missing(self) -> list[torch.nn.Parameter]:
         """Parameters not yet marked ready in this iteration."""
@@ -211,6 +225,7 @@ class PaddedBucket(Bucket):
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
+        self.extra = 0
         self.padded = math.ceil(total / pad_to) * pad_to if total else 0
         self.flat = (torch.empty if lazy else torch.zeros)(self.padded, dtype=first.dtype, device=first.device)
         self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]

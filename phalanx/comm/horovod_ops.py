@@ -317,11 +317,13 @@ def _answer(desc: dict) -> None:
         raise HorovodInternalError(f"join: cannot answer a {kind!r} collective")
 
 
-def join(on_step=None) -> int:
+def join(on_step=None, also_answered=None) -> int:
     """This rank has no more data: answer the others' collectives with zeros until every rank
     has joined; returns the global rank that joined last (Horovod's ``join``).
 
-    ``on_step()`` answers one optimizer step (the data-parallel optimizer's zero gradients).
+    ``on_step()`` answers one optimizer step announced on the world group (the data-parallel
+    optimizer's zero gradients); ``also_answered()``, called once every rank has joined, returns
+    how many requests were answered elsewhere (optimizer steps on a group of their own).
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dist.get_rank() if dist.is_initialized() else 0
@@ -340,4 +342,6 @@ def join(on_step=None) -> int:
                                        "has none; create the same DistributedOptimizer on every rank")
         else:
             on_step()
+    if also_answered is not None:
+        answered += also_answered()
     return negotiate.last_to_join(answered, None)

@@ -3,8 +3,10 @@
 Horovod's coordinator knows every pending tensor, so a rank that has run out of data
 (``join()``) can answer the others' collectives with zeros. phalanx has no coordinator;
 instead each collective of the Horovod facade on the global set starts with its cross-rank
-check, a 24-byte ``MAX`` allreduce of ``[h, -h, joined]`` (``h`` a digest of the call), and
-the data-parallel optimizer starts each step with the same probe carrying ``STEP``::
+check, a 24-byte ``MAX`` allreduce of ``[h, -h, joined]`` (``h`` a digest of the call). The
+data-parallel optimizer's steps carry their join flag in their first bucket, on a group of their
+own (:mod:`phalanx.parallel.data.joined`); only where that cannot be (a lossy compressor) a step
+starts with the same probe carrying ``STEP``, on the optimizer's group::
 
     training rank   facade collective: [h, -h, 0]    optimizer step: [STEP, -STEP, 0]
     joined rank     [NOBODY, NOBODY, 1]              (NOBODY is below every digest)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from phalanx.comm import collectives as c
 from phalanx.comm import horovod_ops as ops
@@ -100,7 +102,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
         optimizer, named_parameters=named_parameters, compression=compression,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        group=group_of(process_set or global_process_set), **kwargs,
+        group=group_of(process_set or global_process_set), missing_as_zeros=True, **kwargs,
     )
     return _last_optimizer
 
@@ -135,7 +137,29 @@ def join(device: int = -1) -> int:
     if opt is not None:
         opt.synchronize()
         opt.synchronized = False
-    return ops.join(on_step=None if opt is None else opt.join_step)
+    if opt is None or not opt.on_steps_group or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ops.join(on_step=None if opt is None else opt.join_step)
+    # The optimizer's steps run on the world's steps group: answer them on a thread of their own
+    # while this one answers the facade's collectives on the world group; each loop ends when
+    # every rank has joined (the steps loop when a first bucket's flags sum to zero).
+    steps: dict = {}
+
+    def answer() -> None:
+        try:
+            steps["answered"] = opt.answer_steps()
+        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
+            steps["error"] = err
+
+    thread = threading.Thread(target=answer, name="phalanx-join-steps", daemon=True)
+    thread.start()
+
+    def answered_steps() -> int:
+        thread.join()
+        if "error" in steps:
+            raise steps["error"]
+        return steps["answered"]
+
+    return ops.join(on_step=None, also_answered=answered_steps)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

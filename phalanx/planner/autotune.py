@@ -193,7 +193,8 @@ def for_engine(engine, candidates_mb: Sequence[float] = DEFAULT_CANDIDATES_MB, *
     """
     if algorithms is None:
         hosts = getattr(engine.topology, "cross_size", 1) if engine.topology is not None else 1
-        algorithms = ("flat", "hierarchical") if hosts > 1 and engine.group is None else (engine.algorithm,)
+        world = engine.group is None or getattr(engine, "follows_world", False)  # (the world's steps group)
+        algorithms = ("flat", "hierarchical") if hosts > 1 and world else (engine.algorithm,)
     grid = list(itertools.product(candidates_mb, algorithms))
 
     def apply(choice) -> None:

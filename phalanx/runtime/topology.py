@@ -23,19 +23,33 @@ __all__ = ["Topology", "gather_hosts"]
 
 
 class _Groups:
-    """Lazily built process groups of one topology (not part of its identity)."""
+    """Process groups of one topology, each made by every rank of the world, in the same order.
+
+    ``dist.new_group`` without ``use_local_synchronization=True``: that mode names a group from
+    its ranks *and the number of groups this rank already has*, so a member that skipped an
+    earlier group (a non-member does) names it differently from the other members and they wait
+    on different store keys forever. Made by every rank in the same order, a group is named from
+    the world's group counter, the same everywhere (as process sets are built).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.steps: dist.ProcessGroup | None = None
 
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group of ``ranks`` (a non-member gets torch's non-member handle); every rank calls."""
         with self._lock:
             if ranks not in self._cache:
-                # Only the members synchronise, so a group can be made on first use
-                # by the ranks that need it, without a world-wide barrier.
-                self._cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                self._cache[ranks] = dist.new_group(list(ranks))
             return self._cache[ranks]
+
+    def levels(self, hosts: tuple[tuple[int, ...], ...]) -> None:
+        """Every host's group, then every cross group (local rank 0, 1, …), on the first call."""
+        for host in hosts:
+            self.get(host)
+        for local in range(max(len(h) for h in hosts)):
+            self.get(tuple(h[local] for h in hosts if local < len(h)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +59,9 @@ class Topology:
     ``hosts[h]`` lists the global ranks on host ``h`` (host-major order).
     ``local_group()`` joins the ranks of this host, ``cross_group()`` the ranks
     with this local rank on every host — the two levels of a hierarchical
-    collective. Groups are created on first use by their members. ``timeout_s``
+    collective. Groups are created on first use, by every rank of the world (the first
+    ``local_group()`` or ``cross_group()`` makes every host's and every cross group, so call it
+    on every rank, as a hierarchical collective does). ``timeout_s``
     is how long a collective waits for its peers (read once, at ``init()``).
     """
 
@@ -70,17 +86,32 @@ class Topology:
         return dist.group.WORLD
 
     def local_group(self) -> dist.ProcessGroup:
-        """The ranks on this host."""
+        """The ranks on this host (the first call, on every rank, makes every level's groups)."""
+        self._groups.levels(self.hosts)
         return self._groups.get(self.hosts[self.cross_rank])
 
     def cross_group(self) -> dist.ProcessGroup:
         """One rank per host: those whose local rank equals ours."""
+        self._groups.levels(self.hosts)
         peers = tuple(h[self.local_rank] for h in self.hosts if self.local_rank < len(h))
         return self._groups.get(peers)
 
     def group(self, ranks) -> dist.ProcessGroup:
-        """Any group of global ranks, created once and cached (members must call)."""
+        """Any group of global ranks, created once and cached. Every rank of the world calls it, in
+        the same order (a non-member gets a handle it must not use), as ``dist.new_group``."""
         return self._groups.get(tuple(sorted(int(r) for r in ranks)))
+
+    def steps_group(self) -> dist.ProcessGroup:
+        """A second group of the whole world that carries only data-parallel optimizer steps.
+
+        A rank inside ``hvd.join`` then waits for the others' next step on it and for their next
+        facade collective on the world group at once. Made on first use: every rank calls it at the
+        same point (building its first ``DistributedOptimizer``, or re-deriving one after a re-form).
+        """
+        with self._groups._lock:
+            if self._groups.steps is None:
+                self._groups.steps = dist.new_group(list(range(self.size)))
+            return self._groups.steps
 
     def describe(self) -> str:
         """One line for logs: ``rank 1/4 (local 1/2, host 0/2) gloo cpu hosts [2, 2] timeout 300s``."""

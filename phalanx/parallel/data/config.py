@@ -14,7 +14,7 @@ from phalanx import runtime, settings
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.comm.collectives import ReduceOp
 
-__all__ = ["DEFAULT_BUCKET_MB", "VIEW_MIN_NUMEL", "job_defaults", "resolve_topology"]
+__all__ = ["DEFAULT_BUCKET_MB", "VIEW_MIN_NUMEL", "describe_engine", "job_defaults", "resolve_topology"]
 
 DEFAULT_BUCKET_MB = 25.0
 # gradient_as_bucket_view hands out views only for gradients this large: assigning p.grad
@@ -77,3 +77,14 @@ def check_engine_args(op, predivide: float, passes: int) -> None:
         raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
     if passes < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+
+
+def describe_engine(engine) -> str:
+    """One line: the bucket plan, compression, algorithm and sparse parameters (logged at INFO
+    when the engine starts; the plan is re-made once from the first step's gradient order)."""
+    sizes = [b.nbytes / 2**20 for b in engine.buckets.buckets]
+    shown = ", ".join(f"{mb:.3g}" for mb in sizes[:8]) + (f", … ({len(sizes) - 8} more)" if len(sizes) > 8 else "")
+    return (f"bucket plan: {len(sizes)} buckets, sizes {shown or '-'} MB ({sum(sizes):.3g} MB in all, "
+            f"{len(engine.buckets.params)} parameters), compression {engine.compressor.name}, algorithm "
+            f"{engine.algorithm}, {len(engine.sparse)} sparse parameter(s) by allgather, world {engine.world}")
+

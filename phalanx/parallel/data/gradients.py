@@ -40,9 +40,15 @@ from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
 from phalanx.comm.compressed_paths import ring_bytes
 from phalanx.log import get_logger
-from phalanx.parallel.data.config import check_engine_args, job_defaults, resolve_topology
+from phalanx.parallel.data.config import (
+    check_engine_args,
+    describe_engine,
+    job_defaults,
+    resolve_topology,
+)
 from phalanx.parallel.data.followups import FiniteGuard, FollowUp, UsedCounts, launch_sparse
 from phalanx.parallel.data.hooks import StepObserver, run_engine_hooks
+from phalanx.parallel.data.joined import JoinedSteps
 from phalanx.parallel.data.reduction import (
     AllReduceReduction,
     BucketReduction,
@@ -71,7 +77,7 @@ def reform_engines(topology) -> int:
     return len(engines)
 
 
-class GradientEngine:
+class GradientEngine(JoinedSteps):
     """Buckets, hooks and collectives shared by :class:`DataParallel` and ``DistributedOptimizer``.
 
     ``wait_in_backward=True`` finishes the reduction inside the end-of-backward
@@ -91,6 +97,9 @@ class GradientEngine:
         op: ReduceOp = Average,
         gradient_predivide_factor: float = 1.0,
         find_unused_parameters: bool = False,
+        missing_as_zeros: bool = False,
+        join_flag: bool = False,
+        follows_world: bool = False,
         sparse_as_dense: bool = False,
         sparse_ids: Iterable[int] = (),
         algorithm: str | None = None,
@@ -108,18 +117,26 @@ class GradientEngine:
         self.topology = resolve_topology(topology)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.predivide = float(gradient_predivide_factor)
-        self.find_unused = find_unused_parameters
+        # Horovod's rule: a missing gradient counts as zeros and gets the average (no per-step count)
+        self.missing_as_zeros = missing_as_zeros
+        self.find_unused = find_unused_parameters and not missing_as_zeros
         self.sparse_as_dense = sparse_as_dense
         bucket_mb, self.algorithm = job_defaults(bucket_mb, algorithm)
         self.k = backward_passes_per_step
         self.wait_in_backward = wait_in_backward
         self.grad_as_view = gradient_as_bucket_view
         self.compressor = get_compressor(compression)
+        # join_flag: bucket 0 carries each rank's "I am stepping" (1, or 0 from a joined rank) where
+        # the bucket is summed exactly as sent; follows_world: group is the job's steps_group()
+        self.join_flag = join_flag and self.compressor.summable and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
+            and plan is None and reduction is None
+        self.follows_world = follows_world
         dense = self._split_params(named_params, sparse_ids)
         self.reduction = reduction if reduction is not None else AllReduceReduction()
         # A reduction like ZeRO's reduces in a group of one too: its gradient shard is what steps.
-        self._needs_sync = self.world > 1 or find_unused_parameters or self.reduction.reduces_alone
+        self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         self.buckets = self._make_buckets(dense, plan, bucket_mb, pad_to, lazy_buckets)
+        self.join_flag = self.join_flag and bool(self.buckets.buckets)  # (no dense parameter: no bucket 0)
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
         self.reduction.bind(self)
@@ -131,16 +148,7 @@ class GradientEngine:
         _LIVE.add(self)
         if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
-        _log.info("%s", self.describe())
-
-    def describe(self) -> str:
-        """One line: the bucket plan, compression, algorithm and sparse parameters (logged at INFO
-        when the engine starts; the plan is re-made once from the first step's gradient order)."""
-        sizes = [b.nbytes / 2**20 for b in self.buckets.buckets]
-        shown = ", ".join(f"{mb:.3g}" for mb in sizes[:8]) + (f", … ({len(sizes) - 8} more)" if len(sizes) > 8 else "")
-        return (f"bucket plan: {len(sizes)} buckets, sizes {shown or '-'} MB ({sum(sizes):.3g} MB in all, "
-                f"{len(self.buckets.params)} parameters), compression {self.compressor.name}, algorithm "
-                f"{self.algorithm}, {len(self.sparse)} sparse parameter(s) by allgather, world {self.world}")
+        _log.info("%s", describe_engine(self))
 
     def _split_params(self, named_params, sparse_ids) -> list[nn.Parameter]:
         """Record names and sparse parameters (reduced by allgather); return the dense ones."""
@@ -152,7 +160,7 @@ class GradientEngine:
 
     def _make_buckets(self, dense, plan, bucket_mb: float, pad_to: int, lazy: bool) -> BucketManager:
         if plan is None:
-            return BucketManager(dense, int(bucket_mb * 2**20), self._launch)
+            return BucketManager(dense, int(bucket_mb * 2**20), self._launch, self.join_flag)
         planned = {id(p) for ps in plan for p in ps}
         if planned != {id(p) for p in dense} or sum(len(ps) for ps in plan) != len(planned):
             raise ValueError("GradientEngine(plan=...): the plan must hold every dense parameter exactly once")
@@ -163,8 +171,7 @@ class GradientEngine:
         """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
         self.sample_weight: float | None = None
         self.observer: StepObserver | None = None  # told when a step's phases begin and end (hooks.py)
-        # called at the first gradient of a backward pass that reduces, before any bucket is
-        # launched (DistributedOptimizer's join announcement)
+        # at the first gradient of a pass that reduces, before any bucket (DistributedOptimizer's join)
         self.on_first_grad: Callable[[], None] | None = None
         self.bytes_sent = 0
         self.require_sync = True
@@ -174,6 +181,7 @@ class GradientEngine:
         self.shadowing = False
         self._pending = False
         self._used: set[int] = set()
+        self._zero_filled: list[nn.Parameter] = []  # missing_as_zeros: given the bucket's average at wait()
         self._followups: list[FollowUp] = []  # launched after the buckets, finished after them
         self.warned_unused = False
         # Called with the seconds since the previous synchronised step ended, once per step,
@@ -190,8 +198,7 @@ class GradientEngine:
         return self._pending or self._queued
 
     def take_over(self, old: GradientEngine) -> None:
-        """Carry on from ``old`` (DataParallel re-bucketing after a ``requires_grad`` change): its
-        pass count, sync switch, sample weight, byte count, observer and optimizer overlap."""
+        """Carry on from ``old`` (DataParallel re-bucketing after a ``requires_grad`` change)."""
         self._passes, self.require_sync = old._passes, old.require_sync
         self.sample_weight, self.bytes_sent = old.sample_weight, old.bytes_sent
         self.observer, self.overlap = old.observer, old.overlap
@@ -209,7 +216,9 @@ class GradientEngine:
         Only engines on the default group follow the job; one on an explicit group keeps it
         (that group belonged to the old world: build a new engine on a new group instead).
         """
-        if self.group is not None:
+        if self.follows_world:
+            self.group = topology.steps_group() if dist.get_world_size() > 1 else None
+        elif self.group is not None:
             _log.warning("a gradient engine on an explicit process group cannot follow an elastic re-form; "
                          "build DataParallel/DistributedOptimizer on the new group after the re-form")
             return
@@ -217,7 +226,7 @@ class GradientEngine:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         if not isinstance(self.buckets, PlannedBuckets):
-            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch)
+            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch, self.join_flag)
         else:
             self.buckets.reset()
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
@@ -225,7 +234,7 @@ class GradientEngine:
             self.compressor.reset_state()  # error-feedback residuals: a newcomer has none either
         self.reduction.bind(self)
         self._passes, self._queued, self._syncing, self._pending, self.shadowing = 0, False, False, False, False
-        self._used, self._followups = set(), []
+        self._used, self._followups, self._zero_filled = set(), [], []
         self._last_step_end = None
         for fn in self.on_reform:
             fn()
@@ -279,7 +288,9 @@ class GradientEngine:
     def _launch_rest(self) -> None:
         missing = self.buckets.missing()
         no_grad = [p for p in missing if p.grad is None]
-        if no_grad and not self.find_unused and not self.reduction.tolerates_missing:
+        if self.missing_as_zeros:
+            self._zero_filled = no_grad
+        elif no_grad and not self.find_unused and not self.reduction.tolerates_missing:
             names = ", ".join(self.names[id(p)] for p in no_grad[:8])
             raise RuntimeError(
                 f"phalanx DataParallel: {len(no_grad)} parameter(s) got no gradient in this backward "
@@ -304,15 +315,21 @@ class GradientEngine:
             self._followups.append(flag)
 
     def launch_all(self) -> None:
-        """Launch every bucket not launched yet in this iteration, as if all gradients were in.
-
-        For a step after fewer backward passes than ``backward_passes_per_step``: what was
-        accumulated locally is reduced now (every rank must call it at the same point).
-        """
+        """Launch every bucket not launched yet, as if all gradients were in (a step after fewer
+        backward passes than ``backward_passes_per_step``; every rank calls it at the same point)."""
+        if self.missing_as_zeros:
+            self._zero_filled = [p for p in self.buckets.missing() if p.grad is None]
         for p in self.buckets.params:
             self.buckets.bucket_of(p).mark(p)
         self.buckets.launch_ready()
         self._pending = True
+
+    def _fill_missing(self) -> None:
+        """missing_as_zeros: a parameter without gradient gets its slot's average (Horovod's rule)."""
+        for p in self._zero_filled:
+            if p.grad is None:
+                p.grad = self.buckets.bucket_of(p).view(p).clone()
+        self._zero_filled = []
 
     def gather_grads(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients into its flat (zeros for a missing gradient)."""
@@ -335,12 +352,9 @@ class GradientEngine:
             torch._foreach_copy_(views, grads)
 
     def _found_sparse(self, p: nn.Parameter, view: torch.Tensor) -> None:
-        """``p`` is bucketed but its gradient came sparse (an ``nn.Embedding(sparse=True)`` the
-        engine was not told about, e.g. under ``DistributedOptimizer``): Horovod reduces it by
-        allgather, and so does this step (its follow-up, launched after the buckets). Its slot in
-        the bucket carries zeros this once; at the end of the step the buckets are re-planned
-        without it. Every rank sees the same gradients sparse in the same bucket order, so the
-        ranks add the same follow-ups in the same order."""
+        """``p``'s gradient came sparse (an ``nn.Embedding(sparse=True)`` not declared): allgathered
+        by this step's follow-up as Horovod does, its bucket slot zeros once, re-planned out at the
+        end of the step (every rank finds the same ones in the same order)."""
         view.zero_()
         if p not in self.sparse:
             self.sparse.append(p)
@@ -348,14 +362,8 @@ class GradientEngine:
 
     def _unbucket_sparse(self) -> None:
         """Re-plan the buckets without the parameters found sparse (keeping the order)."""
-        gone = {id(p) for p in self._sparse_found}
-        self._sparse_found = []
-        old = self.buckets
-        order = [p for b in old.buckets for p in b.params if id(p) not in gone]
-        dense = [p for p in old.params if id(p) not in gone]
-        self.buckets = BucketManager(dense, old.bucket_bytes, self._launch)
-        index = {id(p): i for i, p in enumerate(dense)}
-        self.buckets.maybe_rebuild([index[id(p)] for p in order])
+        gone, self._sparse_found = self._sparse_found, []
+        self.buckets = self.buckets.without(gone)
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         _log.info("%d parameter(s) have sparse gradients: reduced by allgather, outside the %d bucket(s)",
                   len(gone), len(self.buckets.buckets))
@@ -384,6 +392,8 @@ class GradientEngine:
         t_wait = time.perf_counter()
         for bucket in self.buckets.buckets:
             self.reduction.finish(bucket)
+        if self._zero_filled:
+            self._fill_missing()
         for followup in self._followups:
             followup.finish(self)
         self._end_step()
@@ -410,23 +420,6 @@ class GradientEngine:
         order = broadcast_object(order, root_rank=root_of(self.group), group=self.group)
         if self.buckets.maybe_rebuild(order):
             _log.debug("rebuilt %d buckets from the order gradients arrived in", len(self.buckets.buckets))
-
-    def shadow(self) -> None:
-        """Take part in one iteration's collectives with zero gradients (a joined rank)."""
-        self.shadowing = True
-        try:
-            for p in self.buckets.params:
-                self.buckets.bucket_of(p).mark(p)
-            self.buckets.launch_ready()
-        finally:
-            self.shadowing = False
-        self._launch_followups(shadow=True)
-        for bucket in self.buckets.buckets:
-            self.reduction.drain(bucket)
-        for followup in self._followups:
-            followup.drain()
-        self._pending = False
-        self._end_step()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -44,9 +44,17 @@ class DistributedOptimizer(WrapsOptimizer):
 
     Args mirror ``horovod.torch.DistributedOptimizer``; ``bucket_mb`` and
     ``find_unused_parameters`` (default True here: a parameter without a gradient
-    contributes zeros, as in Horovod) tune the shared engine. ``join_ready`` (default True,
-    as Horovod) starts each step with a small (24-byte) allreduce so that :meth:`join` works
-    with uneven data; ``False`` saves it (benchmarks/join_flag.py measures the cost).
+    contributes zeros; one that no rank used keeps ``grad=None``, at the cost of one small
+    allreduce per step) tune the shared engine. ``missing_as_zeros=True`` is Horovod's rule
+    instead: every parameter without a gradient contributes zeros and gets the average (zeros
+    where no rank had one), with no per-step count (what ``hvd.DistributedOptimizer`` does).
+
+    ``join_ready`` (default True, as Horovod) lets :meth:`join` work with uneven data: each
+    rank's "I am stepping" rides as one extra element in the step's first bucket (with a lossy
+    compressor, or an op other than Sum/Average, a small separate allreduce starts each step
+    instead; ``join_ready=False`` drops both). On the whole world the steps run on a second group
+    of it (``Topology.steps_group()``), so that ``hvd.join`` can wait for a step and for a facade
+    collective at once.
     """
 
     def __init__(
@@ -66,6 +74,7 @@ class DistributedOptimizer(WrapsOptimizer):
         algorithm: str | None = None,
         balance=None,
         join_ready: bool = True,
+        missing_as_zeros: bool = False,
     ) -> None:
         self.optimizer = optimizer
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -85,20 +94,26 @@ class DistributedOptimizer(WrapsOptimizer):
             in_opt = {id(p) for p in opt_params}
             named = [(n, p) for n, p in named if id(p) in in_opt]
         named = [(n, p) for n, p in named if p.requires_grad]
-        self.group = group
-        self._join_flag = None  # this step's "I still have data" allreduce (see join())
+        self._join_flag = None  # the fallback's per-step "I still have data" allreduce (see join())
         self._flag_device = named[0][1].device if named else torch.device("cpu")
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.join_ready = join_ready
+        topology = resolve_topology(topology)
+        # ready for hvd.join on the world: the steps go on a group of their own (not with balance=,
+        # which refuses join and whose Balancer reduces on the group it was given). Built in a world
+        # of one (an elastic newcomer before it is admitted), it moves there at the re-form.
+        steps = group is None and join_ready and balance is None
+        self.group = topology.steps_group() if steps and world > 1 else group
         self._engine = GradientEngine(
-            named, group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
+            named, group=self.group, topology=topology, join_flag=join_ready, follows_world=steps,
+            bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
-            sparse_as_dense=sparse_as_dense, algorithm=algorithm,
+            missing_as_zeros=missing_as_zeros, sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
         )
         # The engine calls it once per step, at the first gradient, before any bucket launches
         # (one call a step, not a Python hook on every parameter).
-        if world > 1 and join_ready:
+        if world > 1 and join_ready and not self._engine.join_flag:
             self._engine.on_first_grad = self._announce
         self._engine.on_reform.append(self._world_changed)
         # a phalanx.balance.Balancer (or a global batch size): docs/load_balancing.md
@@ -106,10 +121,12 @@ class DistributedOptimizer(WrapsOptimizer):
         self._skip = False
 
     def _world_changed(self) -> None:
-        """Elastic re-form: the per-step join announcement exists exactly when the new world has peers."""
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        """Elastic re-form: the steps group (the engine moved) and the fallback announcement follow the new world."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = self._engine.group
         self._join_flag = None
-        self._engine.on_first_grad = self._announce if world > 1 and self.join_ready else None
+        fallback = world > 1 and self.join_ready and not self._engine.join_flag
+        self._engine.on_first_grad = self._announce if fallback else None
 
     # delegation: param_groups, state, defaults (WrapsOptimizer) -------------------
     def add_param_group(self, group: dict) -> None:
@@ -156,13 +173,13 @@ class DistributedOptimizer(WrapsOptimizer):
         """Uneven data: call when this rank has no more batches; returns when every rank has.
 
         Until then this rank answers each step of the others with zero gradients (the average
-        still divides by the whole group, as Horovod's join does). Every rank's step starts with
-        a small allreduce telling joined ranks that a step is coming (launched from the first
-        gradient hook of the step), so a joined rank knows whether to take part in one more
-        step or to leave::
+        still divides by the whole group, as Horovod's join does). Every rank's first bucket
+        carries its "I am stepping" flag, so a joined rank learns from the step's own first
+        collective whether to take part in the rest of it or to leave
+        (:mod:`phalanx.parallel.data.joined`)::
 
-            training rank:  [step][buckets…] [step][buckets…] join: [joined] -> nobody: done
-            joined rank:    join: [joined] -> step: [zeros…] [joined] -> step: [zeros…] [joined] -> nobody: done
+            training rank:  [b0|1][b1…] [b0|1][b1…] join: [b0 zeros|0] -> sum 0: done
+            joined rank:    join: [b0 zeros|0] -> sum > 0: [b1… zeros] [b0 zeros|0] -> … -> sum 0: done
 
         Only the optimizer's gradient reductions are answered: other collectives the training
         ranks make meanwhile must come after ``join()``. Returns the global rank that joined
@@ -173,14 +190,11 @@ class DistributedOptimizer(WrapsOptimizer):
                                "the same number of steps, so there are no uneven inputs to join")
         if not self.join_ready:
             raise RuntimeError("join() needs DistributedOptimizer(join_ready=True) (the default) on every rank: "
-                               "its per-step announcement tells joined ranks whether another step is coming")
+                               "its flag in each step's first bucket tells joined ranks whether another step is coming")
         self.synchronize()
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return dist.get_rank() if dist.is_initialized() else 0
-        answered = 0
-        while negotiate.joined_wait(self.group, self._flag_device):
-            self.join_step()
-            answered += 1
+        answered = self.answer_steps()
         every = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=self._flag_device)
         every[dist.get_rank(self.group)] = answered  # steps each rank answered with zeros
         dist.all_reduce(every, op=dist.ReduceOp.SUM, group=self.group)
@@ -188,6 +202,23 @@ class DistributedOptimizer(WrapsOptimizer):
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(len(every)))
         fewest = min(every)
         return max(r for r, n in zip(ranks, every) if n == fewest)
+
+    def answer_steps(self) -> int:
+        """A joined rank: answer the others' steps with zeros until every rank has joined; how many."""
+        answered = 0
+        if self._engine.join_flag:
+            while self._engine.answer_step():
+                answered += 1
+            return answered
+        while negotiate.joined_wait(self.group, self._flag_device):
+            self.join_step()
+            answered += 1
+        return answered
+
+    @property
+    def on_steps_group(self) -> bool:
+        """Its steps run on the world's steps group (``hvd.join`` answers them on a thread of their own)."""
+        return self._engine.follows_world and self._engine.group is not None
 
     def join_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (a rank that has joined).

@@ -132,6 +132,8 @@ class AllReduceReduction(BucketReduction):
         else:
             engine.gather_grads(bucket)
             engine.finite.check([bucket.flat])
+            if bucket.extra:
+                bucket.flat[-1] = 1  # the join flag (phalanx.parallel.data.joined): this rank steps
         with trace.span("compress", "comm", bucket=i, bytes=nbytes):
             payload, ctx = engine.compressor.compress(bucket.flat)
         engine.bytes_sent += engine.ring_bytes(payload.nbytes)

@@ -52,9 +52,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from phalanx.comm.collectives import broadcast
+from phalanx.log import get_logger
 from phalanx.parallel.pipeline.executor import Span, StepRun
 from phalanx.parallel.pipeline.link import StageLink
 from phalanx.parallel.pipeline.schedules import Schedule, get_schedule
+
+_log = get_logger(__name__)
 
 __all__ = ["PipelineStage", "StageLink", "Span"]
 
@@ -71,10 +74,12 @@ class PipelineStage:
     stage keeps up to m input buffers instead of p; 1 posts only the next).
     ``grad_group`` carries the gradients (activations go on ``group``):
     ``"own"`` (default) makes a second group of the pipeline's ranks at the
-    first step (``dist.new_group(..., use_local_synchronization=True)``: every
-    stage's first step makes it, so make the pipeline's stages on every rank
-    in the same order); a process group uses that one (``DeviceMesh`` makes one
-    per pipeline, ``pp_grad_group``); pass ``group`` itself to share one.
+    first step when the pipeline is the whole world (``dist.new_group``, which
+    every rank of the world must call in the same order: every stage's first
+    step); a pipeline on part of the world shares ``group`` then (a group made
+    by only some ranks can hang, see :meth:`_make_grad_group`); a process
+    group uses that one (``DeviceMesh`` makes one per pipeline on every rank,
+    ``pp_grad_group``); pass ``group`` itself to share one.
     Why two: on gloo, one connection per pair of ranks carries both directions,
     and when two neighbours send to each other at the same moment (in 1F1B's
     steady state an activation one way, a gradient the other) a send can stall
@@ -191,12 +196,24 @@ class PipelineStage:
         return loss_sum if self.is_last else None
 
     def _make_grad_group(self) -> None:
-        """At the first step, before any message (every stage of the pipeline is here): the gradients' group."""
+        """At the first step, before any message (every stage of the pipeline is here): the gradients' group.
+
+        Only for a pipeline that is the whole world: ``dist.new_group`` needs every rank of the world,
+        in the same order. Not ``use_local_synchronization=True``: it names the group from its ranks and
+        the number of groups this rank already has, so a stage that is not in some earlier group (a
+        process set, another pipeline's group) names it differently from its peers and both hang.
+        """
         if not self._own_grad_group:
             return
         self._own_grad_group = False
         if self.num_stages > 1 and dist.is_initialized():
-            grad_group = dist.new_group(sorted(set(self.ranks)), use_local_synchronization=True)
+            members = sorted(set(self.ranks))
+            if len(members) != dist.get_world_size():
+                _log.info("pipeline on ranks %s (part of the world): gradients share the activations' group; "
+                          "pass grad_group= a group every rank made (DeviceMesh.pp_grad_group) for one of "
+                          "their own", members)
+                return
+            grad_group = dist.new_group(members)
             for link in self.links:
                 link.grad_group = grad_group
 
