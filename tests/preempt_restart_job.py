@@ -20,15 +20,18 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-import phalanx as px
-from phalanx.preemption import guard
-from phalanx.runtime.heartbeat import HEARTBEAT_STORE_ENV, RECORD
-
 out = sys.argv[1]
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+with open(os.path.join(out, "events.jsonl"), "a") as f:  # the process started (before import torch: its
+    f.write(json.dumps({"what": "start", "rank": int(os.environ["RANK"]), "attempt": attempt, "t": time.time()})
+            + "\n")  # time depends on the machine's load, the agent's stop does not)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import phalanx as px  # noqa: E402
+from phalanx.preemption import guard  # noqa: E402
+from phalanx.runtime.heartbeat import HEARTBEAT_STORE_ENV, RECORD  # noqa: E402
 
 
 def note(what, **info):

@@ -53,9 +53,12 @@ def test_agent_stopping_the_group_ends_a_blocked_worker_at_once(job):
     assert not [e for e in events if e["what"] == "unblocked"], "the blocked rank outlived the agent's SIGTERM"
     assert "did not mark it a preemption" in job["output"] and "allreduce #" in job["output"], job["output"][-3000:]
     failed = _one(events, "peer_failed", attempt=0)["t"]
-    restarted = _one(events, "first_step", attempt=1, rank=0)["t"]
-    # the agent's SIGKILL would come 30 s after its SIGTERM; a generous bound, no timing claim
-    assert restarted - failed < 25, f"group restart's first step {restarted - failed:.1f} s after the failure"
+    restarted = _one(events, "start", attempt=1, rank=0)["t"]
+    stepped = _one(events, "first_step", attempt=1, rank=0)["t"]
+    print(f"\npeer failed -> restarted workers started {restarted - failed:.2f} s, -> first step {stepped - failed:.2f} s")
+    # the agent's SIGKILL would come 30 s after its SIGTERM; a generous bound, no timing claim. Measured
+    # up to the new processes' start: what follows (import torch, init) is the machine's load, not the stop
+    assert restarted - failed < 25, f"the group restart started {restarted - failed:.1f} s after the failure"
 
 
 def test_a_preemption_forwarded_by_phalanx_run_is_not_cut_short(job):
