@@ -121,13 +121,20 @@ def _record_body():
     value = json.loads(store.get(f"phalanx/heartbeat/{px.rank()}"))
     beat.stop("exited")
     last = json.loads(store.get(f"phalanx/heartbeat/{px.rank()}"))
+    dp = px.DataParallel(torch.nn.Linear(4, 2))
+    mark = RECORD.seq
+    for _ in range(3):  # past the first step: the buckets' plan is fixed, the unchecked fast path runs
+        dp(torch.ones(2, 4)).sum().backward()
+    dp_names = sorted({(e[1], e[2] or "") for e in RECORD.entries if e[0] > mark})
     return [[e[0] - start, e[1], e[2], [list(s) for s in e[3]], e[5] is not None and e[5] >= e[4]]
-            for e in entries], value, last["state"], os.getpid()
+            for e in entries], value, last["state"], os.getpid(), dp_names
 
 
 def test_heartbeat_record_contents():
     results = distributed(_record_body, np=2, timeout=120)
-    for rank, (entries, value, last_state, pid) in enumerate(results):
+    for rank, (entries, value, last_state, pid, dp_names) in enumerate(results):
+        # DP buckets are named in the record in the steady state too (a "behind" report names them)
+        assert ("allreduce", "dp.bucket0") in dp_names and ("collective", "") not in dp_names, dp_names
         assert entries == [[1, "allreduce", "grad.w", [[3, 2]], True], [2, "allgather", "ids", [[2]], True],
                            [3, "barrier", None, [], True]], entries
         assert value["rank"] == rank and value["pid"] == pid and value["state"] == "running"
