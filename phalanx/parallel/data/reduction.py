@@ -145,7 +145,7 @@ class AllReduceReduction(BucketReduction):
                 if pre != 1.0:
                     payload.mul_(pre)
                 # named in the rank's collective record, as the checked path names it ("behind" reports)
-                entry = RECORD.begin("allreduce", f"dp.bucket{i}", (payload.shape,))
+                entry = RECORD.begin("allreduce", f"dp.bucket{i}", (payload.shape,), engine.group)
                 work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=engine.group, async_op=True)
                 handle = Handle(work, payload, entry=entry)
                 scale = post / (engine.world if op is ReduceOp.AVERAGE else 1)
