@@ -4,8 +4,9 @@ Three real ranks on gloo: w0 and w1 enter an allreduce on a group that w2 (alive
 peer that has not noticed yet) never joins, and w2 is then announced lost on the store, as the
 launcher does for a dead worker. gloo alone would keep both survivors waiting for the group's
 timeout (60 s here): a receive from a live peer is not ended by another peer's loss. Each
-survivor's LostWatcher must shut its own connections of that generation, so its allreduce
-raises a connection error, not a timeout. Checked in the same group: an announce for a worker
+survivor's LostWatcher, seeing its allreduce still blocked 1 s after the announcement, must
+shut its own connections of that generation, so the allreduce raises a connection error, not
+a timeout. Checked in the same group: an announce for a worker
 outside the generation leaves it alone, and a watcher whose worker has moved to another
 generation does not touch the connections.
 """
@@ -22,6 +23,7 @@ def _body():
     import torch.distributed as dist
 
     import phalanx as px
+    from phalanx.comm.collectives import allreduce
     from phalanx.elastic import lost
 
     rank = px.rank()
@@ -56,7 +58,7 @@ def _body():
         return out
     started = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(8), group=group)
+        allreduce(torch.ones(8), group=group)  # recorded: the watcher acts on a collective still blocked
         out["error"] = None
     except Exception as err:  # noqa: BLE001 - the point: which error, and that it came
         out["error"] = str(err)[:300]

@@ -15,7 +15,8 @@ So the loss is announced on the launcher's store, and a thread in each worker ac
     worker w2 raises ─ abandon(): announce pxe/lost/w2 (+1 on pxe/lost) ─ shut its connections ─ exit
     launcher: w2 exited non-zero ─ announce pxe/lost/w2 (a SIGKILL announces nothing itself)
     w0, w1, w3 (thread, every 0.1 s: one store add): pxe/lost moved ─ w2 is in my generation ─
-               shut my own connections of that generation ─ the main thread's collective raises now
+               the main thread is still blocked in a collective 1 s later (gloo did not end it) ─
+               shut my own connections of that generation ─ that collective raises now
                ─ elastic.run re-forms as for any collective error
 
 A worker's connections are shut only for the generation it is in when the loss is seen (the
@@ -38,9 +39,12 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["announce", "LostWatcher", "socket_fds", "group_sockets", "shut", "POLL_S"]
+__all__ = ["announce", "LostWatcher", "socket_fds", "group_sockets", "shut", "POLL_S", "GRACE_S"]
 
 POLL_S = 0.1  # one store round trip per worker per poll
+# Most losses gloo reports by itself at once; the connections are shut only under a collective still
+# blocked this long after the loss was seen (shutting them under gloo's feet is not free either).
+GRACE_S = 1.0
 
 
 def announce(store, wid: str) -> None:
@@ -126,18 +130,33 @@ class LostWatcher:
         except Exception:  # noqa: BLE001 - no store: the collective timeout still bounds every wait
             return
         seen, acted = 0, set()
+        pending: tuple[int, str, float] | None = None  # (generation, who, when seen)
         with contextlib.suppress(Exception):  # the store went away: the job is ending
             while True:
                 time.sleep(POLL_S)
+                gen, me = self.current()
+                if pending is not None:
+                    if pending[0] != gen:
+                        pending = None  # the main thread noticed by itself and re-formed
+                    elif _blocked_since(pending[2]) >= GRACE_S:
+                        acted.add(gen)
+                        self.interrupt(gen, pending[1])
+                        pending = None
                 count = store.add("pxe/lost", 0)
                 if count == seen:
                     continue
                 seen = count
-                gen, me = self.current()
                 if gen < 0 or gen in acted or not store.check([f"pxe/gen/{gen}"]):
                     continue
                 members = [m[0] for m in json.loads(store.get(f"pxe/gen/{gen}"))["members"]]
                 gone = [w for w in members if w != me and store.check([f"pxe/lost/{w}"])]
                 if gone:
-                    acted.add(gen)
-                    self.interrupt(gen, ", ".join(gone))
+                    pending = (gen, ", ".join(gone), time.time())
+
+
+def _blocked_since(seen: float) -> float:
+    """How long the main thread has been blocked in one collective, counted from ``seen`` at the earliest."""
+    from phalanx.runtime.heartbeat import RECORD
+
+    waiting = RECORD.waiting
+    return 0.0 if waiting is None else time.time() - max(waiting[1], seen)
