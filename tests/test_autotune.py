@@ -82,3 +82,45 @@ def test_phalanx_run_autotune_flag(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "--autotune-log-file", "x",
                           sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "need --autotune" in bad.stderr
+
+
+def _reform_keeps_the_result():
+    from phalanx.parallel.data.gradients import reform_engines
+    from phalanx.planner import autotune
+
+    env = {"PHALANX_AUTOTUNE": "1", "PHALANX_AUTOTUNE_BUCKETS_MB": ",".join(map(str, GRID)),
+           "PHALANX_AUTOTUNE_WARMUP_STEPS": "1", "PHALANX_AUTOTUNE_STEPS_PER_TRIAL": "2",
+           "PHALANX_AUTOTUNE_ROUNDS": "1", "PHALANX_AUTOTUNE_SETTLE_STEPS": "0"}
+    assert autotune.enable_from_env(env)
+
+    def build():  # DistributedOptimizer: no collective at construction, so one rank may build alone
+        net = _mlp()
+        return net, px.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05),
+                                            named_parameters=net.named_parameters())
+
+    net, opt = build()
+    opt._engine.autotuner.adopt((GRID[-1], "flat"))  # the old ranks' search ended on 1 MB (one bucket)
+    before = None
+    if px.rank() == 1:  # a newcomer: a fresh engine whose tuner starts its search at 0.001 MB
+        net, opt = build()
+        before = (opt._engine.autotuner.done, opt._engine.buckets.bucket_bytes)
+    reform_engines(px.topology())  # every rank, right after a re-form (phalanx.elastic.run does it)
+    tuner = opt._engine.autotuner
+    after = {"done": tuner.done, "best": tuner.best, "bucket_bytes": opt._engine.buckets.bucket_bytes}
+    for step in range(8):  # past a trial's end: a tuner still searching on one rank alone would hang here
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return {"before": before, "after": after, "params": [p.detach().clone() for p in net.parameters()]}
+
+
+def test_a_reform_keeps_the_autotuned_size_and_a_newcomer_takes_it():
+    out = distributed(_reform_keeps_the_result, np=2, timeout=120)
+    assert out[1]["before"] == (False, int(GRID[0] * 2**20)), out[1]["before"]  # the newcomer had not tuned
+    assert out[0]["after"] == out[1]["after"], out  # rank 0's result, on both
+    assert out[0]["after"]["done"] and out[0]["after"]["best"] == (GRID[-1], "flat"), out[0]["after"]
+    assert out[0]["after"]["bucket_bytes"] == int(GRID[-1] * 2**20), out[0]["after"]
+    for a, b in zip(out[0]["params"], out[1]["params"]):
+        assert torch.equal(a, b)

@@ -121,13 +121,20 @@ def _record_body():
     value = json.loads(store.get(f"phalanx/heartbeat/{px.rank()}"))
     beat.stop("exited")
     last = json.loads(store.get(f"phalanx/heartbeat/{px.rank()}"))
+    dp = px.DataParallel(torch.nn.Linear(4, 2))
+    mark = RECORD.seq
+    for _ in range(3):  # past the first step: the buckets' plan is fixed, the unchecked fast path runs
+        dp(torch.ones(2, 4)).sum().backward()
+    dp_names = sorted({(e[1], e[2] or "") for e in RECORD.entries if e[0] > mark})
     return [[e[0] - start, e[1], e[2], [list(s) for s in e[3]], e[5] is not None and e[5] >= e[4]]
-            for e in entries], value, last["state"], os.getpid()
+            for e in entries], value, last["state"], os.getpid(), dp_names
 
 
 def test_heartbeat_record_contents():
     results = distributed(_record_body, np=2, timeout=120)
-    for rank, (entries, value, last_state, pid) in enumerate(results):
+    for rank, (entries, value, last_state, pid, dp_names) in enumerate(results):
+        # DP buckets are named in the record in the steady state too (a "behind" report names them)
+        assert ("allreduce", "dp.bucket0") in dp_names and ("collective", "") not in dp_names, dp_names
         assert entries == [[1, "allreduce", "grad.w", [[3, 2]], True], [2, "allgather", "ids", [[2]], True],
                            [3, "barrier", None, [], True]], entries
         assert value["rank"] == rank and value["pid"] == pid and value["state"] == "running"
@@ -187,6 +194,34 @@ def test_detector_names_silent_and_behind_ranks():
     beat(1, 3, state="running", seq=8, at=8, op="allreduce")
     stalls = {s.rank: s for s in detector.stalled(timeout_s=5)}
     assert set(stalls) == {1, 2} and "stopped responding" in stalls[2].reason, stalls
+
+
+def test_behind_is_judged_within_the_waited_collectives_group():
+    from phalanx.launcher.stall import StallDetector
+
+    store, clock, pid = torch.distributed.HashStore(), _Clock(), os.getpid()
+
+    def beat(rank, n, **value):
+        store.set(f"phalanx/heartbeat/{rank}", json.dumps({"rank": rank, "pid": pid, "beat": n, **value}))
+
+    detector = StallDetector(store, ranks=[0, 1, 2], clock=clock)
+    for n in (1, 2):  # rank 0 waits in the 5th collective of group {0, 1}; rank 1 ran more world
+        # collectives (a higher seq) but only 4 of that group's; rank 2 is not in the group at all
+        beat(0, n, state="waiting", seq=8, at=8, group="0,1", gat=5, groups={"world": 3, "0,1": 5},
+             op="allreduce", waited_s=6.0 * (n - 1))
+        beat(1, n, state="running", seq=12, at=12, group="world", gat=8, groups={"world": 8, "0,1": 4},
+             op="allreduce")
+        beat(2, n, state="running", seq=3, at=3, group="world", gat=3, groups={"world": 3}, op="allreduce")
+        if n == 1:
+            assert detector.stalled(timeout_s=5) == []
+            clock.now += 6
+    stalls = detector.stalled(timeout_s=5)
+    assert [s.rank for s in stalls] == [1], stalls  # by global seq numbers: rank 2, the wrong one
+    assert "never reached collective #5 of group [0,1]" in stalls[0].reason, stalls
+    beat(1, 3, state="waiting", seq=13, at=13, group="0,1", gat=5, groups={"world": 8, "0,1": 5},
+         op="allreduce", waited_s=0.0)  # rank 1 arrives: nobody is behind, rank 2 least of all
+    detector.poll()
+    assert detector.behind()[1] == [], detector.behind()
 
 
 def test_elastic_workers_beat_under_their_worker_id():

@@ -274,7 +274,7 @@ def allreduce(
 
     if n == 1:
         return _done(finish(out), async_op)
-    entry = _record("allreduce", name, tensor)
+    entry = _record("allreduce", name, tensor, group=group)
     if check:
         _check("allreduce", name, tensor, group, entry, op=op.value)
     work = dist.all_reduce(out, op=_TORCH_OP[op], group=group, async_op=True)
@@ -287,7 +287,7 @@ def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name:
     n = dist.get_world_size(group)
     if n == 1:
         return _done(tensor.clone(), async_op)
-    entry = _record("allgather", name, tensor)
+    entry = _record("allgather", name, tensor, group=group)
     if check:
         _check("allgather", name, tensor, group, entry)
     t = tensor.contiguous()
@@ -328,7 +328,7 @@ def broadcast(
     members = dist.get_process_group_ranks(group) if group is not None else range(n)
     if root_rank not in members:
         raise ValueError(f"root_rank {root_rank} is not a member of the group {list(members)}")
-    entry = _record("broadcast", name, tensor)
+    entry = _record("broadcast", name, tensor, group=group)
     if check:
         _check("broadcast", name, tensor, group, entry, root=root_rank)
     work = dist.broadcast(out, src=root_rank, group=group, async_op=True)
@@ -362,7 +362,7 @@ def reducescatter(
         tensor = scale_(tensor.clone(), prescale_factor)
     if n == 1:
         return _done(scale_(tensor.clone(), postscale_factor), async_op)
-    entry = _record("reducescatter", name, tensor)
+    entry = _record("reducescatter", name, tensor, group=group)
     if check:
         _check("reducescatter", name, tensor, group, entry, op=op.value)
     me = dist.get_rank(group)
@@ -410,7 +410,7 @@ def alltoall(
         raise ValueError(f"alltoall: splits {splits} must be {n} non-negative counts summing to {rows}")
     if n == 1:
         return _done((tensor.clone(), torch.tensor(splits)), async_op)
-    entry = _record("alltoall", name, tensor)
+    entry = _record("alltoall", name, tensor, group=group)
     if check:
         _check("alltoall", name, tensor, group, entry)
     t = tensor.contiguous()

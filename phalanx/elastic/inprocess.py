@@ -29,15 +29,18 @@ Example (what ``phalanx.elastic.run`` does; scripts do not call this module)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from phalanx.elastic import lost
 from phalanx.log import get_logger
 
 __all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
@@ -72,6 +75,8 @@ class _Ctx:
         self.members: list[list[str]] = []
         self.store_port = int(port)
         self.group_sockets: set[str] = set()  # inodes of the current process group's connections
+        self.lock = threading.Lock()  # generation and its connections change together (lost.LostWatcher)
+        self.watcher: lost.LostWatcher | None = None
 
 
 _ctx: _Ctx | None = None
@@ -175,47 +180,10 @@ def is_collective_error(err: BaseException) -> bool:
     return isinstance(err, (RuntimeError, TimeoutError)) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
 
 
-def _socket_fds() -> dict[str, int]:
-    """inode -> fd of this process's sockets."""
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile (the listing's own fd, a thread's socket)
-        if target.startswith("socket:["):
-            out[target[8:-1]] = int(fd)
-    return out
-
-
-_kept: set[str] = set()  # connections never taken for the group's (a Ray actor's own RPC links)
-
-
 def keep_current_connections() -> int:
     """Before ``px.init()`` in a process that has connections of its own (a Ray actor's links to
     its cluster): mark them as not the process group's, so a re-form never shuts them down."""
-    _kept.update(_group_sockets(-1))
-    return len(_kept)
-
-
-def _group_sockets(store_port: int) -> set[str]:
-    """Inodes of this process's established TCP connections that are not to the launcher's store."""
-    if not os.path.isdir("/proc/self/fd"):
-        return set()
-    mine = _socket_fds()
-    found = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            remote_port, state, inode = int(cols[2].rsplit(":", 1)[1], 16), cols[3], cols[9]
-            if inode in mine and state == "01" and remote_port != store_port and inode not in _kept:  # ESTABLISHED
-                found.add(inode)
-    return found
+    return lost.keep(lost.group_sockets(-1))
 
 
 def _shut_group_sockets(ctx: _Ctx) -> int:
@@ -225,32 +193,32 @@ def _shut_group_sockets(ctx: _Ctx) -> int:
     at once, instead of waiting out the collective timeout: destroying the group does not
     close them while anything (a pending work object) still references it.
     """
-    import socket
-
-    count = 0
-    fds = _socket_fds() if os.path.isdir("/proc/self/fd") else {}
-    for inode in ctx.group_sockets & set(fds):
-        try:
-            s = socket.socket(fileno=os.dup(fds[inode]))
-        except OSError:
-            continue
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-            count += 1
-        except OSError:
-            pass
-        finally:
-            s.close()  # closes our duplicate only
-    ctx.group_sockets = set()
+    with ctx.lock:
+        count = lost.shut(ctx.group_sockets)
+        ctx.group_sockets = set()
     return count
+
+
+def _interrupt(gen: int, gone: str) -> None:
+    """The watcher saw members of generation ``gen`` lost: end this worker's collective of ``gen`` now."""
+    ctx = _context()
+    with ctx.lock:
+        if ctx.gen != gen or not ctx.group_sockets:
+            return  # already re-forming or re-formed: the new group is not touched
+        count = lost.shut(ctx.group_sockets)
+        ctx.group_sockets = set()
+    log.warning("%s of generation %d lost: shut this worker's %d connection(s) so its collective ends now",
+                gone, gen, count)
 
 
 def abandon() -> int:
     """This worker is lost (its training raised): shut its group connections so the peers'
     collectives fail now, not when this process has finished exiting. Returns how many."""
     ctx = _context()
+    with contextlib.suppress(Exception):  # the survivors' watchers end their waits on this at once
+        lost.announce(ctx.store, ctx.wid)
     if not ctx.group_sockets:
-        ctx.group_sockets = _group_sockets(ctx.store_port)
+        ctx.group_sockets = lost.group_sockets(ctx.store_port)
     return _shut_group_sockets(ctx)
 
 
@@ -260,7 +228,11 @@ def prepare() -> None:
     if active():
         ctx = _context()
         if not ctx.members:
-            ctx.group_sockets = _group_sockets(ctx.store_port)
+            ctx.group_sockets = lost.group_sockets(ctx.store_port)
+        if ctx.watcher is None:
+            host, _, port = os.environ[STORE_ENV].rpartition(":")
+            ctx.watcher = lost.LostWatcher(host.strip("[]"), int(port), lambda: (
+                -1 if is_joiner() else ctx.gen, ctx.wid), _interrupt).start()
 
 
 def _leave_group() -> None:
@@ -396,7 +368,7 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
                          ("GROUP_RANK", "HOROVOD_CROSS_RANK"), ("GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE")):
         os.environ[theirs] = os.environ[ours]
     timeout = datetime.timedelta(seconds=ctx.timeout_s)
-    before = _group_sockets(ctx.store_port)
+    before = lost.group_sockets(ctx.store_port)
     runtime.import_dynamo_first()
     # making the group waits on the store for every member's address: bounded by the formation
     # timeout, so a member that died after checking in aborts this round instead of holding it
@@ -406,7 +378,8 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
                                 world_size=len(members), timeout=timeout)
     finally:
         ctx.store.set_timeout(timeout)
-    ctx.group_sockets = _group_sockets(ctx.store_port) - before
-    ctx.gen, ctx.members = gen, members
+    with ctx.lock:  # the lost-member watcher acts on one generation's connections only
+        ctx.group_sockets = lost.group_sockets(ctx.store_port) - before
+        ctx.gen, ctx.members = gen, members
     os.environ.pop(JOIN_ENV, None)
     runtime.init(timeout=ctx.timeout_s)  # adopts the group just made

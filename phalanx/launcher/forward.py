@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 
+from phalanx.preemption.guard import mark as preempt_mark
 from phalanx.preemption.signals import PREEMPTED_EXIT_CODE
 
 __all__ = ["GRACE_S", "Outcome", "forward_preemption", "direct_children", "all_preempted", "report_preempted",
@@ -90,8 +91,12 @@ def _exit_code(pid: int) -> int | None:
 
 
 @contextlib.contextmanager
-def forward_preemption(signals, grace_s: float = GRACE_S):
-    """While inside, ``signals`` are forwarded to this process's children and waited on (see above)."""
+def forward_preemption(signals, grace_s: float = GRACE_S, mark: str | None = None):
+    """While inside, ``signals`` are forwarded to this process's children and waited on (see above).
+
+    ``mark``: a file created before forwarding (``$PHALANX_PREEMPT_MARK`` in the workers), which
+    tells a worker blocked in a collective that this SIGTERM is a preemption and not the agent
+    stopping the group (:mod:`phalanx.preemption.guard`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     outcome = Outcome()
@@ -100,6 +105,8 @@ def forward_preemption(signals, grace_s: float = GRACE_S):
         if outcome.signal is not None:
             return  # a repeat while we wait
         outcome.signal = signal.Signals(signum)
+        if mark:
+            preempt_mark(mark)
         workers = direct_children()
         print(f"phalanx: received {outcome.signal.name}; forwarded to {len(workers)} worker(s), waiting up to "
               f"{grace_s:.0f} s for their preemption checkpoint", file=sys.stderr, flush=True)

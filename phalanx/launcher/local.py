@@ -44,6 +44,7 @@ import uuid
 from phalanx.launcher import forward
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.stall import Watcher, describe_exit, lost_a_peer
+from phalanx.preemption.guard import PREEMPT_MARK_ENV
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV, STACK_DIR_ENV
 
 __all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
@@ -213,7 +214,10 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     log.info("starting %d worker(s) on this host: rendezvous %s, run id %s%s", spec.nproc_per_node, endpoint,
              spec.run_id, f", rank output kept in {spec.log_dir}/rank.N/" if spec.log_dir else "")
     started = time.monotonic()
-    forwarding = forward.forward_preemption(preempt_signals)
+    # a SIGTERM this launcher forwards is a preemption; one without this file is the agent stopping the group
+    os.environ[PREEMPT_MARK_ENV] = os.path.join(work_dir, "preempting")
+    ours.append(PREEMPT_MARK_ENV)
+    forwarding = forward.forward_preemption(preempt_signals, mark=os.environ[PREEMPT_MARK_ENV])
     preempt = forwarding.__enter__()
     try:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)

@@ -189,13 +189,34 @@ class StallDetector:
         now = self.clock()
         return [v for v in self.views.values() if v.gone_at is None and v.waited_s(now) >= after_s]
 
-    def behind(self) -> tuple[int | None, list[RankView]]:
+    def behind(self) -> tuple[int | str | None, list[RankView]]:
         """(k, ranks that never reached collective #k while others wait in it)."""
-        waits = [int(v.value.get("at", 0)) for v in self.views.values() if v.value.get("state") == "waiting"]
-        if not waits:
-            return None, []
-        k = max(waits)
-        return k, [v for v in self.views.values() if int(v.value.get("seq", 0)) < k]
+        k, behind, _ = self.behind_and_waiters()
+        return k, behind
+
+    def behind_and_waiters(self) -> tuple[int | str | None, list[RankView], list[RankView]]:
+        """(k, the ranks behind collective k, the ranks waiting in it). Compared within the waited
+        collective's process group (heartbeats name it and count its collectives apart): a rank that
+        is not a member, or that runs other sub-groups' collectives, is neither behind nor ahead."""
+        views = list(self.views.values())
+        waiting = [v for v in views if v.value.get("state") == "waiting"]
+        if not waiting:
+            return None, [], []
+        if any("gat" not in v.value for v in waiting):  # heartbeats without per-group counts
+            k = max(int(v.value.get("at", 0)) for v in waiting)
+            behind = [v for v in views if int(v.value.get("seq", 0)) < k]
+            return k, behind, [v for v in views if v not in behind]
+        found = None
+        for gid, gat in sorted({(v.value["group"], int(v.value["gat"])) for v in waiting}, key=lambda w: -w[1]):
+            members = [v for v in views if gid == "world" or str(v.value.get("rank")) in gid.split(",")]
+            behind = [v for v in members if int(v.value.get("groups", {}).get(gid, 0)) < gat]
+            waiters = [v for v in members if v.value.get("group") == gid and v.value.get("gat") == gat
+                       and v.value.get("state") == "waiting"]
+            label = gat if gid == "world" else f"{gat} of group [{gid}]"
+            if behind:
+                return label, behind, waiters
+            found = found or (label, [], waiters)
+        return found
 
     def stalled(self, timeout_s: float) -> list[Stall]:
         """The workers to treat as lost: silent for ``timeout_s``, or behind a collective every other
@@ -203,9 +224,8 @@ class StallDetector:
         self.poll()
         now = self.clock()
         out = {s.rank: s for s in self.silent_stalls(timeout_s)}
-        k, behind = self.behind()
-        live = [v for v in self.views.values() if v.gone_at is None]
-        waiters = [v for v in live if v not in behind]
+        k, behind, waiters = self.behind_and_waiters()
+        waiters = [v for v in waiters if v.gone_at is None]
         if behind and waiters and all(v.waited_s(now) >= timeout_s for v in waiters):
             waited = min(v.waited_s(now) for v in waiters)
             for v in behind:

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 
-from phalanx.elastic import inprocess
+from phalanx.elastic import inprocess, lost
 from phalanx.launcher import handoff
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.discovery import discover_hosts
@@ -387,6 +387,7 @@ class Supervisor:
                     failure = failure or code
                     continue
                 self.first_failure = self.first_failure or what
+                lost.announce(self.store, w.wid)  # the survivors' watchers end their collectives now (#32)
                 if self.horovod_hosts and w.host in self.hosts and w.host not in self.aside.until:
                     wait = self.aside.add(w.host)
                     print(f"phalanx: host {w.host} set aside " + ("for good (no --blacklist-cooldown-range)"

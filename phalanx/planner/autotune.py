@@ -83,6 +83,10 @@ class Autotuner:
         self.group = group
         self.log: list[tuple[object, float]] = []
         """(candidate, agreed median seconds per step) of every trial, in order"""
+        self.restart()
+
+    def restart(self) -> None:
+        """Search again from the start (every rank at the same step: after an elastic re-form)."""
         self.best = None
         self._trials: list[list[float]] = [[] for _ in self.candidates]
         self._alive = list(range(len(self.candidates)))
@@ -92,6 +96,19 @@ class Autotuner:
         self._seen = 0
         self._skip = 0
         self.apply(self.candidates[self._queue[0]])
+
+    def adopt(self, best) -> None:
+        """Take ``best`` as the search's result without searching (an elastic newcomer takes the job's)."""
+        self.best = best
+        self.apply(best)
+
+    def reformed(self, best) -> None:
+        """After an elastic re-form, on every rank, with rank 0's (the oldest member's) ``best``: adopt
+        it; None (rank 0 was still searching, or had no tuner) searches again from the start, in step."""
+        if best is not None and best in self.candidates:
+            self.adopt(best)
+        else:
+            self.restart()
 
     @property
     def done(self) -> bool:

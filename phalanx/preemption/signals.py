@@ -25,6 +25,8 @@ import signal
 import threading
 import time
 
+from phalanx.preemption import guard
+
 __all__ = ["PREEMPTED_EXIT_CODE", "parse_signal", "from_env", "install", "uninstall", "received",
            "received_at", "clear"]
 
@@ -73,6 +75,7 @@ def install(signals) -> bool:
     for sig in signals:
         previous = signal.signal(sig, _handler)
         _previous.setdefault(int(sig), previous)
+    guard.start(signals)  # under phalanx run: a signal while blocked in a collective is seen at once
     return True
 
 
@@ -80,6 +83,7 @@ def uninstall() -> None:
     """Give every signal back its handler from before :func:`install`."""
     if threading.current_thread() is not threading.main_thread():
         return
+    guard.stop()
     for sig, previous in list(_previous.items()):
         signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         del _previous[sig]

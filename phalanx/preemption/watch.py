@@ -49,8 +49,8 @@ import torch
 from phalanx import runtime
 from phalanx.comm import collectives as c
 from phalanx.log import get_logger
+from phalanx.preemption import guard, slurm
 from phalanx.preemption import signals as notes
-from phalanx.preemption import slurm
 
 __all__ = ["Preempted", "Preemption", "watch"]
 
@@ -97,17 +97,20 @@ class Preemption:
             log.warning("preemption signals can only be caught on the main thread; not watching")
         return self
 
-    def close(self) -> None:
-        if self._pending is not None:  # every rank started it; finish it before other collectives
-            self._pending.wait()
-            self._pending = None
+    def close(self, drain: bool = True) -> None:
+        """Remove the handlers. ``drain``: first finish the vote in flight (every rank started it, so
+        it must end before other collectives); False when leaving on an error, where the group may be
+        broken and that vote may never end (a peer died: the agent is restarting the group)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and drain:
+            pending.wait()
         notes.uninstall()
 
     def __enter__(self) -> Preemption:
         return self.install()
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(drain=exc_type is None)
 
     def retopologize(self, topology) -> None:
         """The job re-formed (elastic): vote among ``topology``'s members; a vote in flight is dropped."""
@@ -123,6 +126,7 @@ class Preemption:
         """Record the reduced vote (the largest signal number any rank got); True means stop now."""
         if reduced and self.signal is None:
             self.signal = signal.Signals(int(reduced))
+            guard.agreed()
         return bool(reduced)
 
     def requested(self) -> bool:

@@ -62,18 +62,24 @@ def heartbeat_key(ident: int | str) -> str:
 
 
 class CollectiveRecord:
-    """Ring buffer of this process's collectives; entries are ``[seq, op, name, shapes, start, end]``."""
+    """Ring buffer of this process's collectives; entries are ``[seq, op, name, shapes, start, end, group,
+    group_seq]``: ``group`` names the process group by its global ranks (``"0,2"``; ``"world"`` for the
+    default one) and ``group_seq`` counts that group's collectives only, so ranks that take part in
+    different sub-groups are compared collective by collective within each group."""
 
-    __slots__ = ("entries", "seq", "waiting")
+    __slots__ = ("entries", "seq", "waiting", "groups")
 
     def __init__(self, size: int = 64) -> None:
         self.entries: collections.deque = collections.deque(maxlen=size)
         self.seq = 0
         self.waiting: tuple[list, float] | None = None  # (entry, since): the main thread is blocked in it
+        self.groups: dict[str, int] = {}  # group id -> collectives begun on it
 
-    def begin(self, op: str, name: str | None, shapes: tuple) -> list:
+    def begin(self, op: str, name: str | None, shapes: tuple, group=None) -> list:
         self.seq += 1
-        entry = [self.seq, op, name, shapes, time.time(), None]
+        gid = group_id(group)
+        gseq = self.groups[gid] = self.groups.get(gid, 0) + 1
+        entry = [self.seq, op, name, shapes, time.time(), None, gid, gseq]
         self.entries.append(entry)
         return entry
 
@@ -81,9 +87,9 @@ class CollectiveRecord:
     def end(entry: list) -> None:
         entry[5] = time.time()
 
-    def open(self, op: str, name: str | None, *tensors) -> list:
+    def open(self, op: str, name: str | None, *tensors, group=None) -> list:
         """``begin`` with the shapes of ``tensors`` (None skipped)."""
-        return self.begin(op, name, tuple(t.shape for t in tensors if t is not None))
+        return self.begin(op, name, tuple(t.shape for t in tensors if t is not None), group)
 
     def blocking(self, entry: list, fn, *args, **kwargs):
         """Run ``fn`` (a synchronous collective), marked as the one this rank is waiting in."""
@@ -95,7 +101,7 @@ class CollectiveRecord:
 
     def call(self, op: str, fn, *args, **kwargs):
         """Record, run and close a synchronous collective that has no tensor name (barrier, objects)."""
-        entry = self.begin(op, None, ())
+        entry = self.begin(op, None, (), kwargs.get("group"))
         out = self.blocking(entry, fn, *args, **kwargs)
         entry[5] = time.time()
         return out
@@ -110,10 +116,32 @@ class CollectiveRecord:
                                  None if e[5] is None else round(e[5] - e[4], 6)] for e in entries[-_RECENT:]]}
         current = waiting[0] if waiting else (entries[-1] if entries else None)
         if current is not None:
-            out.update(op=current[1], name=current[2], shapes=[list(s) for s in current[3]], at=current[0])
+            out.update(op=current[1], name=current[2], shapes=[list(s) for s in current[3]], at=current[0],
+                       group=current[6], gat=current[7])
+        out["groups"] = dict(self.groups)
         if waiting:
             out.update(state="waiting", waited_s=round(time.time() - waiting[1], 3))
         return out
+
+
+_GROUP_IDS: dict[int, str] = {}
+
+
+def group_id(group) -> str:
+    """A process group's name that every member computes alike: its global ranks, or ``"world"``."""
+    if group is None:
+        return "world"
+    gid = _GROUP_IDS.get(id(group))
+    if gid is None:
+        import torch.distributed as dist
+
+        try:
+            ranks = dist.get_process_group_ranks(group)
+            gid = "world" if ranks == list(range(dist.get_world_size())) else ",".join(map(str, ranks))
+        except Exception:  # noqa: BLE001 - not a registered group (a test double): named by nothing shared
+            gid = f"local{id(group)}"
+        _GROUP_IDS[id(group)] = gid
+    return gid
 
 
 RECORD = CollectiveRecord()

@@ -49,6 +49,7 @@ from phalanx.parallel.data.config import (
 from phalanx.parallel.data.followups import FiniteGuard, FollowUp, UsedCounts, launch_sparse
 from phalanx.parallel.data.hooks import StepObserver, run_engine_hooks
 from phalanx.parallel.data.joined import JoinedSteps
+from phalanx.parallel.data.learned import agree_learned
 from phalanx.parallel.data.reduction import (
     AllReduceReduction,
     BucketReduction,
@@ -72,6 +73,7 @@ def reform_engines(topology) -> int:
     were re-derived.
     """
     engines = [e for e in list(_LIVE) if e._hooks]
+    agree_learned(engines)  # the bucket size and autotune result rank 0 (the oldest member) learned
     for engine in engines:
         engine.reform(topology)
     return len(engines)
@@ -226,7 +228,8 @@ class GradientEngine(JoinedSteps):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         if not isinstance(self.buckets, PlannedBuckets):
-            self.buckets = BucketManager(self.buckets.params, self._bucket_bytes, self._launch, self.join_flag)
+            self.buckets = BucketManager(self.buckets.params, self.buckets.bucket_bytes, self._launch,  # agreed
+                                         self.join_flag)
         else:
             self.buckets.reset()
         self.finite = FiniteGuard(self.compressor, self.buckets.params)

@@ -35,6 +35,7 @@ from phalanx.comm.collectives import Handle, ReduceOp, allreduce
 from phalanx.comm.compressed_allreduce import allreduce_compressed
 from phalanx.comm.compressed_paths import wire
 from phalanx.parallel.data.config import VIEW_MIN_NUMEL
+from phalanx.runtime.heartbeat import RECORD
 
 __all__ = ["BucketReduction", "TakesGrads", "ReportsComplete", "AllReduceReduction", "InFlight"]
 
@@ -145,8 +146,10 @@ class AllReduceReduction(BucketReduction):
                 # benchmarks/mismatch_check.py) would only re-check what cannot change.
                 if pre != 1.0:
                     payload.mul_(pre)
+                # named in the rank's collective record, as the checked path names it ("behind" reports)
+                entry = RECORD.begin("allreduce", f"dp.bucket{i}", (payload.shape,), engine.group)
                 work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=engine.group, async_op=True)
-                handle = Handle(work, payload)
+                handle = Handle(work, payload, entry=entry)
                 scale = post / (engine.world if op is ReduceOp.AVERAGE else 1)
             elif engine.algorithm == "flat":
                 handle = allreduce(payload, op=op, group=engine.group, async_op=True, name=f"dp.bucket{i}",
