@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import json
 import os
@@ -119,10 +120,14 @@ class SimCluster:
             raise ClusterUnavailable(why)
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         try:
-            subnet = _free_subnet()
-            self.gateway = f"10.213.{subnet}.1"
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            # Two clusters coming up at once (parallel test workers, two users) must not pick the
+            # same subnet: choosing it and claiming it on the bridge is one step under a file lock.
+            with open(os.path.join(_STATE_ROOT, ".subnet.lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                subnet = _free_subnet()
+                self.gateway = f"10.213.{subnet}.1"
+                _ip("link", "add", self.bridge, "type", "bridge")
+                _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for i, ns in enumerate(self.namespaces):
                 addr = f"10.213.{subnet}.{i + 2}"
