@@ -15,6 +15,8 @@ from torch import nn
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"^\[\d+\]: ")  # before ray: keep every rank's lines
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
 
+from ray_local import start_local_ray  # noqa: E402
+
 import phalanx as px  # noqa: E402
 import phalanx.horovod as hvd  # noqa: E402 - horovod.ray's examples use `import horovod.torch as hvd`
 from phalanx.horovod.ray import RayExecutor  # noqa: E402 - was: from horovod.ray import RayExecutor
@@ -32,18 +34,6 @@ def local_ray():
     start_local_ray(ray)
     yield
     ray.shutdown()
-
-
-def start_local_ray(ray_module, tries: int = 3) -> None:
-    """ray.init(num_cpus=2); Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss."""
-    for attempt in range(tries):
-        try:
-            ray_module.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-            return
-        except Exception:
-            ray_module.shutdown()
-            if attempt == tries - 1:
-                raise
 
 
 def _live_actor_names(prefix: str) -> list[str]:

@@ -139,18 +139,12 @@ def test_ray_tune_asha_stops_trials_early(tmp_path):
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
+    from ray_local import start_local_ray
 
     from phalanx.tune import distributed_trainable
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss
-        try:
-            ray.init(num_cpus=2, include_dashboard=False)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
+    start_local_ray(ray)
     try:
         tuner = tune.Tuner(
             distributed_trainable(tune_train_fn, num_workers=2, cpus_per_worker=1),

@@ -1,0 +1,26 @@
+"""A local Ray cluster for tests: ``start_local_ray(ray)``, retried where a loaded machine misses Ray's start deadline."""
+
+from __future__ import annotations
+
+import contextlib
+
+import psutil
+
+
+def start_local_ray(ray_module, tries: int = 3) -> None:
+    """ray.init(num_cpus=2); Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss."""
+    me = psutil.Process()
+    for attempt in range(tries):
+        before = {c.pid for c in me.children(recursive=True)}
+        try:
+            ray_module.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+            return
+        except Exception:
+            ray_module.shutdown()
+            # a start that missed its deadline leaves its gcs_server, monitor and log monitor running
+            for child in me.children(recursive=True):
+                if child.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
+            if attempt == tries - 1:
+                raise
