@@ -45,6 +45,7 @@ from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreempt
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
 from phalanx.launcher.stall import ElasticStalls, describe_exit
+from phalanx.launcher.worker_output import WorkerOutput
 from phalanx.log import get_logger
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
 
@@ -89,7 +90,7 @@ class Supervisor:
         self.aside, self.starter = SetAside(cooldown), starter
         self.store_addr = store_addr  # where workers reach the store (None: our route to the first remote host)
         self.reset_limit, self.resets = reset_limit, 0
-        self.elastic_timeout, self.log_dir, self.stall_timeout = elastic_timeout, log_dir, stall_timeout
+        self.elastic_timeout, self.stall_timeout = elastic_timeout, stall_timeout
         self.first_failure: str | None = None
         self._short_since: float | None = None  # since when fewer than --min-np workers can run
         self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
@@ -97,7 +98,6 @@ class Supervisor:
         self.ssh, self.network_interface, self.start_timeout = ssh, network_interface, start_timeout
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.fallback = fallback  # callable(np, restarts_left) -> exit code: the TorchElastic restart path
-        self.ranks_filter = ranks_filter  # ranks whose output is shown (None: all; joiners always)
         self.workers: list[_Worker] = []
         self.members: list[_Worker] = []  # of the latest published generation, in rank order
         self.gen = -1
@@ -105,7 +105,8 @@ class Supervisor:
         self.wanted = np
         self._lock = threading.Lock()
         self._next_wid = 0
-        self._pumps: list[threading.Thread] = []
+        # ranks_filter: whose output is shown (None: all; joiners always); log_dir: --output-filename
+        self.output = WorkerOutput(self._rank_of, log_dir=log_dir, ranks_filter=ranks_filter)
         self._secret: bytes | None = None
         self._probed: set[str] = set()
 
@@ -177,11 +178,7 @@ class Supervisor:
                                       "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS or k == "PYTHONPATH"})
         w = _Worker(wid, host, proc, joiner=rank_env is None)
         self.workers.append(w)
-        files = self._log_files(w, rank_env)
-        for stream, out, keep in ((proc.stdout, sys.stdout, files[0]), (proc.stderr, sys.stderr, files[1])):
-            t = threading.Thread(target=self._pump, args=(w, stream, out, keep), daemon=True)
-            t.start()
-            self._pumps.append(t)
+        self.output.attach(w, wid, proc.stdout, proc.stderr, rank_env["RANK"] if rank_env else None)
         return w
 
     def _start_remote(self, host: str, env: dict[str, str]) -> subprocess.Popen:
@@ -192,27 +189,6 @@ class Supervisor:
                                 stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         handoff.send_secret(proc, self._secret)  # stdin then stays open: EOF tells the worker to stop
         return proc
-
-    def _log_files(self, w: _Worker, rank_env: dict[str, int] | None) -> tuple:
-        """``--output-filename DIR``: DIR/rank.N/stdout|stderr (N: first rank), DIR/worker.<id>/ for joiners."""
-        if not self.log_dir:
-            return None, None
-        folder = os.path.join(self.log_dir, f"rank.{rank_env['RANK']}" if rank_env else f"worker.{w.wid}")
-        os.makedirs(folder, exist_ok=True)
-        return tuple(open(os.path.join(folder, n), "a", buffering=1) for n in ("stdout", "stderr"))  # noqa: SIM115
-
-    def _pump(self, w: _Worker, stream, out, keep=None) -> None:
-        for line in iter(stream.readline, ""):
-            if keep is not None:
-                keep.write(line)
-            rank = self._rank_of(w)
-            if rank is not None and self.ranks_filter is not None and rank not in self.ranks_filter:
-                continue
-            out.write(f"[{rank}]: {line}" if rank is not None else f"[{w.wid}]: {line}")
-            out.flush()
-        stream.close()
-        if keep is not None:
-            keep.close()
 
     def _rank_of(self, w: _Worker) -> int | None:
         with self._lock:
@@ -344,8 +320,7 @@ class Supervisor:
             return self._loop(stop)
         finally:
             self._kill_all()
-            for t in self._pumps:
-                t.join(2)
+            self.output.join()
             self.preempt.uninstall(previous)
 
     def _loop(self, stop: threading.Event) -> int:
