@@ -25,7 +25,8 @@ def test_profiles_load():
     # P100's achieved fraction comes from Horovod's ResNet-101 example and the architecture's FLOPs
     assert hardware.P100_MFU == pytest.approx(1656.82 / 16 * 46.808e9 / 9.3e12, rel=1e-3)
     sim = hardware.simulated(200e6, ranks_per_host=2)
-    assert sim.network.bandwidth == pytest.approx(25e6) and sim.node.gpus == 2
+    # the tc rate less the headers tbf counts: 1448 bytes of TCP payload per 1514-byte frame
+    assert sim.network.bandwidth == pytest.approx(25e6 * 1448 / 1514) and sim.node.gpus == 2
     with pytest.raises(ValueError, match="unknown hardware 'h100'.*h100-ib400"):
         hardware.get("h100")
 
