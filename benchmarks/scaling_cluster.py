@@ -4,7 +4,8 @@ Run (root; needs ip, tc, sshd; the script does NOT take the benchmark lock: wrap
 
     flock /tmp/phalanx-bench.lock python benchmarks/scaling_cluster.py --out run.json
 
-The default does the whole check (five layouts, about 5 minutes on a quiet cpu2). For each
+The default does the whole check: five jobs on one 8-host cluster, meant to finish within 8
+minutes on a quiet cpu2 (most of it is starting the jobs; each prints its own wall time). For each
 layout ``HOSTSxRANKS`` it brings up ``phalanx cluster up``-style hosts (network namespaces on
 a bridge, every host's link capped by ``tc tbf`` at ``--rate`` both ways), runs the ranks
 through the real SSH launch path, and times, interleaved in rounds:
@@ -22,7 +23,9 @@ carry it (``2x2,4x2``; 16 ranks at 8x2 were CPU-bound: docs/scaling.md). The mod
 in for an accelerator: 16 Linear(256, 256) layers (1.05M parameters, 4.2 MB of fp32
 gradients) whose forward and backward *sleep* per layer (``--fwd-ms``, ``--bwd-ms``), as a
 GPU's kernels run while the host's cores stay free. Real compute is a batch of 8, so eight
-processes mostly sleep or wait on a 100 Mbit/s link, and 4.2 MB over it take 0.35-0.6 s.
+processes mostly sleep or wait on a 90 Mbit/s link, and 4.2 MB over it take 0.39-0.69 s.
+0.5 MB buckets hold one layer each (16 buckets): at 2 hosts each allreduce keeps up with
+backward and only the last is exposed; from 4 hosts on they queue behind each other.
 
 **Prediction, with nothing from the DataParallel steps.** ``predicted = local + waiting +
 exposed`` where
@@ -266,7 +269,7 @@ def _run_layout(args, c, ifname: str, here: str, hosts: int, per_host: int, rows
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="HOSTSxRANKS per host, comma separated")
-    ap.add_argument("--rate", default="100mbit", help="tc tbf rate of every host's link, each direction")
+    ap.add_argument("--rate", default="90mbit", help="tc tbf rate of every host's link, each direction")
     ap.add_argument("--bucket-mb", type=float, default=0.5, help="DataParallel bucket_mb (0.5: one layer a bucket)")
     ap.add_argument("--fwd-ms", type=float, default=5.0, help="device time per layer, forward")
     ap.add_argument("--bwd-ms", type=float, default=25.0, help="device time per layer, backward")

@@ -228,8 +228,9 @@ TCP_PAYLOAD_PER_TBF_BYTE = (1500 - 20 - 20 - 12) / (1500 + 14)
 A 1500-byte MTU frame carries 1448 bytes of payload under IPv4 (20), TCP (20) and its
 timestamps option (12; RFC 791, RFC 9293, RFC 7323; Linux sends timestamps by default), and
 tbf counts the 14-byte Ethernet header too (the packet's length on the veth; a GSO packet
-is counted as its segments). The link fitted to isolated 2-host allreduces at 100 Mbit/s
-(``benchmarks/scaling_cluster.py``) measured 94.7 and 95.7 Mbit/s of payload."""
+is counted as its segments): 95.6 Mbit/s of payload at 100 Mbit/s. The link fitted to
+isolated 2-host allreduces at 100 Mbit/s (``benchmarks/scaling_cluster.py``) gave 94.3-96.2
+Mbit/s in five runs on cpu2 (load 10-20)."""
 
 
 def simulated(rate_bits: float, ranks_per_host: int = 1) -> Hardware:
