@@ -5,10 +5,11 @@ Run (root; needs ip, tc, sshd; the script does NOT take the benchmark lock: wrap
     flock /tmp/phalanx-bench.lock python benchmarks/scaling_cluster.py --out run.json
 
 The default does the whole check: five jobs on one 8-host cluster, meant to finish within 8
-minutes on a quiet cpu2 (most of it is starting the jobs; each prints its own wall time). For each
-layout ``HOSTSxRANKS`` it brings up ``phalanx cluster up``-style hosts (network namespaces on
-a bridge, every host's link capped by ``tc tbf`` at ``--rate`` both ways), runs the ranks
-through the real SSH launch path, and times, interleaved in rounds:
+minutes on a quiet cpu2 (most of it is starting the jobs; each prints its own wall time). It
+brings up ``phalanx cluster up``-style hosts once, as many as the largest layout needs (network
+namespaces on a bridge, every host's link capped by ``tc tbf`` at ``--rate`` both ways); each
+layout ``HOSTSxRANKS`` then runs its ranks on the first HOSTS hosts through the real SSH
+launch path and times, interleaved in rounds:
 
 - ``local``: the same model and batch with no gradient sync (each rank alone);
 - ``sync``: the local step, then one 8-byte allreduce (what waiting for the slowest rank costs);
@@ -230,6 +231,27 @@ def _report(rows: list) -> None:
                       f"{knee['predicted_s']} hosts, measured {knee['measured_s']} hosts")
 
 
+def _markdown(rows: list) -> None:
+    """The rows of docs/scaling.md's results table and its knee line, ready to paste."""
+    print("\ndocs/scaling.md rows:")
+    for res in rows:
+        local = res["median_s"]["local"]
+        for name, p in res["pred"].items():
+            err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"]
+            prof = res["pred_profile"][name]["predicted_s"]
+            print(f"| {res['hosts']}x{res['ranks'] // res['hosts']} ({res['ranks']}) | {name} | "
+                  f"{p['predicted_s'] * 1e3:.1f} / {p['measured_s'] * 1e3:.1f} | {err:+.1%} | "
+                  f"{(prof - p['measured_s']) / p['measured_s']:+.1%} | "
+                  f"{local / p['predicted_s']:.0%} / {local / p['measured_s']:.0%} |")
+    knees = []
+    for per_host in sorted({r["ranks"] // r["hosts"] for r in rows}):
+        for name in ("flat", "hierarchical"):
+            if any(name in r["pred"] and r["ranks"] // r["hosts"] == per_host for r in rows):
+                k = _knees(rows, "pred", name, per_host)
+                knees.append(f"{per_host} rank(s) per host, {name} {k['predicted_s']} / {k['measured_s']}")
+    print("Knee (hosts), predicted / measured: " + "; ".join(knees) + " (None: no size below 80%)")
+
+
 def _run_layout(args, c, ifname: str, here: str, hosts: int, per_host: int, rows: list) -> bool:
     """One job of ``hosts`` x ``per_host`` ranks on the first hosts of cluster ``c``; appends its row."""
     t0, load0 = time.time(), os.getloadavg()[0]
@@ -291,6 +313,7 @@ def main() -> int:
             if not _run_layout(args, c, IFNAME, here, hosts, per_host, rows):
                 return 1
     _report(rows)
+    _markdown(rows)
     print(f"\nwhole check: {time.time() - start:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
