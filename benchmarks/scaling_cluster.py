@@ -24,9 +24,10 @@ carry it (``2x2,4x2``; 16 ranks at 8x2 were CPU-bound: docs/scaling.md). The mod
 in for an accelerator: 16 Linear(256, 256) layers (1.05M parameters, 4.2 MB of fp32
 gradients) whose forward and backward *sleep* per layer (``--fwd-ms``, ``--bwd-ms``), as a
 GPU's kernels run while the host's cores stay free. Real compute is a batch of 8, so eight
-processes mostly sleep or wait on a 90 Mbit/s link, and 4.2 MB over it take 0.39-0.69 s.
-0.5 MB buckets hold one layer each (16 buckets): at 2 hosts each allreduce keeps up with
-backward and only the last is exposed; from 4 hosts on they queue behind each other.
+processes mostly sleep or wait on a 100 Mbit/s link, and 4.2 MB over it take 0.35-0.62 s.
+0.5 MB buckets hold one layer each (16 buckets): at 2 hosts each allreduce (22 ms) keeps up
+with a layer's backward (25 ms) and only the last is exposed; from 4 hosts on (33 ms) they
+queue behind each other.
 
 **Prediction, with nothing from the DataParallel steps.** ``predicted = local + waiting +
 exposed`` where
@@ -291,7 +292,7 @@ def _run_layout(args, c, ifname: str, here: str, hosts: int, per_host: int, rows
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="HOSTSxRANKS per host, comma separated")
-    ap.add_argument("--rate", default="90mbit", help="tc tbf rate of every host's link, each direction")
+    ap.add_argument("--rate", default="100mbit", help="tc tbf rate of every host's link, each direction")
     ap.add_argument("--bucket-mb", type=float, default=0.5, help="DataParallel bucket_mb (0.5: one layer a bucket)")
     ap.add_argument("--fwd-ms", type=float, default=5.0, help="device time per layer, forward")
     ap.add_argument("--bwd-ms", type=float, default=25.0, help="device time per layer, backward")
