@@ -206,7 +206,8 @@ def predict(res: dict, rate_bits: float, calibrated: bool = True) -> dict:
 
 def _knees(rows: list, key: str, name: str, per_host: int) -> dict:
     """The first size (hosts) below 80% efficiency, predicted and measured, among one ranks-per-host series."""
-    series = [r for r in rows if r["ranks"] // r["hosts"] == per_host and name in r[key]]
+    series = sorted((r for r in rows if r["ranks"] // r["hosts"] == per_host and name in r[key]),
+                    key=lambda r: r["hosts"])
     return {kind: next((r["hosts"] for r in series if r["median_s"]["local"] / r[key][name][kind] < 0.8), None)
             for kind in ("predicted_s", "measured_s")}
 
