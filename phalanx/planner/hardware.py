@@ -36,7 +36,7 @@ import dataclasses
 import time
 
 __all__ = ["GPU", "Node", "Network", "Hardware", "GPUS", "NETWORKS", "HARDWARE", "CPU2", "get", "names",
-           "measure_cpu", "simulated"]
+           "measure_cpu", "simulated", "TCP_PAYLOAD_PER_TBF_BYTE"]
 
 GB = 1e9
 T = 1e12
@@ -222,13 +222,25 @@ CPU2 = Hardware(
     "this machine, measured by hardware.measure_cpu()")
 
 
+TCP_PAYLOAD_PER_TBF_BYTE = (1500 - 20 - 20 - 12) / (1500 + 14)
+"""Payload a TCP stream moves per byte ``tc tbf`` counts on a simulated host's link: 0.956.
+
+A 1500-byte MTU frame carries 1448 bytes of payload under IPv4 (20), TCP (20) and its
+timestamps option (12; RFC 791, RFC 9293, RFC 7323; Linux sends timestamps by default), and
+tbf counts the 14-byte Ethernet header too (the packet's length on the veth; a GSO packet
+is counted as its segments): 95.6 Mbit/s of payload at 100 Mbit/s. The link fitted to
+isolated 2-host allreduces at 100 Mbit/s (``benchmarks/scaling_cluster.py``) gave 94.3-96.2
+Mbit/s in five runs on cpu2 (load 10-20)."""
+
+
 def simulated(rate_bits: float, ranks_per_host: int = 1) -> Hardware:
     """The simulated cluster of ``phalanx cluster up`` on cpu2: each netns host's link capped by
-    ``tc tbf`` at ``rate_bits`` bit/s per direction; ranks of one host talk over loopback."""
+    ``tc tbf`` at ``rate_bits`` bit/s per direction, of which TCP moves
+    :data:`TCP_PAYLOAD_PER_TBF_BYTE`; ranks of one host talk over loopback."""
     return Hardware(f"cpu2-netns-{rate_bits / 1e6:g}mbit", CPU2.gpu,
                     dataclasses.replace(CPU2.node, gpus=ranks_per_host),
-                    Network(f"netns bridge, tc tbf {rate_bits / 1e6:g} Mbit/s", rate_bits / 8, CPU2.network.latency_s,
-                            "netns"),
+                    Network(f"netns bridge, tc tbf {rate_bits / 1e6:g} Mbit/s", rate_bits / 8 * TCP_PAYLOAD_PER_TBF_BYTE,
+                            CPU2.network.latency_s, "netns"),
                     "simulated hosts on cpu2 (phalanx.testing.cluster)")
 
 
