@@ -156,8 +156,18 @@ class TorchState:
         return True
 
     def sync(self) -> None:
-        """Make every rank hold rank 0's state (after a restart or a new worker joined)."""
+        """Make every rank hold rank 0's state (after a restart or a new worker joined).
+
+        When no rank holds a commit (a generation of newcomers only: every earlier member left at
+        the commit that admitted them), the state comes from the last snapshot on every rank, not
+        from rank 0's fresh one: the job goes on from where it was, nothing is lost.
+        """
         topology = live_topology(self._topology)
+        held = self._memory is not None or self.restored_from is not None
+        anyone = any(allgather_object(held)) if topology is not None and topology.size > 1 else held
+        if not anyone:  # (every rank asks: a collective)
+            if self.restore():
+                log.warning("no member held the state: resumed commit %d from %s", self.commits, self.restored_from)
         if topology is None or topology.size == 1:
             self._reset_samplers()
             self._world_changed(1)
