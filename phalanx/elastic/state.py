@@ -144,6 +144,10 @@ class TorchState:
                 else:
                     self._pieces[k] = copy.deepcopy(self._memory[k])
             return True
+        return self._load_latest()
+
+    def _load_latest(self) -> bool:
+        """The last snapshot on disk, if any (what a restarted group, or a generation of newcomers, resumes)."""
         live = self.pieces()
         path = self._manager.load_latest(live)
         if path is None:
@@ -166,7 +170,7 @@ class TorchState:
         held = self._memory is not None or self.restored_from is not None
         anyone = any(allgather_object(held)) if topology is not None and topology.size > 1 else held
         if not anyone:  # (every rank asks: a collective)
-            if self.restore():
+            if self._load_latest():
                 log.warning("no member held the state: resumed commit %d from %s", self.commits, self.restored_from)
         if topology is None or topology.size == 1:
             self._reset_samplers()
