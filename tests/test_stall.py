@@ -224,6 +224,30 @@ def test_behind_is_judged_within_the_waited_collectives_group():
     assert detector.behind()[1] == [], detector.behind()
 
 
+def test_warning_for_a_rank_both_waiting_and_silent():
+    """A rank stopped inside a collective is waiting (its last heartbeat) and silent at once: one block."""
+    import io
+
+    from phalanx.launcher.stall import Watcher
+
+    store, clock, pid, out = torch.distributed.HashStore(), _Clock(), os.getpid(), io.StringIO()
+
+    def beat(rank, n, **value):
+        store.set(f"phalanx/heartbeat/{rank}", json.dumps({"rank": rank, "pid": pid, "beat": n, **value}))
+
+    watcher = Watcher(store, ranks=[0, 1], stall_warning_s=5, out=out)
+    watcher.detector.clock = clock
+    beat(0, 1, state="waiting", seq=9, at=9, op="allreduce", waited_s=0.0)
+    beat(1, 1, state="waiting", seq=9, at=9, op="allreduce", waited_s=0.0)
+    watcher.detector.poll()
+    clock.now += 6  # rank 0 beats on; rank 1 froze in the collective
+    beat(0, 2, state="waiting", seq=9, at=9, op="allreduce", waited_s=6.0)
+    watcher.detector.poll()
+    watcher._warn()
+    watcher._warn()  # the same episode: not printed twice
+    assert out.getvalue().count("phalanx: stall warning:") == 1, out.getvalue()
+
+
 def test_elastic_workers_beat_under_their_worker_id():
     from phalanx.launcher.stall import StallDetector
     from phalanx.runtime.heartbeat import Heartbeat

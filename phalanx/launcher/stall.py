@@ -298,7 +298,9 @@ class Watcher(threading.Thread):
         silent = self.detector.silent(self.stall_warning_s)
         if not waiting and not silent:
             return
-        episode = tuple(sorted({(v.rank, v.value.get("at")) for v in waiting} | {(v.rank, "silent") for v in silent}))
+        # a stopped rank can be both waiting (its last heartbeat) and silent: keys of one type, sortable
+        episode = tuple(sorted({(str(v.rank), str(v.value.get("at"))) for v in waiting}
+                               | {(str(v.rank), "silent") for v in silent}))
         if episode in self._warned:
             return
         self._warned.add(episode)
