@@ -75,5 +75,8 @@ def test_lost_member_ends_the_survivors_collectives_not_the_timeout():
     for r in results[:2]:
         assert r["error"] is not None, results  # the allreduce w2 never joined did not succeed
         assert "timed out" not in r["error"].lower() and "timeout" not in r["error"].lower(), results
-        assert r["acted"] == [(0, "w2")], results
+        # the watcher acts only on a collective still blocked: when the other survivor's watcher shut its
+        # connections first, this one's allreduce already ended with "connection closed" (as good)
+        assert r["acted"] in ([(0, "w2")], []), results
         print(f"\nsurvivor's allreduce ended {r['took']:.2f} s after it began (w2 announced lost at ~1 s)")
+    assert [(0, "w2")] in (results[0]["acted"], results[1]["acted"]), results  # one watcher at least acted

@@ -62,6 +62,8 @@ def _cases(r, other=None, removed=None):
                         ["not registered"]),
         "average_and_op": (lambda: hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum), ValueError,
                            ["average", "op"]),
+        "process_set_differs": (lambda: hvd.add_process_set([r]), ValueError,
+                                ["add_process_set", "different ranks", "rank 0: [0]", "rank 1: [1]"]),
     }
 
 
@@ -70,7 +72,8 @@ _cases.expected = _cases
 
 def _every_error():
     r = hvd.rank()
-    other = hvd.add_process_set([1 - r])
+    sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]  # every rank adds the same sets
+    other = sets[1 - r]
     removed = hvd.add_process_set([0, 1])
     hvd.remove_process_set(removed)
     out = {}
@@ -92,7 +95,8 @@ def results():
 @pytest.mark.parametrize("case", ["duplicate_name", "duplicate_name_across_ops", "shape", "dtype", "op", "root",
                                   "different_collectives", "allgather_trailing_dims", "grouped_different_lengths",
                                   "alltoall_splits", "reducescatter_scalar", "reducescatter_min", "adasum_integer",
-                                  "not_a_member", "removed_set", "average_and_op"])
+                                  "not_a_member", "removed_set", "average_and_op",
+                                  "process_set_differs"])
 def test_error_raised_on_every_rank(results, case):
     for r, o in enumerate(results):
         assert o[case] is not None, f"rank {r} did not raise"

@@ -93,11 +93,25 @@ def add_process_set(process_set) -> ProcessSet:
         raise ValueError(f"{ps} is already registered; remove it first or pass a new ProcessSet")
     if ps.ranks is not None and (not ps.ranks or ps.ranks[0] < 0 or ps.ranks[-1] >= runtime.size()):
         raise ValueError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{runtime.size() - 1}")
+    if ps.ranks is not None and dist.is_initialized():
+        _check_same_everywhere(ps.ranks)
     ps.process_set_id = next(_ids)
     _registered[ps.process_set_id] = ps
     if ps.ranks is not None and dist.is_initialized():
         ps._build()
     return ps
+
+
+def _check_same_everywhere(ranks: list[int]) -> None:
+    """Every rank must add the same set at the same point: say so on every rank, instead of a
+    ``new_group`` whose ranks differ per process (undefined in c10d: a hang or a torn mesh)."""
+    seen: list = [None] * runtime.size()
+    dist.all_gather_object(seen, ranks)
+    if any(other != ranks for other in seen):
+        differ = {r: other for r, other in enumerate(seen) if other != seen[0]}
+        raise ValueError(f"add_process_set was called with different ranks on different processes (rank 0: "
+                         f"{seen[0]}, " + ", ".join(f"rank {r}: {o}" for r, o in differ.items()) + "); every rank "
+                         "must add the same process sets, in the same order, as in Horovod")
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
