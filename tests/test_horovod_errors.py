@@ -110,3 +110,43 @@ def test_error_raised_on_every_rank(results, case):
 
 def test_ranks_still_agree_after_every_error(results):
     assert [o["still_in_step"] for o in results] == [3.0, 3.0]
+
+
+MIXED = """
+import torch
+import phalanx.horovod.torch as hvd
+
+hvd.init()
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+for step in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+if hvd.rank() == 0:  # rank 0 steps once more while rank 1 makes a facade collective
+    opt.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+else:
+    hvd.allreduce(torch.ones(3), name="metric")
+"""
+
+
+def test_a_rank_stepping_while_another_calls_a_collective_is_named(tmp_path):
+    """Not a mismatch the check can see (the optimizer's reductions run on their own group): the
+    facade call waits out the collective timeout, then says which call it made and where the other
+    rank is (its heartbeat under `phalanx run`), in one line. Horovod stalls here (its stall
+    inspector warns after 60 s)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mixed.py").write_text(MIXED)
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "--timeout", "5", sys.executable,
+                           str(tmp_path / "mixed.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    line = next((ln for ln in out.splitlines() if "did not make that call" in ln), None)
+    assert line is not None, out[-3000:]
+    assert "rank 1 called allreduce 'metric'" in line and "rank 0 is waiting in allreduce" in line, line
+    assert "'dp.bucket0'" in line and "optimizer.step()" in line and "--timeout" in line, line
+    assert "phalanx: rank 1" in out and "failed first" in out, out[-3000:]

@@ -40,6 +40,7 @@ from phalanx.comm.collectives import (
     describe_mismatch,
     mismatch_check_enabled,
 )
+from phalanx.runtime import heartbeat
 
 __all__ = ["STEP", "NOBODY", "JOINED", "digest", "step_probe", "announce", "next_request", "joined_wait",
            "last_to_join", "device_for"]
@@ -101,7 +102,12 @@ def announce(desc: dict, group) -> bool:
         return False
     n = dist.get_world_size(group)
     probe = _probe(digest(desc), 0, group)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower():
+            raise
+        raise CollectiveMismatchError(_not_made_in_time(desc, n)) from err
     high, low, joined = probe.tolist()
     if not joined:
         if high == -low:
@@ -113,6 +119,21 @@ def announce(desc: dict, group) -> bool:
     dist.all_gather_object(every, desc, group=group)
     _compare(every, group)
     return True
+
+
+def _not_made_in_time(desc: dict, n: int) -> str:
+    """The one line for a facade call the other ranks did not make within the collective timeout:
+    what this rank called, where the others are (their heartbeats, under ``phalanx run``), the fix."""
+    me = dist.get_rank()
+    where = heartbeat.peer_positions(r for r in range(n) if r != me)
+    others = "; ".join(f"rank {r} is {w}" for r, w in sorted(where.items())) or \
+        "run under `phalanx run` to see where the other ranks are"
+    hint = " ('dp.bucket' is a gradient reduction: optimizer.step() or backward)" \
+        if any("'dp.bucket" in w for w in where.values()) else ""
+    return (f"phalanx: rank {me} called {desc['call']} {desc['name']!r}, and the other ranks did not make that "
+            f"call within the collective timeout: {others}{hint}. Every rank must make the same collectives in "
+            "the same order (a rank in optimizer.step() while another calls hvd.allreduce is the usual cause); "
+            "if a rank is only slow, raise --timeout")
 
 
 def next_request(group) -> tuple[str, dict | None]:

@@ -40,6 +40,7 @@ from phalanx.horovod.training import (
     start_timeline,
     stop_timeline,
 )
+from phalanx.launcher.join import join as join_job
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -70,7 +71,7 @@ def init(comm=None, process_sets=None):
     """Start phalanx (``comm``: a list of ranks is accepted; MPI communicators are not used)."""
     if comm is not None and not isinstance(comm, (list, tuple)):
         raise ValueError("phalanx.horovod.init: MPI communicators are not supported; launch with phalanx run")
-    runtime.init()
+    join_job()  # as px.init(): the runtime, and the services `phalanx run` asks for (heartbeat, timeline, autotune)
     for ps in process_sets or []:
         add_process_set(ps)
 

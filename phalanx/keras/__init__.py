@@ -31,6 +31,7 @@ from phalanx.keras import callbacks
 from phalanx.keras.optimizer import DistributedOptimizer
 from phalanx.keras.tensors import from_torch, kind, over_torch, to_torch
 from phalanx.keras.variables import broadcast_variables
+from phalanx.launcher.join import join as join_job
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
@@ -49,7 +50,7 @@ def init(comm=None, process_sets=None) -> None:
         raise ValueError("phalanx.keras.init: MPI communicators are not supported; launch with phalanx run")
     if process_sets:
         raise ValueError("phalanx.keras.init: process_sets are not supported by the Keras front yet")
-    runtime.init()
+    join_job()  # as px.init(): the runtime, and the services `phalanx run` asks for (heartbeat, timeline, autotune)
 
 
 shutdown, is_initialized = runtime.shutdown, runtime.is_initialized

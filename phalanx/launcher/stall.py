@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from phalanx.runtime.heartbeat import heartbeat_key
+from phalanx.runtime.heartbeat import describe_position, heartbeat_key
 
 __all__ = ["PEER_LOST", "lost_a_peer", "RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position", "is_child"]
 
@@ -117,15 +117,6 @@ class RankView:
         if self.value.get("state") != "waiting":
             return 0.0
         return float(self.value.get("waited_s", 0.0)) + (now - self.changed_at)
-
-
-def describe_position(value: dict) -> str:
-    """``allreduce #38 'grad.bucket0' [[4096]]``: the collective a heartbeat says its rank is at."""
-    if not value.get("op"):
-        return "no collective yet"
-    name = f" {value['name']!r}" if value.get("name") else ""
-    shapes = f" {value['shapes']}" if value.get("shapes") else ""
-    return f"{value['op']} #{value.get('at', value.get('seq'))}{name}{shapes}"
 
 
 def _without_heartbeat(dump: str) -> str:

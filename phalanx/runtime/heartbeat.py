@@ -47,8 +47,8 @@ import sys
 import threading
 import time
 
-__all__ = ["CollectiveRecord", "RECORD", "Heartbeat", "start_from_env", "heartbeat_key", "HEARTBEAT_ENV", "HEARTBEAT_STORE_ENV",
-           "STACK_DIR_ENV"]
+__all__ = ["CollectiveRecord", "RECORD", "Heartbeat", "start_from_env", "heartbeat_key", "describe_position",
+           "peer_positions", "HEARTBEAT_ENV", "HEARTBEAT_STORE_ENV", "STACK_DIR_ENV"]
 
 HEARTBEAT_ENV = "PHALANX_HEARTBEAT_S"
 HEARTBEAT_STORE_ENV = "PHALANX_HEARTBEAT_STORE"  # host:port of the launcher's own store
@@ -145,6 +145,34 @@ def group_id(group) -> str:
 
 
 RECORD = CollectiveRecord()
+
+
+def describe_position(value: dict) -> str:
+    """``allreduce #38 'grad.bucket0' [[4096]]``: the collective a heartbeat says its rank is at."""
+    if not value.get("op"):
+        return "no collective yet"
+    name = f" {value['name']!r}" if value.get("name") else ""
+    shapes = f" {value['shapes']}" if value.get("shapes") else ""
+    return f"{value['op']} #{value.get('at', value.get('seq'))}{name}{shapes}"
+
+
+def peer_positions(ranks) -> dict[int, str]:
+    """Where the other ``ranks`` are, by their last heartbeat: ``{0: "waiting in allreduce #9 'dp.bucket0'"}``.
+
+    Empty when this process publishes no heartbeat (not under ``phalanx run``), or for ranks whose
+    heartbeat is not in the store (an elastic worker publishes under its worker id).
+    """
+    if _started is None:
+        return {}
+    out = {}
+    for rank in ranks:
+        with contextlib.suppress(Exception):  # a torn value or a closing store: say nothing of that rank
+            key = heartbeat_key(rank)
+            if _started.store.check([key]):
+                value = json.loads(_started.store.get(key))
+                where = describe_position(value)
+                out[rank] = f"waiting in {where}" if value.get("state") == "waiting" else f"running, last at {where}"
+    return out
 
 
 class Heartbeat:
