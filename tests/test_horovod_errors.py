@@ -141,7 +141,7 @@ def test_a_rank_stepping_while_another_calls_a_collective_is_named(tmp_path):
     import sys
 
     (tmp_path / "mixed.py").write_text(MIXED)
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "--timeout", "5", sys.executable,
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "--timeout", "10", sys.executable,
                            str(tmp_path / "mixed.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
