@@ -50,18 +50,21 @@ def job(warmup: int, steps: int, launched_at: float) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(px.rank())
     x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
-    times = []
+    times, cpu_at = [], 0.0
     for i in range(warmup + steps):
+        if i == warmup:
+            cpu_at = time.process_time()
         t = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t)
+    cpu_ms = 1000 * (time.process_time() - cpu_at) / steps  # this process's CPU (every thread) per step
     px.barrier()
     times.sort()
     return {"startup_s": init_at - launched_at, "step_ms": 1000 * statistics.median(times),
-            "p10_ms": 1000 * times[len(times) // 10], "p90_ms": 1000 * times[(9 * len(times)) // 10],
+            "p10_ms": 1000 * times[len(times) // 10], "p90_ms": 1000 * times[(9 * len(times)) // 10], "cpu_ms": cpu_ms,
             "torch_threads": torch.get_num_threads(), "os_threads": len(os.listdir("/proc/self/task")),
             "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0)),
             "master_addr": os.environ.get("MASTER_ADDR")}
@@ -142,6 +145,7 @@ def main() -> None:
             row = fn(args.warmup, args.steps)
             rows[name].append(row)
             print(f"repeat {r} {name}: step {row['step_ms']:.3f} ms (p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f}), "
+                  f"rank 0 CPU {row['cpu_ms']:.3f} ms/step, "
                   f"start-up {row['startup_s']:.2f} s" + (f", ray.init {row['ray_init_s']:.2f} s" if name == "ray" else "")
                   + f"; rank 0: nice {row['nice']}, {row['os_threads']} OS threads, torch threads "
                   f"{row['torch_threads']}, cpus {row['cpus']}, MASTER_ADDR {row['master_addr']}", flush=True)
@@ -152,12 +156,16 @@ def main() -> None:
     ratio = statistics.median(ratios)
     print(f"\n{args.repeats} paired repeats x {args.steps} timed steps ({args.warmup} warm-up), "
           f"{time.perf_counter() - began:.0f} s; load {min(loads):.1f}-{max(loads):.1f}; torch {torch.__version__}")
-    print("| launcher | ray.init (s) | start-up to px.init (s) | step (ms), median (min-max) of repeats |")
-    print("|---|---|---|---|")
+    print("| launcher | ray.init (s) | start-up to px.init (s) | step (ms) | rank 0 CPU per step (ms) |")
+    print("|---|---|---|---|---|")
     print(f"| RayExecutor | {_spread([x['ray_init_s'] for x in rows['ray']], '{:.2f}')} | "
-          f"{_spread([x['startup_s'] for x in rows['ray']], '{:.2f}')} | {_spread([x['step_ms'] for x in rows['ray']])} |")
+          f"{_spread([x['startup_s'] for x in rows['ray']], '{:.2f}')} | {_spread([x['step_ms'] for x in rows['ray']])} | "
+          f"{_spread([x['cpu_ms'] for x in rows['ray']])} |")
     print(f"| phalanx run -np 2 | - | {_spread([x['startup_s'] for x in rows['cli']], '{:.2f}')} | "
-          f"{_spread([x['step_ms'] for x in rows['cli']])} |")
+          f"{_spread([x['step_ms'] for x in rows['cli']])} | {_spread([x['cpu_ms'] for x in rows['cli']])} |")
+    print("(each cell: median (min-max) over the repeats)")
+    cpu = statistics.median(a["cpu_ms"] / b["cpu_ms"] for a, b in zip(rows["ray"], rows["cli"]))
+    print(f"paired CPU-per-step ratio ray/cli: median {cpu:.4f} ({100 * (cpu - 1):+.2f}%)")
     print(f"paired step ratio ray/cli: median {ratio:.4f} ({100 * (ratio - 1):+.2f}%), per repeat "
           + " ".join(f"{100 * (x - 1):+.1f}%" for x in ratios)
           + f"; goal within 2%: {'met' if abs(ratio - 1) <= 0.02 else 'NOT met'} by the median")
