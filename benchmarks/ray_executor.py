@@ -21,7 +21,8 @@ Run under the benchmark lock, when ``uptime`` shows a load below 3::
 
     flock /tmp/phalanx-bench.lock python benchmarks/ray_executor.py
 
-(defaults: 6 repeats x 400 timed steps; about 4 minutes on cpu2 when quiet, by estimate from the per-run start-up and step times.)
+(defaults: 6 repeats x 400 timed steps: 453 s on cpu2 at load 3-5; a fresh Ray cluster per repeat costs ~10 s
+of start and a `phalanx run` start ~12 s, so fewer repeats (`--repeats 4`) are the way to a shorter run.)
 """
 
 from __future__ import annotations
