@@ -4,6 +4,7 @@ rank-prefixed output, a failing rank that stops the whole job, and an elastic jo
 a killed actor in-process and admits its replacement."""
 
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -115,6 +116,19 @@ def reference(local_ray):
     return px.run(reference_jobs, np=2)[0]
 
 
+def _rank_niceness() -> tuple[int, int]:
+    """(this thread's niceness, the highest niceness of gloo's threads) in a rank."""
+    highest = None
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if "gloo" not in f.read():
+                continue
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        highest = nice if highest is None else max(highest, nice)
+    return os.getpriority(os.PRIO_PROCESS, 0), highest
+
+
 # -- horovod.ray's documented examples -----------------------------------------------------------------
 
 def test_stateless_run_example_then_data_parallel_bitwise_equal(local_ray, capfd, reference, tmp_path):
@@ -131,6 +145,11 @@ def test_stateless_run_example_then_data_parallel_bitwise_equal(local_ray, capfd
     result = executor.run(simple_fn)
     assert len({r for r, *_ in result}) == num_workers
     assert result == [(0, 0, 2, 1), (1, 1, 2, 1)]
+    # Ray starts workers at nice 15; a rank's work (its thread and gloo's) runs at the driver's, as under
+    # `phalanx run`, wherever this user may lower a niceness (else the driver warned how to start Ray)
+    driver_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - driver_nice:
+        assert executor.run(_rank_niceness) == [(driver_nice, driver_nice)] * num_workers, "ranks run niced"
 
     # the same actors run a second function: DataParallel training, rank 0's logs to the callback
     logged = []

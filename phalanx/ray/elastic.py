@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -158,7 +159,8 @@ class ElasticJob:
         actor = ray.remote(BaseWorker).options(num_cpus=ex.spec.cpus_per_worker, name=name, max_restarts=0,
                                                max_concurrency=1).remote()
         info = actor.node_info.remote()
-        actor.setup.remote(sent, self.key, int(env.get("RANK", -1)), max(1, int(ex.spec.cpus_per_worker)))
+        actor.setup.remote(sent, self.key, int(env.get("RANK", -1)), max(1, int(ex.spec.cpus_per_worker)),
+                           os.getpriority(os.PRIO_PROCESS, 0))
         if self.queue is not None:
             actor.set_queue.remote(self.queue)
         handle = ActorProcess(actor, name, wid, info, actor.execute.remote(self.call), self.supervisor.store)

@@ -34,6 +34,7 @@ traceback, after killing every actor of the job (the others would wait in a coll
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -55,7 +56,7 @@ from phalanx.ray.placement import (
 )
 from phalanx.ray.worker import FunctionCall, WorkerFailure
 
-__all__ = ["RayExecutor", "Settings"]
+__all__ = ["RayExecutor", "Settings", "start_lean_ray"]
 
 log = get_logger(__name__)
 _GRACE_S = 0.5  # after the first failure, how long other ranks' failures are still collected
@@ -88,8 +89,6 @@ _dedup_warned = False
 
 def _warn_if_dedup_hides_ranks() -> None:
     global _dedup_warned
-    import os
-
     if _dedup_warned or os.environ.get("RAY_DEDUP_LOGS", "1") == "0" or os.environ.get("RAY_DEDUP_LOGS_ALLOW_REGEX"):
         return
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
@@ -97,6 +96,40 @@ def _warn_if_dedup_hides_ranks() -> None:
     _dedup_warned = True
     log.warning("Ray folds log lines that differ only in numbers, so most ranks' output will show as "
                 "'[repeated Nx across cluster]'; set RAY_DEDUP_LOGS=0 (or import phalanx.ray before ray)")
+
+
+def start_lean_ray() -> None:
+    """``ray.init()`` for a job that starts its own local cluster: no dashboard, and workers at
+    the driver's niceness (Ray's default puts them at nice 15, below its daemons and anything
+    else on the machine, where ``phalanx run``'s ranks run at their launcher's niceness).
+
+    A cluster you start yourself: ``ray.init(include_dashboard=False)`` with
+    ``RAY_worker_niceness=0`` in the environment (or ``RAY_worker_niceness=0 ray start --head
+    --include-dashboard=false``); see docs/ray.md. With ``RAY_ADDRESS`` set this connects to
+    that cluster, which keeps its own settings."""
+    added = "RAY_worker_niceness" not in os.environ
+    if added:  # read by the raylet and the workers it starts, which inherit it from this process
+        os.environ["RAY_worker_niceness"] = "0"
+    try:
+        ray.init(include_dashboard=False)
+    finally:
+        if added:
+            del os.environ["RAY_worker_niceness"]
+
+
+_nice_warned = False
+
+
+def _warn_if_ranks_niced(got: list[int], nice: int) -> None:
+    """Once per driver: the ranks run at a higher niceness than the driver (Ray's worker_niceness)."""
+    global _nice_warned
+    if _nice_warned or max(got) <= nice:
+        return
+    _nice_warned = True
+    log.warning("RayExecutor: the ranks run at nice %d, the driver at %d (Ray's worker_niceness; only root or "
+                "CAP_SYS_NICE may lower it): on a busy machine they get less CPU than `phalanx run` ranks. "
+                "Start Ray with RAY_worker_niceness=0 in its environment (`RAY_worker_niceness=0 ray start --head`, "
+                "or os.environ['RAY_worker_niceness'] = '0' before ray.init())", max(got), nice)
 
 
 class RayExecutor:
@@ -202,7 +235,7 @@ class RayExecutor:
             raise RuntimeError("RayExecutor.start: already started; call shutdown() first")
         began = time.perf_counter()
         if not ray.is_initialized():
-            ray.init()  # as Ray's own first remote call would
+            start_lean_ray()  # where Ray's own first remote call would ray.init() with every daemon
         _warn_if_dedup_hides_ranks()
         if self.elastic:
             if executable_cls is not None:
@@ -223,9 +256,11 @@ class RayExecutor:
             infos = [infos[i] for i in order]
             envs = self._environments(infos, dict(extra_env_vars or {}))
             key = job_secret.new_secret()
-            threads = max(1, int(self.spec.cpus_per_worker))
-            self._get([w.setup.remote(env, key, r, threads) for r, (w, env) in enumerate(zip(self.workers, envs))],
-                      self.settings.timeout_s, "set up the actors")
+            threads, nice = max(1, int(self.spec.cpus_per_worker)), os.getpriority(os.PRIO_PROCESS, 0)
+            got = self._get([w.setup.remote(env, key, r, threads, nice)
+                             for r, (w, env) in enumerate(zip(self.workers, envs))],
+                            self.settings.timeout_s, "set up the actors")
+            _warn_if_ranks_niced(got, nice)
             if executable_cls is not None:
                 self._gather([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
                               for w in self.workers])

@@ -115,6 +115,21 @@ def _record_exits(store_addr: str, wid: str) -> None:
     os._exit = exit_recorded
 
 
+def _come_to_niceness(nice: int | None) -> int:
+    """Lower this thread's niceness to ``nice`` where allowed; the niceness it then has.
+
+    On Linux the niceness belongs to the thread, and threads started later inherit it: the
+    rank's work (the task thread, gloo's and torch's threads) moves, Ray's own threads stay."""
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice is not None and nice < now:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except PermissionError:  # an unprivileged user may only raise it: the driver says what to do
+            pass
+        now = os.getpriority(os.PRIO_PROCESS, 0)
+    return now
+
+
 def _interface_address(names) -> tuple[str, str] | None:
     """(interface, IPv4 address) of the first of ``names`` this node has, or None."""
     import psutil  # a dependency of ray
@@ -154,9 +169,16 @@ class BaseWorker:
             return s.getsockname()[1]
 
     # -- set up -------------------------------------------------------------------------------
-    def setup(self, env: dict[str, str], key: bytes | None, rank: int, threads: int) -> None:
-        """Take this rank's environment and the job secret; prefix output with the rank."""
+    def setup(self, env: dict[str, str], key: bytes | None, rank: int, threads: int,
+              nice: int | None = None) -> int:
+        """Take this rank's environment and the job secret; prefix output with the rank.
+
+        ``nice``: the driver's niceness. Ray starts its workers at nice 15 (its ``worker_niceness``),
+        where a ``phalanx run`` rank runs at its launcher's; the actor's thread (and the threads it
+        starts later: gloo's, torch's) comes back to the driver's where the OS allows it (root, or
+        CAP_SYS_NICE). Returns the niceness the rank runs at."""
         self.rank = rank
+        niceness = _come_to_niceness(nice)
         os.environ.update({k: str(v) for k, v in env.items()})
         if key:
             os.environ[job_secret.SECRET_FILE_ENV] = self._keep_secret(key)
@@ -173,6 +195,7 @@ class BaseWorker:
             prefix = _elastic_prefix if elastic else f"[{rank}]: "
             sys.stdout = _RankPrefixed(sys.stdout, prefix)
             sys.stderr = _RankPrefixed(sys.stderr, prefix)
+        return niceness
 
     def _keep_secret(self, key: bytes) -> str:
         """A 0600 file holding the secret, as the launcher's agent writes it.
