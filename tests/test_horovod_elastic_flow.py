@@ -31,7 +31,7 @@ def _discovery_script(path: Path, logfile: Path, schedule) -> Path:
 
 
 def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2, min_np=2, max_np=4,
-         epochs=3, batches=5, timeout=150):
+         epochs=3, batches=2, timeout=150):
     """`phalanx run` as elastic_common.py runs horovodrun: with a discovery script, or with -H hosts."""
     logfile = tmp_path / "log.jsonl"
     flags = ["-np", str(np), "--min-num-proc", str(min_np)]
