@@ -14,6 +14,11 @@ process across generations::
     workers:  state.commit() ─ rank 0 reads pxe/latest (one store get), allreduce(MAX) ─ 2 > 1 ─
               every rank re-forms as above, w4 included; w4 receives the state in sync()
 
+    launcher: discovery adds a host ─ start w5, w6 there ─ post a host-change notice (pxe/notice)
+    workers:  a phalanx.horovod.elastic state's commit() raises at once (Horovod's meaning) and waits
+              in the re-form for the generation admitting w5, w6; phalanx.elastic's trains on until
+              that generation is published (once w5, w6 are ready), as above
+
 A worker missing from a new generation (the launcher shrinks the job) leaves with exit
 status 0. Every wait is bounded (``PHALANX_ELASTIC_REFORM_TIMEOUT``, default the collective
 timeout): a worker that cannot re-form exits with :data:`REFORM_FAILED_EXIT`, and the
@@ -43,7 +48,7 @@ import torch.distributed as dist
 from phalanx.elastic import lost
 from phalanx.log import get_logger
 
-__all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error",
+__all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error", "host_updates",
            "MembershipChanged", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -73,6 +78,7 @@ class _Ctx:
         self.wid = os.environ[WID_ENV]
         self.gen = int(os.environ.get(GEN_ENV, "0"))
         self.members: list[list[str]] = []
+        self.notice = 0  # the launcher's host-change notices this worker's generation covers (pxe/notice)
         self.store_port = int(port)
         self.group_sockets: set[str] = set()  # inodes of the current process group's connections
         self.lock = threading.Lock()  # generation and its connections change together (lost.LostWatcher)
@@ -146,12 +152,36 @@ def _stop_reason() -> dict | None:
     return json.loads(raw) if raw else None
 
 
-def membership_changed() -> bool:
-    """At a commit: True on every rank when the launcher published a newer generation.
+def _notices() -> int:
+    return int(_context().store.add("pxe/notice", 0))
 
-    Rank 0 asks the store once; one small allreduce carries the answer to every rank (an
-    allreduce, not a broadcast: every rank takes part, so a peer that died since the last
-    step makes it fail on every rank at once).
+
+def host_updates(since: int = 0) -> list[tuple[int, float, int]]:
+    """The host changes the launcher announced after notice ``since`` that this worker's generation
+    does not cover yet: ``(notice, unix time, update)``, update as Horovod's ``HostUpdateResult``
+    (1 removed, 2 added, 3 both). One store read when there are none. Empty outside an in-process job.
+
+    The launcher posts a notice as soon as it acts on a change (workers started on a host discovery
+    added, or a generation published); the generation that admits or drops the workers covers it.
+    """
+    if not active() or is_joiner():
+        return []
+    ctx = _context()
+    out = []
+    for n in range(max(since, ctx.notice) + 1, _notices() + 1):
+        body = json.loads(ctx.store.get(f"pxe/notice/{n}"))
+        out.append((n, float(body["t"]), int(body["update"])))
+    return out
+
+
+def membership_changed(notices: bool = False) -> bool:
+    """At a commit: True on every rank when the launcher published a newer generation (``notices``:
+    or announced a host change, whose generation the workers then wait for while re-forming, as
+    Horovod's workers do after ``HostsUpdatedInterrupt``).
+
+    Rank 0 asks the store once (twice with ``notices``); one small allreduce carries the answer to
+    every rank (an allreduce, not a broadcast: every rank takes part, so a peer that died since
+    the last step makes it fail on every rank at once).
     """
     if not active():
         return False
@@ -161,7 +191,7 @@ def membership_changed() -> bool:
     size = runtime.size() if runtime.is_initialized() else 1
     flag = torch.zeros(1, dtype=torch.int64)
     if size == 1 or runtime.rank() == 0:
-        flag[0] = int(_latest() > ctx.gen)
+        flag[0] = int(_latest() > ctx.gen or (notices and _notices() > ctx.notice))
     if size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag[0])
@@ -302,7 +332,8 @@ def reform(reason: str, *, joining: bool = False) -> float:
         _check_stop()
         latest = _latest()
         if latest > seen:
-            members = json.loads(ctx.store.get(f"pxe/gen/{latest}"))["members"]
+            body = json.loads(ctx.store.get(f"pxe/gen/{latest}"))
+            members = body["members"]
             wids = [m[0] for m in members]
             if ctx.wid not in wids:
                 if joining:
@@ -313,7 +344,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
                 _exit_now(0)
             if _all_checked_in(ctx, latest, wids, deadline):
                 try:
-                    _join_group(ctx, latest, members)
+                    _join_group(ctx, latest, members, int(body.get("notice", 0)))
                 except Exception as err:  # noqa: BLE001 - a member died while the group was made
                     log.warning("generation %d could not form (%s: %s); waiting for the next one", latest,
                                 type(err).__name__, str(err).splitlines()[0][:160] if str(err) else "")
@@ -352,7 +383,7 @@ def join() -> float:
     return reform("joining the job", joining=True)
 
 
-def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
+def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0) -> None:
     from phalanx import runtime
 
     rank = [m[0] for m in members].index(ctx.wid)
@@ -380,6 +411,6 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]]) -> None:
         ctx.store.set_timeout(timeout)
     with ctx.lock:  # the lost-member watcher acts on one generation's connections only
         ctx.group_sockets = lost.group_sockets(ctx.store_port) - before
-        ctx.gen, ctx.members = gen, members
+        ctx.gen, ctx.members, ctx.notice = gen, members, notice
     os.environ.pop(JOIN_ENV, None)
     runtime.init(timeout=ctx.timeout_s)  # adopts the group just made

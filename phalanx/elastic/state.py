@@ -80,10 +80,19 @@ class TorchState:
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         object.__setattr__(self, "_memory", None)
-        object.__setattr__(self, "commits", 0)
+        object.__setattr__(self, "_commit_count", 0)
         object.__setattr__(self, "restored_from", None)
         object.__setattr__(self, "_world", None)  # world size of the state held (None: not synced yet)
         object.__setattr__(self, "_world_hooks", [])
+
+    # commit(): also act on the launcher's host-change notices (phalanx.horovod.elastic's state does)
+    _host_notices = False
+
+    @property
+    def commits(self) -> int:
+        """How many commits this state made (a piece named ``commits``, e.g. Horovod's test script's
+        own counter, is that piece instead)."""
+        return self._pieces["commits"] if "commits" in self._pieces else self._commit_count
 
     def __getattr__(self, name: str) -> Any:
         pieces = object.__getattribute__(self, "_pieces")
@@ -99,7 +108,7 @@ class TorchState:
 
     def pieces(self) -> dict[str, Any]:
         """The live name -> piece dict (what a checkpoint of this state holds), plus the commit counter."""
-        return {**self._pieces, "_commits": self.commits, "_world": self._world}
+        return {**self._pieces, "_commits": self._commit_count, "_world": self._world}
 
     def on_world_change(self, hook) -> None:
         """Call ``hook(old_size, new_size)`` in :meth:`sync` when the state was committed at another
@@ -110,7 +119,7 @@ class TorchState:
 
     def commit(self) -> None:
         """Remember this point: in memory, and as a snapshot a restarted group can load."""
-        object.__setattr__(self, "commits", self.commits + 1)
+        object.__setattr__(self, "_commit_count", self._commit_count + 1)
         if self._world is None:  # committed without a sync(): record the size this state belongs to
             object.__setattr__(self, "_world", _size(self._topology))
         snapshot = {k: copy.deepcopy(v.sharded_state_dict() if is_gathered(v) else
@@ -122,8 +131,8 @@ class TorchState:
         # in-process elastic: workers join or leave at this commit. Asked before the snapshot is
         # written: the question is one gloo broadcast, which fails at once when a peer died since
         # the last step, where the snapshot's cross-rank waits would only time out.
-        changed = inprocess.membership_changed()
-        path = self._manager.save(self.commits, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
+        changed = inprocess.membership_changed(notices=self._host_notices)
+        path = self._manager.save(self._commit_count, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
         from phalanx.elastic import preempt
 
         preempt.at_commit(path, self.commit_dir)  # under elastic.run: a preemption signal -> save done, exit 85
@@ -152,11 +161,11 @@ class TorchState:
         path = self._manager.load_latest(live)
         if path is None:
             return False
-        object.__setattr__(self, "commits", live.pop("_commits"))
+        object.__setattr__(self, "_commit_count", live.pop("_commits"))
         object.__setattr__(self, "_world", live.pop("_world"))
         self._pieces.update({k: v for k, v in live.items() if not is_stateful(v)})
         object.__setattr__(self, "restored_from", path)
-        log.info("restored commit %d from %s", self.commits, path)
+        log.info("restored commit %d from %s", self._commit_count, path)
         return True
 
     def sync(self) -> None:
@@ -171,7 +180,7 @@ class TorchState:
         anyone = any(allgather_object(held)) if topology is not None and topology.size > 1 else held
         if not anyone:  # (every rank asks: a collective)
             if self._load_latest():
-                log.warning("no member held the state: resumed commit %d from %s", self.commits, self.restored_from)
+                log.warning("no member held the state: resumed commit %d from %s", self._commit_count, self.restored_from)
         if topology is None or topology.size == 1:
             self._reset_samplers()
             self._world_changed(1)
@@ -189,8 +198,8 @@ class TorchState:
                 broadcast(v, root_rank=0, inplace=True, name=f"sync.{k}")
             else:
                 self._pieces[k] = broadcast_object(v, root_rank=0)
-        commits, world = broadcast_object((self.commits, self._world), root_rank=0)
-        object.__setattr__(self, "commits", commits)
+        commits, world = broadcast_object((self._commit_count, self._world), root_rank=0)
+        object.__setattr__(self, "_commit_count", commits)
         object.__setattr__(self, "_world", world)
         self._reset_samplers()
         self._world_changed(topology.size)

@@ -10,10 +10,14 @@ loads. What a Horovod script sees is the same loop::
     phalanx:  restore → sync → train … worker lost → survivors re-form in-process →
               restore (memory) → on_reset() → sync → train …   (or: group restart → snapshot)
 
-Differences, all documented in docs/horovod.md: ``check_host_updates()`` has
-nothing to check (``commit()`` itself asks the launcher for joiners), ``save()``
-also writes the snapshot, and the sampler drops the tail of an epoch that does
-not split evenly instead of padding it with repeated samples.
+As in Horovod, a host change the launcher announces (discovery added or removed a host) reaches
+``state._host_messages`` within about a second, as ``(timestamp, HostUpdateResult)``, and makes
+the next ``commit()`` (or ``check_host_updates()``) raise on every rank; the workers then re-form
+when the new workers are ready. Differences, all documented in docs/horovod.md: ``save()`` also
+asks for changes and writes the snapshot, the interrupt is phalanx's ``MembershipChanged`` (the
+retry loop re-forms; ``HostsUpdatedInterrupt`` raised by a user only rolls back and re-syncs),
+and the sampler drops the tail of an epoch that does not split evenly instead of padding it with
+repeated samples.
 
 Example (Horovod's elastic recipe, only the import changed)::
 
@@ -39,31 +43,96 @@ Example (Horovod's elastic recipe, only the import changed)::
 
 from __future__ import annotations
 
+import enum
 import functools
+import queue
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import elastic as _elastic
 from phalanx.comm.horovod_ops import HorovodInternalError
-from phalanx.elastic import HostsUpdatedInterrupt, restart_count
+from phalanx.elastic import HostsUpdatedInterrupt, inprocess, restart_count
 
 __all__ = ["run", "TorchState", "ObjectState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError",
-           "restart_count"]
+           "HostUpdateResult", "restart_count"]
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What a host change did (Horovod's values): hosts removed, added, or both."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = 3
+
+
+class HostMessages(queue.Queue):
+    """``state._host_messages``: a ``queue.Queue`` of ``(timestamp, HostUpdateResult)``, one per host
+    change the launcher announced that this worker's generation does not cover yet (Horovod's meaning:
+    non-empty means the next ``commit()`` raises and the job resets).
+
+    Filled by a store read inside ``empty()``, ``qsize()`` and ``get()``, not by a thread: a script
+    that never looks pays nothing, one that polls pays one store round trip per look (the launcher
+    posts a notice within its ``--discovery-interval`` of the change). A re-form empties it, as
+    Horovod's reset does. ``put()`` is the plain queue's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen = 0  # the last launcher notice put here
+        self._gen: int | None = None
+
+    def _poll(self) -> None:
+        if not inprocess.active() or inprocess.is_joiner():
+            return
+        gen = inprocess.generation()
+        if gen != self._gen:  # a new generation acted on what it covers; the rest is queued again
+            with self.mutex:
+                self.queue.clear()
+            self._gen, self._seen = gen, 0
+        for n, stamp, update in inprocess.host_updates(self._seen):
+            self.put((stamp, HostUpdateResult(update)))
+            self._seen = n
+
+    def empty(self) -> bool:
+        self._poll()
+        return super().empty()
+
+    def qsize(self) -> int:
+        self._poll()
+        return super().qsize()
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._poll()
+            try:
+                return super().get(block=False)
+            except queue.Empty:
+                if not block or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+            time.sleep(0.1)
 
 
 
 class TorchState(_elastic.TorchState):
     """Model, optimizer and named extras as one elastic state (Horovod's ``TorchState``).
 
-    Extras become attributes (``state.epoch``, ``state.sampler``). ``commit()`` =
-    ``save()`` + ``check_host_updates()`` as in Horovod; ``register_reset_callbacks``
+    Extras become attributes (``state.epoch``, ``state.sampler``). ``commit()`` saves and raises
+    when the launcher announced a host change (``_host_messages`` non-empty) or changed the
+    membership, one allreduce for both as in Horovod's ``save()`` + ``check_host_updates()``;
+    ``register_reset_callbacks``
     functions run after every reset (a group restart or resize, or a ``HostsUpdatedInterrupt``),
     after the state is restored and before it is synced from rank 0. ``commit_dir``
     and ``keep`` (phalanx's) choose where and how many snapshots are kept.
     """
 
+    _host_notices = True  # commit() acts on the launcher's host-change notices, as Horovod's does
+
     def __init__(self, model=None, optimizer=None, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
+        object.__setattr__(self, "_host_messages", HostMessages())
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_restores_in_run", None)  # counted while hvd.elastic.run drives us
 
@@ -80,15 +149,19 @@ class TorchState(_elastic.TorchState):
             callback()
 
     def check_host_updates(self) -> None:
-        """Nothing to check here: ``commit()`` asks the launcher whether workers join or leave."""
+        """Raise on every rank (one allreduce) when the launcher announced a host change or changed the
+        membership since this generation formed; ``phalanx.elastic.run`` then re-forms. ``commit()``
+        makes the same check itself."""
+        if inprocess.membership_changed(notices=True):
+            raise inprocess.MembershipChanged()
 
     def save(self) -> None:
-        """Remember this point in memory and as a snapshot a restarted group loads."""
+        """Remember this point in memory and as a snapshot a restarted group loads (and, as
+        ``commit()``, raise when the hosts changed: the check and the save are one step here)."""
         super().commit()
 
     def commit(self) -> None:
-        self.save()
-        self.check_host_updates()
+        self.save()  # (Horovod's save() + check_host_updates(): save() asks, with one allreduce)
 
     def restore(self) -> bool:
         from_memory = self._memory is not None

@@ -10,6 +10,7 @@ the slots); hosts are the names the host list or discovery gives (``localhost`` 
         discovery) host h is set aside (--blacklist-cooldown-range: for a while, else for good);
         without, a replacement starts here (--max-restarts in all) ─ publish gen 1 = survivors
         (their collectives raise; they re-form in-process: phalanx.elastic.inprocess)
+    new slots (discovery, a cooldown over) ─ start joiners there ─ post a host-change notice (host_notices.py)
     joiners ready (all started together) ─ publish gen = members + them ─ re-form at the next commit
     discovery lists fewer slots ─ publish a gen without the surplus ─ they leave at the next commit
     each new generation is a reset: --reset-limit N stops the job at the N+1-th, naming the limit
@@ -42,6 +43,7 @@ from phalanx.launcher import handoff
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.discovery import discover_hosts
 from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreemption
+from phalanx.launcher.host_notices import ADDED, HostNotices
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
 from phalanx.launcher.stall import ElasticStalls, describe_exit
@@ -197,21 +199,24 @@ class Supervisor:
     def _alive(self) -> list[_Worker]:
         return [w for w in self.workers if w.code is None]
 
-    def _fill(self, replacing: bool) -> None:
-        """Start joiners until the wanted size is reached (the usable hosts' free slots permitting)."""
+    def _fill(self, replacing: bool) -> int:
+        """Start joiners until the wanted size is reached (the usable hosts' free slots permitting); how many."""
         hosts = self._usable()
         alive = [w for w in self._alive() if w.host in hosts]  # (not those about to leave)
+        count = 0
         while len(alive) < self.wanted and (not replacing or self.replacements_left > 0):
             used = {h: sum(1 for w in alive if w.host == h) for h in hosts}
             free = [h for h, slots in hosts.items() if used[h] < slots]
             if not free:
-                return
+                break
             expected = len([w for w in alive if w.code is None])
             w = self._start(free[0], None, expected)
             if replacing:
                 self.replacements_left -= 1
             print(f"phalanx: started worker {w.wid} on {w.host}; it joins at the next commit", flush=True)
             alive.append(w)
+            count += 1
+        return count
 
     # -- generations ------------------------------------------------------------
     def _publish(self, members: list[_Worker], why: str) -> str | None:
@@ -222,9 +227,10 @@ class Supervisor:
                         f"another is needed ({why}); stopping")
             self.resets += 1
         with self._lock:
-            self.gen += 1
+            old, self.gen = self.members, self.gen + 1
             self.members = list(members)
-        body = json.dumps({"members": [[w.wid, w.host] for w in members]})
+        notice = self.notices.cover([w.wid for w in old], [w.wid for w in members], first=self.gen == 0)
+        body = json.dumps({"members": [[w.wid, w.host] for w in members], "notice": notice})
         self.store.set(f"pxe/gen/{self.gen}", body)
         self.store.set("pxe/latest", str(self.gen))
         for w in members:
@@ -250,8 +256,14 @@ class Supervisor:
         ready = [w for w in self.workers if w.code is None and not w.admitted and w.ready
                  and w.host in hosts]
         starting = [w for w in self.workers if w.code is None and not w.ready]
-        if any(time.monotonic() - w.started < self.start_timeout for w in starting):
+        still = any(time.monotonic() - w.started < self.start_timeout for w in starting)
+        if still:
             ready = []  # admit the joiners started together in one generation (one re-form, not several)
+        # newcomers enter only a generation every member has formed: a recovery (published at once) forms
+        # first and the admission comes at a later commit, however late a survivor notices its loss
+        held = ready if ready and self.gen > 0 and self.store.add(f"pxe/g{self.gen}/arrived", 0) < len(
+            self.members) else []
+        ready = [] if held else ready
         if not kept and keep:  # the job moves off its hosts: one old member stays to hand the state over
             if not ready:
                 return None  # (until the newcomers are ready; it leaves at the next change)
@@ -260,7 +272,7 @@ class Supervisor:
         if not kept and self.members:  # no live member to take the state from: newcomers would start over
             return f"every worker of generation {self.gen} was lost; stopping the job" + self._first()
         if len(target) < self.min_np:
-            if len(target) + len(starting) >= self.min_np:
+            if len(target) + len(starting) + len(held) >= self.min_np:
                 return None  # wait for the replacements to come up (the survivors wait, bounded, to re-form)
             short = (f"{len(target)} worker(s) can run, fewer than --min-np {self.min_np}"
                      + (f" ({', '.join(sorted(self.aside.until))} set aside after failures)" if self.aside.until
@@ -272,8 +284,8 @@ class Supervisor:
                 return f"{short} for --elastic-timeout {self.elastic_timeout:g}s; stopping the job" + self._first()
             return None  # hosts may come back (a cooldown, discovery): wait, bounded by --elastic-timeout
         self._short_since = None
-        if target != self.members:
-            return self._publish(target, why)
+        if target != self.members or (self.notices.pending and not still and not held):
+            return self._publish(target, why)  # (a host change announced must end in a generation)
         return None
 
     def _first(self) -> str:
@@ -300,6 +312,7 @@ class Supervisor:
 
         self.store = bound_tcp_store(self.addr, 0, timeout=datetime.timedelta(seconds=max(60, self.start_timeout)))
         self.stalls = ElasticStalls(self.store, self.stall_timeout)  # a stalled worker is a lost worker
+        self.notices = HostNotices(self.store)  # a host change announced before its generation
         plan, left = [], self.wanted
         for h, slots in self.hosts.items():
             take = min(slots, left)
@@ -388,7 +401,8 @@ class Supervisor:
                         by_wid[s.rank].proc.kill()
             if changed and not finished:
                 self.wanted = self._wanted()
-                self._fill(replacing=not self.horovod_hosts)
+                if self._fill(replacing=not self.horovod_hosts) and self.horovod_hosts:
+                    self.notices.post(ADDED)  # Horovod's "hosts updated" now; their generation when ready
                 abort = self._reconcile("; ".join(changed))
                 if abort:
                     print(f"phalanx: {abort}", file=sys.stderr, flush=True)

@@ -1,0 +1,153 @@
+"""Horovod's own elastic test flow through `phalanx run` (issue 32): tests/hvd_flow_job.py, a Horovod
+script in the shape of Horovod's elastic_torch_main.py (hvd.elastic.TorchState with a DistributedOptimizer,
+register_reset_callbacks, a commit every batch, rank 0's `state._host_messages` wait), launched with
+horovodrun's flags and a discovery script that, as in Horovod's elastic_common.py, reads the epoch from
+the logfile's row count. Each test is one of elastic_common.py's scenarios, one `phalanx run` each, and
+checks the rows it asserts (epoch, size, rendezvous, hostname, start_rank), here for every row."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).with_name("hvd_flow_job.py")
+
+
+def _discovery_script(path: Path, logfile: Path, schedule) -> Path:
+    """A script printing the hosts of the epoch the logfile has reached ([epoch or None, hosts] steps;
+    None: every later epoch, last)."""
+    log = shlex.quote(str(logfile))
+    lines = ["#!/bin/sh", "rows=0", f"[ -f {log} ] && rows=$(($(wc -l < {log})))", 'case "$rows" in']
+    for epoch, hosts in schedule:
+        lines.append(f"  {'*' if epoch is None else epoch}) printf '%s\\n' {' '.join(hosts)} ;;")
+    path.write_text("\n".join([*lines, "esac", ""]))
+    path.chmod(0o755)
+    return path
+
+
+def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2, min_np=2, max_np=4,
+         epochs=3, batches=2, timeout=150):
+    """`phalanx run` as elastic_common.py runs horovodrun: with a discovery script, or with -H hosts."""
+    logfile = tmp_path / "log.jsonl"
+    flags = ["-np", str(np), "--min-num-proc", str(min_np)]
+    if hosts is not None:
+        flags += ["-H", hosts]
+    else:
+        script = _discovery_script(tmp_path / "discover.sh", logfile, schedule)
+        flags += ["--host-discovery-script", str(script), "--max-num-proc", str(max_np)]
+    params = tmp_path / "params"
+    params.mkdir()
+    cmd = [sys.executable, "-m", "phalanx", "run", *flags, "--timeout", "30", "python", str(JOB),
+           "--logfile", str(logfile), "--epochs", str(epochs), "--batches-per-epoch", str(batches),
+           "--params-dir", str(params)]
+    if schedule:
+        cmd += ["--discovery-schedule", json.dumps(schedule)]
+    if exits:
+        cmd += ["--exit-schedule", json.dumps({str(k): v for k, v in exits.items()}), "--exit-mode", mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PHALANX_ELASTIC_DIR": str(tmp_path / "commits")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    rows = [json.loads(line) for line in logfile.read_text().splitlines()] if logfile.exists() else []
+    proc.report = ("rows:\n" + "\n".join(map(json.dumps, rows)) + f"\nstdout:\n{proc.stdout[-3000:]}"
+                   f"\nstderr:\n{proc.stderr[-5000:]}")
+    notices = [line for line in proc.stdout.splitlines() if "host-change notice" in line]
+    if notices:  # how long rank 0 waited for the launcher's notice (the script allows 3 s)
+        print("\n" + "; ".join(notices))
+    return proc, rows, params
+
+
+def _assert_rows(rows, expected, report):
+    """expected: (start_rank, size, hostname, rendezvous) per epoch, in order."""
+    got = [(r["epoch"], r["start_rank"], r["size"], r["hostname"], r["rendezvous"]) for r in rows]
+    assert got == [(e, *row) for e, row in enumerate(expected)], report
+
+
+def _assert_equal_replicas(params: Path, n: int, report):
+    assert sorted(p.name for p in params.iterdir()) == [f"params.{r}.pt" for r in range(n)], report
+    saved = [torch.load(params / f"params.{r}.pt", weights_only=True) for r in range(n)]
+    for other in saved[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(saved[0], other)), report  # bitwise
+
+
+def test_hosts_added_and_removed(tmp_path):
+    # elastic_common.py (slots 2): localhost:2, then a second host 127.0.0.1:2, then only 127.0.0.1:2.
+    # Rank 0 waits <= 3 s for state._host_messages after each logged epoch that changes the hosts.
+    schedule = [[0, ["localhost:2"]], [1, ["localhost:2", "127.0.0.1:2"]], [None, ["127.0.0.1:2"]]]
+    proc, rows, params = _run(tmp_path, schedule)
+    assert proc.returncode == 0, proc.report
+    _assert_rows(rows, [(0, 2, "localhost", 1), (0, 4, "localhost", 2), (2, 2, "127.0.0.1", 3)], proc.report)
+    assert proc.stdout.count("host-change notice") == 2, proc.report
+    _assert_equal_replicas(params, 2, proc.report)
+
+
+def test_single_rank_failure(tmp_path):
+    # the worker started as rank 0 raises at (epoch 1, batch 0): its host (localhost) is set aside with
+    # both its workers; the job goes on with 127.0.0.1's two, the worker started as rank 2 now rank 0
+    proc, rows, params = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [0]})
+    assert proc.returncode == 0, proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1), (2, 2, "127.0.0.1", 2), (2, 2, "127.0.0.1", 2)], proc.report)
+    assert "host localhost set aside" in proc.stderr and "scheduled exit at epoch 1 batch 0" in proc.stderr, \
+        proc.report
+    _assert_equal_replicas(params, 2, proc.report)
+
+
+def test_fault_tolerance_without_scaling(tmp_path):
+    # -H instead of discovery, and the worker SIGKILLed (exit mode kill) instead of raising
+    proc, rows, params = _run(tmp_path, hosts="localhost:2,127.0.0.1:2", exits={(1, 0): [0]}, mode="kill")
+    assert proc.returncode == 0, proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1), (2, 2, "127.0.0.1", 2), (2, 2, "127.0.0.1", 2)], proc.report)
+    assert "killed by SIGKILL" in proc.stderr and "host localhost set aside" in proc.stderr, proc.report
+    _assert_equal_replicas(params, 2, proc.report)
+
+
+def test_all_ranks_failure(tmp_path):
+    # every worker raises at (1, 0): Horovod's "one or more processes exited with non-zero status";
+    # phalanx run exits non-zero naming the first failure
+    proc, rows, _ = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [0, 1, 2, 3]},
+                         timeout=240)
+    assert proc.returncode != 0, proc.report
+    assert "stopping the job (first failure: rank " in proc.stderr, proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
+
+
+def test_host_messages_follow_the_launchers_notices(monkeypatch):
+    # in this process, against a store of our own: the queue fills from the launcher's notices, a
+    # commit's check sees them (phalanx.elastic's own check does not), a re-form empties the queue
+    import datetime
+    import queue
+
+    import torch.distributed as dist
+
+    from phalanx.elastic import inprocess
+    from phalanx.horovod import elastic as hel
+    from phalanx.launcher.host_notices import ADDED, HostNotices
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv(inprocess.STORE_ENV, f"127.0.0.1:{store.port}")
+    monkeypatch.setenv(inprocess.WID_ENV, "w0")
+    monkeypatch.delenv(inprocess.JOIN_ENV, raising=False)
+    monkeypatch.setattr(inprocess, "_ctx", None)
+    notices = HostNotices(store)
+    store.set("pxe/latest", "0")
+    messages = hel.HostMessages()
+    assert messages.empty() and not inprocess.membership_changed(notices=True)
+    notices.post(ADDED)  # workers started on a new host
+    assert not messages.empty() and messages.qsize() == 1
+    stamp, update = messages.get_nowait()
+    assert update is hel.HostUpdateResult.added and isinstance(stamp, float)
+    assert messages.empty()  # each notice once
+    assert inprocess.membership_changed(notices=True) and not inprocess.membership_changed()
+    assert notices.pending and notices.cover(["w0"], ["w0", "w1"]) == 1 and not notices.pending
+    notices.cover(["w0", "w1"], ["w1"])  # a shrink published without a notice before it: its own
+    assert [u for _, _, u in inprocess.host_updates(1)] == [hel.HostUpdateResult.removed]
+    messages.put((0.0, hel.HostUpdateResult.mixed))
+    ctx = inprocess._context()
+    ctx.gen, ctx.notice = 2, 2  # re-formed into a generation covering both notices
+    assert messages.empty() and not inprocess.membership_changed(notices=True)
+    with pytest.raises(queue.Empty):
+        messages.get(timeout=0.2)
