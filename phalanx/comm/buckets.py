@@ -74,6 +74,7 @@ class Bucket:
         self.numel = total
         self.extra = extra
         self.flat = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
+        self.tail = self.flat[total:]  # the ``extra`` elements
         self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
         self._views = {id(p): v for p, v in zip(self.params, self.views)}
         self.pending = len(self.params)
@@ -155,11 +156,15 @@ class BucketManager:
         return [self._index[id(p)] for b in self.buckets for p in b.params]
 
     def mark_ready(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is in its bucket view; launch every bucket that is now launchable."""
+        """``p``'s gradient is in its bucket view; launch every bucket that is now launchable.
+
+        Once per gradient per backward (the hot path): only a bucket that has just completed
+        can make one launchable, so the launch loop runs only then."""
+        key = id(p)
         if not self.rebuilt:
-            self.observed.append(self._index[id(p)])
-        self.bucket_of(p).mark(p)
-        self.launch_ready()
+            self.observed.append(self._index[key])
+        if self._bucket_of[key].mark(p):
+            self.launch_ready()
 
     def launch_ready(self) -> None:
         while self.next_to_launch < len(self.buckets):
@@ -228,6 +233,7 @@ class PaddedBucket(Bucket):
         self.extra = 0
         self.padded = math.ceil(total / pad_to) * pad_to if total else 0
         self.flat = (torch.empty if lazy else torch.zeros)(self.padded, dtype=first.dtype, device=first.device)
+        self.tail = self.flat[:0]  # no extra elements
         self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
         self._views = {id(p): v for p, v in zip(self.params, self.views)}
         self.pending = len(self.params)

@@ -134,7 +134,7 @@ class AllReduceReduction(BucketReduction):
             engine.gather_grads(bucket)
             engine.finite.check([bucket.flat])
             if bucket.extra:
-                bucket.flat[-1] = 1  # the join flag (phalanx.parallel.data.joined): this rank steps
+                bucket.tail.fill_(1)  # the join flag (phalanx.parallel.data.joined): this rank steps
         with trace.span("compress", "comm", bucket=i, bytes=nbytes):
             payload, ctx = engine.compressor.compress(bucket.flat)
         engine.bytes_sent += engine.ring_bytes(payload.nbytes)
