@@ -48,7 +48,7 @@ import torch.distributed as dist
 from phalanx.elastic import lost
 from phalanx.log import get_logger
 
-__all__ = ["active", "abandon", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error", "host_updates",
+__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error", "host_updates",
            "MembershipChanged", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -282,8 +282,8 @@ def _leave_group() -> None:
             log.info("destroying the broken process group: %s", err)
 
 
-def _exit_now(code: int) -> None:
-    """End the worker here with ``code`` after the normal exit hooks .
+def exit_now(code: int) -> None:
+    """End the worker here with ``code`` after the normal exit hooks.
 
     Unwinding a ``SystemExit`` through the training frames instead lets interpreter teardown
     destroy c10d objects in arbitrary order, which sometimes aborts ("terminate called without
@@ -300,8 +300,8 @@ def _check_stop() -> None:
         return
     if stop.get("abort"):
         print(f"phalanx: the launcher stopped the job: {stop['abort']}", file=sys.stderr, flush=True)
-        _exit_now(1)
-    _exit_now(0)  # the job finished while this worker waited to join
+        exit_now(1)
+    exit_now(0)  # the job finished while this worker waited to join
 
 
 def reform(reason: str, *, joining: bool = False) -> float:
@@ -341,7 +341,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
                     continue
                 log.warning("generation %d leaves this worker (%s) out: the job shrank; exiting", latest, ctx.wid)
                 ctx.store.set(f"pxe/left/{ctx.wid}", b"1")
-                _exit_now(0)
+                exit_now(0)
             if _all_checked_in(ctx, latest, wids, deadline):
                 try:
                     _join_group(ctx, latest, members, int(body.get("notice", 0)))

@@ -149,7 +149,7 @@ def _reform_or_fall_back(reform: Callable[[], float]) -> None:
         log.error("could not re-form in-process (%s: %s); exiting with status %d so the launcher restarts "
                   "the group from the last commit (path: group restart)", type(err).__name__, err,
                   inprocess.REFORM_FAILED_EXIT)
-        inprocess._exit_now(inprocess.REFORM_FAILED_EXIT)
+        inprocess.exit_now(inprocess.REFORM_FAILED_EXIT)
 
 
 def _rederive_strategies() -> None:

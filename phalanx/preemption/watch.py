@@ -63,7 +63,8 @@ class Preempted(SystemExit):
     A ``SystemExit`` with code 85 (:data:`~phalanx.preemption.notes.PREEMPTED_EXIT_CODE`):
     left uncaught, the process exits quietly with that status, which ``phalanx run`` passes
     on. ``path`` is the checkpoint, ``signal`` the signal agreed on, ``requeued`` whether
-    SLURM took the job back. Catch it to clean up, then re-raise.
+    SLURM took the job back. Catch it to clean up, then re-raise. Once it is raised the process
+    ends with 85 (right after the exit hooks), even where a handler swallowed it.
     """
 
     def __init__(self, path: str | None, sig: signal.Signals | None, requeued: bool = False) -> None:
@@ -185,6 +186,7 @@ class Preemption:
                         notes.PREEMPTED_EXIT_CODE)
             if slurm.requeue_wanted(self.signal):
                 requeued = slurm.requeue()
+        runtime.exit_after_hooks(notes.PREEMPTED_EXIT_CODE)  # decided: no teardown abort may change it
         raise Preempted(path, self.signal, requeued)
 
     def resume(self, manager, state: dict) -> str | None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import os
+import sys
 import threading
 
 import torch
@@ -41,6 +43,7 @@ __all__ = [
     "expand_nodelist",
     "bound_tcp_store",
     "import_dynamo_first",
+    "exit_after_hooks",
     "init",
     "shutdown",
     "is_initialized",
@@ -57,6 +60,34 @@ __all__ = [
 
 _log = get_logger(__name__)
 _lock = threading.Lock()
+_exit_code_after_hooks: int | None = None
+
+
+def exit_after_hooks(code: int) -> None:
+    """At interpreter exit, end the process with ``code`` right after the exit hooks (atexit), without
+    the interpreter's teardown.
+
+    For a process whose ending is decided (a preemption checkpoint is complete on every rank): the
+    teardown destroys c10d objects in arbitrary order, and with the threads of earlier groups (an
+    elastic worker that re-formed) it sometimes aborted ("terminate called without an active
+    exception", SIGABRT), so the launcher saw a crash instead of the decided status. Every exit hook
+    (the runtime's shutdown, the heartbeat's last beat, an async checkpoint writer) still runs first.
+    """
+    global _exit_code_after_hooks
+    _exit_code_after_hooks = code
+
+
+def _end_after_hooks() -> None:
+    if _exit_code_after_hooks is not None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+                pass
+        os._exit(_exit_code_after_hooks)
+
+
+atexit.register(_end_after_hooks)  # at import, before every other phalanx hook: so it runs after them all
 _topology: Topology | None = None
 _settings: Settings | None = None
 _owns_default_group = False
