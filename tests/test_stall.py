@@ -268,3 +268,19 @@ def test_stall_flags_are_checked():
 
 if not hasattr(signal, "SIGSTOP"):  # pragma: no cover
     pytest.skip("needs POSIX signals", allow_module_level=True)
+
+
+def test_a_sigabrt_after_the_script_ended_is_told_apart():
+    """The elastic supervisor counts a worker as finished when it aborted in teardown after its script
+    ended (last heartbeat "exited"), and as failed otherwise."""
+    import signal as sig
+
+    from phalanx.launcher.stall import ended_then_aborted
+
+    store = torch.distributed.HashStore()
+    store.set("phalanx/heartbeat/w0", json.dumps({"rank": 0, "pid": 1, "beat": 9, "state": "exited"}))
+    store.set("phalanx/heartbeat/w1", json.dumps({"rank": 1, "pid": 2, "beat": 9, "state": "failed"}))
+    assert ended_then_aborted(store, "w0", -sig.SIGABRT) and ended_then_aborted(store, "w0", 128 + sig.SIGABRT)
+    assert not ended_then_aborted(store, "w0", 1)  # a plain failure stays one
+    assert not ended_then_aborted(store, "w1", -sig.SIGABRT)  # the script itself failed
+    assert not ended_then_aborted(store, "w2", -sig.SIGABRT)  # no heartbeat: a failure

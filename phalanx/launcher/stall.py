@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 from phalanx.runtime.heartbeat import describe_position, heartbeat_key
 
-__all__ = ["PEER_LOST", "lost_a_peer", "RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position", "is_child"]
+__all__ = ["PEER_LOST", "lost_a_peer", "ended_then_aborted", "RankView", "Stall", "StallDetector", "Watcher", "process_state", "describe_position", "is_child"]
 
 _STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible (disk/driver)", "T": "stopped",
            "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "dead", "I": "idle"}
@@ -77,6 +77,19 @@ def lost_a_peer(text: str) -> bool:
     """Whether a rank's last words say it only lost a peer (a timeout, a closed connection)."""
     text = text.lower()
     return any(p in text for p in PEER_LOST)
+
+
+def ended_then_aborted(store, ident: int | str, code: int) -> bool:
+    """Whether a worker that died of SIGABRT had ended its script first: its last heartbeat, written
+    by the exit hooks, says ``exited``. The abort then came from the interpreter's teardown (torch's
+    "terminate called without an active exception", seen after elastic re-forms), not from training."""
+    if code not in (-signal.SIGABRT, 128 + signal.SIGABRT):
+        return False
+    try:
+        key = heartbeat_key(ident)
+        return bool(store.check([key])) and json.loads(store.get(key)).get("state") == "exited"
+    except Exception:  # noqa: BLE001 - no heartbeat to read: it counts as the failure it looks like
+        return False
 
 
 def is_child(pid: int) -> bool:

@@ -46,7 +46,7 @@ from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreempt
 from phalanx.launcher.host_notices import ADDED, HostNotices
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
-from phalanx.launcher.stall import ElasticStalls, describe_exit
+from phalanx.launcher.stall import ElasticStalls, describe_exit, ended_then_aborted
 from phalanx.launcher.worker_output import WorkerOutput
 from phalanx.log import get_logger
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
@@ -355,9 +355,13 @@ class Supervisor:
                         w.ready = True
                         changed.append(f"worker {w.wid} on {w.host} is ready")
                     continue
-                w.code = code
                 rank = self._rank_of(w)
                 who = f"rank {rank}" if rank is not None else "joining worker"
+                if ended_then_aborted(self.store, w.wid, code):
+                    print(f"phalanx: {who} ({w.wid}) ended its script, then aborted in the interpreter's teardown "
+                          "(SIGABRT); counted as finished", file=sys.stderr, flush=True)
+                    code = 0
+                w.code = code
                 if code == 0:
                     if self.store.check([f"pxe/left/{w.wid}"]):
                         continue  # left at a shrink

@@ -63,7 +63,7 @@ _lock = threading.Lock()
 _exit_code_after_hooks: int | None = None
 
 
-def exit_after_hooks(code: int) -> None:
+def exit_after_hooks(code: int | None) -> None:
     """At interpreter exit, end the process with ``code`` right after the exit hooks (atexit), without
     the interpreter's teardown.
 
@@ -72,6 +72,7 @@ def exit_after_hooks(code: int) -> None:
     elastic worker that re-formed) it sometimes aborted ("terminate called without an active
     exception", SIGABRT), so the launcher saw a crash instead of the decided status. Every exit hook
     (the runtime's shutdown, the heartbeat's last beat, an async checkpoint writer) still runs first.
+    ``None`` cancels it.
     """
     global _exit_code_after_hooks
     _exit_code_after_hooks = code
