@@ -216,14 +216,17 @@ def keep_current_connections() -> int:
     return lost.keep(lost.group_sockets(-1))
 
 
-def _shut_group_sockets(ctx: _Ctx) -> int:
+def _shut_group_sockets(ctx: _Ctx, only_gen: int | None = None) -> int | None:
     """Shut down the broken group's TCP connections (not close: gloo still owns the fds).
 
     A peer blocked in a collective on this group then sees the connection end and raises
     at once, instead of waiting out the collective timeout: destroying the group does not
-    close them while anything (a pending work object) still references it.
+    close them while anything (a pending work object) still references it. ``only_gen``:
+    only while the worker is still in that generation with connections to shut (None otherwise).
     """
     with ctx.lock:
+        if only_gen is not None and (ctx.gen != only_gen or not ctx.group_sockets):
+            return None
         count = lost.shut(ctx.group_sockets)
         ctx.group_sockets = set()
     return count
@@ -231,12 +234,9 @@ def _shut_group_sockets(ctx: _Ctx) -> int:
 
 def _interrupt(gen: int, gone: str) -> None:
     """The watcher saw members of generation ``gen`` lost: end this worker's collective of ``gen`` now."""
-    ctx = _context()
-    with ctx.lock:
-        if ctx.gen != gen or not ctx.group_sockets:
-            return  # already re-forming or re-formed: the new group is not touched
-        count = lost.shut(ctx.group_sockets)
-        ctx.group_sockets = set()
+    count = _shut_group_sockets(_context(), only_gen=gen)
+    if count is None:
+        return  # already re-forming or re-formed: the new group is not touched
     log.warning("%s of generation %d lost: shut this worker's %d connection(s) so its collective ends now",
                 gone, gen, count)
 
