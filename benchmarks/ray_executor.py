@@ -71,6 +71,39 @@ def job(warmup: int, steps: int, launched_at: float) -> dict:
             "master_addr": os.environ.get("MASTER_ADDR")}
 
 
+
+def job_windows(ready: str, stop: str, out: str, warmup: int) -> None:
+    """The same job as ``job``, stepping until ``stop`` exists; rank 0 writes each step's
+    (start, end) on the system-wide monotonic clock to ``out``. Whether to stop is agreed every
+    20 steps by a MAX allreduce of one flag, outside the timed steps, so both ranks stop together."""
+    import phalanx as px
+
+    px.init()
+    torch.manual_seed(0)
+    model = px.DataParallel(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                          nn.Linear(1024, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(px.rank())
+    x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+    spans, i = [], 0
+    while True:
+        if i % 20 == 0:
+            if px.allreduce(torch.tensor([float(os.path.exists(stop))]), op=px.Max).item():
+                break
+        t = time.monotonic()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        spans.append((t, time.monotonic()))
+        i += 1
+        if i == warmup and px.rank() == 0:
+            open(ready, "w").close()
+    if px.rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"spans": spans, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                       "os_threads": len(os.listdir("/proc/self/task"))}, f)
+    px.barrier()
+
 def run_ray(warmup: int, steps: int) -> dict:
     import ray
 
@@ -116,6 +149,124 @@ def run_cli(warmup: int, steps: int) -> dict:
             return json.load(f)
 
 
+
+
+def ray_windows_driver(ready: str, stop: str, out: str, warmup: int) -> None:
+    """The RayExecutor side of ``run_windows``: a driver process of its own, so that every Ray
+    process (this driver, the daemons it starts, the actors) is in one process tree."""
+    import ray
+
+    from phalanx.ray import RayExecutor
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
+    executor.start()
+    try:
+        executor.run(job_windows, args=[ready, stop, out, warmup])
+    finally:
+        executor.shutdown()
+        ray.shutdown()
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    try:
+        top = psutil.Process(pid)
+        return [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal(procs: list, sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except Exception:  # gone: nothing to stop or resume
+            pass
+
+
+def run_windows(args) -> None:
+    """Both launchers' jobs alive at once, taking turns: while one side runs, every process of the
+    other (Ray's daemons and actors, or `phalanx run`'s launcher and ranks) is SIGSTOPped. A pair of
+    windows is a few seconds apart on the same machine, so its ratio is free of the drift between runs."""
+    import signal
+
+    began = time.perf_counter()
+    loads = [os.getloadavg()[0]]
+    d = tempfile.mkdtemp(prefix="px-raywin-")
+    paths = {side: {k: os.path.join(d, f"{side}.{k}") for k in ("ready", "stop", "out")} for side in ("ray", "cli")}
+    me = [sys.executable, os.path.abspath(__file__)]
+    r, c = paths["ray"], paths["cli"]
+    procs = {"ray": subprocess.Popen([*me, "--windows-ray-driver", r["ready"], r["stop"], r["out"],
+                                      "--warmup", str(args.warmup)]),
+             "cli": subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-np", "2", *me,
+                                      "--windows-worker", c["ready"], c["stop"], c["out"], "--warmup", str(args.warmup)],
+                                     stdout=subprocess.DEVNULL)}
+
+    def sides() -> dict:  # each side's whole process tree: Ray's driver, daemons and actors; the launcher and ranks
+        return {side: _tree(proc.pid) for side, proc in procs.items()}
+
+    while not (os.path.exists(r["ready"]) and os.path.exists(c["ready"])):
+        for side, proc in procs.items():
+            if proc.poll() is not None:
+                raise SystemExit(f"the {side} job ended early with {proc.returncode}")
+        time.sleep(0.1)
+    windows = []  # (side, resumed_at, stopped_at)
+    _signal(sides()["cli"], signal.SIGSTOP)
+    running = "ray"
+    try:
+        for k in range(2 * args.pairs):
+            side = ("ray", "cli")[(k + k // 2) % 2]  # ray cli | cli ray | ray cli ...: each pair alternates its order
+            trees = sides()
+            if side != running:
+                _signal(trees[running], signal.SIGSTOP)
+                _signal(trees[side], signal.SIGCONT)
+                running = side
+            t0 = time.monotonic()
+            time.sleep(args.window)
+            windows.append((side, t0, time.monotonic()))
+    finally:
+        trees = sides()
+        _signal(trees["ray"] + trees["cli"], signal.SIGCONT)
+    loads.append(os.getloadavg()[0])
+    for side in ("ray", "cli"):
+        open(paths[side]["stop"], "w").close()
+    for side, proc in procs.items():
+        if proc.wait(timeout=120):
+            raise SystemExit(f"the {side} job failed with {proc.returncode}")
+    results = {}
+    for side in ("ray", "cli"):
+        with open(paths[side]["out"]) as f:
+            results[side] = json.load(f)
+    per_window = []
+    for side, t0, t1 in windows:
+        steps = [b - a for a, b in results[side]["spans"] if a >= t0 + args.settle and b <= t1]
+        per_window.append((side, 1000 * statistics.median(steps) if steps else float("nan"), len(steps)))
+    ratios = []
+    for k in range(0, len(per_window), 2):
+        pair = dict((side, ms) for side, ms, _ in per_window[k:k + 2])
+        ratios.append(pair["ray"] / pair["cli"])
+    for k, ratio in enumerate(ratios):
+        w = per_window[2 * k:2 * k + 2]
+        print(f"pair {k}: " + ", ".join(f"{side} {ms:.3f} ms ({n} steps)" for side, ms, n in w)
+              + f"; ray/cli {ratio:.4f}")
+    from dp_vs_ddp import median_ci  # this folder is on sys.path when the script runs
+
+    lo, hi = median_ci(ratios) or (min(ratios), max(ratios))
+    ratio = statistics.median(ratios)
+    print(f"\n{len(ratios)} pairs of {args.window:g} s windows ({args.settle:g} s settle), "
+          f"{time.perf_counter() - began:.0f} s; load {min(loads):.1f}-{max(loads):.1f}; torch {torch.__version__}; "
+          f"rank 0 nice ray {results['ray']['nice']} cli {results['cli']['nice']}, OS threads "
+          f"ray {results['ray']['os_threads']} cli {results['cli']['os_threads']}")
+    for side in ("ray", "cli"):
+        ms = [m for s_, m, _ in per_window if s_ == side]
+        print(f"{side}: window medians {_spread(ms)} ms")
+    print(f"paired step ratio ray/cli: median {ratio:.4f} ({100 * (ratio - 1):+.2f}%), 95% CI "
+          f"[{lo:.4f}, {hi:.4f}]; goal within 2%: "
+          + ("met" if 0.98 <= lo and hi <= 1.02 else "NOT met" if hi < 0.98 or lo > 1.02 else "not decided")
+          + " (by the interval)")
+
+
 def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
@@ -125,7 +276,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--method", choices=("windows", "runs"), default="windows",
+                   help="windows: both jobs alive, taking turns (default); runs: whole runs, paired")
+    p.add_argument("--pairs", type=int, default=30, help="windows: pairs of windows")
+    p.add_argument("--window", type=float, default=3.0, help="windows: seconds per window")
+    p.add_argument("--settle", type=float, default=0.3, help="windows: seconds left out after a resume")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--windows-worker", nargs=3, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--windows-ray-driver", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--launched", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:  # one rank under `phalanx run`
@@ -136,8 +294,17 @@ def main() -> None:
             with open(args.worker, "w") as f:
                 json.dump(result, f)
         return
+    if args.windows_worker:
+        job_windows(*args.windows_worker, args.warmup)
+        return
+    if args.windows_ray_driver:
+        ray_windows_driver(*args.windows_ray_driver, args.warmup)
+        return
 
     os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"^\[\d+\]: ")  # before ray, as phalanx.ray does
+    if args.method == "windows":
+        run_windows(args)
+        return
     began, loads = time.perf_counter(), [os.getloadavg()[0]]
     rows: dict[str, list[dict]] = {"ray": [], "cli": []}
     for r in range(args.repeats):

@@ -306,6 +306,25 @@ def test_elastic_killed_actor_survived_in_process_and_replaced(local_ray):
     assert (horovod_style.min_workers, horovod_style.max_workers, horovod_style.elastic_timeout) == (1, 2, 30)
 
 
+
+def test_elastic_on_ray_warns_once_when_an_actor_stays_niced(local_ray, monkeypatch):
+    # As root every actor comes to the driver's niceness, so the warning is driven here with an actor's
+    # setup answer of 15 (what a non-root driver gets from Ray's worker_niceness); RayExecutor shares it
+    from phalanx.ray import elastic as ray_elastic
+    from phalanx.ray import worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "_nice_warned", False)
+    warned = []
+    monkeypatch.setattr(ray_worker.log, "warning", lambda msg, *args: warned.append(msg % args))
+    job = ray_elastic.ElasticJob(None, len, [], {}, None)
+    job._nice = 0
+    job._niceness = [ray.put(15), ray.put(15)]
+    job._check_niceness()
+    job._niceness = [ray.put(15)]
+    job._check_niceness()
+    assert len(warned) == 1 and "the ranks run at nice 15, the driver at 0" in warned[0], warned
+    assert "RAY_worker_niceness=0" in warned[0] and job._niceness == [], warned
+
 def test_elastic_worker_records_its_exit_status_and_prefixes_its_rank():
     # Ray reports only that an actor died; a worker leaving by os._exit (shrunk out, the job done while it
     # waited to join, a failed re-form) first writes its status to the job's store for the driver

@@ -33,9 +33,10 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from phalanx.ray import ray_logger
 from phalanx.ray.elastic_executor import ElasticRayExecutor
-from phalanx.ray.executor import RayExecutor, Settings
+from phalanx.ray.executor import RayExecutor, Settings, start_lean_ray
 from phalanx.ray.worker import BaseWorker
 
 BaseHorovodWorker = BaseWorker  # horovod.ray's name for the actor class
 
-__all__ = ["RayExecutor", "ElasticRayExecutor", "Settings", "BaseWorker", "BaseHorovodWorker", "ray_logger"]
+__all__ = ["RayExecutor", "ElasticRayExecutor", "Settings", "BaseWorker", "BaseHorovodWorker", "ray_logger",
+           "start_lean_ray"]

@@ -43,7 +43,13 @@ from phalanx.elastic import inprocess
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.supervisor import Supervisor
 from phalanx.log import get_logger
-from phalanx.ray.worker import EXIT_KEY, BaseWorker, FunctionCall, WorkerFailure
+from phalanx.ray.worker import (
+    EXIT_KEY,
+    BaseWorker,
+    FunctionCall,
+    WorkerFailure,
+    warn_if_ranks_niced,
+)
 
 __all__ = ["ActorProcess", "ElasticJob", "HOST", "UNBOUNDED"]
 
@@ -130,6 +136,9 @@ class ElasticJob:
         self.callbacks = list(callbacks or [])
         self.job = uuid.uuid4().hex[:8]
         self.handles: list[ActorProcess] = []
+        self._nice = os.getpriority(os.PRIO_PROCESS, 0)  # the ranks come to the driver's niceness where allowed
+        self._niceness: list = []  # each actor's setup: the niceness it runs at, not yet read
+        self._niceness_lock = threading.Lock()
         self.world_sizes: list[tuple[float, int]] = []
         self.key = job_secret.new_secret()
         self.queue = None
@@ -159,8 +168,10 @@ class ElasticJob:
         actor = ray.remote(BaseWorker).options(num_cpus=ex.spec.cpus_per_worker, name=name, max_restarts=0,
                                                max_concurrency=1).remote()
         info = actor.node_info.remote()
-        actor.setup.remote(sent, self.key, int(env.get("RANK", -1)), max(1, int(ex.spec.cpus_per_worker)),
-                           os.getpriority(os.PRIO_PROCESS, 0))
+        setup = actor.setup.remote(sent, self.key, int(env.get("RANK", -1)), max(1, int(ex.spec.cpus_per_worker)),
+                                   self._nice)
+        with self._niceness_lock:
+            self._niceness.append(setup)
         if self.queue is not None:
             actor.set_queue.remote(self.queue)
         handle = ActorProcess(actor, name, wid, info, actor.execute.remote(self.call), self.supervisor.store)
@@ -213,6 +224,19 @@ class ElasticJob:
                 seen = gen
             self._drain()
             self._check_room()
+            self._check_niceness()
+
+    def _check_niceness(self) -> None:
+        """Warn once, as RayExecutor does, when an actor set up at a niceness above the driver's."""
+        with self._niceness_lock:
+            if not self._niceness:
+                return
+            ready, self._niceness = ray.wait(self._niceness, num_returns=len(self._niceness), timeout=0)
+        for ref in ready:
+            try:
+                warn_if_ranks_niced([ray.get(ref)], self._nice)
+            except Exception:  # noqa: BLE001 - an actor that died in setup: the supervisor reports it
+                pass
 
     def _check_room(self) -> None:
         """Fewer than min_workers actors running for elastic_timeout, none of the others still

@@ -54,7 +54,7 @@ from phalanx.ray.placement import (
     rank_environments,
     ranks_host_major,
 )
-from phalanx.ray.worker import FunctionCall, WorkerFailure
+from phalanx.ray.worker import FunctionCall, WorkerFailure, warn_if_ranks_niced
 
 __all__ = ["RayExecutor", "Settings", "start_lean_ray"]
 
@@ -115,21 +115,6 @@ def start_lean_ray() -> None:
     finally:
         if added:
             del os.environ["RAY_worker_niceness"]
-
-
-_nice_warned = False
-
-
-def _warn_if_ranks_niced(got: list[int], nice: int) -> None:
-    """Once per driver: the ranks run at a higher niceness than the driver (Ray's worker_niceness)."""
-    global _nice_warned
-    if _nice_warned or max(got) <= nice:
-        return
-    _nice_warned = True
-    log.warning("RayExecutor: the ranks run at nice %d, the driver at %d (Ray's worker_niceness; only root or "
-                "CAP_SYS_NICE may lower it): on a busy machine they get less CPU than `phalanx run` ranks. "
-                "Start Ray with RAY_worker_niceness=0 in its environment (`RAY_worker_niceness=0 ray start --head`, "
-                "or os.environ['RAY_worker_niceness'] = '0' before ray.init())", max(got), nice)
 
 
 class RayExecutor:
@@ -260,7 +245,7 @@ class RayExecutor:
             got = self._get([w.setup.remote(env, key, r, threads, nice)
                              for r, (w, env) in enumerate(zip(self.workers, envs))],
                             self.settings.timeout_s, "set up the actors")
-            _warn_if_ranks_niced(got, nice)
+            warn_if_ranks_niced(got, nice)
             if executable_cls is not None:
                 self._gather([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
                               for w in self.workers])

@@ -26,9 +26,12 @@ import traceback
 from typing import Any
 
 from phalanx.launcher import secret as job_secret
+from phalanx.log import get_logger
 from phalanx.ray import ray_logger
 
-__all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY"]
+__all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY", "warn_if_ranks_niced"]
+
+log = get_logger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 EXIT_KEY = "pxe/exit/"  # + worker id: the status an elastic worker ended its process with (Ray sees only a death)
@@ -258,3 +261,18 @@ class BaseWorker:
 
     def __repr__(self) -> str:
         return "PhalanxWorker"
+
+
+_nice_warned = False
+
+
+def warn_if_ranks_niced(got: list[int], nice: int) -> None:
+    """Once per driver: the ranks run at a higher niceness than the driver (Ray's worker_niceness)."""
+    global _nice_warned
+    if _nice_warned or max(got) <= nice:
+        return
+    _nice_warned = True
+    log.warning("phalanx on Ray: the ranks run at nice %d, the driver at %d (Ray's worker_niceness; only root or "
+                "CAP_SYS_NICE may lower it): on a busy machine they get less CPU than `phalanx run` ranks. "
+                "Start Ray with RAY_worker_niceness=0 in its environment (`RAY_worker_niceness=0 ray start --head`, "
+                "or os.environ['RAY_worker_niceness'] = '0' before ray.init())", max(got), nice)
