@@ -4,11 +4,23 @@ The job: DataParallel MLP (256-1024-1024-10, 1.3M params), SGD, local batch 64 o
 random data; ``--warmup`` steps, then ``--steps`` timed one by one; a run's figure is the
 median of its timed steps (rank 0).
 
-Each repeat is one pair, run back to back: a RayExecutor run on a fresh local Ray cluster
-(``ray.init`` before, ``ray.shutdown`` after, so the ``phalanx run`` half never shares the
-machine with Ray's daemons) and a ``phalanx run -np 2`` run; the order alternates between
-repeats (ray first in even repeats). The step-time figure is the median of the per-repeat
-ratios ray/cli with their spread, so drift of the machine between repeats cancels out.
+Two ways to pair them (``--method``):
+
+* ``windows`` (default, the step-time verdict): both jobs run at once, taking turns. While one
+  side runs, every process of the other side is SIGSTOPped: the RayExecutor side is a driver
+  process of its own with everything it started (Ray's daemons, the actors), the other side is
+  ``phalanx run`` with its ranks. Sides switch every ``--window`` seconds; a pair is one window
+  of each, the order alternating between pairs, so a pair's two figures are seconds apart on the
+  same machine and drift between runs cancels out. A window's figure is the median of rank 0's
+  steps that began ``--settle`` s after the resume and ended inside the window. The verdict is
+  the median of the per-pair ratios ray/cli with a distribution-free 95% interval.
+* ``runs`` (start-up figures): each repeat is one pair of whole runs back to back: a
+  RayExecutor run on a fresh local Ray cluster (``ray.init`` before, ``ray.shutdown`` after, so
+  the ``phalanx run`` half never shares the machine with Ray's daemons) and a ``phalanx run -np
+  2`` run; the order alternates between repeats. The step figure is the median of the per-repeat
+  ratios; on a 2-core machine runs minutes apart differ by +-15%, more than the goal.
+
+The figures of ``runs``:
 
 * ``ray.init``: the local cluster's start (``num_cpus=2, include_dashboard=False``), a
   start-up figure of its own, never in the step time.
@@ -19,10 +31,11 @@ ratios ray/cli with their spread, so drift of the machine between repeats cancel
 
 Run under the benchmark lock, when ``uptime`` shows a load below 3::
 
-    flock /tmp/phalanx-bench.lock python benchmarks/ray_executor.py
+    flock /tmp/phalanx-bench.lock python benchmarks/ray_executor.py                 # windows
+    flock /tmp/phalanx-bench.lock python benchmarks/ray_executor.py --method runs   # start-up
 
-(defaults: 6 repeats x 400 timed steps: 453 s on cpu2 at load 3-5; a fresh Ray cluster per repeat costs ~10 s
-of start and a `phalanx run` start ~12 s, so fewer repeats (`--repeats 4`) are the way to a shorter run.)
+(windows: 30 pairs of 3 s, about 4 minutes; runs: 6 repeats x 400 timed steps, 453 s on cpu2 at
+load 3-5; a fresh Ray cluster per repeat costs ~10 s of start and a `phalanx run` start ~12 s, so fewer repeats (`--repeats 4`) are the way to a shorter run.)
 """
 
 from __future__ import annotations
