@@ -56,7 +56,7 @@ WORKER = textwrap.dedent(f"""
                 step(model, opt, state.sampler, x, y, px.size())
                 state.step += 1
                 first_group = inprocess.generation() == 0 and elastic.restart_count() == 0
-                if mode == "kill" and first_group and state.step == KILL_AT and px.rank() == 2:
+                if mode in ("kill", "lose") and first_group and state.step == KILL_AT and px.rank() == 2:
                     event("kill")
                     os.kill(os.getpid(), signal.SIGKILL)
                 if mode == "kill" and px.rank() == 0 and inprocess.generation() == 1 and not waited:
@@ -192,4 +192,32 @@ def test_remote_host_from_discovery_is_admitted_at_the_next_commit(tmp_path):
     # admitted at the first commit after the host appeared (step KILL_AT), the first two kept their processes
     assert {e["step"] for e in grown} == {(KILL_AT // COMMIT + 1) * COMMIT}, grown
     assert {e["pid"] for e in first} < {e["pid"] for e in grown}
+    _check_final(tmp_path)
+
+
+@pytest.mark.skipif(_why is not None, reason=f"simulated cluster unavailable: {_why}")
+def test_remote_host_list_recovers_in_process_and_sets_the_failed_host_aside(tmp_path):
+    # -H with a remote host and --min-np: the in-process supervisor starts the workers over SSH (not one
+    # TorchElastic agent per host); the worker on host b is killed, the survivors on host a re-form in their
+    # own processes, and host b is set aside (Horovod's rule for a named host), so the job ends at size 2
+    with SimCluster(hosts=2, rate=None, ssh=True) as cluster:
+        a, b = cluster.addresses
+        script = tmp_path / "worker.py"
+        script.write_text(WORKER)
+        cmd = [sys.executable, "-m", "phalanx", "run", "-H", f"{a}:2,{b}:1", "-np", "3", "--min-np", "2",
+               "--ssh-config", cluster.ssh_config, "--network-interface", IFNAME, "--timeout", "60",
+               sys.executable, str(script), str(tmp_path), "lose"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        nets = [cluster.exec(i, ["readlink", "/proc/self/ns/net"]).stdout.strip() for i in range(2)]
+    report = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, report
+    ev = _events(tmp_path / "events.txt")
+    first = sorted((e for e in ev if e["what"] == "start" and e["gen"] == 0), key=lambda e: e["rank"])
+    assert [e["net"] for e in first] == [nets[0], nets[0], nets[1]], report  # host-major over the two hosts
+    after = [e for e in ev if e["what"] == "start" and e["gen"] == 1]
+    assert {e["pid"] for e in after} == {e["pid"] for e in first[:2]} and {e["size"] for e in after} == {2}, report
+    assert not [e for e in ev if e["what"] == "start" and e["gen"] > 1], report  # host b stays aside
+    assert "recovery path: in-process" in proc.stdout and "TorchElastic" not in proc.stdout + proc.stderr, report
+    assert f"host {b}" in proc.stdout + proc.stderr, report  # named as set aside
     _check_final(tmp_path)

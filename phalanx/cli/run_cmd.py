@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
         code = _run_in_allocation(args, np, command, env, ranks_filter)
         if code is not None:
             return code
-    if any(not is_local(h.name) for h in hosts):
+    if any(not is_local(h.name) for h in hosts) and not in_process_elastic(args):
         from phalanx.launcher.ssh import run_remote
 
         args.np = np
