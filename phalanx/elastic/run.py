@@ -122,6 +122,13 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
                         "(path: in-process, this process keeps running)", type(err).__name__,
                         str(err).splitlines()[0][:160])
             reform = "recovering from a lost worker"
+        if reform is not None and state.sharded():
+            # ZeRO's shards and bucket plan belong to the old world, and a lost rank's shard is only on
+            # disk: the whole group restarts from the last commit (saved before MembershipChanged)
+            log.error("%s: this state holds sharded pieces (%s: ZeRO), which cannot re-form in-process; "
+                      "exiting with status %d so the launcher restarts the group from the last commit "
+                      "(path: group restart)", reform, ", ".join(state.sharded()), inprocess.REFORM_FAILED_EXIT)
+            inprocess.exit_now(inprocess.REFORM_FAILED_EXIT)
         if reform is not None:
             # Outside the except block: the traceback (and the failed collective's work objects,
             # which keep the broken group's sockets open) is gone, so leaving the group closes

@@ -110,6 +110,11 @@ class TorchState:
         """The live name -> piece dict (what a checkpoint of this state holds), plus the commit counter."""
         return {**self._pieces, "_commits": self._commit_count, "_world": self._world}
 
+    def sharded(self) -> list[str]:
+        """The names of the pieces split across ranks in their own format (a ZeRO optimizer): such a
+        state cannot re-form in-process (a lost rank's shard and the shard layout go with the old world)."""
+        return [k for k, v in self._pieces.items() if is_gathered(v)]
+
     def on_world_change(self, hook) -> None:
         """Call ``hook(old_size, new_size)`` in :meth:`sync` when the state was committed at another
         world size (after a restart with fewer or more workers). See :mod:`phalanx.elastic.scaling`."""
@@ -185,9 +190,14 @@ class TorchState:
             self._reset_samplers()
             self._world_changed(1)
             return
+        # a sharded optimizer's model (ZeRO broadcast it at construction and keeps it equal; at stage 3
+        # each rank holds only its shard of every parameter, so a broadcast of its tensors would mismatch)
+        owned = {id(getattr(v, "model", None)) for v in self._pieces.values() if is_gathered(v)}
         for k, v in self._pieces.items():
             if is_gathered(v):
                 continue  # sharded (ZeRO): every rank holds its own part, restored from every rank's
+            if isinstance(v, torch.nn.Module) and id(v) in owned:
+                continue
             if isinstance(v, torch.nn.Module):
                 for t in list(v.parameters()) + list(v.buffers()):
                     broadcast(t.data, root_rank=0, inplace=True, name=f"sync.{k}")

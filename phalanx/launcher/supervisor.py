@@ -423,7 +423,7 @@ class Supervisor:
         if self.fallback is None or any(not is_local(w.host) for w in self.workers):
             print(f"phalanx: {why}; no restart path for this job, stopping", file=sys.stderr, flush=True)
             return inprocess.REFORM_FAILED_EXIT
-        n = max(self.min_np, min(n, self.max_np))
+        n = max(self.min_np, min(max(n, self._wanted()), self.max_np))  # (a grow: the size it grew to)
         print(f"phalanx: {why}; falling back to a full restart of {n} workers from the last commit "
               "(recovery path: group restart on TorchElastic)", file=sys.stderr, flush=True)
         return self.fallback(n, max(1, self.replacements_left))
