@@ -190,6 +190,18 @@ def _tree(pid: int) -> list:
         return []
 
 
+def _tree_cpu(procs: list) -> float:
+    """CPU seconds (user + system, every thread) the processes have used so far."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # gone
+            pass
+    return total
+
+
 def _signal(procs: list, sig: int) -> None:
     for p in procs:
         try:
@@ -235,9 +247,9 @@ def run_windows(args) -> None:
                 _signal(trees[running], signal.SIGSTOP)
                 _signal(trees[side], signal.SIGCONT)
                 running = side
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), _tree_cpu(trees[side])
             time.sleep(args.window)
-            windows.append((side, t0, time.monotonic()))
+            windows.append((side, t0, time.monotonic(), _tree_cpu(trees[side]) - cpu0))
     finally:
         trees = sides()
         _signal(trees["ray"] + trees["cli"], signal.SIGCONT)
@@ -251,10 +263,12 @@ def run_windows(args) -> None:
     for side in ("ray", "cli"):
         with open(paths[side]["out"]) as f:
             results[side] = json.load(f)
-    per_window = []
-    for side, t0, t1 in windows:
+    per_window, cpu_per_step = [], {"ray": [], "cli": []}
+    for side, t0, t1, cpu in windows:
         steps = [b - a for a, b in results[side]["spans"] if a >= t0 + args.settle and b <= t1]
         per_window.append((side, 1000 * statistics.median(steps) if steps else float("nan"), len(steps)))
+        ended = sum(1 for _, b in results[side]["spans"] if t0 <= b <= t1)
+        cpu_per_step[side].append(1000 * cpu / max(ended, 1))
     ratios = []
     for k in range(0, len(per_window), 2):
         pair = dict((side, ms) for side, ms, _ in per_window[k:k + 2])
@@ -274,6 +288,10 @@ def run_windows(args) -> None:
     for side in ("ray", "cli"):
         ms = [m for s_, m, _ in per_window if s_ == side]
         print(f"{side}: window medians {_spread(ms)} ms")
+    cpu_ratios = [a / b for a, b in zip(cpu_per_step["ray"], cpu_per_step["cli"])]
+    print("CPU per step of every process of the side (launcher, daemons, ranks), ms: ray "
+          f"{_spread(cpu_per_step['ray'])}, cli {_spread(cpu_per_step['cli'])}; paired ratio median "
+          f"{statistics.median(cpu_ratios):.4f}")
     print(f"paired step ratio ray/cli: median {ratio:.4f} ({100 * (ratio - 1):+.2f}%), 95% CI "
           f"[{lo:.4f}, {hi:.4f}]; goal within 2%: "
           + ("met" if 0.98 <= lo and hi <= 1.02 else "NOT met" if hi < 0.98 or lo > 1.02 else "not decided")
