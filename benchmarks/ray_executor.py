@@ -53,17 +53,25 @@ import torch
 from torch import nn
 
 
-def job(warmup: int, steps: int, launched_at: float) -> dict:
+def _setup():
+    """The job's model, optimizer and this rank's fixed batch (after ``px.init()``)."""
     import phalanx as px
 
-    px.init()
-    init_at = time.time()
     torch.manual_seed(0)
     model = px.DataParallel(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                                           nn.Linear(1024, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(px.rank())
     x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+    return model, opt, x, y
+
+
+def job(warmup: int, steps: int, launched_at: float) -> dict:
+    import phalanx as px
+
+    px.init()
+    init_at = time.time()
+    model, opt, x, y = _setup()
     times, cpu_at = [], 0.0
     for i in range(warmup + steps):
         if i == warmup:
@@ -92,12 +100,7 @@ def job_windows(ready: str, stop: str, out: str, warmup: int) -> None:
     import phalanx as px
 
     px.init()
-    torch.manual_seed(0)
-    model = px.DataParallel(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                                          nn.Linear(1024, 10)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(px.rank())
-    x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
+    model, opt, x, y = _setup()
     spans, i = [], 0
     while True:
         if i % 20 == 0:
