@@ -297,7 +297,8 @@ def run_windows(args) -> None:
           f"{statistics.median(cpu_ratios):.4f}")
     print(f"paired step ratio ray/cli: median {ratio:.4f} ({100 * (ratio - 1):+.2f}%), 95% CI "
           f"[{lo:.4f}, {hi:.4f}]; goal within 2%: "
-          + ("met" if 0.98 <= lo and hi <= 1.02 else "NOT met" if hi < 0.98 or lo > 1.02 else "not decided")
+          + ("too few pairs for an interval (6 at least)" if len(ratios) < 6 else "met" if 0.98 <= lo and hi <= 1.02
+             else "NOT met" if hi < 0.98 or lo > 1.02 else "not decided")
           + " (by the interval)")
 
 
