@@ -326,3 +326,33 @@ def test_rank_zero_helpers(capsys, monkeypatch):
     assert [r.getMessage() for r in records] == ["log from rank 0"]  # INFO shown at the default level
     monkeypatch.setenv("SLURM_PROCID", "7")
     assert current_rank() == 7
+
+
+@pytest.mark.parametrize("caught", [False, True])
+def test_skip_teardown_if_uncaught_exits_1_after_the_traceback_and_hooks(tmp_path, caught):
+    # An elastic worker whose script failed after a re-form: status 1 with the traceback and the exit
+    # hooks, but no interpreter teardown (where c10d sometimes aborted); a caught exception changes nothing
+    code = textwrap.dedent(f"""
+        import atexit
+        from phalanx import runtime
+
+        class Teardown:
+            def __del__(self):
+                print("teardown ran", flush=True)
+
+        kept = Teardown()
+        atexit.register(lambda: print("exit hook ran", flush=True))
+        try:
+            runtime.skip_teardown_if_uncaught()
+            raise ValueError("the script failed")
+        except ValueError:
+            if not {caught}:
+                raise
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "exit hook ran" in proc.stdout, proc.stdout + proc.stderr
+    if caught:
+        assert proc.returncode == 0 and "teardown ran" in proc.stdout, proc.stdout + proc.stderr
+    else:
+        assert proc.returncode == 1 and "ValueError: the script failed" in proc.stderr, proc.stderr
+        assert "teardown ran" not in proc.stdout, proc.stdout

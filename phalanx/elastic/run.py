@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from phalanx import runtime
 from phalanx.elastic import inprocess, preempt
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
@@ -112,6 +113,7 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
                     inprocess.abandon()
                     log.error("training failed (%s: %s); this worker exits, the others re-form "
                               "in-process", type(err).__name__, err)
+                    runtime.skip_teardown_if_uncaught()  # exit 1 with the traceback, not a teardown abort
                     raise
                 # Under TorchElastic a dead peer breaks this process group; the agent restarts
                 # everyone from the last commit. Say so, then let the error end us.
@@ -162,7 +164,6 @@ def _reform_or_fall_back(reform: Callable[[], float]) -> None:
 def _rederive_strategies() -> None:
     """The world changed: every DataParallel / DistributedOptimizer re-derives its collectives
     (bucket layout, world size, join announcement) so old ranks and newcomers issue the same ones."""
-    from phalanx import runtime
     from phalanx.parallel.data.gradients import reform_engines
 
     count = reform_engines(runtime.topology())

@@ -44,6 +44,7 @@ __all__ = [
     "bound_tcp_store",
     "import_dynamo_first",
     "exit_after_hooks",
+    "skip_teardown_if_uncaught",
     "init",
     "shutdown",
     "is_initialized",
@@ -76,6 +77,27 @@ def exit_after_hooks(code: int | None) -> None:
     """
     global _exit_code_after_hooks
     _exit_code_after_hooks = code
+
+
+_teardown_hook_installed = False
+
+
+def skip_teardown_if_uncaught() -> None:
+    """If an exception ends this process uncaught, end it with status 1 right after the traceback
+    and the exit hooks, without the interpreter's teardown (see :func:`exit_after_hooks`): for an
+    elastic worker whose script failed after a re-form, whose teardown sometimes aborted, so the
+    launcher named a SIGABRT instead of the exception. An exception the script catches changes nothing."""
+    global _teardown_hook_installed
+    if _teardown_hook_installed:
+        return
+    _teardown_hook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        exit_after_hooks(1)
+
+    sys.excepthook = hook
 
 
 def _end_after_hooks() -> None:
