@@ -33,6 +33,9 @@ parser.add_argument("--discovery-schedule", default="[]",
                     help="JSON [[epoch or null, ['host:slots', ...]], ...]: the hosts of each epoch (null: the rest)")
 parser.add_argument("--discovery-wait", type=int, default=3,
                     help="seconds rank 0 waits for the launcher's notice of an expected host change (<= 0: no wait)")
+parser.add_argument("--notice-after", default="[]",
+                    help="JSON [epochs]: after logging these, rank 0 also waits (<= --discovery-wait s) for a notice "
+                         "(a host back from its cooldown)")
 parser.add_argument("--exit-schedule", default="{}",
                     help='JSON {"(epoch, batch)": [start ranks]}: those workers exit there')
 parser.add_argument("--exit-mode", default="exception", choices=["exception", "kill"])
@@ -47,6 +50,8 @@ schedule = json.loads(args.discovery_schedule)
 HOSTS = {epoch: hosts for epoch, hosts in schedule if epoch is not None}
 REST = schedule[-1][1] if schedule else []
 EXITS = json.loads(args.exit_schedule or "{}")
+NOTICE_AFTER = set(json.loads(args.notice_after))
+CAUGHT = []  # [class name, skip_sync] of each HostsUpdatedInterrupt this process caught at a commit
 
 BASE_LR = 0.001
 torch.manual_seed(START_RANK)  # replicas differ until state.sync() gives every rank rank 0's
@@ -72,14 +77,16 @@ def exit_if_scheduled(epoch, batch):
 
 def log_epoch(state):
     row = {"epoch": state.epoch, "batch": state.batch, "commits": state.commits, "hostname": HOSTNAME,
-           "start_rank": START_RANK, "rank": hvd.rank(), "size": hvd.size(), "rendezvous": state.rendezvous}
+           "start_rank": START_RANK, "rank": hvd.rank(), "size": hvd.size(), "rendezvous": state.rendezvous,
+           "caught": CAUGHT}
     with open(args.logfile, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def wait_for_host_notice(state, epoch):
-    """Rank 0, after logging ``epoch``: the hosts of the next epoch differ, so the launcher must tell us."""
-    if args.discovery_wait <= 0 or hosts_of(epoch) == hosts_of(epoch + 1):
+    """Rank 0, after logging ``epoch``: the hosts of the next epoch differ (or a host returns), so the
+    launcher must tell us."""
+    if args.discovery_wait <= 0 or (hosts_of(epoch) == hosts_of(epoch + 1) and epoch not in NOTICE_AFTER):
         return None
     began = time.time()
     while state._host_messages.empty():
@@ -87,6 +94,15 @@ def wait_for_host_notice(state, epoch):
             raise TimeoutError(f"no host-change notice within {args.discovery_wait}s after epoch {epoch}")
         time.sleep(0.1)
     return round(time.time() - began, 2)
+
+
+def commit(state):
+    """A Horovod user's ``except hvd.elastic.HostsUpdatedInterrupt`` around a commit: noted, re-raised."""
+    try:
+        state.commit()
+    except hvd.elastic.HostsUpdatedInterrupt as err:
+        CAUGHT.append([type(err).__name__, err.skip_sync])
+        raise
 
 
 @hvd.elastic.run
@@ -101,7 +117,7 @@ def train(state):
             state.batch += 1
             if state.batch % args.batches_per_commit == 0:
                 state.commits += 1
-                state.commit()
+                commit(state)
         if hvd.rank() == 0:
             log_epoch(state)
             waited = wait_for_host_notice(state, state.epoch)
@@ -110,7 +126,7 @@ def train(state):
         state.epoch += 1
         state.batch = 0
         state.commits += 1
-        state.commit()
+        commit(state)
 
 
 def rescale_lr():

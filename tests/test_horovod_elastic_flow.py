@@ -16,6 +16,7 @@ import pytest
 import torch
 
 JOB = Path(__file__).with_name("hvd_flow_job.py")
+HUI = "HostsUpdatedInterrupt"  # the class a Horovod script catches: hvd.elastic.HostsUpdatedInterrupt
 
 
 def _discovery_script(path: Path, logfile: Path, schedule) -> Path:
@@ -31,8 +32,9 @@ def _discovery_script(path: Path, logfile: Path, schedule) -> Path:
 
 
 def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2, min_np=2, max_np=4,
-         epochs=3, batches=2, timeout=150):
-    """`phalanx run` as elastic_common.py runs horovodrun: with a discovery script, or with -H hosts."""
+         epochs=3, batches=2, timeout=150, flags_extra=(), job=()):
+    """`phalanx run` as elastic_common.py runs horovodrun: with a discovery script, or with -H hosts
+    (``flags_extra``: more of horovodrun's, e.g. --elastic-timeout; ``job``: more of the script's)."""
     logfile = tmp_path / "log.jsonl"
     flags = ["-np", str(np), "--min-num-proc", str(min_np)]
     if hosts is not None:
@@ -40,11 +42,12 @@ def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2
     else:
         script = _discovery_script(tmp_path / "discover.sh", logfile, schedule)
         flags += ["--host-discovery-script", str(script), "--max-num-proc", str(max_np)]
+    flags += list(flags_extra)
     params = tmp_path / "params"
     params.mkdir()
     cmd = [sys.executable, "-m", "phalanx", "run", *flags, "--timeout", "30", "python", str(JOB),
            "--logfile", str(logfile), "--epochs", str(epochs), "--batches-per-epoch", str(batches),
-           "--params-dir", str(params)]
+           "--params-dir", str(params), *job]
     if schedule:
         cmd += ["--discovery-schedule", json.dumps(schedule)]
     if exits:
@@ -60,10 +63,13 @@ def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2
     return proc, rows, params
 
 
-def _assert_rows(rows, expected, report):
-    """expected: (start_rank, size, hostname, rendezvous) per epoch, in order."""
+def _assert_rows(rows, expected, report, caught=None):
+    """expected: (start_rank, size, hostname, rendezvous) per epoch, in order. ``caught``: per epoch, what
+    rank 0's process caught as `except hvd.elastic.HostsUpdatedInterrupt` so far ([class name, skip_sync])."""
     got = [(r["epoch"], r["start_rank"], r["size"], r["hostname"], r["rendezvous"]) for r in rows]
     assert got == [(e, *row) for e, row in enumerate(expected)], report
+    if caught is not None:
+        assert [r["caught"] for r in rows] == caught, report
 
 
 def _assert_equal_replicas(params: Path, n: int, report):
@@ -79,7 +85,10 @@ def test_hosts_added_and_removed(tmp_path):
     schedule = [[0, ["localhost:2"]], [1, ["localhost:2", "127.0.0.1:2"]], [None, ["127.0.0.1:2"]]]
     proc, rows, params = _run(tmp_path, schedule)
     assert proc.returncode == 0, proc.report
-    _assert_rows(rows, [(0, 2, "localhost", 1), (0, 4, "localhost", 2), (2, 2, "127.0.0.1", 3)], proc.report)
+    # the grow's interrupt (skip_sync False: workers added) caught by the rank 0 of epoch 1, the shrink's
+    # (skip_sync True: only removed) by the worker started as rank 2, rank 0 of epoch 2
+    _assert_rows(rows, [(0, 2, "localhost", 1), (0, 4, "localhost", 2), (2, 2, "127.0.0.1", 3)], proc.report,
+                 caught=[[], [[HUI, False]], [[HUI, True]]])
     assert proc.stdout.count("host-change notice") == 2, proc.report
     _assert_equal_replicas(params, 2, proc.report)
 
@@ -111,6 +120,65 @@ def test_all_ranks_failure(tmp_path):
                          timeout=240)
     assert proc.returncode != 0, proc.report
     assert "stopping the job (first failure: rank " in proc.stderr, proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
+
+
+def test_hosts_added_and_removed_one_slot_per_host(tmp_path):
+    # elastic_common.py's second parametrization (slots 1): localhost:1, then + 127.0.0.1:1, then 127.0.0.1:1
+    schedule = [[0, ["localhost:1"]], [1, ["localhost:1", "127.0.0.1:1"]], [None, ["127.0.0.1:1"]]]
+    proc, rows, params = _run(tmp_path, schedule, np=1, min_np=1, max_np=2)
+    assert proc.returncode == 0, proc.report
+    _assert_rows(rows, [(0, 1, "localhost", 1), (0, 2, "localhost", 2), (1, 1, "127.0.0.1", 3)], proc.report,
+                 caught=[[], [[HUI, False]], [[HUI, True]]])
+    assert proc.stdout.count("host-change notice") == 2, proc.report
+    _assert_equal_replicas(params, 1, proc.report)
+
+
+def test_set_aside_host_returns_after_its_cooldown(tmp_path):
+    # elastic_common.py's blacklist cooldown scenario: the worker started as rank 3 (on 127.0.0.1) raises at
+    # (1, 0); the host is set aside for 2..3 s, then comes back, and the job grows onto it again. Rank 0
+    # waits after epoch 1 for that host-change notice, so the rows do not depend on timing.
+    proc, rows, params = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [3]},
+                              flags_extra=["--blacklist-cooldown-range", "2", "3"],
+                              job=["--notice-after", "[1]", "--discovery-wait", "30"])
+    assert proc.returncode == 0, proc.report
+    # the failure is a lost peer (no interrupt); the host's return is a HostsUpdatedInterrupt at a commit
+    _assert_rows(rows, [(0, 4, "localhost", 1), (0, 2, "localhost", 2), (0, 4, "localhost", 3)], proc.report,
+                 caught=[[], [], [[HUI, False]]])
+    assert "host 127.0.0.1 set aside for " in proc.stderr, proc.report
+    assert "host 127.0.0.1 is back after its cooldown" in proc.stdout, proc.report
+    assert proc.stdout.count("host-change notice") == 1, proc.report
+    _assert_equal_replicas(params, 4, proc.report)
+
+
+def test_min_hosts_timeout(tmp_path):
+    # --min-num-proc 4 of 4: the worker started as rank 0 raises at (1, 0), localhost is set aside, two
+    # workers can run; discovery may bring hosts back, so the job waits --elastic-timeout, then stops
+    proc, rows, _ = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [0]}, np=4, min_np=4,
+                         flags_extra=["--elastic-timeout", "2"])
+    assert proc.returncode != 0, proc.report
+    stopped = [line for line in proc.stderr.splitlines() if "--elastic-timeout 2s" in line]
+    assert len(stopped) == 1, proc.report
+    assert "fewer than --min-np 4" in stopped[0] and "127.0.0.1" in stopped[0] and "localhost" in stopped[0], \
+        proc.report
+    assert "first failure: rank 0 " in stopped[0], proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
+
+
+def test_all_hosts_blacklisted(tmp_path):
+    # one worker on each host raises at (1, 0) (started as ranks 0 and 2): both hosts are set aside, and
+    # Horovod stops the job; so does phalanx run, at once, with one line saying so
+    proc, rows, _ = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [0, 2]},
+                         timeout=120)
+    assert proc.returncode != 0, proc.report
+    stopped = [line for line in proc.stderr.splitlines() if "every host" in line]
+    assert len(stopped) == 1 and "set aside" in stopped[0], proc.report
+    assert "localhost" in stopped[0] and "127.0.0.1" in stopped[0], proc.report
+    assert "(first failure: rank " in stopped[0], proc.report
+    for start in (0, 2):  # each failing worker's traceback once (shown live; the launcher repeats none)
+        assert proc.stderr.count(f"]: RuntimeError: scheduled exit at epoch 1 batch 0: started as rank {start}") == 1, \
+            proc.report
+    assert "falling back" not in proc.stderr, proc.report
     _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
 
 

@@ -152,8 +152,9 @@ class TorchState(_elastic.TorchState):
         """Raise on every rank (one allreduce) when the launcher announced a host change or changed the
         membership since this generation formed; ``phalanx.elastic.run`` then re-forms. ``commit()``
         makes the same check itself."""
-        if inprocess.membership_changed(notices=True):
-            raise inprocess.MembershipChanged()
+        interrupt = inprocess.change_at_commit(notices=True)
+        if interrupt is not None:
+            raise interrupt
 
     def save(self) -> None:
         """Remember this point in memory and as a snapshot a restarted group loads (and, as
