@@ -7,8 +7,12 @@ rows ``elastic_common.py`` asserts); written for phalanx, its flags are theirs:
     train(state), under hvd.elastic.run:  rendezvous += 1
         each batch: maybe exit (--exit-schedule, by the rank the worker started with) ─ step ─ commit
         end of epoch, rank 0: one JSON row to --logfile; when --discovery-schedule changes the hosts
-            for the next epoch, wait (≤ --discovery-wait s) until state._host_messages is not empty
+            for the next epoch (or --notice-after names the epoch: a host back from its cooldown),
+            wait (≤ --discovery-wait s) until state._host_messages is not empty
         epoch += 1 ─ commit (this commit raises on every rank when the hosts changed)
+
+    every commit: ``except hvd.elastic.HostsUpdatedInterrupt`` notes [class name, skip_sync] (the row's
+    "caught": what this process caught so far) and re-raises, as a Horovod user's script would
 
 The discovery script the test writes reads the logfile's row count as the epoch, so the hosts change
 exactly when rank 0 has logged an epoch. ``--params-dir`` (ours) saves every rank's parameters at the end.

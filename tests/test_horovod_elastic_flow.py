@@ -184,12 +184,14 @@ def test_all_hosts_blacklisted(tmp_path):
 
 def test_host_messages_follow_the_launchers_notices(monkeypatch):
     # in this process, against a store of our own: the queue fills from the launcher's notices, a
-    # commit's check sees them (phalanx.elastic's own check does not), a re-form empties the queue
+    # commit's check sees them (phalanx.elastic's own check does not) and raises HostsUpdatedInterrupt
+    # with Horovod's skip_sync, a re-form empties the queue
     import datetime
     import queue
 
     import torch.distributed as dist
 
+    from phalanx import elastic
     from phalanx.elastic import inprocess
     from phalanx.horovod import elastic as hel
     from phalanx.launcher.host_notices import ADDED, HostNotices
@@ -210,11 +212,28 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     assert update is hel.HostUpdateResult.added and isinstance(stamp, float)
     assert messages.empty()  # each notice once
     assert inprocess.membership_changed(notices=True) and not inprocess.membership_changed()
+    err = inprocess.change_at_commit(notices=True)  # what a commit raises: Horovod's class, and ours
+    assert type(err) is hel.HostsUpdatedInterrupt and hel.HostsUpdatedInterrupt is elastic.HostsUpdatedInterrupt
+    assert isinstance(err, inprocess.MembershipChanged) and isinstance(err, RuntimeError)
+    assert err.reform and err.skip_sync is False  # workers added: the state must be synced to them
+    user = hel.HostsUpdatedInterrupt("hosts changed")  # raised by a script: rolls back, does not re-form
+    assert not user.reform and not user.skip_sync and str(user) == "hosts changed"
+    assert hel.HostsUpdatedInterrupt(True).skip_sync and hel.HostsUpdatedInterrupt(skip_sync=True).skip_sync
     assert notices.pending and notices.cover(["w0"], ["w0", "w1"]) == 1 and not notices.pending
     notices.cover(["w0", "w1"], ["w1"])  # a shrink published without a notice before it: its own
     assert [u for _, _, u in inprocess.host_updates(1)] == [hel.HostUpdateResult.removed]
-    messages.put((0.0, hel.HostUpdateResult.mixed))
     ctx = inprocess._context()
+    ctx.notice = 1  # this worker's generation covers notice 1: only the removal is pending
+    assert inprocess.change_at_commit(notices=True).skip_sync
+    gen = {0: ["w0", "w1"], 1: ["w1"]}  # a generation that drops w0: removed only
+    for g, wids in gen.items():
+        store.set(f"pxe/gen/{g}", json.dumps({"members": [[w, "localhost"] for w in wids]}))
+    store.set("pxe/latest", "1")
+    assert inprocess.change_at_commit().skip_sync
+    store.set("pxe/gen/1", json.dumps({"members": [["w1", "localhost"], ["w2", "127.0.0.1"]]}))
+    assert not inprocess.change_at_commit().skip_sync  # w2 is new: not removals only
+    store.set("pxe/latest", "0")
+    messages.put((0.0, hel.HostUpdateResult.mixed))
     ctx.gen, ctx.notice = 2, 2  # re-formed into a generation covering both notices
     assert messages.empty() and not inprocess.membership_changed(notices=True)
     with pytest.raises(queue.Empty):
