@@ -43,11 +43,12 @@ def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2
         script = _discovery_script(tmp_path / "discover.sh", logfile, schedule)
         flags += ["--host-discovery-script", str(script), "--max-num-proc", str(max_np)]
     flags += list(flags_extra)
-    params = tmp_path / "params"
+    params, indices = tmp_path / "params", tmp_path / "indices"
     params.mkdir()
+    indices.mkdir()
     cmd = [sys.executable, "-m", "phalanx", "run", *flags, "--timeout", "30", "python", str(JOB),
            "--logfile", str(logfile), "--epochs", str(epochs), "--batches-per-epoch", str(batches),
-           "--params-dir", str(params), *job]
+           "--params-dir", str(params), "--indices-dir", str(indices), *job]
     if schedule:
         cmd += ["--discovery-schedule", json.dumps(schedule)]
     if exits:
@@ -72,6 +73,23 @@ def _assert_rows(rows, expected, report, caught=None):
         assert [r["caught"] for r in rows] == caught, report
 
 
+def _assert_samples(tmp_path: Path, epochs: int, report, batches=2):
+    """Horovod's ElasticSampler semantics from every worker's noted steps: each (epoch, batch) taken once
+    by every rank of its world; no sample of an epoch taken twice, none skipped, across resets (the
+    samples taken are a prefix of the epoch's permutation, seed 0 + epoch)."""
+    steps = [json.loads(line) for f in (tmp_path / "indices").iterdir() for line in f.read_text().splitlines()]
+    for epoch in range(epochs):
+        taken = []
+        for batch in range(batches):
+            here = [s for s in steps if (s["epoch"], s["batch"]) == (epoch, batch)]
+            assert here and len(here) == here[0]["size"] and {s["size"] for s in here} == {len(here)}, \
+                f"epoch {epoch} batch {batch}: {here}\n{report}"
+            taken += [i for s in here for i in s["idx"]]
+        assert len(taken) == len(set(taken)), f"epoch {epoch}: a sample taken twice: {sorted(taken)}\n{report}"
+        order = torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist()
+        assert set(taken) == set(order[:len(taken)]), f"epoch {epoch}: samples skipped: {sorted(taken)}\n{report}"
+
+
 def _assert_equal_replicas(params: Path, n: int, report):
     assert sorted(p.name for p in params.iterdir()) == [f"params.{r}.pt" for r in range(n)], report
     saved = [torch.load(params / f"params.{r}.pt", weights_only=True) for r in range(n)]
@@ -91,6 +109,7 @@ def test_hosts_added_and_removed(tmp_path):
                  caught=[[], [[HUI, False]], [[HUI, True]]])
     assert proc.stdout.count("host-change notice") == 2, proc.report
     _assert_equal_replicas(params, 2, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_single_rank_failure(tmp_path):
@@ -102,6 +121,7 @@ def test_single_rank_failure(tmp_path):
     assert "host localhost set aside" in proc.stderr and "scheduled exit at epoch 1 batch 0" in proc.stderr, \
         proc.report
     _assert_equal_replicas(params, 2, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_fault_tolerance_without_scaling(tmp_path):
@@ -111,6 +131,7 @@ def test_fault_tolerance_without_scaling(tmp_path):
     _assert_rows(rows, [(0, 4, "localhost", 1), (2, 2, "127.0.0.1", 2), (2, 2, "127.0.0.1", 2)], proc.report)
     assert "killed by SIGKILL" in proc.stderr and "host localhost set aside" in proc.stderr, proc.report
     _assert_equal_replicas(params, 2, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_all_ranks_failure(tmp_path):
@@ -132,13 +153,15 @@ def test_hosts_added_and_removed_one_slot_per_host(tmp_path):
                  caught=[[], [[HUI, False]], [[HUI, True]]])
     assert proc.stdout.count("host-change notice") == 2, proc.report
     _assert_equal_replicas(params, 1, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_set_aside_host_returns_after_its_cooldown(tmp_path):
-    # elastic_common.py's blacklist cooldown scenario: the worker started as rank 3 (on 127.0.0.1) raises at
-    # (1, 0); the host is set aside for 2..3 s, then comes back, and the job grows onto it again. Rank 0
-    # waits after epoch 1 for that host-change notice, so the rows do not depend on timing.
-    proc, rows, params = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [3]},
+    # elastic_common.py's blacklist cooldown scenario: the worker started as rank 3 (on 127.0.0.1) raises, here
+    # at (1, 1) so that the reset falls mid-epoch (the sampler re-deals the rest of epoch 1 to 2 ranks); the
+    # host is set aside for 2..3 s, then comes back, and the job grows onto it again. Rank 0 waits after
+    # epoch 1 for that host-change notice, so the rows do not depend on timing.
+    proc, rows, params = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 1): [3]},
                               flags_extra=["--blacklist-cooldown-range", "2", "3"],
                               job=["--notice-after", "[1]", "--discovery-wait", "30"])
     assert proc.returncode == 0, proc.report
@@ -149,6 +172,7 @@ def test_set_aside_host_returns_after_its_cooldown(tmp_path):
     assert "host 127.0.0.1 is back after its cooldown" in proc.stdout, proc.report
     assert proc.stdout.count("host-change notice") == 1, proc.report
     _assert_equal_replicas(params, 4, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_min_hosts_timeout(tmp_path):
