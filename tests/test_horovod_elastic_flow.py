@@ -16,6 +16,7 @@ import pytest
 import torch
 
 JOB = Path(__file__).with_name("hvd_flow_job.py")
+HUI = "HostsUpdatedInterrupt"  # the class a Horovod script catches: hvd.elastic.HostsUpdatedInterrupt
 
 
 def _discovery_script(path: Path, logfile: Path, schedule) -> Path:
@@ -31,8 +32,9 @@ def _discovery_script(path: Path, logfile: Path, schedule) -> Path:
 
 
 def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2, min_np=2, max_np=4,
-         epochs=3, batches=2, timeout=150):
-    """`phalanx run` as elastic_common.py runs horovodrun: with a discovery script, or with -H hosts."""
+         epochs=3, batches=2, timeout=150, flags_extra=(), job=()):
+    """`phalanx run` as elastic_common.py runs horovodrun: with a discovery script, or with -H hosts
+    (``flags_extra``: more of horovodrun's, e.g. --elastic-timeout; ``job``: more of the script's)."""
     logfile = tmp_path / "log.jsonl"
     flags = ["-np", str(np), "--min-num-proc", str(min_np)]
     if hosts is not None:
@@ -40,11 +42,13 @@ def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2
     else:
         script = _discovery_script(tmp_path / "discover.sh", logfile, schedule)
         flags += ["--host-discovery-script", str(script), "--max-num-proc", str(max_np)]
-    params = tmp_path / "params"
+    flags += list(flags_extra)
+    params, indices = tmp_path / "params", tmp_path / "indices"
     params.mkdir()
+    indices.mkdir()
     cmd = [sys.executable, "-m", "phalanx", "run", *flags, "--timeout", "30", "python", str(JOB),
            "--logfile", str(logfile), "--epochs", str(epochs), "--batches-per-epoch", str(batches),
-           "--params-dir", str(params)]
+           "--params-dir", str(params), "--indices-dir", str(indices), *job]
     if schedule:
         cmd += ["--discovery-schedule", json.dumps(schedule)]
     if exits:
@@ -60,10 +64,30 @@ def _run(tmp_path, schedule=None, hosts=None, exits=None, mode="exception", np=2
     return proc, rows, params
 
 
-def _assert_rows(rows, expected, report):
-    """expected: (start_rank, size, hostname, rendezvous) per epoch, in order."""
+def _assert_rows(rows, expected, report, caught=None):
+    """expected: (start_rank, size, hostname, rendezvous) per epoch, in order. ``caught``: per epoch, what
+    rank 0's process caught as `except hvd.elastic.HostsUpdatedInterrupt` so far ([class name, skip_sync])."""
     got = [(r["epoch"], r["start_rank"], r["size"], r["hostname"], r["rendezvous"]) for r in rows]
     assert got == [(e, *row) for e, row in enumerate(expected)], report
+    if caught is not None:
+        assert [r["caught"] for r in rows] == caught, report
+
+
+def _assert_samples(tmp_path: Path, epochs: int, report, batches=2):
+    """Horovod's ElasticSampler semantics from every worker's noted steps: each (epoch, batch) taken once
+    by every rank of its world; no sample of an epoch taken twice, none skipped, across resets (the
+    samples taken are a prefix of the epoch's permutation, seed 0 + epoch)."""
+    steps = [json.loads(line) for f in (tmp_path / "indices").iterdir() for line in f.read_text().splitlines()]
+    for epoch in range(epochs):
+        taken = []
+        for batch in range(batches):
+            here = [s for s in steps if (s["epoch"], s["batch"]) == (epoch, batch)]
+            assert here and len(here) == here[0]["size"] and {s["size"] for s in here} == {len(here)}, \
+                f"epoch {epoch} batch {batch}: {here}\n{report}"
+            taken += [i for s in here for i in s["idx"]]
+        assert len(taken) == len(set(taken)), f"epoch {epoch}: a sample taken twice: {sorted(taken)}\n{report}"
+        order = torch.randperm(32, generator=torch.Generator().manual_seed(epoch)).tolist()
+        assert set(taken) == set(order[:len(taken)]), f"epoch {epoch}: samples skipped: {sorted(taken)}\n{report}"
 
 
 def _assert_equal_replicas(params: Path, n: int, report):
@@ -79,9 +103,13 @@ def test_hosts_added_and_removed(tmp_path):
     schedule = [[0, ["localhost:2"]], [1, ["localhost:2", "127.0.0.1:2"]], [None, ["127.0.0.1:2"]]]
     proc, rows, params = _run(tmp_path, schedule)
     assert proc.returncode == 0, proc.report
-    _assert_rows(rows, [(0, 2, "localhost", 1), (0, 4, "localhost", 2), (2, 2, "127.0.0.1", 3)], proc.report)
+    # the grow's interrupt (skip_sync False: workers added) caught by the rank 0 of epoch 1, the shrink's
+    # (skip_sync True: only removed) by the worker started as rank 2, rank 0 of epoch 2
+    _assert_rows(rows, [(0, 2, "localhost", 1), (0, 4, "localhost", 2), (2, 2, "127.0.0.1", 3)], proc.report,
+                 caught=[[], [[HUI, False]], [[HUI, True]]])
     assert proc.stdout.count("host-change notice") == 2, proc.report
     _assert_equal_replicas(params, 2, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_single_rank_failure(tmp_path):
@@ -93,6 +121,7 @@ def test_single_rank_failure(tmp_path):
     assert "host localhost set aside" in proc.stderr and "scheduled exit at epoch 1 batch 0" in proc.stderr, \
         proc.report
     _assert_equal_replicas(params, 2, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_fault_tolerance_without_scaling(tmp_path):
@@ -102,6 +131,7 @@ def test_fault_tolerance_without_scaling(tmp_path):
     _assert_rows(rows, [(0, 4, "localhost", 1), (2, 2, "127.0.0.1", 2), (2, 2, "127.0.0.1", 2)], proc.report)
     assert "killed by SIGKILL" in proc.stderr and "host localhost set aside" in proc.stderr, proc.report
     _assert_equal_replicas(params, 2, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
 
 
 def test_all_ranks_failure(tmp_path):
@@ -114,14 +144,78 @@ def test_all_ranks_failure(tmp_path):
     _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
 
 
+def test_hosts_added_and_removed_one_slot_per_host(tmp_path):
+    # elastic_common.py's second parametrization (slots 1): localhost:1, then + 127.0.0.1:1, then 127.0.0.1:1
+    schedule = [[0, ["localhost:1"]], [1, ["localhost:1", "127.0.0.1:1"]], [None, ["127.0.0.1:1"]]]
+    proc, rows, params = _run(tmp_path, schedule, np=1, min_np=1, max_np=2)
+    assert proc.returncode == 0, proc.report
+    _assert_rows(rows, [(0, 1, "localhost", 1), (0, 2, "localhost", 2), (1, 1, "127.0.0.1", 3)], proc.report,
+                 caught=[[], [[HUI, False]], [[HUI, True]]])
+    assert proc.stdout.count("host-change notice") == 2, proc.report
+    _assert_equal_replicas(params, 1, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
+
+
+def test_set_aside_host_returns_after_its_cooldown(tmp_path):
+    # elastic_common.py's blacklist cooldown scenario: the worker started as rank 3 (on 127.0.0.1) raises, here
+    # at (1, 1) so that the reset falls mid-epoch (the sampler re-deals the rest of epoch 1 to 2 ranks); the
+    # host is set aside for 2..3 s, then comes back, and the job grows onto it again. Rank 0 waits after
+    # epoch 1 for that host-change notice, so the rows do not depend on timing.
+    proc, rows, params = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 1): [3]},
+                              flags_extra=["--blacklist-cooldown-range", "2", "3"],
+                              job=["--notice-after", "[1]", "--discovery-wait", "30"])
+    assert proc.returncode == 0, proc.report
+    # the failure is a lost peer (no interrupt); the host's return is a HostsUpdatedInterrupt at a commit
+    _assert_rows(rows, [(0, 4, "localhost", 1), (0, 2, "localhost", 2), (0, 4, "localhost", 3)], proc.report,
+                 caught=[[], [], [[HUI, False]]])
+    assert "host 127.0.0.1 set aside for " in proc.stderr, proc.report
+    assert "host 127.0.0.1 is back after its cooldown" in proc.stdout, proc.report
+    assert proc.stdout.count("host-change notice") == 1, proc.report
+    _assert_equal_replicas(params, 4, proc.report)
+    _assert_samples(tmp_path, 3, proc.report)
+
+
+def test_min_hosts_timeout(tmp_path):
+    # --min-num-proc 4 of 4: the worker started as rank 0 raises at (1, 0), localhost is set aside, two
+    # workers can run; discovery may bring hosts back, so the job waits --elastic-timeout, then stops
+    proc, rows, _ = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [0]}, np=4, min_np=4,
+                         flags_extra=["--elastic-timeout", "2"])
+    assert proc.returncode != 0, proc.report
+    stopped = [line for line in proc.stderr.splitlines() if "--elastic-timeout 2s" in line]
+    assert len(stopped) == 1, proc.report
+    assert "fewer than --min-np 4" in stopped[0] and "127.0.0.1" in stopped[0] and "localhost" in stopped[0], \
+        proc.report
+    assert "first failure: rank 0 " in stopped[0], proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
+
+
+def test_all_hosts_blacklisted(tmp_path):
+    # one worker on each host raises at (1, 0) (started as ranks 0 and 2): both hosts are set aside, and
+    # Horovod stops the job; so does phalanx run, at once, with one line saying so
+    proc, rows, _ = _run(tmp_path, [[None, ["localhost:2", "127.0.0.1:2"]]], exits={(1, 0): [0, 2]},
+                         timeout=120)
+    assert proc.returncode != 0, proc.report
+    stopped = [line for line in proc.stderr.splitlines() if "every host" in line]
+    assert len(stopped) == 1 and "set aside" in stopped[0], proc.report
+    assert "localhost" in stopped[0] and "127.0.0.1" in stopped[0], proc.report
+    assert "(first failure: rank " in stopped[0], proc.report
+    for start in (0, 2):  # each failing worker's traceback once (shown live; the launcher repeats none)
+        assert proc.stderr.count(f"]: RuntimeError: scheduled exit at epoch 1 batch 0: started as rank {start}") == 1, \
+            proc.report
+    assert "falling back" not in proc.stderr, proc.report
+    _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
+
+
 def test_host_messages_follow_the_launchers_notices(monkeypatch):
     # in this process, against a store of our own: the queue fills from the launcher's notices, a
-    # commit's check sees them (phalanx.elastic's own check does not), a re-form empties the queue
+    # commit's check sees them (phalanx.elastic's own check does not) and raises HostsUpdatedInterrupt
+    # with Horovod's skip_sync, a re-form empties the queue
     import datetime
     import queue
 
     import torch.distributed as dist
 
+    from phalanx import elastic
     from phalanx.elastic import inprocess
     from phalanx.horovod import elastic as hel
     from phalanx.launcher.host_notices import ADDED, HostNotices
@@ -142,11 +236,28 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     assert update is hel.HostUpdateResult.added and isinstance(stamp, float)
     assert messages.empty()  # each notice once
     assert inprocess.membership_changed(notices=True) and not inprocess.membership_changed()
+    err = inprocess.change_at_commit(notices=True)  # what a commit raises: Horovod's class, and ours
+    assert type(err) is hel.HostsUpdatedInterrupt and hel.HostsUpdatedInterrupt is elastic.HostsUpdatedInterrupt
+    assert isinstance(err, inprocess.MembershipChanged) and isinstance(err, RuntimeError)
+    assert err.reform and err.skip_sync is False  # workers added: the state must be synced to them
+    user = hel.HostsUpdatedInterrupt("hosts changed")  # raised by a script: rolls back, does not re-form
+    assert not user.reform and not user.skip_sync and str(user) == "hosts changed"
+    assert hel.HostsUpdatedInterrupt(True).skip_sync and hel.HostsUpdatedInterrupt(skip_sync=True).skip_sync
     assert notices.pending and notices.cover(["w0"], ["w0", "w1"]) == 1 and not notices.pending
     notices.cover(["w0", "w1"], ["w1"])  # a shrink published without a notice before it: its own
     assert [u for _, _, u in inprocess.host_updates(1)] == [hel.HostUpdateResult.removed]
-    messages.put((0.0, hel.HostUpdateResult.mixed))
     ctx = inprocess._context()
+    ctx.notice = 1  # this worker's generation covers notice 1: only the removal is pending
+    assert inprocess.change_at_commit(notices=True).skip_sync
+    gen = {0: ["w0", "w1"], 1: ["w1"]}  # a generation that drops w0: removed only
+    for g, wids in gen.items():
+        store.set(f"pxe/gen/{g}", json.dumps({"members": [[w, "localhost"] for w in wids]}))
+    store.set("pxe/latest", "1")
+    assert inprocess.change_at_commit().skip_sync
+    store.set("pxe/gen/1", json.dumps({"members": [["w1", "localhost"], ["w2", "127.0.0.1"]]}))
+    assert not inprocess.change_at_commit().skip_sync  # w2 is new: not removals only
+    store.set("pxe/latest", "0")
+    messages.put((0.0, hel.HostUpdateResult.mixed))
     ctx.gen, ctx.notice = 2, 2  # re-formed into a generation covering both notices
     assert messages.empty() and not inprocess.membership_changed(notices=True)
     with pytest.raises(queue.Empty):

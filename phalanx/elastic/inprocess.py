@@ -46,10 +46,17 @@ import torch
 import torch.distributed as dist
 
 from phalanx.elastic import lost
+from phalanx.elastic.interrupts import (
+    ADDED,
+    REMOVED_ONLY,
+    HostsUpdatedInterrupt,
+    MembershipChanged,
+    launcher_interrupt,
+)
 from phalanx.log import get_logger
 
-__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "is_collective_error", "host_updates",
-           "MembershipChanged", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
+__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "change_at_commit", "is_collective_error", "host_updates",
+           "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
 
@@ -59,10 +66,6 @@ JOIN_ENV = "PHALANX_ELASTIC_JOIN"  # "1": started mid-run, joins at the next com
 GEN_ENV = "PHALANX_ELASTIC_GEN"  # the generation the worker was started in
 REFORM_FAILED_EXIT = 75  # "could not re-form in-process": the launcher falls back to a group restart
 _POLL_S = 0.01
-
-
-class MembershipChanged(Exception):
-    """Raised by ``commit()`` on every rank when the launcher published a new generation."""
 
 
 class ReformFailed(RuntimeError):
@@ -177,24 +180,41 @@ def host_updates(since: int = 0) -> list[tuple[int, float, int]]:
 def membership_changed(notices: bool = False) -> bool:
     """At a commit: True on every rank when the launcher published a newer generation (``notices``:
     or announced a host change, whose generation the workers then wait for while re-forming, as
-    Horovod's workers do after ``HostsUpdatedInterrupt``).
+    Horovod's workers do after ``HostsUpdatedInterrupt``). See :func:`change_at_commit`."""
+    return change_at_commit(notices) is not None
 
-    Rank 0 asks the store once (twice with ``notices``); one small allreduce carries the answer to
-    every rank (an allreduce, not a broadcast: every rank takes part, so a peer that died since
-    the last step makes it fail on every rank at once).
+
+def change_at_commit(notices: bool = False) -> HostsUpdatedInterrupt | None:
+    """At a commit: the interrupt every rank raises for the launcher's change, or None (no change).
+
+    Rank 0 asks the store once (twice with ``notices``; the pending change itself only when there is
+    one); one small allreduce MAX carries the answer to every rank (an allreduce, not a broadcast:
+    every rank takes part, so a peer that died since the last step makes it fail on every rank at once).
     """
     if not active():
-        return False
+        return None
     from phalanx import runtime
 
     ctx = _context()
     size = runtime.size() if runtime.is_initialized() else 1
     flag = torch.zeros(1, dtype=torch.int64)
     if size == 1 or runtime.rank() == 0:
-        flag[0] = int(_latest() > ctx.gen or (notices and _notices() > ctx.notice))
+        flag[0] = _pending_kind(ctx, notices)
     if size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag[0])
+    return launcher_interrupt(int(flag[0])) if flag[0] else None
+
+
+def _pending_kind(ctx: _Ctx, notices: bool) -> int:
+    """0: nothing pending; REMOVED_ONLY: the change only drops workers (Horovod's skip_sync); ADDED: else."""
+    kind = 0
+    latest = _latest()
+    if latest > ctx.gen:
+        kind = REMOVED_ONLY if set(members_of(latest)) <= set(members_of(ctx.gen)) else ADDED
+    if notices and _notices() > ctx.notice:
+        updates = {u for _, _, u in host_updates(ctx.notice)}
+        kind = max(kind, REMOVED_ONLY if updates == {1} else ADDED)  # 1: Horovod's HostUpdateResult.removed
+    return kind
 
 
 _COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
@@ -299,7 +319,9 @@ def _check_stop() -> None:
     if stop is None:
         return
     if stop.get("abort"):
-        print(f"phalanx: the launcher stopped the job: {stop['abort']}", file=sys.stderr, flush=True)
+        # the launcher printed the reason once; each worker repeating it would bury it
+        print("phalanx: the launcher stopped the job (its reason is in phalanx run's output); exiting",
+              file=sys.stderr, flush=True)
         exit_now(1)
     exit_now(0)  # the job finished while this worker waited to join
 

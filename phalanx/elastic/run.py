@@ -8,7 +8,8 @@ Two recovery paths; the log says which one ran ("path: in-process" / "path: grou
   re-forms with the others on the launcher's store (:mod:`phalanx.elastic.inprocess`),
   rolls back to the last commit from memory, ``sync()`` s and calls ``train_fn`` again —
   same processes, no torch re-import. Workers the launcher adds (a replacement, a new
-  host) are admitted when ``commit()`` raises ``MembershipChanged``; they get the state
+  host) are admitted when ``commit()`` raises ``HostsUpdatedInterrupt`` (a ``MembershipChanged``,
+  phalanx.elastic.interrupts); they get the state
   from rank 0 in ``sync()``::
 
       worker:  restore() → sync() → train_fn(state) … collective error (peer died) →
@@ -18,8 +19,8 @@ Two recovery paths; the log says which one ran ("path: in-process" / "path: grou
   worker cannot re-form in-process): TorchElastic's agent stops every worker and starts a
   new group; ``restore()`` loads the last commit's snapshot and training resumes there.
 
-Inside one process the loop also retries on :class:`HostsUpdatedInterrupt` (raised by a
-user at a commit to re-sync a changed state) after rolling back to the last commit.
+A :class:`HostsUpdatedInterrupt` raised by the user (not by a commit) only rolls back to the last
+commit and re-syncs, in one process, without re-forming.
 
 Example::
 
@@ -44,16 +45,13 @@ from typing import Any
 
 from phalanx import runtime
 from phalanx.elastic import inprocess, preempt
+from phalanx.elastic.interrupts import HostsUpdatedInterrupt
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
 
 __all__ = ["run", "HostsUpdatedInterrupt", "restart_count"]
 
 log = get_logger(__name__)
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Raise inside ``train_fn`` to roll back to the last commit and re-sync (e.g. the host set changed)."""
 
 
 def restart_count() -> int:
@@ -98,13 +96,13 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
         reform = None
         try:
             return func(state, *args, **kwargs)
-        except inprocess.MembershipChanged:
-            # the launcher admitted or removed workers: everyone re-forms at this very commit
-            reform = "workers joining or leaving at a commit"
-        except HostsUpdatedInterrupt:
-            log.warning("hosts updated: rolling back to the last commit and re-syncing")
-            state.restore()
-            state.sync()
+        except inprocess.MembershipChanged as err:  # (HostsUpdatedInterrupt is one)
+            if err.reform:  # raised by a commit: the launcher admitted or removed workers; all re-form here
+                reform = "workers joining or leaving at a commit"
+            else:  # a HostsUpdatedInterrupt the user raised
+                log.warning("hosts updated: rolling back to the last commit and re-syncing")
+                state.restore()
+                state.sync()
         except Exception as err:
             if not (inprocess.active() and inprocess.is_collective_error(err)):
                 if inprocess.active():

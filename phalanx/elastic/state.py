@@ -136,13 +136,13 @@ class TorchState:
         # in-process elastic: workers join or leave at this commit. Asked before the snapshot is
         # written: the question is one gloo broadcast, which fails at once when a peer died since
         # the last step, where the snapshot's cross-rank waits would only time out.
-        changed = inprocess.membership_changed(notices=self._host_notices)
+        changed = inprocess.change_at_commit(notices=self._host_notices)  # a HostsUpdatedInterrupt, or None
         path = self._manager.save(self._commit_count, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
         from phalanx.elastic import preempt
 
         preempt.at_commit(path, self.commit_dir)  # under elastic.run: a preemption signal -> save done, exit 85
-        if changed:
-            raise inprocess.MembershipChanged()
+        if changed is not None:
+            raise changed
 
     def restore(self) -> bool:
         """Roll back to the last commit: from memory if this process made it, else from the snapshot."""

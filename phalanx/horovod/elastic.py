@@ -13,11 +13,12 @@ loads. What a Horovod script sees is the same loop::
 As in Horovod, a host change the launcher announces (discovery added or removed a host) reaches
 ``state._host_messages`` within about a second, as ``(timestamp, HostUpdateResult)``, and makes
 the next ``commit()`` (or ``check_host_updates()``) raise on every rank; the workers then re-form
-when the new workers are ready. Differences, all documented in docs/horovod.md: ``save()`` also
-asks for changes and writes the snapshot, the interrupt is phalanx's ``MembershipChanged`` (the
-retry loop re-forms; ``HostsUpdatedInterrupt`` raised by a user only rolls back and re-syncs),
-and the sampler drops the tail of an epoch that does not split evenly instead of padding it with
-repeated samples.
+when the new workers are ready. That interrupt is ``HostsUpdatedInterrupt`` (with Horovod's
+``skip_sync``; also a ``phalanx.elastic.MembershipChanged``), so ``except
+hvd.elastic.HostsUpdatedInterrupt`` catches it. Differences, all documented in docs/horovod.md:
+``save()`` also asks for changes and writes the snapshot, a ``HostsUpdatedInterrupt`` raised by a
+user only rolls back and re-syncs, and the sampler drops the tail of an epoch that does not split
+evenly instead of padding it with repeated samples.
 
 Example (Horovod's elastic recipe, only the import changed)::
 
@@ -152,8 +153,9 @@ class TorchState(_elastic.TorchState):
         """Raise on every rank (one allreduce) when the launcher announced a host change or changed the
         membership since this generation formed; ``phalanx.elastic.run`` then re-forms. ``commit()``
         makes the same check itself."""
-        if inprocess.membership_changed(notices=True):
-            raise inprocess.MembershipChanged()
+        interrupt = inprocess.change_at_commit(notices=True)
+        if interrupt is not None:
+            raise interrupt
 
     def save(self) -> None:
         """Remember this point in memory and as a snapshot a restarted group loads (and, as

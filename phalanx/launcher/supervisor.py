@@ -264,6 +264,9 @@ class Supervisor:
         held = ready if ready and self.gen > 0 and self.store.add(f"pxe/g{self.gen}/arrived", 0) < len(
             self.members) else []
         ready = [] if held else ready
+        if self.horovod_hosts and self.hosts and not hosts and self.aside.until:  # Horovod stops here too
+            return (f"every host of the job ({', '.join(self.hosts)}) was set aside after a worker there failed; "
+                    "stopping the job" + self._first())
         if not kept and keep:  # the job moves off its hosts: one old member stays to hand the state over
             if not ready:
                 return None  # (until the newcomers are ready; it leaves at the next change)
@@ -274,9 +277,9 @@ class Supervisor:
         if len(target) < self.min_np:
             if len(target) + len(starting) + len(held) >= self.min_np:
                 return None  # wait for the replacements to come up (the survivors wait, bounded, to re-form)
-            short = (f"{len(target)} worker(s) can run, fewer than --min-np {self.min_np}"
-                     + (f" ({', '.join(sorted(self.aside.until))} set aside after failures)" if self.aside.until
-                        else ""))
+            aside = f"; set aside after failures: {', '.join(sorted(self.aside.until))}" if self.aside.until else ""
+            short = (f"{len(target)} worker(s) can run, fewer than --min-np {self.min_np} (usable hosts: "
+                     f"{', '.join(f'{h}:{n}' for h, n in hosts.items()) or 'none'}{aside})")
             if not (self.aside.any_returns() or self.script):
                 return f"{short}, and none starting; stopping the job" + self._first()
             self._short_since = self._short_since or time.monotonic()
