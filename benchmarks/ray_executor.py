@@ -174,7 +174,7 @@ def ray_windows_driver(ready: str, stop: str, out: str, warmup: int) -> None:
 
     from phalanx.ray import RayExecutor
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # (with --ray-env in the environment)
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
     executor.start()
     try:
@@ -225,8 +225,9 @@ def run_windows(args) -> None:
     paths = {side: {k: os.path.join(d, f"{side}.{k}") for k in ("ready", "stop", "out")} for side in ("ray", "cli")}
     me = [sys.executable, os.path.abspath(__file__)]
     r, c = paths["ray"], paths["cli"]
+    ray_env = {**os.environ, **dict(kv.split("=", 1) for kv in args.ray_env)}
     procs = {"ray": subprocess.Popen([*me, "--windows-ray-driver", r["ready"], r["stop"], r["out"],
-                                      "--warmup", str(args.warmup)]),
+                                      "--warmup", str(args.warmup)], env=ray_env),
              "cli": subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-np", "2", *me,
                                       "--windows-worker", c["ready"], c["stop"], c["out"], "--warmup", str(args.warmup)],
                                      stdout=subprocess.DEVNULL)}
@@ -287,7 +288,8 @@ def run_windows(args) -> None:
     print(f"\n{len(ratios)} pairs of {args.window:g} s windows ({args.settle:g} s settle), "
           f"{time.perf_counter() - began:.0f} s; load {min(loads):.1f}-{max(loads):.1f}; torch {torch.__version__}; "
           f"rank 0 nice ray {results['ray']['nice']} cli {results['cli']['nice']}, OS threads "
-          f"ray {results['ray']['os_threads']} cli {results['cli']['os_threads']}")
+          f"ray {results['ray']['os_threads']} cli {results['cli']['os_threads']}"
+          + (f"; Ray side with {' '.join(args.ray_env)}" if args.ray_env else ""))
     for side in ("ray", "cli"):
         ms = [m for s_, m, _ in per_window if s_ == side]
         print(f"{side}: window medians {_spread(ms)} ms")
@@ -316,6 +318,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=30, help="windows: pairs of windows")
     p.add_argument("--window", type=float, default=3.0, help="windows: seconds per window")
     p.add_argument("--settle", type=float, default=0.3, help="windows: seconds left out after a resume")
+    p.add_argument("--ray-env", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="windows: variables for the Ray side only (e.g. Ray's RAY_<config> settings)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--windows-worker", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--windows-ray-driver", nargs=3, default=None, help=argparse.SUPPRESS)
