@@ -264,8 +264,13 @@ class Supervisor:
         held = ready if ready and self.gen > 0 and self.store.add(f"pxe/g{self.gen}/arrived", 0) < len(
             self.members) else []
         ready = [] if held else ready
-        if self.horovod_hosts and self.hosts and not hosts and self.aside.until:  # Horovod stops here too
-            return (f"every host of the job ({', '.join(self.hosts)}) was set aside after a worker there failed; "
+        # Every host the generation's workers ran on set aside for good (a failure there, no cooldown): stop,
+        # as Horovod's driver does. With a cooldown a live member waits there (bounded, below) to hand the
+        # state to a worker started when the host is back; Horovod stops then too. (Hosts only dropped by
+        # discovery do not count.)
+        ran_on = list(dict.fromkeys(w.host for w in self.members))
+        if self.horovod_hosts and ran_on and all(self.aside.until.get(h) == float("inf") for h in ran_on):
+            return (f"every host the job's workers ran on ({', '.join(ran_on)}) was set aside after a worker there failed; "
                     "stopping the job" + self._first())
         if not kept and keep:  # the job moves off its hosts: one old member stays to hand the state over
             if not ready:
