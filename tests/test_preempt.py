@@ -166,6 +166,16 @@ def test_requeue_decision(fake_scontrol, monkeypatch):
     assert not slurm.requeue_wanted(usr1) and not slurm.requeue()  # outside SLURM: only the exit status
 
 
+
+def test_requeue_ended_by_slurm_counts_as_accepted(fake_scontrol, monkeypatch):
+    # SLURM ends the job's processes as it requeues the job, sometimes scontrol too (a child of rank 0)
+    # before it answers: ended by a signal is accepted (seen: "refused: " with nothing said, yet requeued)
+    script = fake_scontrol.parent / "bin" / "scontrol"
+    script.write_text(script.read_text() + 'if [ "$1" = requeue ]; then kill -TERM $$; fi\n')
+    assert slurm.requeue() and _calls(fake_scontrol) == ["requeue 4242"]
+    script.write_text(script.read_text().replace("kill -TERM $$", "echo 'Job is no longer pending' >&2; exit 1"))
+    assert not slurm.requeue()  # a refusal that says so stays a refusal
+
 def test_save_requeue_exit_in_one_process(fake_scontrol, tmp_path):
     mgr = CheckpointManager(str(tmp_path / "ckpt"))
     model = torch.nn.Linear(3, 2)

@@ -30,7 +30,6 @@ import contextlib
 import datetime
 import json
 import os
-import signal
 import site
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from phalanx.launcher.host_notices import ADDED, HostNotices
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.ssh import probe
 from phalanx.launcher.stall import ElasticStalls, describe_exit, ended_then_aborted
-from phalanx.launcher.worker_output import WorkerOutput
+from phalanx.launcher.worker_output import WorkerOutput, stop_processes
 from phalanx.log import get_logger
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
 
@@ -264,10 +263,8 @@ class Supervisor:
         held = ready if ready and self.gen > 0 and self.store.add(f"pxe/g{self.gen}/arrived", 0) < len(
             self.members) else []
         ready = [] if held else ready
-        # Every host the generation's workers ran on set aside for good (a failure there, no cooldown): stop,
-        # as Horovod's driver does. With a cooldown a live member waits there (bounded, below) to hand the
-        # state to a worker started when the host is back; Horovod stops then too. (Hosts only dropped by
-        # discovery do not count.)
+        # every host the members ran on set aside for good: stop, as Horovod does (with a cooldown a live
+        # member waits below to hand the state over; Horovod stops then too). docs/elastic.md
         ran_on = list(dict.fromkeys(w.host for w in self.members))
         if self.horovod_hosts and ran_on and all(self.aside.until.get(h) == float("inf") for h in ran_on):
             return (f"every host the job's workers ran on ({', '.join(ran_on)}) was set aside after a worker there failed; "
@@ -438,18 +435,6 @@ class Supervisor:
 
     def _kill_all(self) -> None:
         alive = self._alive()
+        stop_processes([w.proc for w in alive], _GRACE_S)
         for w in alive:
-            with contextlib.suppress(OSError, ValueError):
-                if w.proc.stdin:
-                    w.proc.stdin.close()  # a remote worker's agent stops it at EOF
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _GRACE_S
-        for w in alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(max(0.1, deadline - time.monotonic()))
-            if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.kill()
-                w.proc.wait(5)
             w.code = w.proc.returncode

@@ -1,19 +1,27 @@
-"""Where an elastic job's worker output goes: the terminal, prefixed with the worker's current rank, and
+"""An elastic job's worker processes: where their output goes, and how they are stopped.
+
+Output goes to the terminal, prefixed with the worker's current rank, and
 ``--output-filename DIR`` files (Horovod's layout: ``DIR/rank.N/stdout|stderr``; ``DIR/worker.<id>/`` for joiners).
 
 A worker's rank changes with each generation, so the prefix is asked for per line (``rank_of``);
 before a worker is a member (a joiner waiting for its commit) its lines carry its id, ``[w5]: …``.
+``stop_processes`` ends workers: stdin closed (a remote worker's agent stops it at EOF), SIGTERM,
+a grace period, then SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["WorkerOutput"]
+__all__ = ["WorkerOutput", "stop_processes"]
 
 
 class WorkerOutput:
@@ -57,3 +65,21 @@ class WorkerOutput:
         stream.close()
         if keep is not None:
             keep.close()
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Close each one's stdin, SIGTERM it, wait up to ``grace_s`` in all, then SIGKILL what is left."""
+    for proc in procs:
+        with contextlib.suppress(OSError, ValueError):
+            if proc.stdin:
+                proc.stdin.close()  # a remote worker's agent stops it at EOF
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(5)

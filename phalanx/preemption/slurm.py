@@ -78,6 +78,10 @@ def requeue(env=None) -> bool:
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("scontrol requeue %s failed to run: %s", job, err)
         return False
+    if done.returncode < 0:  # a signal ended it: SLURM, stopping this job's processes as it requeues the job
+        log.warning("requeued SLURM job %s (scontrol was ended by signal %d as SLURM stopped the job's processes): "
+                    "it resumes from the preemption checkpoint when it runs again", job, -done.returncode)
+        return True
     if done.returncode != 0:
         log.warning("scontrol requeue %s refused: %s", job, (done.stderr or done.stdout).strip())
         return False
