@@ -15,7 +15,7 @@ MODULE_SECONDS = {
     "test_launcher": 117, "test_tune": 108, "test_trainer": 104, "test_ray": 96, "test_multihost": 93,
     "test_elastic": 81, "test_slurm_elastic": 68, "test_stall": 63, "test_preempt_slurm": 62,
     "test_slurm_docs": 59, "test_tensorflow": 50, "test_horovod": 48, "test_profiler": 45,
-    "test_elastic_random": 44, "test_elastic_zero": 45, "test_ps": 41, "test_runtime": 38, "test_preempt": 37,
+    "test_elastic_random": 44, "test_elastic_zero": 40, "test_ps": 41, "test_runtime": 38, "test_preempt": 37,
     "test_data_parallel_args": 33, "test_autotune": 32, "test_preempt_restart": 32, "test_preempt_elastic": 29,
     "test_mpirun": 26, "test_horovod_example": 26, "test_compressed_collectives": 26, "test_slurm": 23,
     "test_zero": 21, "test_parallelize": 19, "test_checkpoint_format": 15, "test_horovod_dtypes": 14,

@@ -32,12 +32,12 @@ JOB = textwrap.dedent("""
     @elastic.run
     def train(state):
         while state.step < 10:
-            i = state.step * 3 + px.rank()
+            i = state.step * 2 + px.rank()
             opt.zero_grad()
             nn.functional.cross_entropy(model(X[8 * i:8 * i + 8]), Y[8 * i:8 * i + 8]).backward()
             opt.step()
             state.step += 1
-            if KILL and state.step == 5 and px.rank() == 2 and not os.path.exists(marker):
+            if KILL and state.step == 5 and px.rank() == 1 and not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             state.commit()
@@ -54,7 +54,7 @@ def _start(tmp_path, name, stage, mode):
     out.mkdir()
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "3", "--min-np", "2", "--max-np", "3", "--timeout", "30",
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--min-np", "1", "--max-np", "2", "--timeout", "30",
            sys.executable, str(script), str(out), str(stage), mode]
     return out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
