@@ -229,13 +229,13 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     notices = HostNotices(store)
     store.set("pxe/latest", "0")
     messages = hel.HostMessages()
-    assert messages.empty() and not inprocess.membership_changed(notices=True)
+    assert messages.empty() and inprocess.change_at_commit(notices=True) is None
     notices.post(ADDED)  # workers started on a new host
     assert not messages.empty() and messages.qsize() == 1
     stamp, update = messages.get_nowait()
     assert update is hel.HostUpdateResult.added and isinstance(stamp, float)
     assert messages.empty()  # each notice once
-    assert inprocess.membership_changed(notices=True) and not inprocess.membership_changed()
+    assert inprocess.change_at_commit(notices=True) is not None and inprocess.change_at_commit() is None
     err = inprocess.change_at_commit(notices=True)  # what a commit raises: Horovod's class, and ours
     assert type(err) is hel.HostsUpdatedInterrupt and hel.HostsUpdatedInterrupt is elastic.HostsUpdatedInterrupt
     assert isinstance(err, inprocess.MembershipChanged) and isinstance(err, RuntimeError)
@@ -259,6 +259,6 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     store.set("pxe/latest", "0")
     messages.put((0.0, hel.HostUpdateResult.mixed))
     ctx.gen, ctx.notice = 2, 2  # re-formed into a generation covering both notices
-    assert messages.empty() and not inprocess.membership_changed(notices=True)
+    assert messages.empty() and inprocess.change_at_commit(notices=True) is None
     with pytest.raises(queue.Empty):
         messages.get(timeout=0.2)

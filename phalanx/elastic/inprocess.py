@@ -55,7 +55,7 @@ from phalanx.elastic.interrupts import (
 )
 from phalanx.log import get_logger
 
-__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "membership_changed", "change_at_commit", "is_collective_error", "host_updates",
+__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "is_collective_error", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -177,15 +177,10 @@ def host_updates(since: int = 0) -> list[tuple[int, float, int]]:
     return out
 
 
-def membership_changed(notices: bool = False) -> bool:
-    """At a commit: True on every rank when the launcher published a newer generation (``notices``:
-    or announced a host change, whose generation the workers then wait for while re-forming, as
-    Horovod's workers do after ``HostsUpdatedInterrupt``). See :func:`change_at_commit`."""
-    return change_at_commit(notices) is not None
-
-
 def change_at_commit(notices: bool = False) -> HostsUpdatedInterrupt | None:
-    """At a commit: the interrupt every rank raises for the launcher's change, or None (no change).
+    """At a commit: the interrupt every rank raises for the launcher's change, or None (no change):
+    a newer generation published (``notices``: or a host change announced, whose generation the
+    workers then wait for while re-forming, as Horovod's workers do after ``HostsUpdatedInterrupt``).
 
     Rank 0 asks the store once (twice with ``notices``; the pending change itself only when there is
     one); one small allreduce MAX carries the answer to every rank (an allreduce, not a broadcast:

@@ -196,9 +196,9 @@ class TorchState:
         for k, v in self._pieces.items():
             if is_gathered(v):
                 continue  # sharded (ZeRO): every rank holds its own part, restored from every rank's
-            if isinstance(v, torch.nn.Module) and id(v) in owned:
-                continue
             if isinstance(v, torch.nn.Module):
+                if id(v) in owned:
+                    continue
                 for t in list(v.parameters()) + list(v.buffers()):
                     broadcast(t.data, root_rank=0, inplace=True, name=f"sync.{k}")
             elif is_stateful(v):

@@ -26,6 +26,7 @@ import sys
 import threading
 
 from phalanx.launcher import handoff
+from phalanx.launcher.worker_output import stop_processes
 
 __all__ = ["agent_main", "worker_main", "timeline_parts_main", "main"]
 
@@ -100,13 +101,7 @@ def worker_main(argv: list[str]) -> int:
 
     def stop_at_eof() -> None:
         sys.stdin.read()
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(_GRACE_S)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
+        stop_processes([proc], _GRACE_S)
 
     threading.Thread(target=stop_at_eof, daemon=True).start()
     try:
