@@ -344,7 +344,7 @@ def _distributed_optimizer_family():
     # GradScaler: rank 1 alone sees inf at step 2; every rank must skip that step
     model = _mlp()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler = torch.amp.GradScaler(px.topology().device.type, init_scale=2.0**8)
     skipped = []
     for step in range(4):
         x, y = _batch(step, B, (8,), seed=r + 1)
@@ -465,3 +465,44 @@ def test_engine_plan_and_padded_buckets_keep_the_bucket_interface():
     assert [bk.params for bk in engine.buckets.buckets] == [[c], [a, b]]
     with pytest.raises(ValueError, match="exactly once"):
         GradientEngine([("a", a), ("b", b), ("c", c)], plan=[[c], [a]])
+
+
+def _channels_last():
+    """A channels_last CNN under fused AdamW: the gradients left as bucket views keep each weight's
+    layout (fused AdamW on CUDA refuses a contiguous gradient of a channels_last weight), and the
+    training matches the single-process reference."""
+    r, n = px.rank(), px.size()
+    torch.manual_seed(0)
+    # the second convolution's weight (64*32*3*3) is past VIEW_MIN_NUMEL: its gradient stays a bucket view
+    net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.Flatten(),
+                        nn.LazyLinear(5))
+    net(torch.zeros(1, 3, 6, 6))  # materialise the lazy layer
+    ref = copy.deepcopy(net).to(memory_format=torch.channels_last)
+    dp = DataParallel(copy.deepcopy(net).to(memory_format=torch.channels_last), bucket_mb=0.05)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-2, fused=True)
+    layouts = []
+    for step in range(4):
+        x, y = _batch(step, n * B, (3, 6, 6))
+        x = x.contiguous(memory_format=torch.channels_last)
+        opt_ref.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=False)  # keep the bucket views as .grad
+        nn.functional.cross_entropy(dp(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B]).backward()
+        opt.step()
+        layouts.append(all(p.grad.stride() == p.stride() for p in dp.parameters()))
+    return _diff(ref, dp.module), layouts, dp.module[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_channels_last_gradients_keep_the_weight_layout_under_fused_adamw():
+    from phalanx.comm.buckets import view_like
+
+    w = torch.empty(8, 3, 3, 3).to(memory_format=torch.channels_last)
+    v = view_like(torch.zeros(w.numel()), w)
+    assert v.stride() == w.stride() and v.shape == w.shape
+    assert view_like(torch.zeros(6), torch.empty(2, 3)).is_contiguous()
+    for r, (diff, layouts, still_cl) in enumerate(distributed(_channels_last, np=2)):
+        assert diff < TOL, f"rank {r}: {diff}"
+        assert layouts == [True] * 4, f"rank {r}: a gradient lost its weight's layout: {layouts}"
+        assert still_cl

@@ -32,7 +32,33 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Bucket", "BucketManager", "PaddedBucket", "PlannedBuckets", "pack"]
+__all__ = ["Bucket", "BucketManager", "PaddedBucket", "PlannedBuckets", "pack", "view_like"]
+
+
+def view_like(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``piece`` (a flat, contiguous slice of ``p.numel()`` elements) seen with ``p``'s shape and,
+    where ``p`` is dense but not contiguous (a channels_last convolution weight), ``p``'s strides.
+
+    A gradient kept as a view into its bucket must have its parameter's layout, as DDP's bucket
+    views do: a contiguous gradient of a channels_last weight makes fused AdamW refuse the step
+    on CUDA ("params, grads, ... must have same dtype, device, and layout") and sends the foreach
+    paths to their slow per-tensor fallback.
+    """
+    if p.is_contiguous() or not _dense(p):
+        return piece.view_as(p)
+    return piece.as_strided(p.shape, p.stride())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive slots with no gaps or overlaps."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda ss: ss[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def pack(sizes: Sequence[float], limit: float, breaks: Sequence[bool] | None = None) -> list[list[int]]:
@@ -75,7 +101,7 @@ class Bucket:
         self.extra = extra
         self.flat = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
         self.tail = self.flat[total:]  # the ``extra`` elements
-        self.views = [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        self.views = [view_like(self.flat[o : o + p.numel()], p) for p, o in zip(self.params, self.offsets)]
         self._views = {id(p): v for p, v in zip(self.params, self.views)}
         self.pending = len(self.params)
         self.ready: set[int] = set()

@@ -76,6 +76,11 @@ class OptimizerOverlap:
         if missing:
             raise ValueError(f"overlap_optimizer: {len(missing)} trainable parameter(s) of the model (index "
                              f"{missing[:5]}) are not in the optimizer; build it from model.parameters()")
+        strided = [i for i, p in enumerate(params) if not p.is_contiguous()]
+        if strided:  # its pieces are slices of param.view(-1), which a channels_last weight has not
+            raise ValueError(f"overlap_optimizer: {len(strided)} parameter(s) of the model (index {strided[:5]}) "
+                             "are not contiguous (channels_last?); keep the model contiguous "
+                             "(model.to(memory_format=torch.contiguous_format)) or pass overlap_optimizer=None")
         self._done: dict[int, int] = {}  # id(param) -> elements stepped this iteration
         self._stepped: list[torch.nn.Parameter] = []  # fully stepped this iteration
         step = type(optimizer).step
