@@ -22,7 +22,7 @@ import torch
 def _bench(calls: int, repeats: int):
     import phalanx as px
     import phalanx.horovod.torch as hvd
-    from phalanx.comm.collectives import set_mismatch_check
+    from phalanx.comm.mismatch import set_mismatch_check
 
     kinds = {
         "hvd.allreduce": lambda t: hvd.allreduce(t, op=hvd.Sum, name="bench"),

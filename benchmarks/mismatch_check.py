@@ -23,7 +23,7 @@ from torch import nn
 
 def _bench(calls: int, steps: int, repeats: int):
     import phalanx as px
-    from phalanx.comm.collectives import set_mismatch_check
+    from phalanx.comm.mismatch import set_mismatch_check
 
     rows = {}
     for label, numel in (("allreduce 1 KiB", 256), ("allreduce 64 KiB", 16384), ("allreduce 4 MiB", 2**20)):

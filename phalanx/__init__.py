@@ -19,7 +19,6 @@ from phalanx import balance, checkpoint, elastic, preemption
 from phalanx.comm.broadcast import broadcast_optimizer_state, broadcast_parameters
 from phalanx.comm.collectives import (
     Average,
-    CollectiveMismatchError,
     Handle,
     Max,
     Min,
@@ -34,8 +33,8 @@ from phalanx.comm.collectives import (
     broadcast,
     broadcast_object,
     reducescatter,
-    set_mismatch_check,
 )
+from phalanx.comm.mismatch import CollectiveMismatchError, set_mismatch_check
 from phalanx.launcher.join import join as _join
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
 from phalanx.log import log0, print0

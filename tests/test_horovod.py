@@ -122,7 +122,7 @@ def _facade_collectives(tmp):
     }
     out["async_forms"] = {k: hvd.synchronize(h) for k, h in reversed(pending.items())}
     # a handle polled before it can complete: rank 1 contributes only after rank 0 has polled
-    from phalanx.comm.collectives import set_mismatch_check
+    from phalanx.comm.mismatch import set_mismatch_check
 
     hvd.barrier()
     set_mismatch_check(False)  # the pre-send probe would make rank 0 wait for rank 1 inside the launch

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.collectives import CollectiveMismatchError, describe_mismatch
+from phalanx.comm.mismatch import CollectiveMismatchError, describe_mismatch
 
 __all__ = ["combine", "adasum_", "NORM_EPS", "is_power_of_two"]
 

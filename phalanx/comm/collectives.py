@@ -1,13 +1,12 @@
 """Collectives: one function per operation, each with an ``async_op`` form.
 
 Every call takes its ``group`` explicitly (``None`` is the whole world) and a
-group of one returns at once. Before a collective is sent, the ranks compare a
-63-bit digest of what each is about to do (operation, name, dtype, shape, op,
-root) with one 16-byte allreduce; if they differ, every rank raises
-:class:`CollectiveMismatchError` naming the tensor and the ranks that disagree,
-instead of hanging or silently summing garbage. The digest of a repeated call
-is cached. Switch the check off with ``set_mismatch_check(False)`` or
-``PHALANX_CHECK_COLLECTIVES=0``; ``benchmarks/mismatch_check.py`` measures what it costs.
+group of one returns at once. Before a collective is sent the ranks check that
+they all mean the same call (:mod:`phalanx.comm.mismatch`): a mismatch raises
+:class:`~phalanx.comm.mismatch.CollectiveMismatchError` on every rank instead
+of hanging. A tensor where the backend cannot send it (a CPU tensor on NCCL,
+which moves CUDA tensors only: a loss to average, a metric) travels through the
+rank's GPU and comes back where it was, as Horovod's CPU ops do.
 
 Example::
 
@@ -21,9 +20,6 @@ Example::
 from __future__ import annotations
 
 import enum
-import functools
-import hashlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx import trace
+from phalanx.comm.mismatch import check_call
 from phalanx.runtime.heartbeat import RECORD
 
 __all__ = [
@@ -44,7 +40,6 @@ __all__ = [
     "Max",
     "Product",
     "Handle",
-    "CollectiveMismatchError",
     "allreduce",
     "allgather",
     "broadcast",
@@ -53,13 +48,9 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "allgather_object",
-    "set_mismatch_check",
-    "mismatch_check_enabled",
     "group_size",
     "group_rank",
     "scale_",
-    "default_device",
-    "describe_mismatch",
 ]
 
 
@@ -90,10 +81,6 @@ _TORCH_OP = {
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks called different collectives, or the same one on incompatible tensors."""
 
 
 class Handle:
@@ -139,19 +126,6 @@ class Handle:
         return self._result
 
 
-_check_enabled = os.environ.get("PHALANX_CHECK_COLLECTIVES", "1") not in ("0", "false", "False")
-
-
-def set_mismatch_check(enabled: bool) -> None:
-    """Turn the cross-rank metadata check on or off for this process (all ranks must agree)."""
-    global _check_enabled
-    _check_enabled = bool(enabled)
-
-
-def mismatch_check_enabled() -> bool:
-    return _check_enabled
-
-
 def group_size(group=None) -> int:
     return dist.get_world_size(group)
 
@@ -160,65 +134,8 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group)
 
 
-@functools.lru_cache(maxsize=4096)
-def _digest(signature: tuple) -> int:
-    raw = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") >> 1  # fits a signed int64
-
-
 # the rank's collective record (runtime.heartbeat): open an entry; run a blocking torch call marked as the wait
 _record, _blocking = RECORD.open, RECORD.blocking
-
-
-def _check(kind: str, name: str | None, tensor: torch.Tensor | None, group, entry: list | None = None,
-           **extra) -> None:
-    """Raise on every rank if the ranks are not all about to make the same call."""
-    if not _check_enabled:
-        return
-    shape = tuple(tensor.shape) if tensor is not None else None
-    dtype = str(tensor.dtype) if tensor is not None else None
-    if kind in ("allgather", "alltoall") and shape:
-        shape = ("*",) + shape[1:]  # the first dimension may differ across ranks
-    signature = (kind, name, dtype, shape, tuple(sorted(extra.items())))
-    h = _digest(signature)
-    device = tensor.device if tensor is not None and tensor.device.type != "meta" else default_device()
-    probe = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    with trace.span("negotiate", "comm", call=kind, tensor=name):  # shown apart on the timeline
-        if entry is None:
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-        else:
-            _blocking(entry, dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
-    if int(probe[0]) == -int(probe[1]):
-        return
-    mine = {"call": kind, "name": name, "dtype": dtype, "shape": shape, **extra}
-    every: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-    dist.all_gather_object(every, mine, group=group)
-    raise CollectiveMismatchError(describe_mismatch(every, group))
-
-
-def describe_mismatch(every: list[dict], group) -> str:
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
-    fields = [k for k in every[0] if len({repr(m.get(k)) for m in every}) > 1]
-    fields += [k for m in every for k in m if k not in every[0] and k not in fields]
-    names = sorted({str(m.get("name")) for m in every})
-    lines = [
-        f"phalanx: collective mismatch on tensor {', '.join(names)}: the ranks disagree on "
-        f"{', '.join(fields)}."
-    ]
-    for r, m in zip(ranks, every):
-        desc = ", ".join(f"{k}={m[k]}" for k in m if k != "call")
-        lines.append(f"  rank {r}: {m['call']}({desc})")
-    lines.append(
-        "Every rank must make the same collectives in the same order on tensors of the same "
-        "dtype and shape. Check for rank-dependent branches or data-dependent shapes."
-    )
-    return "\n".join(lines)
-
-
-def default_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -234,9 +151,32 @@ def _done(result, async_op: bool):
     return Handle(None, result) if async_op else result
 
 
-def _launch(work, result, finish, async_op: bool, entry: list | None = None):
+def _launch(work, result, finish, async_op: bool, entry: list | None = None, home=None):
+    if home is not None:
+        finish = _homeward(finish, *home)
     handle = Handle(work, result, finish, entry)
     return handle if async_op else handle.wait()
+
+
+def _wire(tensor: torch.Tensor, group) -> torch.device | None:
+    """The GPU ``tensor`` travels through when the group's backend cannot send it from where it is:
+    NCCL moves CUDA tensors only, so a CPU tensor (a loss, a metric to average) goes through this
+    rank's GPU and comes back. None: it travels as it is."""
+    if tensor.device.type == "cuda" or dist.get_backend(group) != "nccl":
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _homeward(finish, home: torch.device, into: torch.Tensor | None):
+    """``finish``, then the result back on ``home`` (copied into ``into`` for an in-place call)."""
+    def go(result):
+        result = finish(result) if finish is not None else result
+        if into is not None:
+            return into.copy_(result)
+        if isinstance(result, tuple):
+            return tuple(r.to(home) if isinstance(r, torch.Tensor) else r for r in result)
+        return result.to(home)
+    return go
 
 
 def allreduce(
@@ -275,10 +215,12 @@ def allreduce(
     if n == 1:
         return _done(finish(out), async_op)
     entry = _record("allreduce", name, tensor, group=group)
+    wire = _wire(out, group)
+    sent = out if wire is None else out.to(wire)
     if check:
-        _check("allreduce", name, tensor, group, entry, op=op.value)
-    work = dist.all_reduce(out, op=_TORCH_OP[op], group=group, async_op=True)
-    return _launch(work, out, finish, async_op, entry)
+        check_call("allreduce", name, sent, group, entry, op=op.value)
+    work = dist.all_reduce(sent, op=_TORCH_OP[op], group=group, async_op=True)
+    return _launch(work, sent, finish, async_op, entry, home=None if wire is None else (out.device, out))
 
 
 def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name: str | None = None,
@@ -288,9 +230,11 @@ def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name:
     if n == 1:
         return _done(tensor.clone(), async_op)
     entry = _record("allgather", name, tensor, group=group)
+    wire = _wire(tensor, group)
+    t = tensor.contiguous() if wire is None else tensor.to(wire)
+    home = None if wire is None else (tensor.device, None)
     if check:
-        _check("allgather", name, tensor, group, entry)
-    t = tensor.contiguous()
+        check_call("allgather", name, t, group, entry)
     if t.dim() == 0:
         t = t.reshape(1)
     sizes = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
@@ -300,14 +244,14 @@ def allgather(tensor: torch.Tensor, *, group=None, async_op: bool = False, name:
     if len(set(counts)) == 1:
         out = torch.empty((n * counts[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         work = all_gather_flat(out, t, group=group, async_op=True)
-        return _launch(work, out, None, async_op, entry)
+        return _launch(work, out, None, async_op, entry, home)
     # Uneven first dimensions: pad to the largest, gather, then cut the padding away.
     biggest = max(counts)
     padded = torch.zeros((biggest,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(n)]
     work = dist.all_gather(parts, padded, group=group, async_op=True)
-    return _launch(work, parts, lambda ps: torch.cat([p[:c] for p, c in zip(ps, counts)]), async_op, entry)
+    return _launch(work, parts, lambda ps: torch.cat([p[:c] for p, c in zip(ps, counts)]), async_op, entry, home)
 
 
 def broadcast(
@@ -329,10 +273,12 @@ def broadcast(
     if root_rank not in members:
         raise ValueError(f"root_rank {root_rank} is not a member of the group {list(members)}")
     entry = _record("broadcast", name, tensor, group=group)
+    wire = _wire(out, group)
+    sent = out if wire is None else out.to(wire)
     if check:
-        _check("broadcast", name, tensor, group, entry, root=root_rank)
-    work = dist.broadcast(out, src=root_rank, group=group, async_op=True)
-    return _launch(work, out, None, async_op, entry)
+        check_call("broadcast", name, sent, group, entry, root=root_rank)
+    work = dist.broadcast(sent, src=root_rank, group=group, async_op=True)
+    return _launch(work, sent, None, async_op, entry, home=None if wire is None else (out.device, out))
 
 
 def reducescatter(
@@ -363,8 +309,12 @@ def reducescatter(
     if n == 1:
         return _done(scale_(tensor.clone(), postscale_factor), async_op)
     entry = _record("reducescatter", name, tensor, group=group)
+    wire = _wire(tensor, group)
+    home = None if wire is None else (tensor.device, None)
+    if wire is not None:
+        tensor = tensor.to(wire)
     if check:
-        _check("reducescatter", name, tensor, group, entry, op=op.value)
+        check_call("reducescatter", name, tensor, group, entry, op=op.value)
     me = dist.get_rank(group)
     rows = tensor.shape[0]
     counts = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
@@ -379,11 +329,11 @@ def reducescatter(
     if len(set(counts)) == 1:
         out = torch.empty((counts[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         work = reduce_scatter_flat(out, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return _launch(work, out, finish, async_op, entry)
+        return _launch(work, out, finish, async_op, entry, home)
     parts = list(torch.split(t, counts))
     out = torch.empty_like(parts[me])
     work = dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _launch(work, out, finish, async_op, entry)
+    return _launch(work, out, finish, async_op, entry, home)
 
 
 def alltoall(
@@ -411,16 +361,17 @@ def alltoall(
     if n == 1:
         return _done((tensor.clone(), torch.tensor(splits)), async_op)
     entry = _record("alltoall", name, tensor, group=group)
+    wire = _wire(tensor, group)
+    t = tensor.contiguous() if wire is None else tensor.to(wire)
     if check:
-        _check("alltoall", name, tensor, group, entry)
-    t = tensor.contiguous()
+        check_call("alltoall", name, t, group, entry)
     send = torch.tensor(splits, dtype=torch.int64, device=t.device)
     recv = torch.empty_like(send)
     _blocking(entry, dist.all_to_all_single, recv, send, group=group)
     recv_splits = [int(s) for s in recv.tolist()]
     out = torch.empty((sum(recv_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     work = dist.all_to_all_single(out, t, recv_splits, splits, group=group, async_op=True)
-    return _launch(work, (out, recv.cpu()), None, async_op, entry)
+    return _launch(work, (out, recv.cpu()), None, async_op, entry, None if wire is None else (tensor.device, None))
 
 
 def barrier(group=None) -> None:

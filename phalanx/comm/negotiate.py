@@ -35,11 +35,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.collectives import (
-    CollectiveMismatchError,
-    describe_mismatch,
-    mismatch_check_enabled,
-)
+from phalanx.comm.mismatch import CollectiveMismatchError, describe_mismatch, mismatch_check_enabled
 from phalanx.runtime import heartbeat
 
 __all__ = ["STEP", "NOBODY", "JOINED", "digest", "step_probe", "announce", "next_request", "joined_wait",
