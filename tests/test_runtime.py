@@ -356,3 +356,21 @@ def test_skip_teardown_if_uncaught_exits_1_after_the_traceback_and_hooks(tmp_pat
     else:
         assert proc.returncode == 1 and "ValueError: the script failed" in proc.stderr, proc.stderr
         assert "teardown ran" not in proc.stdout, proc.stdout
+
+
+def test_more_ranks_than_gpus_on_nccl_is_one_line_at_init(monkeypatch):
+    """Two ranks on a host with one GPU under NCCL: NCCL refuses two ranks on one device, first at
+    the first collective; init says it at once, with the two ways out (tried on an H100 by
+    `phalanx run -np 2` in benchmarks/gpu/run.sh)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PHALANX_LAUNCHER": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("PHALANX_BACKEND", raising=False)
+    monkeypatch.delenv("PHALANX_DEVICE", raising=False)
+    with pytest.raises(SettingsError, match=r"2 ranks on this host share 1 GPU\(s\) but NCCL needs a GPU per rank; "
+                                            r"start at most 1 rank\(s\) per host .*PHALANX_BACKEND=gloo"):
+        px.init()
+    assert not px.is_initialized()

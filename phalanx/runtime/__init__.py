@@ -125,6 +125,14 @@ def _choose_backend_and_device(info: LaunchInfo, s: Settings) -> tuple[str, torc
     if backend == "nccl" and device.type != "cuda":
         raise SettingsError(f"backend 'nccl' (PHALANX_BACKEND or init(backend=)) needs a CUDA device but the "
                             f"device is {device}; accepted on CPU: gloo")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if info.local_size > gpus:
+            # NCCL refuses two ranks on one GPU, and says so only at the first collective.
+            raise SettingsError(
+                f"{info.local_size} ranks on this host share {gpus} GPU(s) but NCCL needs a GPU per rank; "
+                f"start at most {gpus} rank(s) per host (phalanx run -np {gpus}), or share the GPU over "
+                f"gloo with PHALANX_BACKEND=gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return backend, device

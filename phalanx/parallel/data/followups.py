@@ -135,7 +135,10 @@ class FiniteGuard:
     def __init__(self, compressor, params) -> None:
         self.compressor, self.params = compressor, params
         self.active = not isinstance(compressor, (NoneCompressor, CastCompressor))
-        self._nonfinite = torch.zeros((), dtype=torch.bool)
+        # On the gradients' device: NCCL sends only CUDA tensors, and a CPU flag would make every
+        # check a device-to-host copy that waits for the backward kernels.
+        self.device = params[0].device if params else torch.device("cpu")
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def check(self, tensors) -> None:
         """Note whether any of ``tensors`` holds inf or NaN (lossy codecs only).
@@ -153,7 +156,7 @@ class FiniteGuard:
         if not self.active:
             return None
         flag = self._nonfinite.to(torch.float32).reshape(1)
-        self._nonfinite = torch.zeros((), dtype=torch.bool)
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         if steady:
             # Steady state, as for the flat buckets: no mismatch probe. The probe is a blocking
             # round trip queued behind the buckets' payloads on the same connections, so it

@@ -312,7 +312,9 @@ class GradientEngine(JoinedSteps):
         self._followups.extend(launch_sparse(self, shadow=shadow))
         if self.find_unused:
             used = [0.0 if shadow or id(p) not in self._used else 1.0 for p in self.buckets.params]
-            self._followups.append(UsedCounts(torch.tensor(used), self.group))
+            # on the gradients' device: NCCL sends CUDA tensors only
+            device = self.buckets.params[0].device if self.buckets.params else torch.device("cpu")
+            self._followups.append(UsedCounts(torch.tensor(used, device=device), self.group))
         flag = self.finite.launch(self.group, steady=self.buckets.rebuilt)
         if flag is not None:
             self._followups.append(flag)
