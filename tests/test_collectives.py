@@ -155,3 +155,19 @@ def test_exception_on_one_rank_is_reported_with_its_traceback():
     assert info.value.rank == 1
     assert "boom on one" in str(info.value) and "_raise_on_rank_one" in str(info.value)
     assert isinstance(info.value.exception, KeyError)
+
+
+def test_check_collectives_variable_accepts_what_the_readme_says():
+    """PHALANX_CHECK_COLLECTIVES=off once left the check on (only 0/false/False turned it off)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, os, phalanx.comm.mismatch as m\n"
+            "for v in ('off', 'no', '0', 'False', 'on', '1', 'yes', 'nope'):\n"
+            "    os.environ['PHALANX_CHECK_COLLECTIVES'] = v\n"
+            "    print(v, importlib.reload(m).mismatch_check_enabled())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    seen = dict(line.split() for line in out.stdout.splitlines())
+    # a value init() refuses in one line (settings.load) leaves the check on until then
+    assert seen == {"off": "False", "no": "False", "0": "False", "False": "False", "on": "True", "1": "True",
+                    "yes": "True", "nope": "True"}, out.stderr
