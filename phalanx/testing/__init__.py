@@ -13,6 +13,12 @@ Example::
 """
 
 from phalanx.launcher.spawn import RankError, RankTimeoutError
-from phalanx.testing.harness import assert_same_on_all_ranks, distributed, world_sizes
+from phalanx.testing.harness import (
+           assert_same_on_all_ranks,
+           device_under_test,
+           distributed,
+           world_sizes,
+)
 
-__all__ = ["distributed", "world_sizes", "assert_same_on_all_ranks", "RankError", "RankTimeoutError"]
+__all__ = ["distributed", "world_sizes", "assert_same_on_all_ranks", "device_under_test", "RankError",
+           "RankTimeoutError"]
