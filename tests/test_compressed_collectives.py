@@ -198,7 +198,7 @@ def _train_digits(compression, epochs=10, lr=0.1, seed=0):
     from phalanx.demo import load_digits
 
     r, n = px.rank(), px.size()
-    x_train, y_train, x_test, y_test = load_digits()
+    x_train, y_train, x_test, y_test = (t.to(px.topology().device) for t in load_digits())
     net = _digits_model(seed=seed)
     if isinstance(compression, str) and compression in SETTINGS:
         compression = get_compressor(compression, **SETTINGS[compression])
@@ -263,7 +263,7 @@ def _train_onebit_adam(epochs=8, hidden=64):
     from phalanx.optim import OneBitAdam
 
     r, n = px.rank(), px.size()
-    x_train, y_train, x_test, y_test = load_digits()
+    x_train, y_train, x_test, y_test = (t.to(px.topology().device) for t in load_digits())
     out = {}
     for kind in ("adam", "onebit"):
         torch.manual_seed(0)

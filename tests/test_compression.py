@@ -281,7 +281,7 @@ def _digits_constant_lr(names, epochs=10, lr=0.1, seed=0):
     from phalanx.demo import load_digits
 
     r, n = px.rank(), px.size()
-    x_train, y_train, x_test, y_test = load_digits()
+    x_train, y_train, x_test, y_test = (t.to(px.topology().device) for t in load_digits())
     out = {}
     for name in names:
         torch.manual_seed(seed)
@@ -318,3 +318,70 @@ def test_every_compressor_within_1_5_points_at_constant_lr():
     low = [f"{name}: {100 * sum(accs[name][-3:]) / 3:.1f}% vs uncompressed {100 * base:.1f}% ({accs[name]})"
            for name in CONSTANT_LR[1:] if sum(accs[name][-3:]) / 3 < base - 0.015]
     assert not low, low
+
+
+def test_fused_int8_kernel_matches_the_cpu_codec_bit_for_bit():
+    """comm/fused.py's int8 kernel (compiled by torch.compile on CUDA) computes what the CPU path
+    of QuantizeCompressor sends and keeps: the same codes, scales and error-feedback residual, on
+    a gradient with an all-zero chunk and a chunk too small to scale."""
+    from phalanx.comm import fused
+    from phalanx.comm.quantize import QuantizeCompressor, from_bytes, per_chunk
+
+    x = torch.randn(77 * 256 + 100, generator=torch.Generator().manual_seed(9)) * 3
+    x[256:512] = 0
+    x[512:768] *= 1e-39
+    n, chunks = x.numel(), 78
+    q = QuantizeCompressor(bits=8)
+    payload, _ = q.compress(x)
+    rows = per_chunk(x.clone(), 256)
+    codes, amax = fused.run(fused.int8_rows, rows, 127.0, True)
+    assert torch.equal(codes.view(-1)[:n], payload[:n].view(torch.int8))
+    assert torch.equal((amax / 127).view(-1), from_bytes(payload[n:], torch.float32, chunks))
+    kept = x.clone()
+    q.compress_ef(kept)  # the fused residual form
+    assert torch.equal(rows.view(-1)[:n], kept)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_fused_packing_kernels_match_the_cpu_codec_bit_for_bit(bits):
+    """comm/fused.py's 4/2-bit pack and unpack (compiled on CUDA) give the CPU codec's payload
+    byte for byte, padding of the last chunk included, and decode it to the same values."""
+    from phalanx.comm import fused
+    from phalanx.comm.quantize import QuantizeCompressor, from_bytes, per_chunk, to_bytes
+
+    x = torch.randn(40 * 256 + 77, generator=torch.Generator().manual_seed(bits)) * 2
+    x[256:512] = 0
+    n, levels = x.numel(), 2 ** (bits - 1) - 1
+    q = QuantizeCompressor(bits=bits)
+    payload, ctx = q.compress(x)
+    packed, amax = fused.run(fused.packed_rows, per_chunk(x, 256), levels, bits, n)
+    code_bytes = -(-n * bits // 8)
+    assert torch.equal(torch.cat([packed.reshape(-1)[:code_bytes], to_bytes((amax / levels).reshape(-1))]), payload)
+    scale = from_bytes(payload[code_bytes:], torch.float32, 41).view(-1, 1)
+    values = fused.run(fused.unpacked_rows, per_chunk(payload[:code_bytes], 256 * bits // 8), scale, levels, bits)
+    assert torch.equal(values.view(-1)[:n], q.decompress(payload, ctx))
+
+
+@pytest.mark.parametrize("two_level", [False, True])
+def test_fused_sign_kernels_match_the_cpu_codec(two_level):
+    """comm/fused.py's 1-bit kernels (compiled on CUDA) give the CPU codec's words and scales bit
+    for bit, its residual, and decode to its values."""
+    from phalanx.comm import fused
+    from phalanx.comm.quantize import from_bytes
+
+    x = torch.randn(24 * 256, generator=torch.Generator().manual_seed(3))
+    x[:256] = x[:256].abs()  # a chunk with no "down" value
+    n = x.numel()
+    c = SignCompressor(two_level=two_level)
+    payload, ctx = c.compress(x)
+    rows = x.clone().view(24, 256)
+    words, up, down = fused.run(fused.sign_rows, rows, two_level, True)
+    assert torch.equal(words.view(-1), from_bytes(payload, torch.int32, n // 32))
+    scales = from_bytes(payload[n // 8:], torch.float32, 48 if two_level else 24)
+    assert torch.equal(torch.cat([up, down]) if two_level else up, scales)
+    kept = x.clone()
+    c.compress_ef(kept)
+    torch.testing.assert_close(rows.view(-1), kept, rtol=0, atol=1e-6)
+    out = torch.zeros(24, 256)
+    fused.run(fused.sign_decode_into, out, words, (up + down).view(-1, 1), (-down).view(-1, 1), False)
+    torch.testing.assert_close(out.view(-1), c.decompress(payload, ctx), rtol=0, atol=1e-6)

@@ -84,7 +84,14 @@ def test_device_under_test_makes_the_test_tensors_there_with_the_cpu_random_numb
     with DeviceUnderTest(torch.device("meta")):
         moved = _draws()
         library = FiniteGuard(None, [])._nonfinite   # made by library code, no parameters given
+        p = torch.nn.Parameter(torch.zeros(2))
+        p.grad = torch.zeros(2)
+        opt = torch.optim.AdamW([p])
+        opt.step()                                    # torch's own bookkeeping: its step count
     assert [t.device.type for t in moved] == ["meta"] * 5
+    # as in a user's CUDA run: the moments beside the parameter, the step count on the CPU (the
+    # H100 run once found it on the GPU, an artefact of the switch, not of phalanx)
+    assert opt.state[p]["exp_avg"].device.type == "meta" and opt.state[p]["step"].device.type == "cpu"
     assert torch.equal(torch.randn(3), after)         # the same number of draws from the same streams
     assert library.device.type == "cpu"
     assert to_cpu({"a": [reference[0]], "b": (1, reference[2])})["b"][1] is reference[2]

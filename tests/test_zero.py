@@ -19,7 +19,7 @@ import phalanx as px
 from phalanx.parallel.engine import GradientEngine
 from phalanx.parallel.zero import zero
 from phalanx.profiler.memory import memory_report
-from phalanx.testing import distributed
+from phalanx.testing import device_under_test, distributed
 
 STEPS, ACCUM, BATCH, MAX_NORM = 20, 2, 8, 0.05
 
@@ -288,11 +288,15 @@ def _check_memory(memory, n):
 
 def test_stages_match_full_batch_single_process_and_paper_memory():
     results = distributed(_equivalence_and_memory, np=2, timeout=240)
+    # On CUDA the sharded run (batch B a rank) and the reference (batch 2B) get cuBLAS kernels
+    # chosen by batch size, which round differently: the transformer drifted 1.15e-5 in 20 Adam
+    # steps on an H100 (benchmarks/results/gpu-h100-*.jsonl), every other case stayed under 1e-5.
+    tol = 1e-5 if device_under_test() == "cpu" else 5e-5
     for res in results:
         for kind in ("mlp", "transformer"):
             for stage in (1, 2, 3):
                 diff, moved, clipped = res[(kind, stage)]
-                assert diff < 1e-5, (kind, stage, diff)
+                assert diff < tol, (kind, stage, diff)
                 assert moved > 1e-2, (kind, stage, "parameters did not train")
                 assert clipped >= STEPS // 2, (kind, stage, "clipping never engaged; the check would be empty")
         for stage, mp in ((1, "fp16"), (2, "bf16"), (3, "bf16")):

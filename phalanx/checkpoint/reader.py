@@ -105,6 +105,22 @@ def _template_shards(tree: Any, path: tuple = (), out: dict | None = None) -> di
     return out
 
 
+def _live_devices(tree: Any, path: tuple = (), out: dict | None = None) -> dict[str, torch.device]:
+    """tree path -> the device of the live tensor (or Shard) there: where its loaded value goes."""
+    out = {} if out is None else out
+    if isinstance(tree, Shard):
+        out[path_str(path)] = tree.tensor.device
+    elif isinstance(tree, torch.Tensor):
+        out[path_str(path)] = tree.device
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _live_devices(v, path + (k,), out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _live_devices(v, path + (i,), out)
+    return out
+
+
 def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, torch.Tensor]]:
     """file -> {name in file -> the live CPU tensor at the same tree path, same shape and dtype}.
 
@@ -153,8 +169,21 @@ def read_state(path: str, state: dict, *, topology=None) -> dict:
     tree = to_tree(state)
     reader = Reader(path, manifest, into=_destinations(tree, records))
     template = _template_shards(tree)
+    # A value goes back to the device its live tensor is on (a CUDA Shard or tensor in the state
+    # came back on the CPU, and the first step mixed devices); an optimizer's ``step`` stays on the
+    # CPU, as torch keeps it.
+    devices = _live_devices(tree)
 
     def fetch(tid: str, node: dict, path_: tuple):
+        value = _fetch(tid, node, path_)
+        device = devices.get(path_str(path_))
+        if device is None or device.type == "cpu":
+            return value
+        if isinstance(value, Shard):
+            return Shard(value.tensor.to(device), value.global_shape, value.offsets)
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    def _fetch(tid: str, node: dict, path_: tuple):
         rec = records.get(tid)
         if rec is None:
             raise io.CorruptCheckpointError(f"checkpoint {path}: rank {src}'s skeleton names tensor {tid!r}, "

@@ -190,7 +190,7 @@ def allreduce(
             _hierarchical(flat, op, group, topology, timeout, chunk_bytes)
 
     def run():
-        return _finish(_in_place(tensor, body), op, n)
+        return _finish(_in_place(tensor, body, group), op, n)
 
     # A blocking call also runs on the helper thread, behind any asynchronous ones already
     # issued: the point-to-point steps of two calls must never interleave (same peers, tags).
@@ -207,8 +207,18 @@ def _finish(tensor: torch.Tensor, op: ReduceOp, n: int) -> torch.Tensor:
     return tensor
 
 
-def _in_place(tensor: torch.Tensor, body) -> torch.Tensor:
-    """Run ``body`` on a flat contiguous view of ``tensor`` (a copy when it is not contiguous)."""
+def _in_place(tensor: torch.Tensor, body, group=None) -> torch.Tensor:
+    """Run ``body`` on a flat contiguous view of ``tensor`` (a copy when it is not contiguous).
+
+    A CUDA tensor on gloo goes through a pinned host copy: gloo's send and receive take host
+    memory only (a CUDA pointer fails in the socket write, "Bad address"; seen on an H100).
+    """
+    if tensor.device.type == "cuda" and dist.get_backend(group) != "nccl":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)
+        body(host.view(-1))
+        tensor.copy_(host)
+        return tensor
     if tensor.is_contiguous():
         body(tensor.view(-1))
     else:

@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from phalanx.comm import fused
 from phalanx.comm.codec_types import ChunkedCodec, FixedSizePayload, FusedDecode, FusedResidual
 
 __all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "per_chunk", "to_bytes", "from_bytes"]
@@ -123,6 +124,11 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         flat = tensor.detach().reshape(-1).float()
         n = flat.numel()
         x = per_chunk(flat, self.chunk)
+        if self._fused(x):  # one kernel for scale, round and pack (comm/fused.py)
+            packed, amax = fused.run(fused.packed_rows, x, self.levels, self.bits, n)
+            code_bytes = math.ceil(n * self.bits / 8)
+            payload = torch.cat([packed.reshape(-1)[:code_bytes], to_bytes((amax / self.levels).reshape(-1))])
+            return payload, (n, tensor.dtype, tuple(tensor.shape))
         amax = x.abs().amax(1, keepdim=True)
         scale = amax / self.levels
         inv = torch.where(amax > 0, self.levels / amax, torch.zeros_like(amax))
@@ -143,10 +149,20 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             return self._int8_decode(payload, n, out, 1.0, add=False).to(dtype).reshape(shape)
         code_bytes = math.ceil(n * self.bits / 8)
         chunks = math.ceil(n / self.chunk)
+        if self._fused(payload):
+            row_bytes = self.chunk * self.bits // 8
+            packed = per_chunk(payload[:code_bytes], row_bytes)
+            scale = from_bytes(payload[code_bytes:], torch.float32, chunks).view(-1, 1)
+            out = fused.run(fused.unpacked_rows, packed, scale, self.levels, self.bits)
+            return out.view(-1)[:n].to(dtype).reshape(shape)
         values = per_chunk(unpack_bits(payload[:code_bytes], self.bits, n), self.chunk).float()
         scale = from_bytes(payload[code_bytes:], torch.float32, chunks)
         out = values.sub_(self.levels).mul_(scale.view(-1, 1)).view(-1)[:n]
         return out.to(dtype).reshape(shape)
+
+    def _fused(self, t: torch.Tensor) -> bool:
+        """4/2 bits on CUDA, rounding to nearest, whole bytes a chunk: the compiled kernels."""
+        return t.device.type == "cuda" and not self.stochastic and (self.chunk * self.bits) % 8 == 0
 
     # ------------------------------------------------------------ fused int8 forms
     def compress_ef(self, x: torch.Tensor):
@@ -190,6 +206,16 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             blocks.append((x[: full * chunk].view(full, chunk), 0, full * chunk))
         if full < chunks:
             blocks.append((per_chunk(x[full * chunk :], chunk), full * chunk, n))
+        if x.device.type == "cuda" and not self.stochastic:  # one fused kernel a block (comm/fused.py)
+            for row, (rows, start, stop) in enumerate(blocks):
+                q, amax = fused.run(fused.int8_rows, rows, float(levels), residual)
+                first = 0 if row == 0 else full
+                scales[first : first + rows.shape[0]] = (amax / levels).view(-1)
+                codes[start:stop].copy_(q.view(-1)[: stop - start])
+                if residual and stop - start < rows.numel():  # the padded copy of the last chunk
+                    x[start:stop].copy_(rows.view(-1)[: stop - start])
+            payload[n:].copy_(to_bytes(scales))
+            return payload
         for row, (rows, start, stop) in enumerate(blocks):
             # amax and amin as two float reductions: 2x faster than |x|.amax, 15x than aminmax (CPU)
             amax = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_())

@@ -5,14 +5,16 @@ written for the CPU must then build its model and batches on the GPU unchanged, 
 would make such a run differ from the CPU run for reasons that have nothing to do with phalanx;
 :class:`DeviceUnderTest` takes them away:
 
-- **Where the test's tensors are made.** A factory call without ``device=`` (``torch.randn``,
-  ``nn.Linear``'s ``torch.empty``) made by the test's own code makes its tensor on the device.
-- **Where phalanx's tensors are made: as a user's run would.** The same call made by phalanx's
-  library code is left alone, so it makes a CPU tensor exactly as it would for a user. (A global
+- **Where the test's tensors are made.** A factory call without ``device=`` made by the test's
+  own code (``torch.randn``) or by a module it builds (``nn.Linear``'s ``torch.empty``) makes its
+  tensor on the device.
+- **Where everything else is made: as a user's run would.** The same call made by phalanx's
+  library code, or by torch's own bookkeeping (an optimizer's step count, a sampler's seed), is
+  left alone and makes a CPU tensor, exactly as in a user's CUDA run. (A global
   ``torch.set_default_device("cuda")`` would move those too and hide the very bug this run looks
   for: a CPU tensor from library code meeting a CUDA gradient.) Who called is read off the
-  stack: the first frame outside torch; ``phalanx.models`` and ``phalanx.testing`` count as the
-  test's.
+  stack: the immediate caller, and the first frame outside torch; ``phalanx.models`` and
+  ``phalanx.testing`` count as the test's.
 - **Which random numbers the test gets.** The CUDA generator draws other numbers than the CPU's
   for the same seed, and a body seeds ``torch.Generator()`` (a CPU generator) that a CUDA
   factory refuses. So every random draw the test's code asks for (``torch.randn``, ``randperm``,
@@ -54,18 +56,21 @@ _RANDOM_IN_PLACE = {torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.ra
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PHALANX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _TEST_SIDE = tuple(_PHALANX_DIR + d + os.sep for d in ("models", "testing"))
 
 
-def _called_by_library() -> bool:
-    """Whether the first caller outside torch is phalanx's library code (not a test or a model)."""
-    frame = sys._getframe(2)
+def _callers() -> tuple[str, str | None]:
+    """(file of the immediate caller of the torch function, file of the first caller outside torch)."""
+    frame = sys._getframe(2)  # past _callers and __torch_function__
+    immediate = frame.f_code.co_filename
     while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
         frame = frame.f_back
-    if frame is None:
-        return False
-    name = frame.f_code.co_filename
-    return name.startswith(_PHALANX_DIR) and not name.startswith(_TEST_SIDE)
+    return immediate, frame.f_code.co_filename if frame is not None else None
+
+
+def _library(name: str | None) -> bool:
+    return name is not None and name.startswith(_PHALANX_DIR) and not name.startswith(_TEST_SIDE)
 
 
 def _cpu_generator(kwargs: dict) -> bool:
@@ -89,14 +94,16 @@ class DeviceUnderTest(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _RANDOM_FACTORIES or func in _RANDOM_IN_PLACE or func in _RANDOM_OF_TENSOR \
-                or func in _device_constructors():
-            if _called_by_library():
-                return func(*args, **kwargs)
-        else:
+        constructor = func in _device_constructors()
+        if not (constructor or func in _RANDOM_IN_PLACE or func in _RANDOM_OF_TENSOR):
             return func(*args, **kwargs)
+        immediate, outside = _callers()
+        if _library(outside):
+            return func(*args, **kwargs)
+        # made for the test: by its own code or a module it builds, not by torch's bookkeeping
+        here = not immediate.startswith(_TORCH_DIR) or immediate.startswith(_TORCH_MODULES_DIR)
         if func in _RANDOM_FACTORIES and _cpu_generator(kwargs):
-            target = kwargs.pop("device", None) or self.device
+            target = kwargs.pop("device", None) or (self.device if here else "cpu")
             return func(*args, device="cpu", **kwargs).to(target)
         if func in _RANDOM_IN_PLACE and _cpu_generator(kwargs):
             out = args[0] if args else kwargs["tensor"]  # nn.init passes it by name
@@ -114,7 +121,7 @@ class DeviceUnderTest(TorchFunctionMode):
             if devices and all(d.type != "cpu" for d in devices):
                 moved = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
                 return func(*moved, **kwargs).to(devices.pop())
-        if func in _device_constructors() and kwargs.get("device") is None:
+        if constructor and here and kwargs.get("device") is None:
             kwargs["device"] = self.device
         return func(*args, **kwargs)
 
