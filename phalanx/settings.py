@@ -16,6 +16,7 @@ Read by :func:`load` (an ``init()`` argument wins over its variable)::
     PHALANX_ALGORITHM                           auto | ring | hierarchical | flat
     PHALANX_CHECKPOINT_CHECKSUM                 crc32 | sha256
     PHALANX_CHECKPOINT_FORMAT                   safetensors | torch
+    PHALANX_COMPILE_CODECS                      1/0, true/false, yes/no, on/off (default on)
 
 The validators are public so that constructors can check their arguments the same way::
 
@@ -166,6 +167,9 @@ class Settings:
     """Checksum of checkpoint files."""
     checkpoint_format: str | None = None
     """Force a checkpoint file format; None: safetensors where the dtypes allow, else torch."""
+    compile_codecs: bool = True
+    """Compile the lossy codecs' hot loops on CUDA (torch.compile; the first use in a process
+    compiles for seconds, later runs read the kernels from TorchInductor's on-disk cache)."""
 
 
 def load(
@@ -197,6 +201,7 @@ def load(
                                    env.get("PHALANX_CHECKPOINT_CHECKSUM") or "crc32", ("crc32", "sha256")),
         checkpoint_format=None if not env.get("PHALANX_CHECKPOINT_FORMAT") else
         choice("PHALANX_CHECKPOINT_FORMAT", env["PHALANX_CHECKPOINT_FORMAT"], ("safetensors", "torch")),
+        compile_codecs=boolean("PHALANX_COMPILE_CODECS", env.get("PHALANX_COMPILE_CODECS", "1")),
     )
 
 

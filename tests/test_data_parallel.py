@@ -475,8 +475,7 @@ def _channels_last():
     torch.manual_seed(0)
     # the second convolution's weight (64*32*3*3) is past VIEW_MIN_NUMEL: its gradient stays a bucket view
     net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.Flatten(),
-                        nn.LazyLinear(5))
-    net(torch.zeros(1, 3, 6, 6))  # materialise the lazy layer
+                        nn.Linear(64 * 4 * 4, 5))
     ref = copy.deepcopy(net).to(memory_format=torch.channels_last)
     dp = DataParallel(copy.deepcopy(net).to(memory_format=torch.channels_last), bucket_mb=0.05)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)

@@ -212,6 +212,7 @@ _BAD_SETTINGS = [
     ("PHALANX_ALGORITHM", "rign", "auto | ring | hierarchical | flat"),
     ("PHALANX_CHECKPOINT_CHECKSUM", "md5", "crc32 | sha256"),
     ("PHALANX_CHECKPOINT_FORMAT", "pickle", "safetensors | torch"),
+    ("PHALANX_COMPILE_CODECS", "maybe", "1/0, true/false"),
 ]
 
 

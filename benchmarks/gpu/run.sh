@@ -14,7 +14,8 @@
 #   6 overlap       a profiler trace: does a bucket's collective overlap later backward kernels?
 #   7 launcher      `phalanx run` on a one-GPU machine: NCCL on cuda:0, two NCCL ranks refused in one
 #                   line, two gloo ranks sharing the GPU
-# Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2 and 4 time
+#   8 fused_int8    int8's compress eager against the same arithmetic compiled (why it stays eager)
+# Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2, 4 and 8 time
 # kernels and run alone afterwards.
 #
 # Output under --out: results.jsonl (every JSON line; committed as benchmarks/results/gpu-*.jsonl)
@@ -55,7 +56,7 @@ step() {
 }
 
 if [ "$DEVICE" = cuda ]; then
-  T_TESTS=210 T_OVERHEAD=100 T_AMP=60 T_CODECS=50 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
+  T_TESTS=300 T_OVERHEAD=100 T_AMP=60 T_CODECS=180 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
   ZERO_ARGS="--timeout 40 --max-seconds 75"
   TESTS="tests/test_collectives.py tests/test_data_parallel.py tests/test_zero.py tests/test_compression.py \
 tests/test_compressed_collectives.py tests/test_checkpoint.py"
@@ -90,7 +91,7 @@ J="--device $DEVICE --out $RESULTS"
   if wanted correctness; then
     # shellcheck disable=SC2086
     step correctness "$T_TESTS" env PHALANX_TEST_DEVICE="$DEVICE" $PY -m pytest -q $XDIST --dist loadfile \
-      -p no:cacheprovider --timeout 170 --junitxml "$WORK/junit.xml" -o addopts="" $TESTS
+      -p no:cacheprovider --timeout 250 --junitxml "$WORK/junit.xml" -o addopts="" $TESTS
     $PY benchmarks/gpu/junit_summary.py "$WORK/junit.xml" $J >/dev/null
   fi
 ) &
@@ -103,6 +104,7 @@ wait "$TESTS_PID"
 # 2 and 4 alone: they time kernels
 step overhead "$T_OVERHEAD" $PY benchmarks/gpu/overhead.py $J
 step codecs "$T_CODECS" $PY benchmarks/gpu/codecs.py $J
+step fused_int8 120 $PY benchmarks/gpu/fused_int8.py $J
 
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" . 2>/dev/null
 rm -rf "$WORK"

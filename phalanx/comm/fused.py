@@ -1,20 +1,21 @@
 """Fused GPU kernels for the codecs' hot loops: one pass where eager torch makes five.
 
 On a GPU a codec is memory-bound, and eager torch runs each operation as its own kernel
-that reads and writes the whole gradient: int8's compress was five such passes (max, min,
-scale, round, convert), 6.8x the time of a plain device copy of the gradient on an H100
-(benchmarks/gpu/codecs.py). The functions here are written once in plain torch and, for CUDA
+that reads and writes the whole gradient: sign's compress took 16x, int4's 10x the time of a
+plain device copy of the gradient on an H100 (benchmarks/gpu/codecs.py). The functions here are written once in plain torch and, for CUDA
 tensors, compiled by ``torch.compile`` (TorchInductor generates one Triton kernel per
 function: a per-chunk reduction and the element-wise tail fused) the first time they run,
 with dynamic shapes so that every bucket size shares the one compilation. On the CPU they
 run eagerly: the codecs' CPU paths are tuned for it, and compiling there costs tens of
 seconds at start-up for nothing. If compiling fails (no Triton, an unsupported torch), the
-eager function is used from then on, after one warning.
+eager function is used from then on, after one warning. ``PHALANX_COMPILE_CODECS=0`` keeps
+them eager on CUDA too (the first compilation in a process takes seconds a kernel; later
+processes read TorchInductor's on-disk cache).
 
 Example::
 
     from phalanx.comm import fused
-    codes, amax = fused.run(fused.int8_rows, rows, 127.0, False)   # compiled on CUDA
+    packed, amax = fused.run(fused.packed_rows, rows, 7, 4, rows.numel())   # compiled on CUDA
 """
 
 from __future__ import annotations
@@ -25,27 +26,13 @@ from collections.abc import Callable
 import torch
 
 from phalanx.log import get_logger
+from phalanx.runtime import current_settings
 
-__all__ = ["run", "int8_rows", "packed_rows", "unpacked_rows", "sign_rows", "sign_decode_into"]
+__all__ = ["run", "packed_rows", "unpacked_rows", "sign_rows", "sign_decode_into"]
 
 _log = get_logger(__name__)
 _lock = threading.Lock()
 _compiled: dict[Callable, Callable | None] = {}  # None: compiling failed, run eagerly
-
-
-def int8_rows(rows: torch.Tensor, levels: float, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row int8 codes of ``rows`` (chunks of one gradient) and each row's ``max |x|``.
-
-    Codes are ``round(x * L / amax)`` in ``[-L, L]``; a row whose ``L / amax`` is not finite
-    (all zeros, or amax below ~1e-37) gets zeros. With ``residual``, ``rows`` becomes, in
-    place, what the codes do not carry: ``x - code * amax / L`` (error feedback).
-    """
-    amax = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg())
-    inv = torch.nan_to_num(levels / amax, nan=0.0, posinf=0.0, neginf=0.0)
-    q = (rows * inv).round()
-    if residual:
-        rows.addcmul_(q, amax / levels, value=-1.0)
-    return q.to(torch.int8), amax
 
 
 def packed_rows(rows: torch.Tensor, levels: int, bits: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +54,9 @@ def packed_rows(rows: torch.Tensor, levels: int, bits: int, count: int) -> tuple
 
 def unpacked_rows(packed: torch.Tensor, scales: torch.Tensor, levels: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`packed_rows`: ``(code - L) * scale`` per value, rows of fp32."""
-    per_byte, mask = 8 // bits, (1 << bits) - 1
-    codes = torch.stack([(packed >> (i * bits)) & mask for i in range(per_byte)], dim=-1)
-    return (codes.view(packed.shape[0], -1).float() - levels) * scales
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return (codes.reshape(packed.shape[0], -1).float() - levels) * scales
 
 
 def sign_rows(rows: torch.Tensor, two_level: bool, residual: bool):
@@ -107,9 +94,20 @@ def sign_decode_into(out: torch.Tensor, words: torch.Tensor, span: torch.Tensor,
     return out.add_(values) if add else out.copy_(values)
 
 
+_enabled: bool | None = None
+
+
+def _compiling() -> bool:
+    """PHALANX_COMPILE_CODECS, read once (the setting init() checked; before init, the environment)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = current_settings().compile_codecs
+    return _enabled
+
+
 def run(fn: Callable, tensor: torch.Tensor, *args):
     """``fn(tensor, *args)``, compiled when ``tensor`` is on CUDA."""
-    if tensor.device.type != "cuda":
+    if tensor.device.type != "cuda" or not _compiling():
         return fn(tensor, *args)
     compiled = _compiled.get(fn, fn)
     if compiled is fn:

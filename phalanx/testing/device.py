@@ -56,7 +56,8 @@ _RANDOM_IN_PLACE = {torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.ra
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PHALANX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+# model state: modules' parameters and buffers (lazy modules materialise theirs in nn/parameter.py)
+_MODEL_STATE = (os.path.join(_TORCH_DIR, "nn", "modules") + os.sep, os.path.join(_TORCH_DIR, "nn", "parameter.py"))
 _TEST_SIDE = tuple(_PHALANX_DIR + d + os.sep for d in ("models", "testing"))
 
 
@@ -101,7 +102,7 @@ class DeviceUnderTest(TorchFunctionMode):
         if _library(outside):
             return func(*args, **kwargs)
         # made for the test: by its own code or a module it builds, not by torch's bookkeeping
-        here = not immediate.startswith(_TORCH_DIR) or immediate.startswith(_TORCH_MODULES_DIR)
+        here = not immediate.startswith(_TORCH_DIR) or immediate.startswith(_MODEL_STATE)
         if func in _RANDOM_FACTORIES and _cpu_generator(kwargs):
             target = kwargs.pop("device", None) or (self.device if here else "cpu")
             return func(*args, device="cpu", **kwargs).to(target)
