@@ -28,7 +28,7 @@ import torch
 from phalanx.log import get_logger
 from phalanx.runtime import current_settings
 
-__all__ = ["run", "packed_rows", "unpacked_rows", "sign_rows", "sign_decode_into"]
+__all__ = ["run", "packed_rows", "unpacked_rows", "unpack_inputs", "sign_rows", "sign_decode_into"]
 
 _log = get_logger(__name__)
 _lock = threading.Lock()
@@ -57,6 +57,15 @@ def unpacked_rows(packed: torch.Tensor, scales: torch.Tensor, levels: int, bits:
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
     codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return (codes.reshape(packed.shape[0], -1).float() - levels) * scales
+
+
+def unpack_inputs(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs of :func:`unpacked_rows` as tensors of their own (copies of a few bytes a chunk).
+
+    On an H100 the compile of the decode failed twice ("RuntimeError when making fake tensor
+    call") and it ran eagerly; the CPU compiles it. The likeliest suspect, not yet confirmed on a
+    GPU, is that the payload's scales are a float32 view of uint8 bytes."""
+    return packed.contiguous(), scales.clone()
 
 
 def sign_rows(rows: torch.Tensor, two_level: bool, residual: bool):

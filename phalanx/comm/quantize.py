@@ -153,7 +153,7 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             row_bytes = self.chunk * self.bits // 8
             packed = per_chunk(payload[:code_bytes], row_bytes)
             scale = from_bytes(payload[code_bytes:], torch.float32, chunks).view(-1, 1)
-            out = fused.run(fused.unpacked_rows, packed, scale, self.levels, self.bits)
+            out = fused.run(fused.unpacked_rows, *fused.unpack_inputs(packed, scale), self.levels, self.bits)
             return out.view(-1)[:n].to(dtype).reshape(shape)
         values = per_chunk(unpack_bits(payload[:code_bytes], self.bits, n), self.chunk).float()
         scale = from_bytes(payload[code_bytes:], torch.float32, chunks)
@@ -206,8 +206,10 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             blocks.append((x[: full * chunk].view(full, chunk), 0, full * chunk))
         if full < chunks:
             blocks.append((per_chunk(x[full * chunk :], chunk), full * chunk, n))
-        # (On CUDA this eager loop beat the same arithmetic compiled into one kernel: 376 against
-        # 557 us for 100 MB on an H100, benchmarks/gpu/fused_int8.py; so it stays eager there too.)
+        # On CUDA this stays eager for now. Compiled into one kernel the arithmetic took 78 us for
+        # 100 MB on an H100 against 340 us for this loop (benchmarks/gpu/fused_int8.py, one run),
+        # but wired in here it was not measured apart from codecs.py's run-to-run spread (the same
+        # eager loop: 376 and 627 us in two runs): the next GPU run decides, with fused_int8.py.
         for row, (rows, start, stop) in enumerate(blocks):
             # amax and amin as two float reductions: 2x faster than |x|.amax, 15x than aminmax (CPU)
             amax = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_())
