@@ -363,3 +363,15 @@ def test_fused_sign_kernels_match_the_cpu_codec(two_level):
     out = torch.zeros(24, 256)
     fused.run(fused.sign_decode_into, out, words, (up + down).view(-1, 1), (-down).view(-1, 1), False)
     torch.testing.assert_close(out.view(-1), c.decompress(payload, ctx), rtol=0, atol=1e-6)
+
+
+def test_powersgd_reduce_keeps_its_residual():
+    """PowerSGD's ``reduce`` (the path of ``allreduce_compressed`` on a bare tensor) computed the
+    error-feedback residual into a temporary and dropped it, so it ran without error feedback;
+    it now keeps ``corrected - approximation`` for the next call, as ``reduce_many`` does."""
+    c = get_compressor("powersgd")
+    x = torch.randn(40, 30, generator=torch.Generator().manual_seed(1))
+    first, _ = c.reduce(x, name="g")
+    torch.testing.assert_close(c.memory.residuals["g"], x - first)
+    second, _ = c.reduce(x, name="g")
+    torch.testing.assert_close(c.memory.residuals["g"], 2 * x - first - second)

@@ -130,8 +130,8 @@ class PowerSGDCompressor(Warmup, CollectiveCodec, FixedSizePayload, Stateful, Re
         """The averaged rank-r approximation on every rank, and the bytes this rank sent."""
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         matrix = self._matrix(tensor)
-        if self.error_feedback:
-            matrix = self.memory.correct(name, matrix)
+        if self.error_feedback:  # the residual buffer += matrix; the power step leaves matrix - P Q^T in it
+            matrix = self.memory.accumulate(name, matrix)
         r = min(self.rank, *matrix.shape)
         (approx,), nbytes, _ = self._power_step([(name, matrix, r)], group, world)
         out = approx.reshape(-1)[: tensor.numel()].to(tensor.dtype).reshape(tensor.shape)
