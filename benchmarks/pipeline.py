@@ -4,7 +4,7 @@ p = 2 CPU ranks (gloo, 1 thread each).
 
 Run:  python benchmarks/pipeline.py [--width 256] [--hidden 1024] [--blocks 16] [--micro-rows 128]
                                     [--repeats 10] [--stages 2] [--sections bubble,throughput,split]
-      (docs/benchmarks.md rows: under `flock /tmp/phalanx-bench.lock …` on the shared 2-core box)
+      (benchmarks/LOG.md rows: under `flock /tmp/phalanx-bench.lock …` on the shared 2-core box)
 
 Why 128 rows per micro-batch by default. On this box (gloo over loopback TCP) a send costs the
 SENDING rank's CPU before the call returns (the write and the receive path's softirq run on the
