@@ -79,7 +79,7 @@ def _ddp_bytes(config, params, n):
 
 
 def _one(config, hidden, epochs, skip, batch=64):
-    from phalanx.comm.compression import get_compressor
+    from phalanx.comm.compression.codecs import get_compressor
     from phalanx.demo import load_digits
 
     wall0 = time.perf_counter()
@@ -156,7 +156,7 @@ def _wire_floor(sizes: dict, repeats: int = 15) -> dict:
     ``repeats``, the slowest rank's. PowerSGD's bytes go as one allgather here; it really sends
     them in two sequential allreduces, so its floor is a little higher than shown."""
     from phalanx.comm.collectives import all_gather_flat
-    from phalanx.comm.compressed_paths import PIECE_NUMEL
+    from phalanx.comm.compression.paths import PIECE_NUMEL
 
     n = px.size()
     res = {}
@@ -184,10 +184,10 @@ def _codec_floor(configs, numel, repeats=15) -> dict:
     """CPU cost of each phalanx codec on ``numel`` values, one thread, no communication: the
     error-feedback add + compress of this rank's gradient, and decoding both ranks' payloads
     into one buffer (what the 2-rank allgather path does). Median ms of ``repeats``."""
-    from phalanx.comm.codec_types import codec_of
-    from phalanx.comm.codecs import get_compressor
-    from phalanx.comm.compressed_paths import decode_into, pieces
-    from phalanx.comm.error_feedback import compress_residual
+    from phalanx.comm.compression.abilities import codec_of
+    from phalanx.comm.compression.codecs import get_compressor
+    from phalanx.comm.compression.error_feedback import compress_residual
+    from phalanx.comm.compression.paths import decode_into, pieces
 
     torch.set_num_threads(1)
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3

@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/hvd_probe.py [--calls 200 --repeats 5]
 
-``hvd.allreduce`` on the global set starts with the join negotiation (``phalanx.comm.negotiate``);
+``hvd.allreduce`` on the global set starts with the join negotiation (``phalanx.comm.horovod_ops.negotiate``);
 ``px.allreduce`` with the cross-rank check only; ``px.allreduce`` with the check off pays neither.
 Since the probe became the check itself (one 24-byte MAX allreduce), ``hvd``/``px`` should be
 about 1.00; before (a 4-byte join probe, then the check) it was one blocking round trip more.

@@ -20,7 +20,7 @@ import torch
 
 import phalanx as px
 from phalanx.models import GPT, GPTConfig, gpt_tp_plan
-from phalanx.parallel.mesh import DeviceMesh
+from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.tensor import vocab_parallel_cross_entropy
 
@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     px.init()
-    mesh = DeviceMesh(dp=args.dp, pp=args.pp, tp=args.tp)
+    mesh = RankGrid(dp=args.dp, pp=args.pp, tp=args.tp)
     text = load_corpus(args.corpus_mb)
     train = text
 

@@ -35,11 +35,11 @@ from phalanx.comm.collectives import (
     reducescatter,
 )
 from phalanx.comm.mismatch import CollectiveMismatchError, set_mismatch_check
-from phalanx.launcher.join import join as _join
 from phalanx.launcher.spawn import RankError, RankTimeoutError, run
+from phalanx.launcher.startup import join as _join
 from phalanx.log import log0, print0
 from phalanx.parallel.data import DataParallel, DistributedOptimizer
-from phalanx.parallel.mesh import DeviceMesh
+from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 from phalanx.parallel.zero import zero
@@ -118,7 +118,7 @@ __all__ = [
     # training loop
     "Trainer",
     # model parallel
-    "DeviceMesh",
+    "RankGrid",
     "parallelize",
     # launching
     "run",

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.comm.compressed import allreduce_compressed, wire
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression.allreduce import allreduce_compressed
+from phalanx.comm.compression.codecs import get_compressor
+from phalanx.comm.compression.paths import wire
 from phalanx.testing import distributed
 
 LOSSY = {

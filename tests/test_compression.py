@@ -5,16 +5,15 @@ import math
 import pytest
 import torch
 
-from phalanx.comm import codec_types as ab
-from phalanx.comm.compressed import allreduce_compressed
-from phalanx.comm.compressed_allreduce import choose_path
-from phalanx.comm.compressed_paths import pieces
-from phalanx.comm.compression import available_compressors, get_compressor
-from phalanx.comm.error_feedback import ErrorFeedback
-from phalanx.comm.onebit import SignCompressor
-from phalanx.comm.powersgd import PowerSGDCompressor
-from phalanx.comm.quantize import QuantizeCompressor, pack_bits, unpack_bits
-from phalanx.comm.sparsify import ThresholdCompressor, TopKCompressor, top_indices
+from phalanx.comm.compression import abilities as ab
+from phalanx.comm.compression.allreduce import allreduce_compressed, choose_path
+from phalanx.comm.compression.codecs import available_compressors, get_compressor
+from phalanx.comm.compression.error_feedback import ErrorFeedback
+from phalanx.comm.compression.onebit import SignCompressor
+from phalanx.comm.compression.paths import pieces
+from phalanx.comm.compression.powersgd import PowerSGDCompressor
+from phalanx.comm.compression.quantize import QuantizeCompressor, pack_bits, unpack_bits
+from phalanx.comm.compression.sparsify import ThresholdCompressor, TopKCompressor, top_indices
 
 
 def test_pack_bits_exact():
@@ -322,30 +321,35 @@ def test_every_compressor_within_1_5_points_at_constant_lr():
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_fused_packing_kernels_match_the_cpu_codec_bit_for_bit(bits):
-    """comm/fused.py's 4/2-bit pack and unpack (compiled on CUDA) give the CPU codec's payload
+    """comm/compression/kernels.py's 4/2-bit pack and unpack (compiled on CUDA) give the CPU codec's payload
     byte for byte, padding of the last chunk included, and decode it to the same values."""
-    from phalanx.comm import fused
-    from phalanx.comm.quantize import QuantizeCompressor, from_bytes, per_chunk, to_bytes
+    from phalanx.comm.compression import kernels
+    from phalanx.comm.compression.quantize import (
+        QuantizeCompressor,
+        from_bytes,
+        per_chunk,
+        to_bytes,
+    )
 
     x = torch.randn(40 * 256 + 77, generator=torch.Generator().manual_seed(bits)) * 2
     x[256:512] = 0
     n, levels = x.numel(), 2 ** (bits - 1) - 1
     q = QuantizeCompressor(bits=bits)
     payload, ctx = q.compress(x)
-    packed, amax = fused.run(fused.packed_rows, per_chunk(x, 256), levels, bits, n)
+    packed, amax = kernels.run(kernels.packed_rows, per_chunk(x, 256), levels, bits, n)
     code_bytes = -(-n * bits // 8)
     assert torch.equal(torch.cat([packed.reshape(-1)[:code_bytes], to_bytes((amax / levels).reshape(-1))]), payload)
     scale = from_bytes(payload[code_bytes:], torch.float32, 41).view(-1, 1)
-    values = fused.run(fused.unpacked_rows, per_chunk(payload[:code_bytes], 256 * bits // 8), scale, levels, bits)
+    values = kernels.run(kernels.unpacked_rows, per_chunk(payload[:code_bytes], 256 * bits // 8), scale, levels, bits)
     assert torch.equal(values.view(-1)[:n], q.decompress(payload, ctx))
 
 
 @pytest.mark.parametrize("two_level", [False, True])
 def test_fused_sign_kernels_match_the_cpu_codec(two_level):
-    """comm/fused.py's 1-bit kernels (compiled on CUDA) give the CPU codec's words and scales bit
+    """comm/compression/kernels.py's 1-bit kernels (compiled on CUDA) give the CPU codec's words and scales bit
     for bit, its residual, and decode to its values."""
-    from phalanx.comm import fused
-    from phalanx.comm.quantize import from_bytes
+    from phalanx.comm.compression import kernels
+    from phalanx.comm.compression.quantize import from_bytes
 
     x = torch.randn(24 * 256, generator=torch.Generator().manual_seed(3))
     x[:256] = x[:256].abs()  # a chunk with no "down" value
@@ -353,7 +357,7 @@ def test_fused_sign_kernels_match_the_cpu_codec(two_level):
     c = SignCompressor(two_level=two_level)
     payload, ctx = c.compress(x)
     rows = x.clone().view(24, 256)
-    words, up, down = fused.run(fused.sign_rows, rows, two_level, True)
+    words, up, down = kernels.run(kernels.sign_rows, rows, two_level, True)
     assert torch.equal(words.view(-1), from_bytes(payload, torch.int32, n // 32))
     scales = from_bytes(payload[n // 8:], torch.float32, 48 if two_level else 24)
     assert torch.equal(torch.cat([up, down]) if two_level else up, scales)
@@ -361,7 +365,7 @@ def test_fused_sign_kernels_match_the_cpu_codec(two_level):
     c.compress_ef(kept)
     torch.testing.assert_close(rows.view(-1), kept, rtol=0, atol=1e-6)
     out = torch.zeros(24, 256)
-    fused.run(fused.sign_decode_into, out, words, (up + down).view(-1, 1), (-down).view(-1, 1), False)
+    kernels.run(kernels.sign_decode_into, out, words, (up + down).view(-1, 1), (-down).view(-1, 1), False)
     torch.testing.assert_close(out.view(-1), c.decompress(payload, ctx), rtol=0, atol=1e-6)
 
 

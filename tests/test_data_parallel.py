@@ -13,7 +13,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.parallel.data import VIEW_MIN_NUMEL, DataParallel
-from phalanx.parallel.data_optimizer import DistributedOptimizer
+from phalanx.parallel.data.optimizer import DistributedOptimizer
 from phalanx.testing import distributed
 
 STEPS = 20
@@ -440,8 +440,8 @@ if __name__ == "__main__":
 def test_engine_plan_and_padded_buckets_keep_the_bucket_interface():
     """ZeRO's fixed plan: padded buckets carry every attribute of a plain Bucket, the plan is
     fixed (re-planning and set_bucket_mb leave it), and a plan must cover each parameter once."""
-    from phalanx.comm.buckets import Bucket
-    from phalanx.parallel.engine import GradientEngine, PaddedBucket, PlannedBuckets
+    from phalanx.comm.buckets import Bucket, PaddedBucket, PlannedBuckets
+    from phalanx.parallel.data.gradients import GradientEngine
     from phalanx.planner.autotune import set_bucket_mb
 
     a, b, c = (nn.Parameter(torch.randn(n)) for n in (5, 3, 4))

@@ -1,7 +1,7 @@
 """Every Horovod dtype through every op, on 1, 2 and 4 real ranks (CPU, gloo).
 
 Horovod takes uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64 and bool;
-gloo lacks int16, which phalanx carries as int32 (phalanx.comm.dtypes). Values are small
+gloo lacks int16, which phalanx carries as int32 (phalanx.comm.horovod_ops.dtypes). Values are small
 integers, exact in every dtype, so each result is compared exactly with a single-process
 reference. One spawned group per world size runs every (op, dtype); each pair is its own test.
 bool takes the ops whose meaning is defined for it (movement; Sum/Max as "any", Min as "all").

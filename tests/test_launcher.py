@@ -108,6 +108,9 @@ def test_demo_trains_and_reports():
     proc = _run(["demo", "--np", "2", "--epochs", "2"], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "speedup" in proc.stdout and "test acc" in proc.stdout
+    # like with like: the same cores a worker in both runs, and it says so (issue 38)
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert f"2 workers against 1, each worker on {threads} core(s) in both runs" in proc.stdout, proc.stdout
     assert "leaked" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -153,3 +153,27 @@ def test_the_layer_table_orders_the_floors():
     assert layer_of("phalanx.launcher.cli") == [n for n, _ in LAYERS].index("launch")
     assert layer_of("phalanx.cli.run") == [n for n, _ in LAYERS].index("fronts")
     assert layer_of("phalanx.somewhere_new") is None       # a new package must be placed by hand
+
+
+def _only_reexports(path: pathlib.Path) -> bool:
+    """A module whose body is a docstring, imports, ``__all__`` and nothing else."""
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    rest = [n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom))
+            and not (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
+    return bool(imports) and not rest
+
+
+# Modules that re-export on purpose: another library's import path, kept so its scripts run with
+# only the import line changed.
+API_PATHS = {"phalanx.horovod.ray": "horovod.ray"}
+
+
+def test_no_module_only_re_exports():
+    """A module that only re-exports another's names is an old home kept for imports: delete it and
+    import the real one (a package's ``__init__`` is its face, and may)."""
+    offenders = sorted(m for m, path in MODULES.items()
+                       if path.name != "__init__.py" and m not in API_PATHS and _only_reexports(path))
+    assert not offenders, f"these modules only re-export; import their real homes and delete them: {offenders}"

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-import phalanx.comm.compressed_paths as compressed_paths
+import phalanx.comm.compression.paths as compressed_paths
 from phalanx.parallel.data import DataParallel
 from phalanx.testing import distributed
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.models import GPT, GPTConfig, gpt_tp_plan
-from phalanx.parallel.mesh import DeviceMesh, MeshError
+from phalanx.parallel.grid import GridError, RankGrid
 from phalanx.testing import distributed
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
@@ -14,7 +14,7 @@ STEPS, BATCH = 10, 8
 
 
 def test_mesh_groups_and_order():
-    mesh = DeviceMesh(dp=2, pp=2, tp=2, world_size=8, rank=5)
+    mesh = RankGrid(dp=2, pp=2, tp=2, world_size=8, rank=5)
     assert mesh.coord == (1, 0, 1)
     assert list(mesh.groups("tp")) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # tp innermost: neighbours
     assert list(mesh.groups("pp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -27,21 +27,21 @@ def test_mesh_groups_and_order():
 def test_parallelize_rejects_bad_data_parallel_choices():
     from phalanx.parallel.parallelize import parallelize
 
-    mesh = DeviceMesh(world_size=1)
+    mesh = RankGrid(world_size=1)
     with pytest.raises(ValueError, match="data_parallel='zero4'"):
         parallelize(_gpt(), mesh, loss_fn=F.cross_entropy, data_parallel="zero4")
     with pytest.raises(ValueError, match="pass optimizer="):
         parallelize(_gpt(), mesh, loss_fn=F.cross_entropy, data_parallel="zero1")
     with pytest.raises(ValueError, match="interleaved schedule"):
-        parallelize(_gpt(), DeviceMesh(dp=2, world_size=2, rank=0), loss_fn=F.cross_entropy,
+        parallelize(_gpt(), RankGrid(dp=2, world_size=2, rank=0), loss_fn=F.cross_entropy,
                     schedule="interleaved_1f1b", data_parallel="zero1", optimizer=torch.optim.SGD)
 
 
 def test_mesh_error_names_every_factor():
-    with pytest.raises(MeshError, match=r"dp=2 × pp=3 × tp=2 = 12, but the world size is 8"):
-        DeviceMesh(dp=2, pp=3, tp=2, world_size=8)
-    with pytest.raises(MeshError, match="tp=0"):
-        DeviceMesh(dp=1, pp=1, tp=0, world_size=1)
+    with pytest.raises(GridError, match=r"dp=2 × pp=3 × tp=2 = 12, but the world size is 8"):
+        RankGrid(dp=2, pp=3, tp=2, world_size=8)
+    with pytest.raises(GridError, match="tp=0"):
+        RankGrid(dp=1, pp=1, tp=0, world_size=1)
 
 
 def _gpt():
@@ -62,7 +62,7 @@ def _combos(combos):
 
     results = {}
     for dp, pp, tp, m, schedule, dp_impl in combos:
-        mesh = DeviceMesh(dp=dp, pp=pp, tp=tp)
+        mesh = RankGrid(dp=dp, pp=pp, tp=tp)
         model = _gpt()
 
         def loss_fn(logits, y, group=mesh.tp_group):

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression.codecs import get_compressor
 from phalanx.ps import protocol
 from phalanx.testing import distributed
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.parallel.engine import GradientEngine
+from phalanx.parallel.data.gradients import GradientEngine
 from phalanx.parallel.zero import zero
 from phalanx.profiler.memory import memory_report
 from phalanx.testing import device_under_test, distributed

@@ -12,7 +12,7 @@ N(0, 1e-3^2) so that the threshold codec's default cut 1e-3 keeps about a third 
 
 * ``copy``: ``dst.copy_(src)`` of the same tensor (reads and writes it once: the memory-bandwidth
   bound). GB/s = gradient bytes / seconds, as for the codecs.
-* every name in ``phalanx.comm.codecs.available_compressors()``, from ``get_compressor(name)`` at
+* every name in ``phalanx.comm.compression.codecs.available_compressors()``, from ``get_compressor(name)`` at
   its registry defaults (lossy ones wrapped in error feedback, as ``DataParallel`` uses them):
   one round trip ``decompress(*compress(g))`` timed after a warm-up, the device synchronised
   before and after ``iters`` calls, ``rounds`` such blocks, the median block (with a ~95% interval
@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import check_device, emit, median_ci, parser, sync, timed  # noqa: E402
 
-from phalanx.comm.codecs import available_compressors, get_compressor  # noqa: E402
+from phalanx.comm.compression.codecs import available_compressors, get_compressor  # noqa: E402
 
 STEP = "codecs"
 GOAL_X = 5.0  # a round trip within 5x of the copy's time

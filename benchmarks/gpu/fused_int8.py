@@ -3,8 +3,8 @@
 Run:  python benchmarks/gpu/fused_int8.py --device cuda --out results.jsonl
       python benchmarks/gpu/fused_int8.py --device cpu     (the dry run: 1 MB, compiled with backend="eager")
 
-comm/fused.py compiles sign's and 4/2-bit's hot loops into one Triton kernel each on CUDA. int8's
-compress is still the eager loop of comm/quantize.py (max, min, scale, round, convert: five
+comm/compression/kernels.py compiles sign's and 4/2-bit's hot loops into one Triton kernel each on CUDA. int8's
+compress is still the eager loop of comm/compression/quantize.py (max, min, scale, round, convert: five
 passes). This script times, in one process on one 100 MB fp32 gradient: a device copy, the
 library's int8 compress, its arithmetic as one function run eagerly, and that function compiled
 with dynamic and with static shapes. On an H100 (2026-11-26): copy 71 us, library 340 us, the
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=None, help="gradient size (default 100; cpu: 1)")
     args = ap.parse_args()
     check_device(args.device)
-    from phalanx.comm.quantize import QuantizeCompressor
+    from phalanx.comm.compression.quantize import QuantizeCompressor
 
     cpu = args.device == "cpu"
     mb = args.mb or (1.0 if cpu else 100.0)

@@ -131,7 +131,7 @@ def main_allreduce(args: argparse.Namespace) -> int:
         raise UsageError(f"--np {args.np} must be at least 1" + (f" and a multiple of --local-size {args.local_size}" if args.local_size else ""))
     if "RANK" in os.environ:  # under phalanx run / torchrun: this process is one rank
         from phalanx import runtime
-        from phalanx.launcher.join import join
+        from phalanx.launcher.startup import join
 
         join()
         rows, n, hosts, backend = _measure(sizes, algorithms, args.repeats, args.dtype)

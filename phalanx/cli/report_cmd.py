@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
                 "scaling of a fixed amount of work (strong scaling) only if the script splits its work "
                 "over the workers")
     else:
-        from phalanx.cli.demo import measure
+        from phalanx.demo import measure
 
         rows = [report.ScalingRow(*row) for row in measure(workers, epochs=args.epochs, timeout=args.timeout)]
         unit, note = "samples/s", f"digits MLP demo, {args.epochs} epochs, global batch 128"

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import elastic as _elastic
-from phalanx.comm.horovod_ops import HorovodInternalError
+from phalanx.comm.horovod_ops.ops import HorovodInternalError
 from phalanx.elastic import HostsUpdatedInterrupt, inprocess, restart_count
 
 __all__ = ["run", "TorchState", "ObjectState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError",

@@ -1,8 +1,8 @@
 """``import phalanx.horovod.torch as hvd``: Horovod's ``horovod.torch`` API on phalanx.
 
-Translation only: each call maps Horovod's arguments onto :mod:`phalanx.comm.horovod_ops`
-(names, join, dtypes, Adasum), :mod:`phalanx.comm.autograd` (differentiable forms),
-:mod:`phalanx.comm.process_sets` and :mod:`phalanx.horovod.training` (optimizer, state
+Translation only: each call maps Horovod's arguments onto :mod:`phalanx.comm.horovod_ops.ops`
+(names, join, dtypes, Adasum), :mod:`phalanx.comm.horovod_ops.autograd` (differentiable forms),
+:mod:`phalanx.comm.horovod_ops.process_sets` and :mod:`phalanx.horovod.training` (optimizer, state
 broadcasts, join, timeline). ``import phalanx.horovod as hvd`` is the same API. Differences
 from Horovod 0.28.1 are listed in docs/horovod.md.
 
@@ -20,12 +20,12 @@ import torch
 
 import phalanx.horovod.elastic as elastic
 from phalanx import runtime
-from phalanx.comm import autograd as ag
 from phalanx.comm import collectives as c
-from phalanx.comm import horovod_ops as ops
-from phalanx.comm.compression import CastCompressor, NoneCompressor
-from phalanx.comm.horovod_ops import HorovodInternalError, poll, synchronize
-from phalanx.comm.process_sets import (
+from phalanx.comm.compression.codecs import CastCompressor, NoneCompressor
+from phalanx.comm.horovod_ops import autograd as ag
+from phalanx.comm.horovod_ops import ops as ops
+from phalanx.comm.horovod_ops.ops import HorovodInternalError, poll, synchronize
+from phalanx.comm.horovod_ops.process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
@@ -40,7 +40,7 @@ from phalanx.horovod.training import (
     start_timeline,
     stop_timeline,
 )
-from phalanx.launcher.join import join as join_job
+from phalanx.launcher.startup import join as join_job
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",

@@ -1,7 +1,7 @@
 """The training half of the Horovod facade: optimizer, state broadcasts, join, timeline, SyncBatchNorm.
 
 Each function maps Horovod's arguments onto phalanx's data-parallel optimizer
-(:mod:`phalanx.parallel.data_optimizer`), :mod:`phalanx.comm.horovod_ops` and the profiler.
+(:mod:`phalanx.parallel.data.optimizer`), :mod:`phalanx.comm.horovod_ops.ops` and the profiler.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
-from phalanx.comm import horovod_ops as ops
-from phalanx.comm.process_sets import global_process_set, group_of
-from phalanx.parallel import data_optimizer as dp
-from phalanx.parallel.data.adasum import AdasumOptimizer
+from phalanx.comm.broadcast import broadcast_optimizer_state as broadcast_state_of
+from phalanx.comm.broadcast import broadcast_parameters as broadcast_params
+from phalanx.comm.horovod_ops import ops as ops
+from phalanx.comm.horovod_ops.process_sets import global_process_set, group_of
+from phalanx.parallel.data.adasum_optimizer import AdasumOptimizer
+from phalanx.parallel.data.optimizer import DistributedOptimizer as PlainDistributedOptimizer
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 
 __all__ = [
@@ -39,7 +41,7 @@ _SYNC_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchronize()
                    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
-class HorovodOptimizer(dp.DistributedOptimizer):
+class HorovodOptimizer(PlainDistributedOptimizer):
     """phalanx's ``DistributedOptimizer`` plus Horovod's warning when ``step()`` follows an explicit
     ``synchronize()`` outside ``skip_synchronize()`` (the gradients would be waited for twice)."""
 
@@ -115,14 +117,14 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
             raise ValueError("broadcast_parameters takes a state_dict, model.named_parameters() or "
                              f"model.parameters(); got items of type {type(params[0]).__name__}")
         params = [p if isinstance(p, tuple) else (f"param.{i:06d}", p) for i, p in enumerate(params)]
-    dp.broadcast_parameters(params, root_rank=root_rank, group=group_of(process_set or global_process_set))
+    broadcast_params(params, root_rank=root_rank, group=group_of(process_set or global_process_set))
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_set=global_process_set) -> None:
     """Copy optimizer state (also when still empty, or when some parameters have no gradient yet)
     from ``root_rank`` to every rank of the process set."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    dp.broadcast_optimizer_state(inner, root_rank=root_rank, group=group_of(process_set or global_process_set))
+    broadcast_state_of(inner, root_rank=root_rank, group=group_of(process_set or global_process_set))
 
 
 def join(device: int = -1) -> int:

@@ -26,12 +26,12 @@ import torch
 
 import phalanx.runtime as runtime
 from phalanx.comm import collectives
-from phalanx.comm.compression import CastCompressor, NoneCompressor, get_compressor
+from phalanx.comm.compression.codecs import CastCompressor, NoneCompressor, get_compressor
 from phalanx.keras import callbacks
 from phalanx.keras.optimizer import DistributedOptimizer
 from phalanx.keras.tensors import from_torch, kind, over_torch, to_torch
 from phalanx.keras.variables import broadcast_variables
-from phalanx.launcher.join import join as join_job
+from phalanx.launcher.startup import join as join_job
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",

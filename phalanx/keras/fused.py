@@ -15,7 +15,7 @@ is used its buckets go through the cross-rank mismatch check (a blocking 16-byte
 trip per bucket); after that the plan's collectives skip it, as DataParallel's steady
 state does: the ranks were shown to agree on exactly these buckets.
 
-Compressors are phalanx's (``phalanx.comm.compression``): summable ones (none,
+Compressors are phalanx's (``phalanx.comm.compression.codecs``): summable ones (none,
 fp16, bf16) go through one allreduce of the payload; the others take
 ``allreduce_compressed``'s allgather / two-phase paths with error feedback keyed
 by bucket.
@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from phalanx.comm import collectives
 from phalanx.comm.buckets import pack
-from phalanx.comm.compressed import allreduce_compressed
-from phalanx.comm.compression import NoneCompressor, get_compressor
+from phalanx.comm.compression.allreduce import allreduce_compressed
+from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
 
 __all__ = ["allreduce_list", "DEFAULT_BUCKET_MB"]
 

@@ -42,10 +42,10 @@ from keras import ops
 
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
-from phalanx.comm.compression import NoneCompressor, get_compressor
+from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
-from phalanx.keras.overlap import BackwardOverlap
 from phalanx.keras.tensors import over_torch
+from phalanx.keras.torch_backward import BackwardOverlap
 
 __all__ = ["DistributedOptimizer", "reduce_gradients"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 import phalanx.runtime as runtime
+from phalanx.comm.broadcast import broadcast_parameters
 from phalanx.keras.tensors import kind, to_torch
-from phalanx.parallel.data_optimizer import broadcast_parameters
 
 __all__ = ["broadcast_variables"]
 

@@ -110,7 +110,7 @@ def _rank_main(fn, rank, size, local_size, port, args, kwargs, conn, stack_path,
 
     torch.set_num_threads(threads)
     from phalanx import runtime
-    from phalanx.launcher.join import join
+    from phalanx.launcher.startup import join
 
     try:
         if init:

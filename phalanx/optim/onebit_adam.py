@@ -50,9 +50,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.codec_types import Stateful
-from phalanx.comm.codecs import get_compressor
-from phalanx.comm.compressed_allreduce import allreduce_compressed
+from phalanx.comm.compression.abilities import Stateful
+from phalanx.comm.compression.allreduce import allreduce_compressed
+from phalanx.comm.compression.codecs import get_compressor
 
 __all__ = ["OneBitAdam"]
 

@@ -27,14 +27,14 @@ Data flow of one step on rank (d, s, t)::
 
 Example::
 
-    mesh = DeviceMesh(dp=1, pp=2, tp=2)
+    mesh = RankGrid(dp=1, pp=2, tp=2)
     pm = parallelize(GPT(cfg), mesh, tp_plan=gpt_tp_plan(model), num_microbatches=4,
                      loss_fn=lambda out, y: vocab_parallel_cross_entropy(out, y, mesh.tp_group))
     opt = torch.optim.AdamW(pm.parameters())
     loss = pm.step(x, y); opt.step(); opt.zero_grad()
 
     # 3D with ZeRO-1 on the data-parallel axis (here dp=2, pp=2 on 4 ranks):
-    pm = parallelize(GPT(cfg), DeviceMesh(dp=2, pp=2), loss_fn=F.cross_entropy, num_microbatches=4,
+    pm = parallelize(GPT(cfg), RankGrid(dp=2, pp=2), loss_fn=F.cross_entropy, num_microbatches=4,
                      data_parallel="zero1", optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
     loss = pm.step(x, y); pm.optimizer.step(); pm.optimizer.zero_grad()
 """
@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce, broadcast, broadcast_object
-from phalanx.parallel.mesh import DeviceMesh
+from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.pipeline import PipelineStage, Schedule, get_schedule, partition
 from phalanx.parallel.tensor import apply_tensor_parallel
 
@@ -68,7 +68,7 @@ class ParallelModel(nn.Module):
     (a ``ZeroOptimizer`` under ZeRO), else ``None``.
     """
 
-    def __init__(self, module: nn.Module, stage: PipelineStage, mesh: DeviceMesh, num_microbatches: int, schedule,
+    def __init__(self, module: nn.Module, stage: PipelineStage, mesh: RankGrid, num_microbatches: int, schedule,
                  bounds: tuple[int, ...]) -> None:
         super().__init__()
         self.module = module  # this rank's blocks, unwrapped, named as in the full model
@@ -97,7 +97,7 @@ class ParallelModel(nn.Module):
 
 def parallelize(
     model: nn.Sequential,
-    mesh: DeviceMesh,
+    mesh: RankGrid,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     tp_plan: dict[str, str] | None = None,

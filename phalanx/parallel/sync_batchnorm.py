@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.comm.process_sets import group_of
+from phalanx.comm.horovod_ops.process_sets import group_of
 
 __all__ = ["SyncBatchNorm"]
 
@@ -80,7 +80,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm whose training statistics span every rank of ``group`` (default: the world).
 
-    ``process_set=`` (a :class:`phalanx.comm.process_sets.ProcessSet`, Horovod's spelling) is
+    ``process_set=`` (a :class:`phalanx.comm.horovod_ops.process_sets.ProcessSet`, Horovod's spelling) is
     accepted instead of ``group``; only its members may run the module.
     """
 

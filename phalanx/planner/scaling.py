@@ -44,7 +44,7 @@ __all__ = ["Job", "ScalePrediction", "predict", "search", "explain", "allreduce_
 
 COMPRESSIONS = ("none", "fp16", "int8", "powersgd")
 INT8_RATIO = (1 + 4 / 256) / 4
-"""int8 codes + one fp32 scale per 256 values, against fp32 (phalanx.comm.quantize)"""
+"""int8 codes + one fp32 scale per 256 values, against fp32 (phalanx.comm.compression.quantize)"""
 INT8_CODEC_PASSES = 4
 """HBM passes over the fp32 gradient: compress, re-compress the summed chunk, two decodes"""
 POWERSGD_RANK = 4

@@ -1,6 +1,6 @@
 """Scaling report: throughput at 1..N workers, speedup, efficiency, Amdahl's P, as HTML + PNG.
 
-``phalanx report`` runs the bundled digits demo (:func:`phalanx.cli.demo.measure`) or
+``phalanx report`` runs the bundled digits demo (:func:`phalanx.demo.measure`) or
 your script under ``phalanx run`` (:func:`measure_script`) at each worker count, then
 fits Amdahl's law ``S(N) = 1 / ((1-P) + P/N)`` to the measured speedups and plots both. It also draws a timeline as a Gantt chart
 (:func:`render_timeline`), the picture a docs page can show without a browser.

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression.codecs import get_compressor
 
 __all__ = ["LocalSGD", "DiLoCo", "LocalSGDStats"]
 

@@ -45,7 +45,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.error_feedback import ErrorFeedback
+from phalanx.comm.compression.error_feedback import ErrorFeedback
 
 __all__ = [
     "Op",

@@ -40,8 +40,8 @@ import time
 import torch
 from torch import nn
 
-from phalanx.comm.compression import get_compressor
-from phalanx.comm.error_feedback import ErrorFeedback
+from phalanx.comm.compression.codecs import get_compressor
+from phalanx.comm.compression.error_feedback import ErrorFeedback
 from phalanx.log import get_logger
 from phalanx.ps.protocol import (
     MetaCache,

@@ -41,7 +41,7 @@ import time
 import torch
 from torch import nn
 
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression.codecs import get_compressor
 from phalanx.ps.protocol import MetaCache, Op, PSError, recv_frame, send_frame, wait_work
 from phalanx.ps.server import MODES, ParameterServer, shard_parameters
 from phalanx.runtime.jobkey import job_key

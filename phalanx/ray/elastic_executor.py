@@ -1,5 +1,5 @@
 """horovod.ray's ``ElasticRayExecutor``: an elastic :class:`~phalanx.ray.RayExecutor` configured the
-way horovod.ray configures it (bounds in the settings; see :mod:`phalanx.ray.elastic` and docs/ray.md).
+way horovod.ray configures it (bounds in the settings; see :mod:`phalanx.ray.elastic_job` and docs/ray.md).
 
 Example::
 

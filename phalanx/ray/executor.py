@@ -46,7 +46,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.spawn import RankError
 from phalanx.log import get_logger
-from phalanx.ray.elastic import ElasticJob
+from phalanx.ray.elastic_job import ElasticJob
 from phalanx.ray.placement import (
     STRATEGIES,
     WorkerSpec,

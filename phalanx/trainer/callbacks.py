@@ -56,7 +56,7 @@ class BroadcastInitialState(Callback):
         self.root_rank = root_rank
 
     def on_train_begin(self, trainer) -> None:
-        from phalanx.parallel.data_optimizer import broadcast_optimizer_state, broadcast_parameters
+        from phalanx.comm.broadcast import broadcast_optimizer_state, broadcast_parameters
 
         broadcast_parameters(trainer.model.module.state_dict(), root_rank=self.root_rank)
         broadcast_optimizer_state(trainer.optimizer, root_rank=self.root_rank)

@@ -36,7 +36,7 @@ from phalanx.log import get_logger
 from phalanx.parallel.data.config import resolve_topology
 from phalanx.parallel.data.gradients import GradientEngine
 from phalanx.parallel.data.hooks import resolve_balance
-from phalanx.parallel.data.overlap import OptimizerOverlap
+from phalanx.parallel.data.optimizer_overlap import OptimizerOverlap
 
 __all__ = ["DataParallel"]
 
@@ -71,7 +71,7 @@ class DataParallel(nn.Module):
 
     ``overlap_optimizer=opt`` (SGD, Adam, AdamW) steps ``opt`` on each piece of the averaged
     gradient as soon as it is final, while the rest is still on the wire
-    (:mod:`phalanx.parallel.data.overlap`); keep calling ``opt.step()``, which then steps only
+    (:mod:`phalanx.parallel.data.optimizer_overlap`); keep calling ``opt.step()``, which then steps only
     what was not stepped yet. Not with gradient clipping or ``GradScaler``: the update
     runs before the whole gradient is known.
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.codec_types import Resettable
-from phalanx.comm.codecs import CastCompressor, NoneCompressor
 from phalanx.comm.collectives import Handle, ReduceOp, allgather, allreduce
+from phalanx.comm.compression.abilities import Resettable
+from phalanx.comm.compression.codecs import CastCompressor, NoneCompressor
 from phalanx.log import get_logger
 
 __all__ = ["FollowUp", "SparseGather", "UsedCounts", "FiniteFlag", "FiniteGuard", "launch_sparse"]

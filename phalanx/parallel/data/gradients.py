@@ -35,10 +35,10 @@ from torch import nn
 from phalanx import trace
 from phalanx.comm.broadcast import root_of
 from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
-from phalanx.comm.codec_types import Resettable, Stateful
-from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
-from phalanx.comm.compressed_paths import ring_bytes
+from phalanx.comm.compression.abilities import Resettable, Stateful
+from phalanx.comm.compression.codecs import get_compressor
+from phalanx.comm.compression.paths import ring_bytes
 from phalanx.log import get_logger
 from phalanx.parallel.data.config import (
     check_engine_args,
@@ -189,7 +189,7 @@ class GradientEngine(JoinedSteps):
         # Called with the seconds since the previous synchronised step ended, once per step,
         # after the gradients are in place and nothing is in flight (settings may change here).
         self.step_hooks: list[Callable[[float], None]] = []
-        # phalanx.parallel.data.overlap.OptimizerOverlap: steps the optimizer on each piece of the
+        # phalanx.parallel.data.optimizer_overlap.OptimizerOverlap: steps the optimizer on each piece of the
         # averaged gradient as it is final (DataParallel(overlap_optimizer=...)).
         self.overlap = None
         self.backward_start: float | None = None  # set by DataParallel's traced forward

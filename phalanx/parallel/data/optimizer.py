@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx import trace
-from phalanx.comm import negotiate
 from phalanx.comm.collectives import Average, ReduceOp
+from phalanx.comm.horovod_ops import negotiate
 from phalanx.parallel.data.config import resolve_topology
 from phalanx.parallel.data.delegation import WrapsOptimizer
 from phalanx.parallel.data.gradients import GradientEngine
@@ -164,7 +164,7 @@ class DistributedOptimizer(WrapsOptimizer):
     def _announce(self) -> None:
         # First gradient of a pass that communicates: one small MAX tells ranks that already
         # joined that one more step is coming, before this step's first bucket is launched (the
-        # same probe the Horovod facade's collectives start with: phalanx.comm.negotiate).
+        # same probe the Horovod facade's collectives start with: phalanx.comm.horovod_ops.negotiate).
         if self._join_flag is None:
             flag = negotiate.step_probe(self._flag_device)
             self._join_flag = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

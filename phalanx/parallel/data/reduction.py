@@ -32,8 +32,8 @@ import torch.distributed as dist
 from phalanx import trace
 from phalanx.comm.buckets import Bucket
 from phalanx.comm.collectives import Handle, ReduceOp, allreduce
-from phalanx.comm.compressed_allreduce import allreduce_compressed
-from phalanx.comm.compressed_paths import wire
+from phalanx.comm.compression.allreduce import allreduce_compressed
+from phalanx.comm.compression.paths import wire
 from phalanx.parallel.data.config import VIEW_MIN_NUMEL
 from phalanx.runtime.heartbeat import RECORD
 
@@ -108,7 +108,7 @@ class AllReduceReduction(BucketReduction):
     """The default: allreduce every bucket (compressed, flat or ring/hierarchical) into ``p.grad``.
 
     A summable compressor (none, fp16, bf16) casts the bucket and allreduces the payload; a
-    lossy one goes through :func:`~phalanx.comm.compressed_allreduce.allreduce_compressed`
+    lossy one goes through :func:`~phalanx.comm.compression.allreduce.allreduce_compressed`
     straight from the gradients, decoding into the bucket. With ``engine.overlap`` (an
     ``OptimizerOverlap``) each piece of the average is stepped as soon as it is final.
     """

@@ -78,7 +78,7 @@ class PipelineStage:
     every rank of the world must call in the same order: every stage's first
     step); a pipeline on part of the world shares ``group`` then (a group made
     by only some ranks can hang, see :meth:`_make_grad_group`); a process
-    group uses that one (``DeviceMesh`` makes one per pipeline on every rank,
+    group uses that one (``RankGrid`` makes one per pipeline on every rank,
     ``pp_grad_group``); pass ``group`` itself to share one.
     Why two: on gloo, one connection per pair of ranks carries both directions,
     and when two neighbours send to each other at the same moment (in 1F1B's
@@ -210,7 +210,7 @@ class PipelineStage:
             members = sorted(set(self.ranks))
             if len(members) != dist.get_world_size():
                 _log.info("pipeline on ranks %s (part of the world): gradients share the activations' group; "
-                          "pass grad_group= a group every rank made (DeviceMesh.pp_grad_group) for one of "
+                          "pass grad_group= a group every rank made (RankGrid.pp_grad_group) for one of "
                           "their own", members)
                 return
             grad_group = dist.new_group(members)

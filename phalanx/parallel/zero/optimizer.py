@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from phalanx import runtime
-from phalanx.comm.compression import get_compressor
+from phalanx.comm.compression.codecs import get_compressor
 from phalanx.log import get_logger
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks

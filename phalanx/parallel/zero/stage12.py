@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2: full parameters on every rank, sharded optimizer state (and gradients).
 
-Gradients go through the data-parallel :class:`~phalanx.parallel.engine.GradientEngine`
+Gradients go through the data-parallel :class:`~phalanx.parallel.data.gradients.GradientEngine`
 (its hooks, buckets launched strictly in one order, end-of-backward callback,
 ``backward_passes_per_step`` accumulation); ZeRO plugs in its per-bucket reduction,
 :class:`ShardReduction`: a reduce-scatter into the owner's gradient shard instead of an
@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.collectives import reduce_scatter_flat
-from phalanx.comm.compression import NoneCompressor
-from phalanx.parallel.engine import BucketReduction, GradientEngine
+from phalanx.comm.compression.codecs import NoneCompressor
+from phalanx.parallel.data.gradients import GradientEngine
+from phalanx.parallel.data.reduction import BucketReduction
 from phalanx.parallel.zero.shard import Unit, gather_into, reduces_in_place
 
 __all__ = ["ShardReduction", "shard_engine", "Stage12"]

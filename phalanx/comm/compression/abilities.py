@@ -18,7 +18,7 @@ class; the data-only :class:`ChunkedCodec` is inherited explicitly)::
 
 Example::
 
-    from phalanx.comm.codec_types import FusedDecode, codec_of
+    from phalanx.comm.compression.abilities import FusedDecode, codec_of
     feedback, codec = codec_of(get_compressor("int8"))    # ErrorFeedback, QuantizeCompressor
     isinstance(codec, FusedDecode)                        # True: decoded straight into the sum
 """

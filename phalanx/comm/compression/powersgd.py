@@ -17,8 +17,8 @@ its own shape. Use through ``allreduce_compressed`` (it calls :meth:`reduce`).
 
 Example::
 
-    from phalanx.comm.codecs import get_compressor
-    from phalanx.comm.compressed_allreduce import allreduce_compressed
+    from phalanx.comm.compression.codecs import get_compressor
+    from phalanx.comm.compression.allreduce import allreduce_compressed
     c = get_compressor("powersgd", rank=4)
     avg = allreduce_compressed(grad_flat, c, name="bucket0")
 """
@@ -31,8 +31,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.codec_types import CollectiveCodec, FixedSizePayload, Resettable, Stateful, Warmup
-from phalanx.comm.error_feedback import ResidualMemory
+from phalanx.comm.compression.abilities import (
+    CollectiveCodec,
+    FixedSizePayload,
+    Resettable,
+    Stateful,
+    Warmup,
+)
+from phalanx.comm.compression.error_feedback import ResidualMemory
 
 __all__ = ["PowerSGDCompressor"]
 

@@ -21,7 +21,7 @@ scale); a smaller chunk follows the gradient's scale more closely.
 
 Example::
 
-    from phalanx.comm.onebit import SignCompressor
+    from phalanx.comm.compression.onebit import SignCompressor
     c = SignCompressor(two_level=False)
     payload, ctx = c.compress(torch.tensor([0.5, -2.0, 1.5]))
     c.decompress(payload, ctx)         # tensor([ 1.3333, -1.3333,  1.3333])
@@ -36,9 +36,20 @@ import sys
 
 import torch
 
-from phalanx.comm import fused
-from phalanx.comm.codec_types import ChunkedCodec, FixedSizePayload, FusedDecode, FusedResidual
-from phalanx.comm.quantize import from_bytes, pack_bits, per_chunk, to_bytes, unpack_bits
+from phalanx.comm.compression import kernels
+from phalanx.comm.compression.abilities import (
+    ChunkedCodec,
+    FixedSizePayload,
+    FusedDecode,
+    FusedResidual,
+)
+from phalanx.comm.compression.quantize import (
+    from_bytes,
+    pack_bits,
+    per_chunk,
+    to_bytes,
+    unpack_bits,
+)
 
 __all__ = ["SignCompressor"]
 
@@ -109,8 +120,8 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
             r0 = start // chunk
             nrows = rows.shape[0]
             if words and x.device.type == "cuda" and stop - start == rows.numel():
-                # whole chunks on a GPU: one compiled kernel (comm/fused.py)
-                packed, up, down = fused.run(fused.sign_rows, rows, self.two_level, residual)
+                # whole chunks on a GPU: one compiled kernel (comm/compression/kernels.py)
+                packed, up, down = kernels.run(kernels.sign_rows, rows, self.two_level, residual)
                 payload[start // 8 : stop // 8].view(torch.int32).copy_(packed.view(-1))
                 up_all[r0 : r0 + nrows] = up
                 if self.two_level:
@@ -166,9 +177,9 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         low = (down * -alpha).view(-1, 1)  # what a cleared bit decodes to
         full = n // chunk
         words = chunk % 32 == 0 and sys.byteorder == "little"
-        if full and words and payload.device.type == "cuda":  # one compiled kernel (comm/fused.py)
+        if full and words and payload.device.type == "cuda":  # one compiled kernel (comm/compression/kernels.py)
             w = from_bytes(payload, torch.int32, full * chunk // 32).view(full, chunk // 32)
-            fused.run(fused.sign_decode_into, out[: full * chunk].view(full, chunk), w, span[:full],
+            kernels.run(kernels.sign_decode_into, out[: full * chunk].view(full, chunk), w, span[:full],
                       low[:full], add)
             rest = full * chunk
         elif full and words:

@@ -8,7 +8,7 @@ both call :func:`join`.
 
 Example::
 
-    from phalanx.launcher.join import join
+    from phalanx.launcher.startup import join
     topo = join()          # same as phalanx.init()
 """
 

@@ -12,7 +12,7 @@ int8 is 3.9x smaller than fp32, int4 7.5x, 2-bit 14x (chunk 256). Rounding is to
 nearest (error <= scale/2 per value) or, with ``stochastic=True``, up or down at
 random with the probability that makes it unbiased (``E[decompress] == x``).
 Payloads of different ranks have different scales, so they are not summable:
-``phalanx.comm.compressed_allreduce.allreduce_compressed`` reduces them.
+``phalanx.comm.compression.allreduce.allreduce_compressed`` reduces them.
 
 int8 also has the two fused forms ``allreduce_compressed`` uses: ``compress_ef(x)``
 compresses ``x`` and leaves in it, in place, what compression dropped (the error
@@ -22,7 +22,7 @@ chunk-row with no full-size temporaries besides one fp32 scratch buffer that is 
 
 Example::
 
-    from phalanx.comm.quantize import QuantizeCompressor
+    from phalanx.comm.compression.quantize import QuantizeCompressor
     q = QuantizeCompressor(bits=8)
     payload, ctx = q.compress(torch.randn(1000))   # payload: uint8 tensor, 1016 bytes
     x = q.decompress(payload, ctx)
@@ -34,8 +34,13 @@ import math
 
 import torch
 
-from phalanx.comm import fused
-from phalanx.comm.codec_types import ChunkedCodec, FixedSizePayload, FusedDecode, FusedResidual
+from phalanx.comm.compression import kernels
+from phalanx.comm.compression.abilities import (
+    ChunkedCodec,
+    FixedSizePayload,
+    FusedDecode,
+    FusedResidual,
+)
 
 __all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "per_chunk", "to_bytes", "from_bytes"]
 
@@ -124,8 +129,8 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         flat = tensor.detach().reshape(-1).float()
         n = flat.numel()
         x = per_chunk(flat, self.chunk)
-        if self._fused(x):  # one kernel for scale, round and pack (comm/fused.py)
-            packed, amax = fused.run(fused.packed_rows, x, self.levels, self.bits, n)
+        if self._fused(x):  # one kernel for scale, round and pack (comm/compression/kernels.py)
+            packed, amax = kernels.run(kernels.packed_rows, x, self.levels, self.bits, n)
             code_bytes = math.ceil(n * self.bits / 8)
             payload = torch.cat([packed.reshape(-1)[:code_bytes], to_bytes((amax / self.levels).reshape(-1))])
             return payload, (n, tensor.dtype, tuple(tensor.shape))
@@ -153,7 +158,7 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             row_bytes = self.chunk * self.bits // 8
             packed = per_chunk(payload[:code_bytes], row_bytes)
             scale = from_bytes(payload[code_bytes:], torch.float32, chunks).view(-1, 1)
-            out = fused.run(fused.unpacked_rows, *fused.unpack_inputs(packed, scale), self.levels, self.bits)
+            out = kernels.run(kernels.unpacked_rows, *kernels.unpack_inputs(packed, scale), self.levels, self.bits)
             return out.view(-1)[:n].to(dtype).reshape(shape)
         values = per_chunk(unpack_bits(payload[:code_bytes], self.bits, n), self.chunk).float()
         scale = from_bytes(payload[code_bytes:], torch.float32, chunks)

@@ -16,7 +16,7 @@ pairs, or two-phase).
 
 Example::
 
-    from phalanx.comm.sparsify import TopKCompressor
+    from phalanx.comm.compression.sparsify import TopKCompressor
     c = TopKCompressor(ratio=0.01)
     payload, ctx = c.compress(grad)
     sparse_grad = c.decompress(payload, ctx)     # dense, zeros except the top 1%
@@ -28,8 +28,8 @@ import math
 
 import torch
 
-from phalanx.comm.codec_types import FixedSizePayload, FusedDecode, FusedResidual
-from phalanx.comm.quantize import from_bytes, to_bytes
+from phalanx.comm.compression.abilities import FixedSizePayload, FusedDecode, FusedResidual
+from phalanx.comm.compression.quantize import from_bytes, to_bytes
 
 __all__ = ["TopKCompressor", "ThresholdCompressor", "top_indices"]
 

@@ -8,7 +8,7 @@ pieces (and later buckets) are still on the wire. This is what torch DDP's
 overlapped optimizer (``_apply_optimizer_in_backward``, per bucket) and ZeRO's
 per-partition steps do (Rajbhandari et al. 2020, "ZeRO"); here the unit is the
 piece that the compressed collectives already decode one at a time
-(``phalanx.comm.compressed_paths.PIECE_NUMEL``), or the whole bucket on the other paths::
+(``phalanx.comm.compression.paths.PIECE_NUMEL``), or the whole bucket on the other paths::
 
     wire      ──[piece 0]──[piece 1]──[piece 2]──[piece 3]──
     decode               [d0]      [d1]      [d2]      [d3]

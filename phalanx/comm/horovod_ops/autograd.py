@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm import collectives as c
-from phalanx.comm import horovod_ops as ops
+from phalanx.comm.horovod_ops import ops as ops
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "reducescatter", "grouped_reducescatter"]

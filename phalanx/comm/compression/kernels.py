@@ -14,8 +14,8 @@ processes read TorchInductor's on-disk cache).
 
 Example::
 
-    from phalanx.comm import fused
-    packed, amax = fused.run(fused.packed_rows, rows, 7, 4, rows.numel())   # compiled on CUDA
+    from phalanx.comm.compression import kernels
+    packed, amax = kernels.run(kernels.packed_rows, rows, 7, 4, rows.numel())   # compiled on CUDA
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def sign_rows(rows: torch.Tensor, two_level: bool, residual: bool):
 
     Bit i of a chunk is 1 where x_i's sign bit is clear ("up"), packed 32 to an int32 word, low
     bit first; ``up`` / ``down`` are the chunk's two magnitudes (one, the mean |x|, without
-    ``two_level``), as :class:`phalanx.comm.onebit.SignCompressor` computes them. With
+    ``two_level``), as :class:`phalanx.comm.compression.onebit.SignCompressor` computes them. With
     ``residual``, ``rows`` becomes ``x + down - bit * (up + down)`` in place.
     """
     chunk = rows.shape[1]

@@ -1,15 +1,15 @@
 """Horovod's collective semantics on phalanx's collectives (what ``phalanx.horovod`` delegates to).
 
-Each function takes a :class:`~phalanx.comm.process_sets.ProcessSet` and an optional
+Each function takes a :class:`~phalanx.comm.horovod_ops.process_sets.ProcessSet` and an optional
 ``name`` and returns a handle; on top of :mod:`phalanx.comm.collectives` it adds:
 
 - names: a second collective with the name of one not yet synchronized raises ``ValueError``
   on the rank that issues it, before anything is sent (Horovod's duplicate-name error);
 - join: on the global set, a rank inside :func:`join` answers every collective the others
-  still issue with zeros of the described shape (:mod:`phalanx.comm.negotiate`);
-- dtypes the backend lacks travel cast (:mod:`phalanx.comm.dtypes`); in-place forms work on
+  still issue with zeros of the described shape (:mod:`phalanx.comm.horovod_ops.negotiate`);
+- dtypes the backend lacks travel cast (:mod:`phalanx.comm.horovod_ops.dtypes`); in-place forms work on
   non-contiguous tensors (through a contiguous copy);
-- Adasum (``op=ADASUM``) on any backend: Horovod's vector-halving tree (:mod:`phalanx.comm.adasum`).
+- Adasum (``op=ADASUM``) on any backend: Horovod's vector-halving tree (:mod:`phalanx.comm.horovod_ops.adasum`).
 
 ``synchronize``/``poll`` take every handle returned here.
 """
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import adasum, negotiate
 from phalanx.comm import collectives as c
-from phalanx.comm.dtypes import FusedHandle, fuse, to_wire
-from phalanx.comm.process_sets import ProcessSet, global_process_set, group_of
+from phalanx.comm.horovod_ops import adasum, negotiate
+from phalanx.comm.horovod_ops.dtypes import FusedHandle, fuse, to_wire
+from phalanx.comm.horovod_ops.process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = [
     "ADASUM", "HorovodInternalError", "CompositeHandle", "allreduce_async", "grouped_allreduce_async",
@@ -257,7 +257,7 @@ adasum_combine = adasum.combine
 
 
 def _adasum(tensor, pre, post, group, check, inplace, name=None, counts=None):
-    """Adasum over the group (:mod:`phalanx.comm.adasum`: Horovod's vector-halving tree, power-of-two
+    """Adasum over the group (:mod:`phalanx.comm.horovod_ops.adasum`: Horovod's vector-halving tree, power-of-two
     worlds). Floating point only; ``counts`` splits a fused tensor into tensors with coefficients
     of their own. Runs at once; the handle is already complete."""
     if not tensor.is_floating_point():

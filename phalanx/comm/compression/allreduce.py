@@ -35,13 +35,13 @@ bandwidth-optimal algorithms (ring allreduce: ``2(n-1)/n`` of the payload,
 allgather: ``(n-1)`` times its own payload, alltoall: the chunks for the others),
 next to ``dense_bytes``, what an fp32 ring allreduce of the same tensors would send.
 
-The paths themselves, and :data:`wire`, are in :mod:`phalanx.comm.compressed_paths`;
+The paths themselves, and :data:`wire`, are in :mod:`phalanx.comm.compression.paths`;
 this module picks one (:func:`choose_path`) and hands the input over in the form it reads.
 
 Example::
 
-    from phalanx.comm.codecs import get_compressor
-    from phalanx.comm.compressed_allreduce import allreduce_compressed, wire
+    from phalanx.comm.compression.codecs import get_compressor
+    from phalanx.comm.compression.allreduce import allreduce_compressed, wire
     c = get_compressor("topk", ratio=0.01)
     wire.reset()
     avg = allreduce_compressed(grad_flat, c, name="bucket0")
@@ -55,10 +55,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.codec_types import CollectiveCodec, Warmup, codec_of
-from phalanx.comm.codecs import get_compressor
 from phalanx.comm.collectives import Handle
-from phalanx.comm.compressed_paths import (
+from phalanx.comm.compression.abilities import CollectiveCodec, Warmup, codec_of
+from phalanx.comm.compression.codecs import get_compressor
+from phalanx.comm.compression.paths import (
     PIECE_NUMEL,
     WireCounter,
     allgather_path,
@@ -110,7 +110,7 @@ def allreduce_compressed(
     ``shapes``: when ``tensor`` is a flat bucket of several parameters, their shapes in
     order; a ``CollectiveCodec`` (PowerSGD) then treats each as its own matrix.
 
-    ``compressor`` is a name or a Compressor (see ``phalanx.comm.codecs``);
+    ``compressor`` is a name or a Compressor (see ``phalanx.comm.compression.codecs``);
     ``name`` keys per-tensor state (residuals, PowerSGD's Q, warm-up counts) and must
     be the same on every rank. ``algorithm``: ``"auto"``, ``"allgather"`` or
     ``"two_phase"`` (non-summable compressors only).

@@ -16,10 +16,12 @@ For world = 8, dp = pp = tp = 2::
                                         dp groups:  across d  [0,4] [1,5] [2,6] [3,7]
 
 Every rank creates every group in the same order (``dist.new_group`` is collective).
+(Named ``RankGrid``, not ``DeviceMesh``: torch's ``DeviceMesh`` is a different object, and the
+two met in one script.)
 
 Example::
 
-    mesh = DeviceMesh(dp=1, pp=2, tp=2)          # on 4 ranks
+    mesh = RankGrid(dp=1, pp=2, tp=2)             # on 4 ranks
     mesh.coord                                    # (d, s, t) of this rank
     mesh.tp_group, mesh.pp_ranks                  # my groups and their members
 """
@@ -29,16 +31,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceMesh", "MeshError"]
+__all__ = ["RankGrid", "GridError"]
 
 _DIMS = ("dp", "pp", "tp")
 
 
-class MeshError(ValueError):
-    """The mesh factors do not fit the world."""
+class GridError(ValueError):
+    """The grid factors do not fit the world."""
 
 
-class DeviceMesh:
+class RankGrid:
     """The ``dp × pp × tp`` grid; ``groups(dim)`` yields every group along ``dim``."""
 
     def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, *, world_size: int | None = None,
@@ -48,9 +50,9 @@ class DeviceMesh:
         factors = {"dp": dp, "pp": pp, "tp": tp}
         bad = [f"{k}={v}" for k, v in factors.items() if not isinstance(v, int) or v < 1]
         if bad:
-            raise MeshError(f"mesh factors must be positive integers: {', '.join(bad)}")
+            raise GridError(f"mesh factors must be positive integers: {', '.join(bad)}")
         if dp * pp * tp != world:
-            raise MeshError(
+            raise GridError(
                 f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp}, but the world size is {world}; "
                 f"choose factors whose product is {world}"
             )
@@ -106,4 +108,4 @@ class DeviceMesh:
     tp_ranks = property(lambda self: self.ranks("tp"))
 
     def __repr__(self) -> str:
-        return f"DeviceMesh(dp={self.dp}, pp={self.pp}, tp={self.tp}, rank={self.rank}, coord={self.coord})"
+        return f"RankGrid(dp={self.dp}, pp={self.pp}, tp={self.tp}, rank={self.rank}, coord={self.coord})"

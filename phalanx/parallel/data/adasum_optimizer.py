@@ -2,7 +2,7 @@
 
 Adasum combines whole updates, not gradients (Maleki et al., MLSys 2021; Horovod's
 ``_DistributedAdasumOptimizer``). Each rank steps its own optimizer on its own gradient, and
-the ranks combine the parameters' changes with Adasum (:mod:`phalanx.comm.adasum`)::
+the ranks combine the parameters' changes with Adasum (:mod:`phalanx.comm.horovod_ops.adasum`)::
 
     start = p                  (every parameter with a gradient)
     inner.step()               local update from the local gradient
@@ -26,8 +26,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import adasum
-from phalanx.comm.codecs import get_compressor
+from phalanx.comm.compression.codecs import get_compressor
+from phalanx.comm.horovod_ops import adasum
 from phalanx.parallel.data.delegation import WrapsOptimizer
 
 __all__ = ["AdasumOptimizer"]

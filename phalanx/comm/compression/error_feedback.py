@@ -16,8 +16,8 @@ the data-parallel engine) and are part of ``state_dict()``.
 
 Example::
 
-    from phalanx.comm.error_feedback import ErrorFeedback
-    from phalanx.comm.onebit import SignCompressor
+    from phalanx.comm.compression.error_feedback import ErrorFeedback
+    from phalanx.comm.compression.onebit import SignCompressor
     c = ErrorFeedback(SignCompressor(), warmup_steps=10)
     payload, ctx = c.compress(grad, name="bucket0")
     approx = c.decompress(payload, ctx)
@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from phalanx.comm.codec_types import FusedResidual, Resettable, ResidualFeedback, Stateful, Warmup
+from phalanx.comm.compression.abilities import (
+    FusedResidual,
+    Resettable,
+    ResidualFeedback,
+    Stateful,
+    Warmup,
+)
 
 __all__ = ["ResidualMemory", "ErrorFeedback", "compress_residual"]
 
@@ -38,7 +44,7 @@ __all__ = ["ResidualMemory", "ErrorFeedback", "compress_residual"]
 def compress_residual(inner: Any, x: torch.Tensor):
     """Compress the flat fp32 ``x`` with ``inner`` and leave the residual ``x - decompress(payload)`` in ``x``.
 
-    Uses the codec's fused ``compress_ef`` when it is a :class:`~phalanx.comm.codecs.FusedResidual`
+    Uses the codec's fused ``compress_ef`` when it is a :class:`~phalanx.comm.compression.codecs.FusedResidual`
     (int8, sign, top-k: no decompress, no temporaries), else compresses, decompresses and subtracts.
     """
     if isinstance(inner, FusedResidual):
@@ -98,7 +104,7 @@ class ErrorFeedback(Warmup, ResidualFeedback, Stateful, Resettable):
     calls for each name go uncompressed (``allreduce_compressed`` calls :meth:`tick`),
     like PowerSGD's ``start_powerSGD_iter``. Other attributes are read from the inner
     compressor (``get_compressor("topk").ratio``); the collectives themselves ask the
-    inner codec for its abilities (``phalanx.comm.codecs.codec_of``).
+    inner codec for its abilities (``phalanx.comm.compression.codecs.codec_of``).
     """
 
     def __init__(self, inner: Any, *, enabled: bool = True, warmup_steps: int = 0) -> None:

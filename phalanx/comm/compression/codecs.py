@@ -4,28 +4,28 @@ Horovod's 74-line interface, kept: ``compress(tensor) -> (payload, ctx)`` and
 ``decompress(payload, ctx) -> tensor``. ``summable`` says whether payloads of
 different ranks may be summed directly by an allreduce (fp16/bf16: yes; int8
 with per-rank scales, top-k, packed signs: no — those need a two-phase or
-allgather collective: :func:`phalanx.comm.compressed_allreduce.allreduce_compressed`).
+allgather collective: :func:`phalanx.comm.compression.allreduce.allreduce_compressed`).
 Users pass a name (``compression="fp16"``, ``get_compressor("topk", ratio=0.01)``) or an object.
 
 That is all a compressor must have; the optional abilities the collectives use
 (fused error feedback, fused decode, chunked pieces, own collective, warm-up, state) are
-in :mod:`phalanx.comm.codec_types`.
+in :mod:`phalanx.comm.compression.abilities`.
 
 Registered names and where they live::
 
     none fp16 bf16          here                summable, lossless-ish
-    int8 int4 2bit          comm/quantize.py    per-chunk scale, packed, optional stochastic rounding
-    topk threshold          comm/sparsify.py    (int32 index, fp32 value) pairs; top-k keeps 5%
-    sign                    comm/onebit.py      1 bit per value, packed 8 per byte, two values per 32
-    powersgd                comm/powersgd.py    rank-r factors, warm start (Vogels et al. 2019)
+    int8 int4 2bit          comm/compression/quantize.py    per-chunk scale, packed, optional stochastic rounding
+    topk threshold          comm/compression/sparsify.py    (int32 index, fp32 value) pairs; top-k keeps 5%
+    sign                    comm/compression/onebit.py      1 bit per value, packed 8 per byte, two values per 32
+    powersgd                comm/compression/powersgd.py    rank-r factors, warm start (Vogels et al. 2019)
 
-Lossy names come wrapped in :class:`~phalanx.comm.error_feedback.ErrorFeedback`
+Lossy names come wrapped in :class:`~phalanx.comm.compression.error_feedback.ErrorFeedback`
 (residual memory on by default, ``error_feedback=False`` to switch it off,
 ``warmup_steps=N`` for N uncompressed steps first).
 
 Example::
 
-    from phalanx.comm.codecs import get_compressor
+    from phalanx.comm.compression.codecs import get_compressor
     c = get_compressor("fp16")
     payload, ctx = c.compress(grad)
     grad_again = c.decompress(payload, ctx)
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from phalanx.comm.codec_types import Compressor
+from phalanx.comm.compression.abilities import Compressor
 
 __all__ = [
     "Compressor",
@@ -85,7 +85,7 @@ def _lossy(make: Callable[..., Any], ef_default: bool) -> Callable[..., Any]:
     """A factory that wraps the lossy compressor in error feedback + warm-up (imports lazily)."""
 
     def factory(*, error_feedback: bool = ef_default, warmup_steps: int = 0, **kwargs):
-        from phalanx.comm.error_feedback import ErrorFeedback
+        from phalanx.comm.compression.error_feedback import ErrorFeedback
 
         return ErrorFeedback(make(**kwargs), enabled=error_feedback, warmup_steps=warmup_steps)
 
@@ -93,19 +93,19 @@ def _lossy(make: Callable[..., Any], ef_default: bool) -> Callable[..., Any]:
 
 
 def _int8(**kw):
-    from phalanx.comm.quantize import QuantizeCompressor
+    from phalanx.comm.compression.quantize import QuantizeCompressor
 
     return QuantizeCompressor(bits=8, **kw)
 
 
 def _int4(**kw):
-    from phalanx.comm.quantize import QuantizeCompressor
+    from phalanx.comm.compression.quantize import QuantizeCompressor
 
     return QuantizeCompressor(bits=4, **kw)
 
 
 def _2bit(**kw):
-    from phalanx.comm.quantize import QuantizeCompressor
+    from phalanx.comm.compression.quantize import QuantizeCompressor
 
     return QuantizeCompressor(bits=2, **kw)
 
@@ -117,14 +117,14 @@ uncompressed on digits (mean of the last 3 epochs); at 0.05 within 0.6 (docs/com
 
 
 def _topk(**kw):
-    from phalanx.comm.sparsify import TopKCompressor
+    from phalanx.comm.compression.sparsify import TopKCompressor
 
     kw.setdefault("ratio", TOPK_RATIO)
     return TopKCompressor(**kw)
 
 
 def _threshold(**kw):
-    from phalanx.comm.sparsify import ThresholdCompressor
+    from phalanx.comm.compression.sparsify import ThresholdCompressor
 
     return ThresholdCompressor(**kw)
 
@@ -136,14 +136,14 @@ bytes than fp32). At 256 (1.25 bits, 25.6x) sign + error feedback at a constant 
 
 
 def _sign(**kw):
-    from phalanx.comm.onebit import SignCompressor
+    from phalanx.comm.compression.onebit import SignCompressor
 
     kw.setdefault("chunk", SIGN_CHUNK)
     return SignCompressor(**kw)
 
 
 def _powersgd(**kw):
-    from phalanx.comm.powersgd import PowerSGDCompressor
+    from phalanx.comm.compression.powersgd import PowerSGDCompressor
 
     return PowerSGDCompressor(**kw)
 

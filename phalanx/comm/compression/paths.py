@@ -1,4 +1,4 @@
-"""The paths of :func:`~phalanx.comm.compressed_allreduce.allreduce_compressed`, and the wire counter.
+"""The paths of :func:`~phalanx.comm.compression.allreduce.allreduce_compressed`, and the wire counter.
 
 Each path reduces a flat tensor with one compressor and counts what this rank sent in
 :data:`wire`; the entry point picks the path (``choose_path`` there)::
@@ -10,7 +10,7 @@ Each path reduces a flat tensor with one compressor and counts what this rank se
 
 Example::
 
-    from phalanx.comm.compressed_paths import wire
+    from phalanx.comm.compression.paths import wire
     wire.reset(); ...; print(wire.bytes_sent, wire.dense_bytes, wire.ratio)
 """
 
@@ -22,15 +22,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.codec_types import (
+from phalanx.comm.collectives import Handle, all_gather_flat
+from phalanx.comm.compression.abilities import (
     ChunkedCodec,
     FixedSizePayload,
     FusedDecode,
     ResidualFeedback,
     codec_of,
 )
-from phalanx.comm.collectives import Handle, all_gather_flat
-from phalanx.comm.error_feedback import compress_residual
+from phalanx.comm.compression.error_feedback import compress_residual
 
 __all__ = ["WireCounter", "wire", "PIECE_NUMEL", "pieces", "decode_into", "choose_algorithm", "ring_bytes",
            "finished", "summable_path", "allgather_path", "two_phase_path"]

@@ -1,0 +1,18 @@
+"""Horovod's collective semantics, beside (not among) the core collectives of :mod:`phalanx.comm`.
+
+What a Horovod script expects beyond a plain collective, used by the ``phalanx.horovod`` and
+``phalanx.keras`` / ``phalanx.tensorflow`` fronts and by ``DistributedOptimizer``'s ``join``::
+
+    ops.py           named, asynchronous collectives with Horovod's rules (handles, poll, synchronize)
+    negotiate.py     which collective comes next and who still takes part (Horovod's join)
+    process_sets.py  named subsets of the ranks with their own collectives
+    adasum.py        adaptive summation (Maleki et al., MLSys 2021)
+    autograd.py      differentiable collectives (the gradient's collective in backward)
+    dtypes.py        dtypes the backends lack carried in wider ones; grouped tensors fused
+
+Example::
+
+    from phalanx.comm.horovod_ops import ops
+    handle = ops.allreduce_async(tensor, name="loss")
+    avg = ops.synchronize(handle)
+"""
