@@ -310,7 +310,7 @@ def test_elastic_killed_actor_survived_in_process_and_replaced(local_ray):
 def test_elastic_on_ray_warns_once_when_an_actor_stays_niced(local_ray, monkeypatch):
     # As root every actor comes to the driver's niceness, so the warning is driven here with an actor's
     # setup answer of 15 (what a non-root driver gets from Ray's worker_niceness); RayExecutor shares it
-    from phalanx.ray import elastic as ray_elastic
+    from phalanx.ray import elastic_job as ray_elastic
     from phalanx.ray import worker as ray_worker
 
     monkeypatch.setattr(ray_worker, "_nice_warned", False)
