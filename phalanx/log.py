@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import os
 
+from phalanx.settings import RuntimeSettings, SettingsError
+
 __all__ = ["get_logger", "rank0_info", "print0", "log0", "set_rank", "set_level", "current_rank"]
 
 _RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_ALIASES = {"TRACE": "DEBUG", "FATAL": "CRITICAL", "WARN": "WARNING"}
 _rank: int | None = None
 
 
@@ -54,9 +54,10 @@ class _RankFilter(logging.Filter):
 
 def _level_from_env() -> str:
     # A bad PHALANX_LOG_LEVEL must not break an import; init() rejects it with one line.
-    raw = os.environ.get("PHALANX_LOG_LEVEL", "WARNING").strip().upper()
-    raw = _ALIASES.get(raw, raw)
-    return raw if raw in _LEVELS else "WARNING"
+    try:
+        return RuntimeSettings.one("log_level")
+    except SettingsError:
+        return "WARNING"
 
 
 def get_logger(name: str) -> logging.Logger:

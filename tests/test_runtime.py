@@ -243,10 +243,11 @@ def test_good_settings_are_read_once_into_one_object():
     s = settings.load({"PHALANX_BACKEND": "GLOO", "PHALANX_DEVICE": "cpu", "PHALANX_TIMEOUT": "12.5",
                        "PHALANX_LOG_LEVEL": "trace", "PHALANX_CHECK_COLLECTIVES": "off",
                        "PHALANX_BUCKET_MB": "4", "PHALANX_ALGORITHM": "ring"})
-    assert (s.backend, s.device, s.timeout_s, s.log_level) == ("gloo", torch.device("cpu"), 12.5, "DEBUG")
-    assert (s.check_collectives, s.bucket_mb, s.algorithm) == (False, 4.0, "ring")
+    r = s.runtime
+    assert (r.backend, r.device, r.timeout_s, r.log_level) == ("gloo", torch.device("cpu"), 12.5, "DEBUG")
+    assert (s.comm.check_collectives, s.data_parallel.bucket_mb, s.data_parallel.algorithm) == (False, 4.0, "ring")
     assert settings.load({}) == settings.Settings()
-    assert settings.load({"PHALANX_TIMEOUT": "9"}, timeout=3).timeout_s == 3.0  # the argument wins
+    assert settings.load({"PHALANX_TIMEOUT": "9"}, timeout=3).runtime.timeout_s == 3.0  # the argument wins
 
 
 def test_validators_for_constructor_arguments():

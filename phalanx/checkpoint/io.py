@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from phalanx.settings import CheckpointSettings
+
 __all__ = [
     "CorruptCheckpointError",
     "atomic_write",
@@ -82,11 +84,8 @@ _ALGORITHMS = {"crc32": _Crc32, "sha256": hashlib.sha256}
 
 
 def checksum_algorithm() -> str:
-    """``$PHALANX_CHECKPOINT_CHECKSUM`` (``crc32`` or ``sha256``), default ``crc32``."""
-    algo = os.environ.get("PHALANX_CHECKPOINT_CHECKSUM", "crc32") or "crc32"
-    if algo not in _ALGORITHMS:
-        raise ValueError(f"PHALANX_CHECKPOINT_CHECKSUM={algo!r}: use one of {sorted(_ALGORITHMS)}")
-    return algo
+    """``$PHALANX_CHECKPOINT_CHECKSUM`` (``crc32`` or ``sha256``), default ``crc32`` (checked by the settings)."""
+    return CheckpointSettings.one("checksum")
 
 
 def _hasher(expected: str | None = None):
@@ -112,7 +111,7 @@ def safetensors_dtype(name: str) -> bool:
 def tensor_format(tensors: dict[str, torch.Tensor] | None = None) -> str:
     """``"safetensors"`` unless a dtype has no safetensors code (complex) or
     ``PHALANX_CHECKPOINT_FORMAT=torch``; then ``"torch"`` (torch.save, loaded with weights_only)."""
-    if os.environ.get("PHALANX_CHECKPOINT_FORMAT", "") == "torch":
+    if CheckpointSettings.one("format") == "torch":
         return "torch"
     if tensors and any(t.dtype not in _ST_DTYPES for t in tensors.values()):
         return "torch"

@@ -21,6 +21,7 @@ from phalanx.checkpoint.reader import apply_state, read_state
 from phalanx.checkpoint.sharded import save, wait
 from phalanx.comm.collectives import allgather_object, broadcast_object
 from phalanx.log import get_logger
+from phalanx.settings import CheckpointSettings
 
 __all__ = ["CheckpointManager", "list_checkpoints", "load_latest", "resume"]
 
@@ -135,7 +136,7 @@ def resume(state: dict, root: str | None = None, *, topology=None) -> str | None
     Returns the path loaded, or None when there is no root or nothing to resume
     (a fresh run). ``phalanx run --resume-from DIR`` sets the variable.
     """
-    root = root or os.environ.get("PHALANX_RESUME_FROM")
+    root = root or CheckpointSettings.one("resume_from")
     if not root:
         return None
     path = load_latest(root, state, topology=topology)

@@ -60,6 +60,7 @@ from phalanx.checkpoint.plan import describe, make_plans
 from phalanx.checkpoint.reader import apply_state, read_state
 from phalanx.comm.collectives import barrier, broadcast_object
 from phalanx.log import get_logger
+from phalanx.settings import CheckpointSettings
 
 __all__ = ["save", "load", "read_manifest", "wait", "RNGState", "MANIFEST"]
 
@@ -72,7 +73,7 @@ _staging: dict = {}  # CPU snapshot buffers of the last async save, reused by th
 
 def _plan(path: str, job: Job, store, nonce: str, desc: dict) -> dict:
     """This rank's plan (tid -> [file, name, writes]): rank 0 makes every rank's from their descriptions."""
-    fmt = "torch" if os.environ.get("PHALANX_CHECKPOINT_FORMAT", "") == "torch" else None
+    fmt = "torch" if CheckpointSettings.one("format") == "torch" else None
     if job.world == 1:
         return make_plans([desc], fmt)[0]
     store.set(f"{nonce}/desc/{job.rank}", json.dumps(desc))
@@ -191,7 +192,7 @@ def _write_manifest(path: str, nonce: str, world: int, meta: dict, entries: list
 
 def _test_hook(where: str, rank: int) -> None:
     # Tests kill the process here to prove a crash mid-save is harmless.
-    if os.environ.get("PHALANX_CKPT_CRASH") == f"{where}:{rank}":
+    if CheckpointSettings.one("crash_at") == f"{where}:{rank}":
         os.kill(os.getpid(), 9)
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
 
 from phalanx import trace
 from phalanx.runtime.heartbeat import RECORD
-from phalanx.settings import SettingsError, boolean
+from phalanx.settings import CommSettings, SettingsError
 
 __all__ = ["CollectiveMismatchError", "check_call", "describe_mismatch", "set_mismatch_check",
            "mismatch_check_enabled", "default_device"]
@@ -37,7 +36,7 @@ class CollectiveMismatchError(RuntimeError):
 
 def _from_environment() -> bool:
     try:
-        return boolean("PHALANX_CHECK_COLLECTIVES", os.environ.get("PHALANX_CHECK_COLLECTIVES", "1"))
+        return CommSettings.one("check_collectives")
     except SettingsError:  # init() names the bad value in one line (settings.load); until then: on
         return True
 

@@ -54,16 +54,15 @@ from phalanx.elastic.interrupts import (
     launcher_interrupt,
 )
 from phalanx.log import get_logger
+from phalanx.settings import ElasticSettings, RuntimeSettings, var
 
 __all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "is_collective_error", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
 
-STORE_ENV = "PHALANX_ELASTIC_STORE"  # host:port of the launcher's store
-WID_ENV = "PHALANX_ELASTIC_WID"  # this worker's id for the life of the job (w0, w1, ...)
-JOIN_ENV = "PHALANX_ELASTIC_JOIN"  # "1": started mid-run, joins at the next commit
-GEN_ENV = "PHALANX_ELASTIC_GEN"  # the generation the worker was started in
+# the variables the supervisor writes for its workers (phalanx.settings.ElasticSettings says what each holds)
+STORE_ENV, WID_ENV, JOIN_ENV, GEN_ENV = (var(f"elastic.{name}") for name in ("store", "worker_id", "join", "generation"))
 REFORM_FAILED_EXIT = 75  # "could not re-form in-process": the launcher falls back to a group restart
 _POLL_S = 0.01
 
@@ -74,12 +73,13 @@ class ReformFailed(RuntimeError):
 
 class _Ctx:
     def __init__(self) -> None:
-        host, _, port = os.environ[STORE_ENV].rpartition(":")
+        job = ElasticSettings.read()
+        host, _, port = job.store.rpartition(":")
         self.timeout_s = _timeout_s()  # collectives'; re-forming waits this + 30 s (a blocked peer times out)
         self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.wid = os.environ[WID_ENV]
-        self.gen = int(os.environ.get(GEN_ENV, "0"))
+        self.wid = job.worker_id
+        self.gen = job.generation
         self.members: list[list[str]] = []
         self.notice = 0  # the launcher's host-change notices this worker's generation covers (pxe/notice)
         self.store_port = int(port)
@@ -92,29 +92,27 @@ _ctx: _Ctx | None = None
 
 
 def _timeout_s() -> float:
-    from phalanx.settings import load  # before init(): PHALANX_TIMEOUT checked as init() checks it
-
-    return load().timeout_s
+    return RuntimeSettings.one("timeout_s")  # before init(): PHALANX_TIMEOUT checked as init() checks it
 
 
 def _reform_timeout_s(collective_s: float) -> float:
     """How long a worker waits to re-form: long enough for a peer blocked in a collective to time out."""
-    return float(os.environ.get("PHALANX_ELASTIC_REFORM_TIMEOUT") or collective_s + 30)
+    return ElasticSettings.one("reform_timeout_s") or collective_s + 30
 
 
 def _form_timeout_s() -> float:
     """How long making one generation's process group may take once every member checked in."""
-    return float(os.environ.get("PHALANX_ELASTIC_FORM_TIMEOUT") or 30)
+    return ElasticSettings.one("form_timeout_s")
 
 
 def active() -> bool:
     """True in a worker started by the in-process elastic launcher."""
-    return bool(os.environ.get(STORE_ENV) and os.environ.get(WID_ENV))
+    return bool(ElasticSettings.one("store") and ElasticSettings.one("worker_id"))
 
 
 def is_joiner() -> bool:
     """True in a worker started mid-run that has not joined a generation yet."""
-    return active() and os.environ.get(JOIN_ENV) == "1" and (_ctx is None or not _ctx.members)
+    return active() and ElasticSettings.one("join") and (_ctx is None or not _ctx.members)
 
 
 def _context() -> _Ctx:
@@ -275,7 +273,7 @@ def prepare() -> None:
         if not ctx.members:
             ctx.group_sockets = lost.group_sockets(ctx.store_port)
         if ctx.watcher is None:
-            host, _, port = os.environ[STORE_ENV].rpartition(":")
+            host, _, port = ElasticSettings.one("store").rpartition(":")
             ctx.watcher = lost.LostWatcher(host.strip("[]"), int(port), lambda: (
                 -1 if is_joiner() else ctx.gen, ctx.wid), _interrupt).start()
 
@@ -338,7 +336,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
     started = time.monotonic()
     wait_s = _reform_timeout_s(ctx.timeout_s)
     if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
-        wait_s = max(wait_s, float(os.environ.get("PHALANX_ELASTIC_JOIN_TIMEOUT") or 600))
+        wait_s = max(wait_s, ElasticSettings.one("join_timeout_s"))
     deadline = started + wait_s
     _leave_group()
     if joining:

@@ -35,6 +35,7 @@ from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.pieces import is_gathered, is_stateful
 from phalanx.comm.collectives import allgather_object, broadcast, broadcast_object
 from phalanx.log import get_logger
+from phalanx.settings import CheckpointSettings, ElasticSettings
 
 __all__ = ["State", "TorchState", "default_commit_dir", "live_topology"]
 
@@ -54,9 +55,9 @@ class State(Protocol):
 
 def default_commit_dir() -> str:
     """``$PHALANX_RESUME_FROM``, else ``$PHALANX_ELASTIC_DIR``, else ``/dev/shm/phalanx-elastic-<run id>``."""
-    for var in ("PHALANX_RESUME_FROM", "PHALANX_ELASTIC_DIR"):
-        if os.environ.get(var):
-            return os.environ[var]
+    chosen = CheckpointSettings.one("resume_from") or ElasticSettings.one("commit_dir")
+    if chosen:
+        return chosen
     base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 

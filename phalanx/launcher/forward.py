@@ -31,6 +31,7 @@ import time
 
 from phalanx.preemption.guard import mark as preempt_mark
 from phalanx.preemption.signals import PREEMPTED_EXIT_CODE
+from phalanx.settings import PreemptionSettings
 
 __all__ = ["GRACE_S", "Outcome", "forward_preemption", "direct_children", "all_preempted", "report_preempted",
            "preempt_signals", "torchelastic_signals"]
@@ -139,7 +140,7 @@ def preempt_signals(signals, env) -> tuple[signal.Signals, ...]:
     the job's ``--preempt-signal`` from the environment it passes to the workers."""
     from phalanx.preemption.signals import parse_signal
 
-    extra = [parse_signal(s) for s in env.get("PHALANX_PREEMPT_SIGNAL", "").split(",") if s.strip()]
+    extra = [parse_signal(s) for s in PreemptionSettings.one("signals", env)]
     return tuple(dict.fromkeys([*map(signal.Signals, signals), *extra]))
 
 

@@ -46,6 +46,7 @@ from phalanx.launcher import secret as job_secret
 from phalanx.launcher.stall import Watcher, describe_exit, lost_a_peer
 from phalanx.preemption.guard import PREEMPT_MARK_ENV
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV, STACK_DIR_ENV
+from phalanx.settings import RuntimeSettings, var
 
 __all__ = ["LaunchSpec", "launch", "kill_descendants", "rank_log_paths"]
 
@@ -176,12 +177,12 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     threads = max(1, (os.cpu_count() or 1) // spec.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.update(spec.env)
-    os.environ["PHALANX_LAUNCHER"] = "run"
+    os.environ[var("runtime.launcher")] = "run"
     stack_dir = os.path.join(work_dir, "stacks")
     os.makedirs(stack_dir)
     os.environ[STACK_DIR_ENV] = stack_dir
     ours = [STACK_DIR_ENV]  # variables this launch sets in its own environment, dropped at the end
-    if not os.environ.get(job_secret.SECRET_FILE_ENV):
+    if not RuntimeSettings.one("secret_file"):
         os.environ[job_secret.SECRET_FILE_ENV] = job_secret.write_secret_file(job_secret.new_secret(), work_dir)
         ours.append(job_secret.SECRET_FILE_ENV)
     store, endpoint = _host_rendezvous_store(spec)  # kept alive for the whole launch
@@ -215,9 +216,9 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
              spec.run_id, f", rank output kept in {spec.log_dir}/rank.N/" if spec.log_dir else "")
     started = time.monotonic()
     # a SIGTERM this launcher forwards is a preemption; one without this file is the agent stopping the group
-    os.environ[PREEMPT_MARK_ENV] = os.path.join(work_dir, "preempting")
+    mark = os.environ[PREEMPT_MARK_ENV] = os.path.join(work_dir, "preempting")
     ours.append(PREEMPT_MARK_ENV)
-    forwarding = forward.forward_preemption(preempt_signals, mark=os.environ[PREEMPT_MARK_ENV])
+    forwarding = forward.forward_preemption(preempt_signals, mark=mark)
     preempt = forwarding.__enter__()
     try:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)

@@ -39,6 +39,7 @@ from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from phalanx.launcher.stall import lost_a_peer
+from phalanx.settings import RuntimeSettings
 
 __all__ = ["run", "RankError", "RankTimeoutError", "free_port"]
 
@@ -83,9 +84,8 @@ def _context():
         # The server imports torch once; every rank is then a cheap fork of it. torch._dynamo is
         # what the first optimizer step imports (~1 s a rank otherwise); PHALANX_SPAWN_PRELOAD
         # (comma list) adds more, e.g. the test suite's sklearn.datasets.
-        extra = [m for m in os.environ.get("PHALANX_SPAWN_PRELOAD", "").split(",") if m.strip()]
-        _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "phalanx",
-                                     *(m.strip() for m in extra)])
+        extra = RuntimeSettings.one("spawn_preload")
+        _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "phalanx", *extra])
     return _ctx
 
 

@@ -47,6 +47,7 @@ from phalanx.launcher import handoff, tf_config
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.hosts import Host
 from phalanx.log import get_logger
+from phalanx.settings import LauncherSettings
 
 __all__ = ["SSHOptions", "UnreachableHost", "probe", "launch_remote", "run_remote", "add_remote_arguments"]
 
@@ -240,7 +241,7 @@ def run_remote(args: argparse.Namespace, hosts: list[Host], command: list[str],
     """
     np = args.np or sum(h.slots for h in hosts)
     env = dict(env or {})
-    timeline = env.get("PHALANX_TIMELINE")  # the workers write PATH.rank<N> on their own host
+    timeline = LauncherSettings.one("timeline", env)  # the workers write PATH.rank<N> on their own host
     ssh = SSHOptions(config=args.ssh_config, identity=args.ssh_identity, port=args.ssh_port, user=args.ssh_user)
     try:
         code = launch_remote(hosts, np, command, ssh=ssh, network_interface=args.network_interface,

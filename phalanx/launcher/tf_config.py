@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from phalanx.settings import LauncherSettings
+
 __all__ = ["parse_hosts", "worker_addresses", "tf_config", "host_env"]
 
 
@@ -62,9 +64,10 @@ def tf_config(env: Mapping[str, str]) -> str | None:
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    base_port = int(env.get("PHALANX_TF_PORT") or int(env.get("MASTER_PORT", "29500")) + 1)
-    if env.get("PHALANX_WORKER_HOSTS"):
-        hosts = parse_hosts(env["PHALANX_WORKER_HOSTS"])
+    job = LauncherSettings.read(env)
+    base_port = job.tf_port or int(env.get("MASTER_PORT", "29500")) + 1
+    if job.worker_hosts:
+        hosts = parse_hosts(job.worker_hosts)
     else:
         local = int(env.get("LOCAL_WORLD_SIZE", world))
         if local != world:  # several hosts, but nobody said which: TF could not find its peers
@@ -74,11 +77,11 @@ def tf_config(env: Mapping[str, str]) -> str | None:
     if len(workers) != world:
         raise ValueError(f"PHALANX_WORKER_HOSTS lists {len(workers)} slots for a world of {world}")
     index = rank
-    if env.get("PHALANX_HOST_INDEX"):  # this worker's slot in the list, whatever RANK the rendezvous gave it
-        host = int(env["PHALANX_HOST_INDEX"])
+    if job.host_index is not None:  # this worker's slot in the list, whatever RANK the rendezvous gave it
+        host = job.host_index
         local = int(env.get("LOCAL_RANK", "0"))
         if not (0 <= host < len(hosts) and 0 <= local < hosts[host][1]):
             raise ValueError(f"PHALANX_HOST_INDEX={host}, LOCAL_RANK={local} is not a slot of "
-                             f"PHALANX_WORKER_HOSTS={env['PHALANX_WORKER_HOSTS']}")
+                             f"PHALANX_WORKER_HOSTS={job.worker_hosts}")
         index = sum(n for _, n in hosts[:host]) + local
     return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})

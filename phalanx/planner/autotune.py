@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import statistics
 from collections.abc import Callable, Sequence
 
 import torch
 
 from phalanx.log import get_logger
+from phalanx.settings import DataParallelSettings
 
 __all__ = ["Autotuner", "for_data_parallel", "for_engine", "set_bucket_mb", "enable_from_env", "write_log"]
 
@@ -239,36 +239,24 @@ def write_log(tuner: Autotuner, path: str) -> None:
             f.write(f"{mb:g},{algorithm},{seconds:.6f},{trials[(mb, algorithm)]},{chosen}\n")
 
 
-def enable_from_env(environ=os.environ) -> bool:
+def enable_from_env(environ=None) -> bool:
     """Attach a tuner to every gradient engine created from now on when PHALANX_AUTOTUNE
     (or HOROVOD_AUTOTUNE) is 1; knobs PHALANX_AUTOTUNE_LOG, _WARMUP_STEPS, _STEPS_PER_TRIAL,
     _ROUNDS (passes per halving stage; 1 = one sweep), _SETTLE_STEPS (dropped after each
-    switch), _BUCKETS_MB (comma list). Returns whether it was enabled."""
+    switch), _BUCKETS_MB (comma list): :class:`phalanx.settings.DataParallelSettings`.
+    Returns whether it was enabled."""
     global _enabled
-    on = environ.get("PHALANX_AUTOTUNE") or environ.get("HOROVOD_AUTOTUNE")
-    if str(on).lower() not in ("1", "true", "yes"):
+    job = DataParallelSettings.read(environ)
+    if not job.autotune:
         return False
     if _enabled:
         return True
     from phalanx.parallel.data import register_engine_hook
 
-    def number(key: str, default: int) -> int:
-        raw = environ.get(key)
-        try:
-            return default if raw is None else int(raw)
-        except ValueError:
-            raise ValueError(f"{key}={raw!r} is not an integer") from None
-
-    raw_mb = environ.get("PHALANX_AUTOTUNE_BUCKETS_MB")
-    try:
-        candidates = tuple(float(v) for v in raw_mb.split(",")) if raw_mb else DEFAULT_CANDIDATES_MB
-    except ValueError:
-        raise ValueError(f"PHALANX_AUTOTUNE_BUCKETS_MB={raw_mb!r}: give MB values like '1,4,16'") from None
-    log_file = environ.get("PHALANX_AUTOTUNE_LOG") or environ.get("HOROVOD_AUTOTUNE_LOG")
-    warmup = number("PHALANX_AUTOTUNE_WARMUP_STEPS", 3)
-    per_trial = number("PHALANX_AUTOTUNE_STEPS_PER_TRIAL", 5)
-    rounds = number("PHALANX_AUTOTUNE_ROUNDS", 2)
-    settle = number("PHALANX_AUTOTUNE_SETTLE_STEPS", 1)
+    candidates = job.autotune_buckets_mb or DEFAULT_CANDIDATES_MB
+    log_file = job.autotune_log
+    warmup, per_trial = job.autotune_warmup_steps, job.autotune_steps_per_trial
+    rounds, settle = job.autotune_rounds, job.autotune_settle_steps
 
     def attach(engine) -> None:
         tuner = for_engine(engine, candidates, warmup=warmup, steps_per_trial=per_trial, rounds=rounds,

@@ -40,9 +40,11 @@ import signal
 import threading
 import time
 
+from phalanx.settings import PreemptionSettings, var
+
 __all__ = ["PREEMPT_MARK_ENV", "GRACE_S", "start", "stop", "agreed", "mark"]
 
-PREEMPT_MARK_ENV = "PHALANX_PREEMPT_MARK"
+PREEMPT_MARK_ENV = var("preemption.mark")
 # How long a worker blocked in a collective waits for the launcher's mark after an unmarked signal.
 # Longer than the launcher takes to mark a signal that reached it too; far shorter than the agent's 30 s.
 GRACE_S = 3.0
@@ -63,7 +65,7 @@ def agreed() -> None:
 
 def start(signals) -> bool:
     """Start the guard for ``signals`` (main thread only; once); False when not armed here."""
-    path = os.environ.get(PREEMPT_MARK_ENV)
+    path = PreemptionSettings.one("mark")
     if not path or _guard["thread"] is not None or threading.current_thread() is not threading.main_thread():
         return False
     read, write = os.pipe()

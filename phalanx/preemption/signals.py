@@ -20,12 +20,12 @@ Example::
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 
 from phalanx.preemption import guard
+from phalanx.settings import PreemptionSettings
 
 __all__ = ["PREEMPTED_EXIT_CODE", "parse_signal", "from_env", "install", "uninstall", "received",
            "received_at", "clear"]
@@ -54,9 +54,8 @@ def parse_signal(name: str | int) -> signal.Signals:
 
 def from_env(env: dict | None = None) -> list[signal.Signals]:
     """SIGTERM plus every signal named (comma-separated) in ``$PHALANX_PREEMPT_SIGNAL``."""
-    env = os.environ if env is None else env
     out = [signal.SIGTERM]
-    for name in filter(None, (s.strip() for s in env.get("PHALANX_PREEMPT_SIGNAL", "").split(","))):
+    for name in PreemptionSettings.one("signals", env):
         sig = parse_signal(name)
         if sig not in out:
             out.append(sig)

@@ -27,6 +27,7 @@ import signal
 import subprocess
 
 from phalanx.log import get_logger
+from phalanx.settings import PreemptionSettings
 
 __all__ = ["job_id", "restarted", "requeue_wanted", "requeue"]
 
@@ -62,7 +63,7 @@ def requeue_wanted(sig: signal.Signals | None, env=None) -> bool:
     """Whether this preemption should requeue the SLURM job (see the module docstring)."""
     env = os.environ if env is None else env
     job = job_id(env)
-    mode = env.get("PHALANX_REQUEUE", "auto").strip().lower()
+    mode = PreemptionSettings.one("requeue", env)
     if job is None or sig is None or sig == signal.SIGTERM or mode in ("0", "false", "no"):
         return False
     return mode in ("1", "true", "yes") or _requeueable(job)

@@ -40,7 +40,6 @@ Example (a plain loop)::
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -51,6 +50,7 @@ from phalanx.comm import collectives as c
 from phalanx.log import get_logger
 from phalanx.preemption import guard, slurm
 from phalanx.preemption import signals as notes
+from phalanx.settings import CheckpointSettings
 
 __all__ = ["Preempted", "Preemption", "watch"]
 
@@ -198,7 +198,7 @@ class Preemption:
         """
         from phalanx.checkpoint import load_latest
 
-        root = os.environ.get("PHALANX_RESUME_FROM") or (manager.root if slurm.restarted() else None)
+        root = CheckpointSettings.one("resume_from") or (manager.root if slurm.restarted() else None)
         if not root:
             return None
         path = load_latest(root, state, topology=self.topology)

@@ -40,10 +40,11 @@ from typing import Any
 
 from phalanx import trace
 from phalanx.log import get_logger
+from phalanx.settings import LauncherSettings, var
 
 __all__ = ["Timeline", "start", "stop", "start_timeline", "stop_timeline", "active", "merge_parts", "load", "ENV"]
 
-ENV = "PHALANX_TIMELINE"
+ENV = var("launcher.timeline")
 """Environment variable ``phalanx run --timeline FILE`` sets; ``phalanx.init()`` reads it."""
 
 _log = get_logger(__name__)
@@ -210,7 +211,7 @@ def load(path: str) -> list[dict[str, Any]]:
 def start_from_env(rank: int) -> None:
     """Called by ``phalanx.init()`` when PHALANX_TIMELINE is set: start, and save a part at exit."""
     global _part_path
-    path = os.environ.get(ENV)
+    path = LauncherSettings.one("timeline")
     if not path or _active is not None:
         return
     start()

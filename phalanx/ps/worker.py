@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import torch
@@ -45,6 +44,7 @@ from phalanx.comm.compression.codecs import get_compressor
 from phalanx.ps.protocol import MetaCache, Op, PSError, recv_frame, send_frame, wait_work
 from phalanx.ps.server import MODES, ParameterServer, shard_parameters
 from phalanx.runtime.jobkey import job_key
+from phalanx.settings import LauncherSettings
 
 __all__ = ["PSWorker", "WorkerStats", "run_ps", "roles"]
 
@@ -222,7 +222,7 @@ def run_ps(model_fn, optimizer_fn, train_fn, *, num_servers: int | None = None, 
     if checkpoint is not None and not (hasattr(checkpoint, "save") and hasattr(checkpoint, "load_latest")):
         raise TypeError(f"checkpoint= must be a phalanx.checkpoint.CheckpointManager, got {type(checkpoint).__name__}")
     if num_servers is None:
-        num_servers = int(os.environ.get("PHALANX_NUM_SERVERS", "1"))
+        num_servers = LauncherSettings.one("num_servers")
     servers, workers = roles(topo.size, num_servers)
     timeout_s = topo.timeout_s if timeout is None else float(timeout)
     model = model_fn()

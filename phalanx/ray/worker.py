@@ -28,6 +28,7 @@ from typing import Any
 from phalanx.launcher import secret as job_secret
 from phalanx.log import get_logger
 from phalanx.ray import ray_logger
+from phalanx.settings import ElasticSettings
 
 __all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY", "warn_if_ranks_niced"]
 
@@ -88,11 +89,9 @@ class _RankPrefixed(io.TextIOBase):
 
 def _elastic_prefix() -> str:
     """``[rank]: `` once admitted to a generation (the rank of the latest), ``[w3]: `` while joining."""
-    from phalanx.elastic import inprocess
-
     rank = os.environ.get("RANK")
-    if os.environ.get(inprocess.JOIN_ENV) == "1" or rank is None:
-        return f"[{os.environ.get(inprocess.WID_ENV)}]: "
+    if ElasticSettings.one("join") or rank is None:
+        return f"[{ElasticSettings.one('worker_id')}]: "
     return f"[{rank}]: "
 
 
@@ -193,7 +192,7 @@ class BaseWorker:
         elastic = inprocess.active()  # started by the elastic driver: the rank changes at each re-form
         if elastic:  # a re-form shuts the old group's connections down: never Ray's own
             inprocess.keep_current_connections()
-            _record_exits(os.environ[inprocess.STORE_ENV], os.environ[inprocess.WID_ENV])
+            _record_exits(ElasticSettings.one("store"), ElasticSettings.one("worker_id"))
         if not isinstance(sys.stdout, _RankPrefixed):
             prefix = _elastic_prefix if elastic else f"[{rank}]: "
             sys.stdout = _RankPrefixed(sys.stdout, prefix)

@@ -34,6 +34,7 @@ from phalanx.runtime.env import LaunchInfo, PhalanxRuntimeError, detect_environm
 from phalanx.runtime.store import bound_tcp_store, forget_stores, rendezvous_store
 from phalanx.runtime.topology import Topology, gather_hosts
 from phalanx.settings import DEFAULT_TIMEOUT_S, Settings, SettingsError, load
+from phalanx.settings import current as settings_now
 
 __all__ = [
     "LaunchInfo",
@@ -117,11 +118,11 @@ _owns_default_group = False
 
 
 def _choose_backend_and_device(info: LaunchInfo, s: Settings) -> tuple[str, torch.device]:
-    device = s.device
+    device = s.runtime.device
     if device is None:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", info.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    backend = s.backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = s.runtime.backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise SettingsError(f"backend 'nccl' (PHALANX_BACKEND or init(backend=)) needs a CUDA device but the "
                             f"device is {device}; accepted on CPU: gloo")
@@ -161,11 +162,11 @@ def init(
         if _topology is not None:
             return _topology
         s = load(backend=backend, device=device, timeout=timeout)
-        set_level(s.log_level)
+        set_level(s.runtime.log_level)
         _register_exit_shutdown()
         info = detect_environment()
         backend, device = _choose_backend_and_device(info, s)
-        td = datetime.timedelta(seconds=s.timeout_s)
+        td = datetime.timedelta(seconds=s.runtime.timeout_s)
         if dist.is_initialized():
             # Someone (the user, a test framework) already made the default group: adopt it.
             _owns_default_group = False
@@ -190,7 +191,7 @@ def init(
             backend=backend,
             device=device,
             hosts=hosts,
-            timeout_s=s.timeout_s,
+            timeout_s=s.runtime.timeout_s,
         )
         _settings = s
         set_rank(info.rank)
@@ -271,8 +272,8 @@ def topology() -> Topology:
 
 
 def current_settings() -> Settings:
-    """The settings ``init()`` read; before ``init()``, the environment's, checked now."""
-    return _settings if _settings is not None else load()
+    """The settings ``init()`` read; before ``init()``, the environment's (:func:`phalanx.settings.current`)."""
+    return _settings if _settings is not None else settings_now()
 
 
 def rank() -> int:

@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping
 
 from phalanx.runtime.hostlist import expand_counts, expand_hostlist, node_addresses
+from phalanx.settings import RuntimeSettings
 
 __all__ = ["LaunchInfo", "PhalanxRuntimeError", "detect_environment", "expand_nodelist", "slurm_batch_only",
            "DEFAULT_PORT"]
@@ -125,7 +126,7 @@ def _torchrun_info(env: Mapping[str, str]) -> LaunchInfo:
         cross_size=cross_size,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", DEFAULT_PORT),
-        source="phalanx" if "PHALANX_LAUNCHER" in env else "torchrun",
+        source="phalanx" if RuntimeSettings.one("launcher", env) is not None else "torchrun",
     )
 
 

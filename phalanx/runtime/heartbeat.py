@@ -47,12 +47,14 @@ import sys
 import threading
 import time
 
+from phalanx.settings import ElasticSettings, RuntimeSettings, var
+
 __all__ = ["CollectiveRecord", "RECORD", "Heartbeat", "start_from_env", "heartbeat_key", "describe_position",
            "peer_positions", "HEARTBEAT_ENV", "HEARTBEAT_STORE_ENV", "STACK_DIR_ENV"]
 
-HEARTBEAT_ENV = "PHALANX_HEARTBEAT_S"
-HEARTBEAT_STORE_ENV = "PHALANX_HEARTBEAT_STORE"  # host:port of the launcher's own store
-STACK_DIR_ENV = "PHALANX_STACK_DIR"
+HEARTBEAT_ENV = var("runtime.heartbeat_s")
+HEARTBEAT_STORE_ENV = var("runtime.heartbeat_store")  # host:port of the launcher's own store
+STACK_DIR_ENV = var("runtime.stack_dir")
 _RECENT = 8  # entries each beat carries (the ring keeps more, for a stack dump or a debugger)
 
 
@@ -222,13 +224,12 @@ _started: Heartbeat | None = None
 def start_from_env(rank: int, env=None) -> Heartbeat | None:
     """Start the heartbeat (and the SIGUSR2 stack dump) when the launcher asked for it; once per process."""
     global _started
-    env = os.environ if env is None else env
-    stack_dir = env.get(STACK_DIR_ENV)
+    stack_dir = RuntimeSettings.one("stack_dir", env)
     if stack_dir and hasattr(signal, "SIGUSR2"):
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             stacks = open(os.path.join(stack_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - kept for faulthandler
             faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
-    interval, address = env.get(HEARTBEAT_ENV), env.get(HEARTBEAT_STORE_ENV, "")
+    interval, address = RuntimeSettings.one("heartbeat_s", env), RuntimeSettings.one("heartbeat_store", env)
     if not interval or not address or _started is not None:
         return _started
     import torch.distributed as dist
@@ -239,7 +240,7 @@ def start_from_env(rank: int, env=None) -> Heartbeat | None:
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=5),
                               wait_for_workers=False)
         # an elastic worker keeps its id (PHALANX_ELASTIC_WID) across re-forms; its rank may change
-        _started = Heartbeat(store, rank, float(interval), ident=env.get("PHALANX_ELASTIC_WID") or None).start()
+        _started = Heartbeat(store, rank, float(interval), ident=ElasticSettings.one("worker_id", env)).start()
     except Exception as err:  # noqa: BLE001 - a job without a reachable store runs without a heartbeat
         from phalanx.log import get_logger
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 
+from phalanx.settings import RuntimeSettings, var
+
 __all__ = ["SECRET_FILE_ENV", "job_key"]
 
-SECRET_FILE_ENV = "PHALANX_SECRET_FILE"
+SECRET_FILE_ENV = var("runtime.secret_file")
 
 
 def job_key(env=None, error: type[Exception] = PermissionError) -> bytes | None:
@@ -24,8 +26,7 @@ def job_key(env=None, error: type[Exception] = PermissionError) -> bytes | None:
 
     Raises ``error`` when the file is readable by others (the secret would not be one).
     """
-    env = os.environ if env is None else env
-    path = env.get(SECRET_FILE_ENV)
+    path = RuntimeSettings.one("secret_file", env)
     if not path:
         return None
     mode = os.stat(path).st_mode & 0o777

@@ -14,14 +14,13 @@ its results back on the CPU. CI leaves it at ``cpu``;
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from phalanx.launcher.spawn import run
-from phalanx.settings import choice
+from phalanx.settings import TestingSettings
 from phalanx.testing.device import on_device
 
 __all__ = ["distributed", "world_sizes", "assert_same_on_all_ranks", "device_under_test"]
@@ -32,7 +31,7 @@ TEST_DEVICES = ("cpu", "cuda")
 def device_under_test() -> str:
     """The device the rank bodies of :func:`distributed` compute on: PHALANX_TEST_DEVICE
     (``cpu`` | ``cuda``; default ``cpu``). A bad value raises one line naming it."""
-    return choice("PHALANX_TEST_DEVICE", os.environ.get("PHALANX_TEST_DEVICE", "cpu"), TEST_DEVICES)
+    return TestingSettings.one("test_device")
 
 
 def distributed(

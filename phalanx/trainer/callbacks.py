@@ -21,7 +21,7 @@ import torch
 
 from phalanx.comm import collectives as c
 from phalanx.log import get_logger
-from phalanx.settings import SettingsError
+from phalanx.settings import CheckpointSettings, SettingsError
 
 __all__ = [
     "Callback",
@@ -225,7 +225,7 @@ class Checkpoint(Callback):
     def on_train_begin(self, trainer) -> None:
         from phalanx.checkpoint import load_latest
 
-        named = os.environ.get("PHALANX_RESUME_FROM")
+        named = CheckpointSettings.one("resume_from")
         if self.resume:
             # A --resume-from directory that does not exist is a typo, not a fresh start; except this
             # callback's own directory, so that one command (`--resume-from ckpt/` with Checkpoint("ckpt/"))

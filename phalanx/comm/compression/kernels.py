@@ -110,7 +110,7 @@ def _compiling() -> bool:
     """PHALANX_COMPILE_CODECS, read once (the setting init() checked; before init, the environment)."""
     global _enabled
     if _enabled is None:
-        _enabled = current_settings().compile_codecs
+        _enabled = current_settings().comm.compile_codecs
     return _enabled
 
 

@@ -8,8 +8,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-
 from phalanx import runtime, settings
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.comm.collectives import ReduceOp
@@ -24,32 +22,21 @@ VIEW_MIN_NUMEL = 1 << 14
 
 
 def job_defaults(bucket_mb: float | None, algorithm: str | None) -> tuple[float, str]:
-    """Bucket size and allreduce algorithm when the caller leaves them None: the job's settings.
-
-    The job's values come from :func:`phalanx.runtime.current_settings` (the settings
-    ``init()`` read and validated once: ``phalanx run --fusion-threshold-mb /
-    --hierarchical-allreduce`` export PHALANX_BUCKET_MB / PHALANX_ALGORITHM); this
-    function parses no PHALANX_* variable itself. Horovod's HOROVOD_FUSION_THRESHOLD
-    (bytes) and HOROVOD_HIERARCHICAL_ALLREDUCE=1, which the settings do not carry, are
-    the fallbacks when those are unset. Otherwise 25 MB and "flat". A caller's own
-    values are checked with the settings' validators.
+    """Bucket size and allreduce algorithm when the caller leaves them None: the job's settings
+    (:class:`phalanx.settings.DataParallelSettings`: ``phalanx run --fusion-threshold-mb /
+    --hierarchical-allreduce`` export PHALANX_BUCKET_MB / PHALANX_ALGORITHM; Horovod's
+    HOROVOD_FUSION_THRESHOLD, in bytes, and HOROVOD_HIERARCHICAL_ALLREDUCE=1 when those are
+    unset), else 25 MB and "flat". A caller's own values are checked with the settings' validators.
     """
     if bucket_mb is not None and algorithm is not None:  # nothing to take from the job
         return float(settings.positive("bucket_mb", bucket_mb)), settings.choice("algorithm", algorithm, ALGORITHMS)
-    job = runtime.current_settings()
-    env = os.environ
+    job = runtime.current_settings().data_parallel
     if bucket_mb is None:
-        if job.bucket_mb is not None:
-            bucket_mb = job.bucket_mb
-        elif env.get("HOROVOD_FUSION_THRESHOLD"):
-            bucket_mb = settings.positive("HOROVOD_FUSION_THRESHOLD", env["HOROVOD_FUSION_THRESHOLD"]) * 2.0**-20
-        else:
-            bucket_mb = DEFAULT_BUCKET_MB
+        bucket_mb = job.bucket_mb if job.bucket_mb is not None else DEFAULT_BUCKET_MB
     else:
         bucket_mb = settings.positive("bucket_mb", bucket_mb)
     if algorithm is None:
-        hierarchical = env.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("0", "")  # as Horovod reads it
-        algorithm = job.algorithm or ("hierarchical" if hierarchical else "flat")
+        algorithm = job.algorithm or "flat"
     else:
         algorithm = settings.choice("algorithm", algorithm, ALGORITHMS)
     return float(bucket_mb), algorithm
