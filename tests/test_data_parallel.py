@@ -441,6 +441,7 @@ def test_engine_plan_and_padded_buckets_keep_the_bucket_interface():
     """ZeRO's fixed plan: padded buckets carry every attribute of a plain Bucket, the plan is
     fixed (re-planning and set_bucket_mb leave it), and a plan must cover each parameter once."""
     from phalanx.comm.buckets import Bucket, PaddedBucket, PlannedBuckets
+    from phalanx.parallel.data.config import EngineConfig
     from phalanx.parallel.data.gradients import GradientEngine
     from phalanx.planner.autotune import set_bucket_mb
 
@@ -460,11 +461,11 @@ def test_engine_plan_and_padded_buckets_keep_the_bucket_interface():
     mgr.mark_ready(b)  # bucket 1 complete, but bucket 0 goes first
     mgr.mark_ready(c)
     assert done == [("complete", 1), ("complete", 0), 0, 1]
-    engine = GradientEngine([("a", a), ("b", b), ("c", c)], plan=[[c], [a, b]], pad_to=2)
+    engine = GradientEngine([("a", a), ("b", b), ("c", c)], EngineConfig(plan=[[c], [a, b]], pad_to=2))
     set_bucket_mb(engine, 0.001)
     assert [bk.params for bk in engine.buckets.buckets] == [[c], [a, b]]
     with pytest.raises(ValueError, match="exactly once"):
-        GradientEngine([("a", a), ("b", b), ("c", c)], plan=[[c], [a]])
+        GradientEngine([("a", a), ("b", b), ("c", c)], EngineConfig(plan=[[c], [a]]))
 
 
 def _channels_last():

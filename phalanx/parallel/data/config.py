@@ -8,17 +8,73 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
 from phalanx import runtime, settings
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.comm.collectives import ReduceOp
 
-__all__ = ["DEFAULT_BUCKET_MB", "VIEW_MIN_NUMEL", "describe_engine", "job_defaults", "resolve_topology"]
+__all__ = ["DEFAULT_BUCKET_MB", "VIEW_MIN_NUMEL", "EngineConfig", "describe_engine", "job_defaults",
+           "resolve_topology"]
 
 DEFAULT_BUCKET_MB = 25.0
 # gradient_as_bucket_view hands out views only for gradients this large: assigning p.grad
 # from Python costs ~5 us a parameter, more than copying a small gradient back with one
 # fused _foreach_copy_ (measured on many 64x64 layers: views 8.50 ms/step, copies 7.74).
 VIEW_MIN_NUMEL = 1 << 14
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every option of a :class:`~phalanx.parallel.data.gradients.GradientEngine`, one line each.
+
+    ``DataParallel``, ``DistributedOptimizer`` and ZeRO each build one from their own arguments.
+
+    Example::
+
+        engine = GradientEngine(model.named_parameters(), EngineConfig(bucket_mb=25, wait_in_backward=True))
+    """
+
+    group: Any = None
+    """The process group the gradients are reduced over; None: the whole world."""
+    topology: Any = None
+    """The job's Topology (the hierarchical algorithm needs it); None: ``phalanx.init()``'s, read once."""
+    bucket_mb: float | None = None
+    """Bucket size in MB; None: the job's (PHALANX_BUCKET_MB, HOROVOD_FUSION_THRESHOLD) or 25."""
+    compression: Any = None
+    """A codec name or Compressor (``phalanx.comm.compression``); None: uncompressed."""
+    op: ReduceOp = ReduceOp.AVERAGE
+    """Average or Sum of the ranks' gradients."""
+    gradient_predivide_factor: float = 1.0
+    """Divide by this before the sum and by world/this after (Horovod's option)."""
+    find_unused_parameters: bool = False
+    """Count which ranks gave each parameter a gradient (one small allreduce a step)."""
+    missing_as_zeros: bool = False
+    """A missing gradient counts as zeros and gets the average (Horovod's rule; no count)."""
+    join_flag: bool = False
+    """Bucket 0 carries each rank's 'I am stepping' (DistributedOptimizer's join)."""
+    follows_world: bool = False
+    """The group is the job's steps group and follows an elastic re-form."""
+    sparse_as_dense: bool = False
+    """Reduce sparse gradients as dense ones (else: allgathered)."""
+    sparse_ids: frozenset[int] = frozenset()
+    """ids of the parameters whose gradients come sparse (nn.Embedding(sparse=True))."""
+    algorithm: str | None = None
+    """Allreduce algorithm (flat, ring, hierarchical, auto); None: the job's, else flat."""
+    backward_passes_per_step: int = 1
+    """Backward passes accumulated locally before a reduction."""
+    wait_in_backward: bool = True
+    """Finish the reduction in the end-of-backward callback (DDP); False: in wait() (Horovod)."""
+    gradient_as_bucket_view: bool = True
+    """Leave large gradients as views into their bucket after the first reduction."""
+    plan: Sequence[Sequence[Any]] | None = None
+    """A fixed bucket layout (ZeRO lays its master shard out from it); None: planned from the order."""
+    pad_to: int = 1
+    """Pad each planned bucket to a multiple of this (the group size, for reduce-scatter)."""
+    lazy_buckets: bool = False
+    """Planned buckets get their storage only while in use (a reduction with buffers of its own)."""
 
 
 def job_defaults(bucket_mb: float | None, algorithm: str | None) -> tuple[float, str]:

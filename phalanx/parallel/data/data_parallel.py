@@ -33,7 +33,7 @@ from phalanx import trace
 from phalanx.comm.broadcast import broadcast_buffers_, broadcast_parameters, root_of
 from phalanx.comm.collectives import Average, ReduceOp, allreduce
 from phalanx.log import get_logger
-from phalanx.parallel.data.config import resolve_topology
+from phalanx.parallel.data.config import EngineConfig, resolve_topology
 from phalanx.parallel.data.gradients import GradientEngine
 from phalanx.parallel.data.hooks import resolve_balance
 from phalanx.parallel.data.optimizer_overlap import OptimizerOverlap
@@ -111,15 +111,15 @@ class DataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._joining = False
         broadcast_parameters(module.state_dict(), root_rank=root_of(group), group=group)
-        self._engine_kwargs = dict(
+        self._engine_config = EngineConfig(
             group=group, topology=resolve_topology(topology), bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
-            sparse_as_dense=sparse_as_dense, sparse_ids=_sparse_param_ids(module), algorithm=algorithm,
+            sparse_as_dense=sparse_as_dense, sparse_ids=frozenset(_sparse_param_ids(module)), algorithm=algorithm,
             wait_in_backward=True, gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self._all_params = list(module.parameters())
         self._trainable = tuple(p.requires_grad for p in self._all_params)
-        self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
+        self._engine = GradientEngine(self._trainable_named(), self._engine_config)
         self.overlap = None
         if overlap_optimizer is not None:
             if find_unused_parameters:
@@ -152,7 +152,7 @@ class DataParallel(nn.Module):
         _log.info("requires_grad changed on %d parameter(s): rebuilding the gradient buckets", changed)
         old.remove_hooks()
         self._trainable = trainable
-        self._engine = GradientEngine(self._trainable_named(), **self._engine_kwargs)
+        self._engine = GradientEngine(self._trainable_named(), self._engine_config)
         self._engine.take_over(old)
 
     def forward(self, *args, **kwargs):

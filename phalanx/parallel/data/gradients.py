@@ -18,7 +18,7 @@ iteration, as DDP does. Services attach through :mod:`.hooks` (engine hooks, ste
 
 Example::
 
-    engine = GradientEngine(list(model.named_parameters()), bucket_mb=25, wait_in_backward=True)
+    engine = GradientEngine(model.named_parameters(), EngineConfig(bucket_mb=25, wait_in_backward=True))
     model(x).sum().backward()          # p.grad averaged over the ranks when this returns
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,13 @@ from torch import nn
 from phalanx import trace
 from phalanx.comm.broadcast import root_of
 from phalanx.comm.buckets import Bucket, BucketManager, PlannedBuckets
-from phalanx.comm.collectives import Average, ReduceOp, broadcast_object
+from phalanx.comm.collectives import ReduceOp, broadcast_object
 from phalanx.comm.compression.abilities import Resettable, Stateful
 from phalanx.comm.compression.codecs import get_compressor
 from phalanx.comm.compression.paths import ring_bytes
 from phalanx.log import get_logger
 from phalanx.parallel.data.config import (
+    EngineConfig,
     check_engine_args,
     describe_engine,
     job_defaults,
@@ -53,6 +54,7 @@ from phalanx.parallel.data.learned import agree_learned
 from phalanx.parallel.data.reduction import (
     AllReduceReduction,
     BucketReduction,
+    ReductionContext,
     ReportsComplete,
     TakesGrads,
 )
@@ -88,67 +90,46 @@ class GradientEngine(JoinedSteps):
     ``phalanx.init()``'s once, here.
     """
 
-    def __init__(
-        self,
-        named_params: Sequence[tuple[str, nn.Parameter]],
-        *,
-        group=None,
-        topology=None,
-        bucket_mb: float | None = None,
-        compression=None,
-        op: ReduceOp = Average,
-        gradient_predivide_factor: float = 1.0,
-        find_unused_parameters: bool = False,
-        missing_as_zeros: bool = False,
-        join_flag: bool = False,
-        follows_world: bool = False,
-        sparse_as_dense: bool = False,
-        sparse_ids: Iterable[int] = (),
-        algorithm: str | None = None,
-        backward_passes_per_step: int = 1,
-        wait_in_backward: bool = True,
-        gradient_as_bucket_view: bool = True,
-        reduction: BucketReduction | None = None,
-        plan: Sequence[Sequence[nn.Parameter]] | None = None,
-        pad_to: int = 1,
-        lazy_buckets: bool = False,
-    ) -> None:
-        check_engine_args(op, gradient_predivide_factor, backward_passes_per_step)
-        self.op = ReduceOp(op)
-        self.group = group
-        self.topology = resolve_topology(topology)
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.predivide = float(gradient_predivide_factor)
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], config: EngineConfig | None = None, *,
+                 reduction: BucketReduction | None = None) -> None:
+        named_params = list(named_params)
+        c = self.config = config if config is not None else EngineConfig()
+        check_engine_args(c.op, c.gradient_predivide_factor, c.backward_passes_per_step)
+        self.op = ReduceOp(c.op)
+        self.group = c.group
+        self.topology = resolve_topology(c.topology)
+        self.world = dist.get_world_size(c.group) if dist.is_initialized() else 1
+        self.predivide = float(c.gradient_predivide_factor)
         # Horovod's rule: a missing gradient counts as zeros and gets the average (no per-step count)
-        self.missing_as_zeros = missing_as_zeros
-        self.find_unused = find_unused_parameters and not missing_as_zeros
-        self.sparse_as_dense = sparse_as_dense
-        bucket_mb, self.algorithm = job_defaults(bucket_mb, algorithm)
-        self.k = backward_passes_per_step
-        self.wait_in_backward = wait_in_backward
-        self.grad_as_view = gradient_as_bucket_view
-        self.compressor = get_compressor(compression)
+        self.missing_as_zeros = c.missing_as_zeros
+        self.find_unused = c.find_unused_parameters and not c.missing_as_zeros
+        self.sparse_as_dense = c.sparse_as_dense
+        bucket_mb, self.algorithm = job_defaults(c.bucket_mb, c.algorithm)
+        self.k = c.backward_passes_per_step
+        self.wait_in_backward = c.wait_in_backward
+        self.grad_as_view = c.gradient_as_bucket_view
+        self.compressor = get_compressor(c.compression)
         # join_flag: bucket 0 carries each rank's "I am stepping" (1, or 0 from a joined rank) where
         # the bucket is summed exactly as sent; follows_world: group is the job's steps_group()
-        self.join_flag = join_flag and self.compressor.summable and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
-            and plan is None and reduction is None
-        self.follows_world = follows_world
-        dense = self._split_params(named_params, sparse_ids)
+        self.join_flag = c.join_flag and self.compressor.summable and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
+            and c.plan is None and reduction is None
+        self.follows_world = c.follows_world
+        dense = self._split_params(named_params, c.sparse_ids)
         self.reduction = reduction if reduction is not None else AllReduceReduction()
         # A reduction like ZeRO's reduces in a group of one too: its gradient shard is what steps.
         self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
-        self.buckets = self._make_buckets(dense, plan, bucket_mb, pad_to, lazy_buckets)
+        self.buckets = self._make_buckets(dense, c.plan, bucket_mb, c.pad_to, c.lazy_buckets)
         self.join_flag = self.join_flag and bool(self.buckets.buckets)  # (no dense parameter: no bucket 0)
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         self._on_grad = self.reduction.on_grad if isinstance(self.reduction, TakesGrads) else None
-        self.reduction.bind(self)
+        self.reduction.bind(ReductionContext(self))
         self._init_step_state()
         self._hooked = [p for _, p in named_params if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._hooked]
         self._bucket_bytes = int(bucket_mb * 2**20)
         self.on_reform: list[Callable[[], None]] = []  # the fronts' own per-world state (join flags)
         _LIVE.add(self)
-        if plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
+        if c.plan is None:  # a fixed plan (ZeRO) has nothing for the services to tune
             run_engine_hooks(self)
         _log.info("%s", describe_engine(self))
 
@@ -162,12 +143,12 @@ class GradientEngine(JoinedSteps):
 
     def _make_buckets(self, dense, plan, bucket_mb: float, pad_to: int, lazy: bool) -> BucketManager:
         if plan is None:
-            return BucketManager(dense, int(bucket_mb * 2**20), self._launch, self.join_flag)
+            return BucketManager(dense, int(bucket_mb * 2**20), self.reduction.launch, self.join_flag)
         planned = {id(p) for ps in plan for p in ps}
         if planned != {id(p) for p in dense} or sum(len(ps) for ps in plan) != len(planned):
             raise ValueError("GradientEngine(plan=...): the plan must hold every dense parameter exactly once")
         on_complete = self.reduction.complete if isinstance(self.reduction, ReportsComplete) else None
-        return PlannedBuckets(plan, self._launch, pad_to=pad_to, lazy=lazy, on_complete=on_complete)
+        return PlannedBuckets(plan, self.reduction.launch, pad_to=pad_to, lazy=lazy, on_complete=on_complete)
 
     def _init_step_state(self) -> None:
         """What one engine carries from step to step (copied over when DataParallel re-buckets)."""
@@ -194,6 +175,16 @@ class GradientEngine(JoinedSteps):
         self.overlap = None
         self.backward_start: float | None = None  # set by DataParallel's traced forward
         self._last_step_end: float | None = None
+
+    @property
+    def pass_index(self) -> int:
+        """The index of the backward pass now running, or of the last one when none runs (the
+        end-of-backward callback counts it)."""
+        return self._passes - (0 if self._queued else 1)
+
+    def reset_passes(self) -> None:
+        """Start counting backward passes from zero (ZeRO at ``zero_grad`` and after a load)."""
+        self._passes = 0
 
     def busy(self) -> bool:
         """A backward pass is running or a reduction is in flight (settings must not change now)."""
@@ -228,14 +219,14 @@ class GradientEngine(JoinedSteps):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._needs_sync = self.world > 1 or self.find_unused or self.reduction.reduces_alone
         if not isinstance(self.buckets, PlannedBuckets):
-            self.buckets = BucketManager(self.buckets.params, self.buckets.bucket_bytes, self._launch,  # agreed
+            self.buckets = BucketManager(self.buckets.params, self.buckets.bucket_bytes, self.reduction.launch,  # agreed
                                          self.join_flag)
         else:
             self.buckets.reset()
         self.finite = FiniteGuard(self.compressor, self.buckets.params)
         if isinstance(self.compressor, Resettable):
             self.compressor.reset_state()  # error-feedback residuals: a newcomer has none either
-        self.reduction.bind(self)
+        self.reduction.bind(ReductionContext(self))
         self._passes, self._queued, self._syncing, self._pending, self.shadowing = 0, False, False, False, False
         self._used, self._followups, self._zero_filled = set(), [], []
         self._last_step_end = None
@@ -378,16 +369,11 @@ class GradientEngine(JoinedSteps):
         """What a bandwidth-optimal (ring) allreduce of ``nbytes`` sends from each rank."""
         return ring_bytes(nbytes, self.world)
 
-    _ring_bytes = ring_bytes  # the name ZeRO's reduction calls
-
     def scales(self) -> tuple[ReduceOp, float, float]:
         """(op, prescale, postscale) of this step: a weighted sum under a balancer's weight."""
         if self.sample_weight is not None:
             return ReduceOp.SUM, self.sample_weight / self.predivide, self.predivide
         return self.op, 1.0 / self.predivide, self.predivide
-
-    def _launch(self, bucket: Bucket) -> None:
-        self.reduction.launch(bucket)
 
     def wait(self) -> None:
         """Finish every launched collective and write the averaged gradients into ``p.grad``."""

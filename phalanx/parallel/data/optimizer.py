@@ -31,7 +31,7 @@ from torch import nn
 from phalanx import trace
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.horovod_ops import negotiate
-from phalanx.parallel.data.config import resolve_topology
+from phalanx.parallel.data.config import EngineConfig, resolve_topology
 from phalanx.parallel.data.delegation import WrapsOptimizer
 from phalanx.parallel.data.gradients import GradientEngine
 from phalanx.parallel.data.hooks import resolve_balance
@@ -104,13 +104,13 @@ class DistributedOptimizer(WrapsOptimizer):
         # of one (an elastic newcomer before it is admitted), it moves there at the re-form.
         steps = group is None and join_ready and balance is None
         self.group = topology.steps_group() if steps and world > 1 else group
-        self._engine = GradientEngine(
-            named, group=self.group, topology=topology, join_flag=join_ready, follows_world=steps,
+        self._engine = GradientEngine(named, EngineConfig(
+            group=self.group, topology=topology, join_flag=join_ready, follows_world=steps,
             bucket_mb=bucket_mb, compression=compression, op=op,
             gradient_predivide_factor=gradient_predivide_factor, find_unused_parameters=find_unused_parameters,
             missing_as_zeros=missing_as_zeros, sparse_as_dense=sparse_as_dense, algorithm=algorithm,
             backward_passes_per_step=backward_passes_per_step, wait_in_backward=False,
-        )
+        ))
         # The engine calls it once per step, at the first gradient, before any bucket launches
         # (one call a step, not a Python hook on every parameter).
         if world > 1 and join_ready and not self._engine.join_flag:

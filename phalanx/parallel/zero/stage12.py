@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from phalanx.comm.collectives import reduce_scatter_flat
 from phalanx.comm.compression.codecs import NoneCompressor
+from phalanx.parallel.data.config import EngineConfig
 from phalanx.parallel.data.gradients import GradientEngine
 from phalanx.parallel.data.reduction import BucketReduction
 from phalanx.parallel.zero.shard import Unit, gather_into, reduces_in_place
@@ -104,10 +105,10 @@ class ShardReduction(BucketReduction):
 
     def _pass(self) -> int:
         """The engine's index of the backward pass now running (its end-of-backward counts it first)."""
-        return self.engine._passes - (0 if self.engine._queued else 1)
+        return self.ctx.pass_index
 
     def end_of_backward(self, synced: bool) -> None:
-        if self.keep_full and self.reduced and self._reduced_pass != self.engine._passes - 1:
+        if self.keep_full and self.reduced and self._reduced_pass != self.ctx.pass_index:
             raise self._second_backward()
         if self.on_backward_end is not None:
             self.on_backward_end()
@@ -120,7 +121,7 @@ class ShardReduction(BucketReduction):
             if self.reduced and self._reduced_pass != now:
                 raise self._second_backward()
             self.reduced, self._reduced_pass = True, now
-            self.engine.gather_grads(bucket)  # nothing to copy unless someone replaced a .grad
+            self.ctx.gather_grads(bucket)  # nothing to copy unless someone replaced a .grad
             src = bucket.flat
         else:
             src = self._copy_out(bucket)
@@ -139,7 +140,7 @@ class ShardReduction(BucketReduction):
             out = view if direct else torch.empty(u.shard_numel, dtype=payload.dtype, device=payload.device)
             work = reduce_scatter_flat(out, payload, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         bucket.handle = (out, ctx, src, work)
-        self.engine.bytes_sent += self.engine._ring_bytes(payload.nbytes)
+        self.ctx.count_bytes(self.ctx.ring_bytes(payload.nbytes))
         if not self.keep_full:
             self._in_flight.append(bucket)
 
@@ -254,12 +255,12 @@ def shard_engine(
                                on_unit_complete=on_unit_complete, on_backward_end=on_backward_end)
     named = [(n, p) for _, u in order for n, p in zip(u.names, u.params)]
     world = dist.get_world_size(group)
-    engine = GradientEngine(
-        named, group=group, bucket_mb=1.0, algorithm="flat", reduction=reduction,
+    engine = GradientEngine(named, EngineConfig(
+        group=group, bucket_mb=1.0, algorithm="flat",
         plan=[u.params for _, u in order], pad_to=world, lazy_buckets=not keep_full,
         backward_passes_per_step=passes_per_reduce if keep_full else 1,
         wait_in_backward=not keep_full, gradient_as_bucket_view=keep_full,
-    )
+    ), reduction=reduction)
     return engine, reduction
 
 
@@ -325,7 +326,7 @@ class Stage12:
                 for s, m in zip(self.grad_shards, self.masters)]
 
     def after_step(self) -> None:
-        self.grad_engine._passes = 0
+        self.grad_engine.reset_passes()
         if self.stage == 1:  # stage 1 keeps only the full flats between steps
             self.grad_shards[:] = [None] * len(self.grad_shards)
             self.reduction._fresh = [True] * len(self.reduction.order)
@@ -333,7 +334,7 @@ class Stage12:
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Stage 1's .grad are views into the persistent flats: zeroed, never set to None.
         self.grad_engine.wait()
-        self.grad_engine._passes = 0
+        self.grad_engine.reset_passes()
         self.reduction.zero()
         if self.stage == 1:
             for bucket in self.grad_engine.buckets.buckets:

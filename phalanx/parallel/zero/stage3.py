@@ -198,11 +198,11 @@ class Stage3:
         return self.grad_shards
 
     def after_step(self) -> None:
-        self.grad_engine._passes = 0
+        self.grad_engine.reset_passes()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_engine.wait()
-        self.grad_engine._passes = 0
+        self.grad_engine.reset_passes()
         self.reduction.zero()
 
     def publish(self) -> None:
