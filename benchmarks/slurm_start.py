@@ -4,7 +4,7 @@ Run (root; needs slurm-wlm and munge: scripts/install-test-deps.sh)::
 
     flock /tmp/phalanx-bench.lock python benchmarks/slurm_start.py [--repeats 5] [--nodes 2] [--per-node 1]
 
-Starts the test cluster of tests/slurm_cluster.py (munged, slurmctld, two slurmd on this
+Starts the test cluster of tests/jobs/slurm_cluster.py (munged, slurmctld, two slurmd on this
 machine), then, interleaved per repeat, times from the moment ``salloc`` is started to the end
 of rank 0's first ``DataParallel`` step for::
 

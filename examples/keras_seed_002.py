@@ -23,7 +23,7 @@ fusion groups, as the seed's comment says) and ``initial_lr=learning_rate/10`` (
 warm-up *ends* at ``initial_lr``: it ramps from ``initial_lr/size`` to ``initial_lr``).
 
 Each rank prints its final weights' checksum and its (averaged) metrics, so a test
-(tests/test_keras.py) can check that the replicas agree.
+(tests/fronts/test_keras.py) can check that the replicas agree.
 """
 
 import os

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The system tools some tests use, installed when this is root on a Debian/Ubuntu machine:
-#   openssh-server, openssh-client, iproute2  the simulated multi-host cluster (tests/test_multihost.py, …)
-#   slurm-wlm, munge                          a real SLURM cluster (tests/slurm_cluster.py, tests/test_slurm*.py)
-#   openmpi-bin                               mpirun (tests/test_mpirun.py)
+#   openssh-server, openssh-client, iproute2  the simulated multi-host cluster (tests/launcher/test_multihost.py, …)
+#   slurm-wlm, munge                          a real SLURM cluster (tests/jobs/slurm_cluster.py, tests/launcher/test_slurm*.py)
+#   openmpi-bin                               mpirun (tests/launcher/test_mpirun.py)
 # Anywhere else it prints one line and exits 0: the tests that need a missing tool skip with the reason.
 # The README's test command runs it first; so does CI (.ci/run runs that command verbatim).
 set -u

@@ -1,8 +1,26 @@
 """Suite-wide settings: spawned ranks fork from a server that already imported what most tests use;
-the slowest modules start first, so the test processes (pytest-xdist, a module each) end together."""
+the slowest modules start first, so the test processes (pytest-xdist, a module each) end together.
+
+The tests mirror the package (runtime/, comm/, parallel/, ps/, services/, launcher/, fronts/; the
+scripts they launch in jobs/). Every one of those folders is on ``sys.path`` from the start: a
+rank unpickles its test body by module name, in a process forked from a server that started
+with the path of that moment, so a folder added later (pytest adds a module's folder when it
+imports it) would be missing there.
+
+Markers, set per module (``pytestmark``): ``unit`` (one process), ``ranks`` (real ranks on gloo),
+``cluster`` (cluster software: SLURM, Open MPI, sshd in network namespaces, Ray, Optuna's
+studies). ``python -m pytest -m unit`` is the quick loop.
+"""
 
 import importlib.util
 import os
+import pathlib
+import sys
+
+_TESTS = pathlib.Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 if importlib.util.find_spec("sklearn") is not None:
     os.environ.setdefault("PHALANX_SPAWN_PRELOAD", "sklearn.datasets")

@@ -1,7 +1,7 @@
 """Shared bits of the GPU run's steps (benchmarks/gpu/run.sh): the device switch, timing, JSON lines.
 
 Every step script takes ``--device cpu|cuda`` and ``--out FILE``. ``--device cpu`` is the dry run:
-tiny sizes, gloo, seconds, so that tests/test_gpu_dry_run.py keeps the script from rotting on a
+tiny sizes, gloo, seconds, so that tests/runtime/test_gpu_dry_run.py keeps the script from rotting on a
 machine without a GPU. Each result is one JSON line appended to ``--out`` (and echoed to stdout),
 tagged with the step, the device's name and torch's version, so the lines from one run can be
 committed under benchmarks/results/ as they are.

@@ -58,13 +58,13 @@ step() {
 if [ "$DEVICE" = cuda ]; then
   T_TESTS=300 T_OVERHEAD=100 T_AMP=60 T_CODECS=180 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
   ZERO_ARGS="--timeout 40 --max-seconds 75"
-  TESTS="tests/test_collectives.py tests/test_data_parallel.py tests/test_zero.py tests/test_compression.py \
-tests/test_compressed_collectives.py tests/test_checkpoint.py"
+  TESTS="tests/comm/test_collectives.py tests/parallel/test_data_parallel.py tests/parallel/test_zero.py \
+tests/comm/test_compression.py tests/comm/test_compressed_collectives.py tests/services/test_checkpoint.py"
   XDIST="-n 6"
 else  # the dry run: one small test module stands for the correctness step
   T_TESTS=120 T_OVERHEAD=120 T_AMP=60 T_CODECS=60 T_ZERO=60 T_OVERLAP=60 T_LAUNCHER=80
   ZERO_ARGS=""
-  TESTS="tests/test_collectives.py -k test_every_collective_and_op"
+  TESTS="tests/comm/test_collectives.py -k test_every_collective_and_op"
   XDIST="-n 0"
 fi
 

@@ -10,7 +10,7 @@ Two reconstructions, per chunk of ``d`` values:
 
 Without error feedback sign compression is biased and can fail to converge;
 with it (on by default in the registry) it matches SGD on many problems. On
-digits (tests/test_compressed_collectives.py, seeds 0-5) the two-level form
+digits (tests/comm/test_compressed_collectives.py, seeds 0-5) the two-level form
 ended within 0.9 points of uncompressed, the one-scale form up to 2 points
 below. Payload, one uint8 tensor::
 

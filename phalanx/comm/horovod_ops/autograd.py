@@ -10,7 +10,7 @@
     grouped_reducescatter      backward: per tensor, as reducescatter
 
 These are Horovod 0.28's rules, checked against numerical references on 2 and 4 ranks in
-``tests/test_horovod_autograd.py``. Each entry point takes the differentiable path only
+``tests/fronts/test_horovod_autograd.py``. Each entry point takes the differentiable path only
 when grad mode is on and an input requires grad; otherwise it is the plain collective.
 """
 

@@ -4,7 +4,7 @@ gloo and NCCL have no int16 (``RuntimeError: Invalid scalar type``); Horovod tak
 tensor of a missing dtype travels as the smallest wider dtype that holds every value
 (int16 → int32) and comes back cast: lossless for data movement, and for sums it wraps on
 overflow exactly as int16 arithmetic does. Checked dtype by dtype in
-``tests/test_horovod_dtypes.py`` (uint8 … bool, every op, 1/2/4 ranks).
+``tests/fronts/test_horovod_dtypes.py`` (uint8 … bool, every op, 1/2/4 ranks).
 
 ``fuse`` packs a list of tensors into one flat buffer per dtype, so a grouped collective
 costs one call per dtype instead of one per tensor; :class:`FusedHandle` splits the

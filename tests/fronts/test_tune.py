@@ -1,0 +1,165 @@
+"""phalanx.tune: an Optuna study whose trials are 2-rank jobs (every rank follows rank 0's
+suggestions and pruning; the SQLite study survives its driver), and a Ray Tune run whose
+trials are RayExecutor jobs stopped early by ASHA."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+optuna = pytest.importorskip("optuna", reason="optuna is not installed (pip install 'phalanx[tune]')")
+
+import phalanx as px  # noqa: E402
+from phalanx.tune import DistributedTrial, run_study, trials_table  # noqa: E402
+
+EPOCHS = 3
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]  # a local cluster and several jobs: minutes when the machine is loaded
+
+
+def objective(trial, epochs, sleep_s=0.0):
+    """value at epoch e = x * (e + 1), computed with a collective; every rank checks it follows rank 0."""
+    x = trial.suggest_float("x", 0.0, 1.0)
+    kind = trial.suggest_categorical("kind", ["a", "b"])
+    followed = px.allgather_object((x, kind, trial.number))
+    if len(set(followed)) != 1:
+        raise AssertionError(f"ranks disagree on the trial: {followed}")
+    value = 0.0
+    for epoch in range(epochs):
+        time.sleep(sleep_s)
+        value = px.allreduce(torch.tensor([x * (epoch + 1)], dtype=torch.float64), op=px.Average).item()
+        trial.report(value, epoch)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+    return value
+
+
+def test_import_phalanx_imports_neither_ray_nor_optuna():
+    code = ("import sys, phalanx, phalanx.horovod\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'optuna')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_distributed_trial_in_a_world_of_one():
+    study = optuna.create_study()
+    trial = DistributedTrial(study.ask())
+    assert 0 <= trial.suggest_int("n", 0, 3) <= 3
+    trial.report(1.0, 0)
+    assert trial.should_prune() is False and trial.number == 0 and set(trial.params) == {"n"}
+    with pytest.raises(ValueError, match="rank 0 must pass"):
+        DistributedTrial(None)
+
+
+def test_optuna_study_of_two_rank_trials_with_pruning_and_resume(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    common = dict(ranks_per_trial=2, args=(EPOCHS,), study_name="t", storage=url, direction="minimize",
+                  sampler=optuna.samplers.RandomSampler(seed=0), pruner=optuna.pruners.ThresholdPruner(upper=1.5),
+                  slots=2)
+    # x=0.9 crosses 1.5 at epoch 1 (1.8): pruned after two reports; x=0.2 completes at 0.6
+    study = run_study(objective, n_trials=3, enqueue=[{"x": 0.2, "kind": "a"}, {"x": 0.9, "kind": "b"}], **common)
+    trials = study.get_trials()
+    assert len(trials) == 3
+    assert trials[0].state == optuna.trial.TrialState.COMPLETE and trials[0].value == pytest.approx(0.6)
+    assert trials[0].intermediate_values == pytest.approx({0: 0.2, 1: 0.4, 2: 0.6})
+    assert trials[1].state == optuna.trial.TrialState.PRUNED and sorted(trials[1].intermediate_values) == [0, 1]
+    assert trials[2].state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    table = trials_table(study)
+    assert "| 1 | PRUNED | b | 0.9 |" in table, table
+
+    # a new driver on the same storage: it finds 3 finished trials and runs only the 4th
+    again = run_study(objective, n_trials=4, **common)
+    assert [t.number for t in again.get_trials()] == [0, 1, 2, 3]
+    assert again.get_trials()[3].state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+
+_CRASHING_DRIVER = """
+import optuna, sys, test_tune
+from phalanx.tune import run_study
+run_study(test_tune.objective, n_trials=5, ranks_per_trial=2, args=(3, 20.0), study_name="c", storage=sys.argv[1],
+          direction="minimize", heartbeat_s=1, slots=2)
+"""
+
+
+def test_study_survives_a_killed_driver(tmp_path):
+    url = f"sqlite:///{tmp_path / 'crash.db'}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs"),
+                                            os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", _CRASHING_DRIVER, url], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    storage = optuna.storages.RDBStorage(url)
+    try:
+        deadline = time.monotonic() + 120
+        running = []
+        while time.monotonic() < deadline and not running:
+            time.sleep(0.5)
+            try:
+                running = optuna.load_study(study_name="c", storage=storage).get_trials(
+                    states=[optuna.trial.TrialState.RUNNING])
+            except KeyError:  # the study is not created yet
+                pass
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert running, "the driver never started a trial"
+        # Optuna only fails a RUNNING trial whose last heartbeat is stale: wait for the first one
+        # (a fixed sleep was not enough on a loaded machine)
+        db = sqlite3.connect(str(tmp_path / "crash.db"))
+        while time.monotonic() < deadline and not db.execute("SELECT count(*) FROM trial_heartbeats").fetchone()[0]:
+            time.sleep(0.2)
+        db.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks, mid-trial
+        proc.wait()
+    # past the grace period (3 heartbeats) by more than SQLite's one-second clock: CURRENT_TIMESTAMP
+    # keeps whole seconds, so 3.5 s after a beat at x.9 can read as exactly 3 s, which is not stale
+    time.sleep(5.0)
+    study = run_study(objective, n_trials=1, ranks_per_trial=2, args=(1,), study_name="c", storage=url,
+                      direction="minimize", heartbeat_s=1, slots=2)
+    states = [t.state for t in study.get_trials()]
+    assert states[0] == optuna.trial.TrialState.FAIL, "the killed driver's trial was not marked FAIL"
+    assert states[1] == optuna.trial.TrialState.COMPLETE
+
+
+# -- Ray Tune ---------------------------------------------------------------------------------------------
+
+def tune_train_fn(config):
+    """Every rank; the metric is `score` * epoch, so lower-score trials fall behind at each rung."""
+    from phalanx.tune import report
+
+    px.init()
+    for epoch in range(1, 5):
+        value = px.allreduce(torch.tensor([config["score"] * epoch]), op=px.Average).item()
+        report(score=value, epoch=epoch)
+
+
+@pytest.mark.timeout(900)  # a local cluster plus two 2-actor trials: minutes on a loaded 2-core machine
+def test_ray_tune_asha_stops_trials_early(tmp_path):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray_local import start_local_ray
+
+    from phalanx.tune import distributed_trainable
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    start_local_ray(ray)
+    try:
+        tuner = tune.Tuner(
+            distributed_trainable(tune_train_fn, num_workers=2, cpus_per_worker=1),
+            param_space={"score": tune.grid_search([1.0, 0.25])},  # one at a time: 1.0 first, 0.25 falls behind
+            tune_config=tune.TuneConfig(scheduler=ASHAScheduler(metric="score", mode="max", max_t=4,
+                                                                grace_period=1, reduction_factor=2,
+                                                                time_attr="training_iteration")),
+            run_config=tune.RunConfig(storage_path=str(tmp_path), name="asha", verbose=0))
+        results = tuner.fit()
+    finally:
+        ray.shutdown()
+    assert not results.errors, results.errors
+    epochs = {r.config["score"]: r.metrics["epoch"] for r in results}
+    assert epochs[1.0] == 4, epochs  # the best trial runs to the end
+    assert epochs[0.25] < 4, f"ASHA did not stop the worse trial: {epochs}"
+    histories = {r.config["score"]: list(r.metrics_dataframe["score"]) for r in results}
+    assert histories[1.0] == [1.0, 2.0, 3.0, 4.0], "every epoch of rank 0 reached Tune"
