@@ -13,6 +13,8 @@ import torch
 import phalanx.horovod.torch as hvd
 from phalanx.testing import distributed
 
+pytestmark = pytest.mark.ranks
+
 
 def _duplicate_name():
     first = hvd.allreduce_async(torch.ones(4), name="dup")
@@ -115,8 +117,6 @@ def test_ranks_still_agree_after_every_error(results):
 MIXED = """
 import torch
 import phalanx.horovod.torch as hvd
-
-pytestmark = pytest.mark.ranks
 
 hvd.init()
 model = torch.nn.Linear(4, 2)

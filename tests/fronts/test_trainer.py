@@ -30,6 +30,8 @@ from phalanx.trainer import (
 )
 from phalanx.trainer.data import DataError
 
+pytestmark = pytest.mark.ranks
+
 
 def _model():
     torch.manual_seed(0)
@@ -435,8 +437,6 @@ def test_resume_from_a_missing_directory_and_a_directory_of_a_newer_run_are_refu
 _TRAIN_SCRIPT = """
 import torch, phalanx as px
 from phalanx.demo import load_digits
-
-pytestmark = pytest.mark.ranks
 px.init()
 x, y, xt, yt = load_digits()
 torch.manual_seed(0)

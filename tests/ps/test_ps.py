@@ -18,6 +18,8 @@ from phalanx.demo import load_digits
 from phalanx.ps import ParameterServer, PSError, PSTimeoutError, PSWorker, run_ps, shard_parameters
 from phalanx.testing import distributed
 
+pytestmark = pytest.mark.ranks
+
 STEPS, BATCH = 8, 32
 
 
@@ -211,8 +213,6 @@ px.init()
 out = run_ps(model, lambda ps: torch.optim.SGD(ps, lr=0.5), train, mode="sync")
 print("ROLE", out["role"], out["stats"].get("pushes"), out["result"])
 from phalanx.runtime.jobkey import job_key
-
-pytestmark = pytest.mark.ranks
 print("SIGNED", job_key() is not None)  # phalanx run made a job secret: the frames were signed with it
 px.shutdown()
 """

@@ -19,6 +19,8 @@ from phalanx import trace
 from phalanx.profiler import StepProfiler, breakdown, timeline
 from phalanx.testing import distributed
 
+pytestmark = pytest.mark.ranks
+
 STEPS = 6
 
 
@@ -183,8 +185,6 @@ def test_trace_is_free_when_off():
 
 SCRIPT = """
 import torch, phalanx as px
-
-pytestmark = pytest.mark.ranks
 px.init()
 model = px.DataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), compression="fp16")
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
