@@ -95,16 +95,20 @@ J="--device $DEVICE --out $RESULTS"
     $PY benchmarks/gpu/junit_summary.py "$WORK/junit.xml" $J >/dev/null
   fi
 ) &
-TESTS_PID=$!
+
+timed_steps() {
+  step overhead "$T_OVERHEAD" $PY benchmarks/gpu/overhead.py $J
+  step codecs "$T_CODECS" $PY benchmarks/gpu/codecs.py $J
+  step fused_int8 120 $PY benchmarks/gpu/fused_int8.py $J
+}
+# the dry run times nothing: its timed steps run beside the rest, so that its test stays short
+if [ "$DEVICE" = cpu ]; then timed_steps & fi
 step amp "$T_AMP" $PY benchmarks/gpu/amp.py $J
 step zero_memory "$T_ZERO" $PY benchmarks/gpu/zero_memory.py $J $ZERO_ARGS
 step overlap "$T_OVERLAP" $PY benchmarks/gpu/overlap.py $J --trace-dir "$WORK"
 step launcher "$T_LAUNCHER" $PY benchmarks/gpu/launcher_check.py $J
-wait "$TESTS_PID"
-# 2 and 4 alone: they time kernels
-step overhead "$T_OVERHEAD" $PY benchmarks/gpu/overhead.py $J
-step codecs "$T_CODECS" $PY benchmarks/gpu/codecs.py $J
-step fused_int8 120 $PY benchmarks/gpu/fused_int8.py $J
+wait
+if [ "$DEVICE" = cuda ]; then timed_steps; fi  # 2, 4 and 8 alone: they time kernels
 
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" . 2>/dev/null
 rm -rf "$WORK"
