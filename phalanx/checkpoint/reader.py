@@ -92,33 +92,28 @@ def read_meta(path: str, manifest: dict, r: int) -> dict:
     return info
 
 
-def _template_shards(tree: Any, path: tuple = (), out: dict | None = None) -> dict[str, Shard]:
+def _nodes(tree: Any, keep, path: tuple = (), out: dict | None = None) -> dict[str, Any]:
+    """tree path -> node, for every node of ``tree`` that ``keep(node)`` accepts (not looking inside it)."""
     out = {} if out is None else out
-    if isinstance(tree, Shard):
+    if keep(tree):
         out[path_str(path)] = tree
     elif isinstance(tree, dict):
         for k, v in tree.items():
-            _template_shards(v, path + (k,), out)
+            _nodes(v, keep, path + (k,), out)
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            _template_shards(v, path + (i,), out)
+            _nodes(v, keep, path + (i,), out)
     return out
 
 
-def _live_devices(tree: Any, path: tuple = (), out: dict | None = None) -> dict[str, torch.device]:
+def _template_shards(tree: Any) -> dict[str, Shard]:
+    return _nodes(tree, lambda node: isinstance(node, Shard))
+
+
+def _live_devices(tree: Any) -> dict[str, torch.device]:
     """tree path -> the device of the live tensor (or Shard) there: where its loaded value goes."""
-    out = {} if out is None else out
-    if isinstance(tree, Shard):
-        out[path_str(path)] = tree.tensor.device
-    elif isinstance(tree, torch.Tensor):
-        out[path_str(path)] = tree.device
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _live_devices(v, path + (k,), out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _live_devices(v, path + (i,), out)
-    return out
+    live = _nodes(tree, lambda node: isinstance(node, (Shard, torch.Tensor)))
+    return {p: (n.tensor if isinstance(n, Shard) else n).device for p, n in live.items()}
 
 
 def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, torch.Tensor]]:

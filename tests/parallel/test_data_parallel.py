@@ -208,22 +208,53 @@ def _mlp_family():
     return out
 
 
-def test_mlp_family_equivalence():
-    for r, out in enumerate(distributed(_mlp_family, np=2, timeout=150)):
-        for key, value in out.items():
-            if key in ("bytes", "state_keys_plain", "unused_error", "fp16_grad_diff", "int8_grad_diff",
-                       "int8_bytes", "nan_everywhere", "residuals_cleared", "finite_after", "grads_in_buckets"):
-                continue
-            assert value < TOL, f"rank {r} {key}: max |param - reference| = {value}"
-        assert out["fp16_grad_diff"] < 1e-2
-        assert out["int8_grad_diff"] < 5e-2, out["int8_grad_diff"]
-        assert 0 < out["int8_bytes"][1] < out["int8_bytes"][0] / 2, out["int8_bytes"]
-        full, half = out["bytes"]
-        assert full > 0 and half * 2 == full, out["bytes"]
-        assert out["state_keys_plain"]
-        assert out["nan_everywhere"] and out["residuals_cleared"] and out["finite_after"], out
-        assert out["grads_in_buckets"]
-        assert "find_unused_parameters=True" in out["unused_error"] and "b.weight" in out["unused_error"]
+@pytest.fixture(scope="module")
+def mlp_family():
+    """One spawned group runs every MLP case; each check below is its own test."""
+    return distributed(_mlp_family, np=2, timeout=150)
+
+
+# max |param - reference| after STEPS steps, each < TOL on every rank
+MLP_EQUIVALENT = [
+    "mlp_sgd", "mlp_adam", "mlp_sgd_accum4", "mlp_adam_accum4", "wide_sgd_accum2_in_bucket", "wide_adam_accum2_in_bucket",
+    "unused_sgd", "unused_adam", "frozen_sgd", "frozen_adam", "toggle_sgd", "unfreeze_adam", "ring_sgd",
+    "weighted", "state_roundtrip"]
+MLP_CHECKS = {  # one rank's results -> assertion
+    "fp16_grads_close": lambda out: out["fp16_grad_diff"] < 1e-2 or _fail(out["fp16_grad_diff"]),
+    "fp16_halves_the_bytes": lambda out: (out["bytes"][0] > 0 and 2 * out["bytes"][1] == out["bytes"][0])
+    or _fail(out["bytes"]),
+    "int8_grads_close": lambda out: out["int8_grad_diff"] < 5e-2 or _fail(out["int8_grad_diff"]),
+    "int8_sends_under_half": lambda out: 0 < out["int8_bytes"][1] < out["int8_bytes"][0] / 2 or _fail(out["int8_bytes"]),
+    "state_dict_has_the_plain_keys": lambda out: out["state_keys_plain"] or _fail(out),
+    "nan_on_one_rank_skips_everywhere": lambda out: (out["nan_everywhere"] and out["residuals_cleared"]
+                                                     and out["finite_after"]) or _fail(out),
+    "large_grads_stay_bucket_views": lambda out: out["grads_in_buckets"] or _fail(out),
+    "an_unused_parameter_is_named": lambda out: ("find_unused_parameters=True" in out["unused_error"]
+                                                 and "b.weight" in out["unused_error"]) or _fail(out["unused_error"]),
+}
+_MLP_OTHER_KEYS = {"bytes", "state_keys_plain", "unused_error", "fp16_grad_diff", "int8_grad_diff", "int8_bytes",
+                   "nan_everywhere", "residuals_cleared", "finite_after", "grads_in_buckets"}
+
+
+def _fail(got):
+    raise AssertionError(f"got {got!r}")
+
+
+@pytest.mark.parametrize("case", MLP_EQUIVALENT)
+def test_mlp_family_equivalence(case, mlp_family):
+    for r, out in enumerate(mlp_family):
+        assert out[case] < TOL, f"rank {r} {case}: max |param - reference| = {out[case]}"
+
+
+@pytest.mark.parametrize("check", list(MLP_CHECKS))
+def test_mlp_family(check, mlp_family):
+    for out in mlp_family:
+        MLP_CHECKS[check](out)
+
+
+def test_mlp_family_checks_every_case_it_runs(mlp_family):
+    """A case added to the body without a check here would pass unseen."""
+    assert set(mlp_family[0]) == set(MLP_EQUIVALENT) | _MLP_OTHER_KEYS
 
 
 def _cnn():
@@ -296,16 +327,36 @@ def _cnn_and_embedding_family():
     return out
 
 
-def test_cnn_batchnorm_and_embedding_equivalence():
-    results = distributed(_cnn_and_embedding_family, np=2, timeout=150)
-    every_bufs = [out.pop("buffers") for out in results]
-    for r, out in enumerate(results):
-        bufs = every_bufs[r]
-        assert out.pop("emb_sparse_grad_is_sparse") == [True] * (2 * STEPS)
-        for key, value in out.items():
-            assert value is not None and value < TOL, f"rank {r} {key}: max |param - reference| = {value}"
-        for name, t in bufs.items():
-            torch.testing.assert_close(t, every_bufs[0][name], msg=f"buffer {name} differs on rank {r}")
+@pytest.fixture(scope="module")
+def cnn_family():
+    """One spawned group runs every CNN / embedding case; each check below is its own test."""
+    return distributed(_cnn_and_embedding_family, np=2, timeout=150)
+
+
+CNN_EQUIVALENT = [f"{case}_{kind}" for case in ("cnn_bn", "emb_dense", "emb_sparse_as_dense") for kind in ("sgd", "adam")] \
+    + ["emb_sparse_sgd", "emb_sparse_found_sgd"]
+
+
+@pytest.mark.parametrize("case", CNN_EQUIVALENT)
+def test_cnn_batchnorm_and_embedding_equivalence(case, cnn_family):
+    for r, out in enumerate(cnn_family):
+        value = out[case]
+        assert value is not None and value < TOL, f"rank {r} {case}: max |param - reference| = {value}"
+
+
+def test_sparse_embedding_gradients_stay_sparse(cnn_family):
+    for out in cnn_family:
+        assert out["emb_sparse_grad_is_sparse"] == [True] * (2 * STEPS)
+
+
+def test_batchnorm_buffers_are_rank_0s_everywhere(cnn_family):
+    for r, out in enumerate(cnn_family):
+        for name, t in out["buffers"].items():
+            torch.testing.assert_close(t, cnn_family[0]["buffers"][name], msg=f"buffer {name} differs on rank {r}")
+
+
+def test_cnn_family_checks_every_case_it_runs(cnn_family):
+    assert set(cnn_family[0]) == set(CNN_EQUIVALENT) | {"emb_sparse_grad_is_sparse", "buffers"}
 
 
 def _distributed_optimizer_family():
