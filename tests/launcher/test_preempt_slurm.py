@@ -31,7 +31,7 @@ def test_usr1_checkpoints_requeues_and_resumes_bitwise_equal(slurm, tmp_path):  
     out = tmp_path
     os.chmod(out, 0o755)
     # docs/slurm.md's preemption script, with this test's job, log and PYTHONPATH
-    doc = open(os.path.join(os.path.dirname(JOB), "..", "docs", "slurm.md")).read()
+    doc = open(os.path.join(os.path.dirname(JOB), "..", "..", "docs", "slurm.md")).read()
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if b.startswith("#!/usr/bin/env bash")]
     line = "exec phalanx run --preempt-signal USR1 python train.py"
     assert line in block and "#SBATCH --requeue" in block
