@@ -31,8 +31,8 @@ def main() -> None:
     cases = [("np1_default", 1, {}), ("np2_gloo_shared_gpu", 2, {"PHALANX_BACKEND": "gloo"})]
     if args.device == "cuda":
         cases.append(("np2_nccl_one_gpu_refused", 2, {}))
-    else:
-        cases[1][2]["PHALANX_DEVICE"] = "cpu"
+    else:  # the dry run: the two-rank case alone (on a CPU the default is gloo too)
+        cases = [("np2_gloo_shared_gpu", 2, {"PHALANX_BACKEND": "gloo", "PHALANX_DEVICE": "cpu"})]
     for name, np, env in cases:
         try:
             p = _launch(np, env)
