@@ -301,31 +301,15 @@ def main() -> None:
     broken = None
     for name, variant in jobs:
         if broken is not None:
-            emit(
-                args.out,
-                STEP,
-                args.device,
-                **common,
-                codec=name,
-                variant=variant,
-                error=f"skipped: CUDA unusable after {broken} failed",
-            )
+            emit(args.out, STEP, args.device, **common, codec=name, variant=variant,
+                 error=f"skipped: CUDA unusable after {broken} failed")
             continue
         try:
             row = bench_codec(name, variant, grad, copy_s, args)
             emit(args.out, STEP, args.device, **common, **row)
         except Exception as err:  # noqa: BLE001 - one codec's failure must not end the run
             msg, tb = _err_text(err)
-            emit(
-                args.out,
-                STEP,
-                args.device,
-                **common,
-                codec=name,
-                variant=variant,
-                error=msg,
-                traceback=tb,
-            )
+            emit(args.out, STEP, args.device, **common, codec=name, variant=variant, error=msg, traceback=tb)
             if not _cuda_alive(args.device):
                 broken = f"{name}/{variant}"
         gc.collect()

@@ -383,44 +383,22 @@ def main() -> None:
     )
     t_start = time.perf_counter()
 
+    def record(config: str, method: str | None, **fields) -> None:
+        emit(args.out, STEP, args.device, **common, config=config, fsdp2_method=method, **fields)
+
     def over_budget(config: str, method: str | None = None) -> bool:
         if time.perf_counter() - t_start <= args.max_seconds:
             return False
-        emit(
-            args.out,
-            STEP,
-            args.device,
-            **common,
-            config=config,
-            fsdp2_method=method,
-            error=f"skipped: the run passed --max-seconds {args.max_seconds:g}",
-        )
+        record(config, method, error=f"skipped: the run passed --max-seconds {args.max_seconds:g}")
         return True
 
     def report(config: str, rows: list[dict], method: str | None) -> None:
         for row in rows:
-            emit(
-                args.out,
-                STEP,
-                args.device,
-                **common,
-                config=config,
-                fsdp2_method=method,
-                **_finish(row, config, spec),
-            )
+            record(config, method, **_finish(row, config, spec))
 
     def failed(config: str, err: BaseException, method: str | None) -> None:
         msg, detail = _err_text(err)
-        emit(
-            args.out,
-            STEP,
-            args.device,
-            **common,
-            config=config,
-            fsdp2_method=method,
-            error=msg,
-            detail=detail,
-        )
+        record(config, method, error=msg, detail=detail)
 
     for config in configs:
         if config != "fsdp2":

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.mismatch import check_call
+from phalanx.comm.mismatch import check_call, default_device
 from phalanx.runtime.heartbeat import RECORD
 
 __all__ = [
@@ -161,10 +161,12 @@ def _launch(work, result, finish, async_op: bool, entry: list | None = None, hom
 def _wire(tensor: torch.Tensor, group) -> torch.device | None:
     """The GPU ``tensor`` travels through when the group's backend cannot send it from where it is:
     NCCL moves CUDA tensors only, so a CPU tensor (a loss, a metric to average) goes through this
-    rank's GPU and comes back. None: it travels as it is."""
-    if tensor.device.type == "cuda" or dist.get_backend(group) != "nccl":
+    rank's GPU and comes back. None: it travels as it is (always, on a machine without CUDA: the
+    CPU path of every bucket asks no more than that)."""
+    if tensor.device.type == "cuda" or not torch.cuda.is_available():
         return None
-    return torch.device("cuda", torch.cuda.current_device())
+    device = default_device(group)
+    return device if device.type == "cuda" else None
 
 
 def _homeward(finish, home: torch.device, into: torch.Tensor | None):

@@ -105,8 +105,9 @@ def describe_mismatch(every: list[dict], group) -> str:
     return "\n".join(lines)
 
 
-def default_device() -> torch.device:
-    """Where a collective with no tensor of its own puts its probe: the CUDA device on NCCL."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def default_device(group=None) -> torch.device:
+    """The device a tensor must be on to travel in ``group``: this rank's GPU on NCCL (which sends
+    CUDA tensors only), else the CPU. Where a probe or flag with no tensor of its own goes."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -35,11 +35,16 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.mismatch import CollectiveMismatchError, describe_mismatch, mismatch_check_enabled
+from phalanx.comm.mismatch import (
+    CollectiveMismatchError,
+    default_device,
+    describe_mismatch,
+    mismatch_check_enabled,
+)
 from phalanx.runtime import heartbeat
 
 __all__ = ["STEP", "NOBODY", "JOINED", "digest", "step_probe", "announce", "next_request", "joined_wait",
-           "last_to_join", "device_for"]
+           "last_to_join"]
 
 STEP = 1
 """An optimizer step's code in the probe (digests of facade calls are 2 or more)."""
@@ -57,19 +62,13 @@ def digest(desc: dict) -> int:
 
 def _probe(code: int, joined: int, group) -> torch.Tensor:
     out = torch.tensor([code, -code if code != NOBODY else NOBODY, joined], dtype=torch.int64,
-                       device=device_for(group))
+                       device=default_device(group))
     return out
 
 
 def step_probe(device: torch.device) -> torch.Tensor:
     """The probe an optimizer step contributes (``all_reduce(..., MAX)``; its result is not needed)."""
     return torch.tensor([STEP, -STEP, 0], dtype=torch.int64, device=device)
-
-
-def device_for(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _compare(every: list[dict], group) -> dict | None:
@@ -161,7 +160,7 @@ def last_to_join(answered: int, group) -> int:
     """Every rank, after leaving its join loop: the global rank that joined last (it answered the
     fewest requests; the highest such rank on a tie, as Horovod)."""
     n = dist.get_world_size(group)
-    every = torch.zeros(n, dtype=torch.int64, device=device_for(group))
+    every = torch.zeros(n, dtype=torch.int64, device=default_device(group))
     every[dist.get_rank(group)] = answered
     dist.all_reduce(every, op=dist.ReduceOp.SUM, group=group)
     counts = every.tolist()

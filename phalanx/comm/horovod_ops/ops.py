@@ -23,6 +23,7 @@ from phalanx.comm import collectives as c
 from phalanx.comm.horovod_ops import adasum, negotiate
 from phalanx.comm.horovod_ops.dtypes import FusedHandle, fuse, to_wire
 from phalanx.comm.horovod_ops.process_sets import ProcessSet, global_process_set, group_of
+from phalanx.comm.mismatch import default_device
 
 __all__ = [
     "ADASUM", "HorovodInternalError", "CompositeHandle", "allreduce_async", "grouped_allreduce_async",
@@ -281,7 +282,7 @@ def _filled(desc: dict, rows_zero: bool = False) -> torch.Tensor:
     shape = tuple(desc["shape"] or ())
     if rows_zero:
         shape = (0,) + shape[1:]
-    device = negotiate.device_for(None)
+    device = default_device()
     op = desc.get("op")
     if op == "product":
         return torch.ones(shape, dtype=dtype, device=device)

@@ -176,15 +176,10 @@ class DataParallel(nn.Module):
         if self.balancer is not None:
             self.balancer.forward_begins()
         if self._joining:
-            allreduce(torch.ones(1, device=self._device()), op=ReduceOp.SUM, group=self.group, name="dp.join")
+            allreduce(torch.ones(1, device=self._engine.device), op=ReduceOp.SUM, group=self.group, name="dp.join")
         if self.broadcast_buffers and self._engine.world > 1:
             broadcast_buffers_(self.module, root_of(self.group), self.group)
         return self.module(*args, **kwargs)
-
-    def _device(self) -> torch.device:
-        """Where the join flags live: the parameters' device (NCCL sends CUDA tensors only)."""
-        p = next(self.module.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
 
     @property
     def bytes_sent(self) -> int:
@@ -224,7 +219,7 @@ class DataParallel(nn.Module):
             raise
         self._joining = False
         while True:
-            active = allreduce(torch.zeros(1, device=self._device()), op=ReduceOp.SUM, group=self.group,
+            active = allreduce(torch.zeros(1, device=self._engine.device), op=ReduceOp.SUM, group=self.group,
                                name="dp.join")
             if active.item() == 0:
                 return

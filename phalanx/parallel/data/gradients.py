@@ -186,6 +186,11 @@ class GradientEngine(JoinedSteps):
         """Start counting backward passes from zero (ZeRO at ``zero_grad`` and after a load)."""
         self._passes = 0
 
+    @property
+    def device(self) -> torch.device:
+        """The gradients' device, where the flags a step sends live (NCCL sends CUDA tensors only)."""
+        return self.finite.device
+
     def busy(self) -> bool:
         """A backward pass is running or a reduction is in flight (settings must not change now)."""
         return self._pending or self._queued
@@ -303,9 +308,7 @@ class GradientEngine(JoinedSteps):
         self._followups.extend(launch_sparse(self, shadow=shadow))
         if self.find_unused:
             used = [0.0 if shadow or id(p) not in self._used else 1.0 for p in self.buckets.params]
-            # on the gradients' device: NCCL sends CUDA tensors only
-            device = self.buckets.params[0].device if self.buckets.params else torch.device("cpu")
-            self._followups.append(UsedCounts(torch.tensor(used, device=device), self.group))
+            self._followups.append(UsedCounts(torch.tensor(used, device=self.device), self.group))
         flag = self.finite.launch(self.group, steady=self.buckets.rebuilt)
         if flag is not None:
             self._followups.append(flag)
