@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import check_device, emit, median_ci, parser, sync, timed  # noqa: E402
 
+from phalanx.comm.compression import kernels  # noqa: E402
 from phalanx.comm.compression.codecs import available_compressors, get_compressor  # noqa: E402
 
 STEP = "codecs"
@@ -220,6 +221,7 @@ def bench_codec(name: str, variant: str, grad: torch.Tensor, copy_s: float | Non
         row["x_copy_time"] = s / copy_s
         row["goal"] = f"round trip <= {GOAL_X:g} x copy time"
         row["within_goal"] = s <= GOAL_X * copy_s
+    row["kernel_fallbacks"] = kernels.fallbacks()  # compiled kernels that failed and ran eagerly
     try:
         diff = _vs_cpu(name, variant, grad)
         row["max_diff_vs_cpu"] = diff

@@ -14,9 +14,10 @@
 #   6 overlap       a profiler trace: does a bucket's collective overlap later backward kernels?
 #   7 launcher      `phalanx run` on a one-GPU machine: NCCL on cuda:0, two NCCL ranks refused in one
 #                   line, two gloo ranks sharing the GPU
-#   8 fused_int8    int8's compress eager against the same arithmetic compiled (why it stays eager)
+#   8 variants      what compiling cannot fuse (top-k, threshold, PowerSGD orthogonalisation) timed alone
 # Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2, 4 and 8 time
-# kernels and run alone afterwards.
+# kernels and run alone afterwards (after the tests, which have filled TorchInductor's cache of
+# the codecs' compiled kernels).
 #
 # Output under --out: results.jsonl (every JSON line; committed as benchmarks/results/gpu-*.jsonl)
 # and logs.tar.gz (each step's log, the JUnit file, the profiler traces).
@@ -56,17 +57,18 @@ step() {
 }
 
 if [ "$DEVICE" = cuda ]; then
-  T_TESTS=300 T_OVERHEAD=100 T_AMP=60 T_CODECS=180 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
+  T_TESTS=300 T_OVERHEAD=100 T_AMP=60 T_CODECS=240 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
   ZERO_ARGS="--timeout 40 --max-seconds 75"
   TESTS="tests/comm/test_collectives.py tests/parallel/test_data_parallel.py tests/parallel/test_zero.py \
 tests/comm/test_compression.py tests/comm/test_compressed_collectives.py tests/services/test_checkpoint.py"
   XDIST="-n 6"
 else  # the dry run: one small test module stands for the correctness step
-  T_TESTS=120 T_OVERHEAD=120 T_AMP=60 T_CODECS=60 T_ZERO=60 T_OVERLAP=60 T_LAUNCHER=80
+  T_TESTS=120 T_OVERHEAD=120 T_AMP=120 T_CODECS=60 T_ZERO=60 T_OVERLAP=60 T_LAUNCHER=80
   ZERO_ARGS="--configs zero1,zero3,fsdp2"  # the dry run: each code path once (stage 2 is stage 1's path)
   TESTS="tests/comm/test_collectives.py -k test_every_collective_and_op"
   XDIST="-n 0"
 fi
+TESTS=${GPU_TESTS:-$TESTS}  # a rerun of some test modules alone: GPU_TESTS="tests/comm/test_compression.py ..."
 
 # 0: what machine this is
 $PY - "$DEVICE" <<'PYEOF' | tee -a "$RESULTS"
@@ -99,7 +101,7 @@ J="--device $DEVICE --out $RESULTS"
 timed_steps() {
   step overhead "$T_OVERHEAD" $PY benchmarks/gpu/overhead.py $J
   step codecs "$T_CODECS" $PY benchmarks/gpu/codecs.py $J
-  step fused_int8 120 $PY benchmarks/gpu/fused_int8.py $J
+  step variants 120 $PY benchmarks/gpu/variants.py $J
 }
 # the dry run times nothing: its timed steps run beside the rest, so that its test stays short
 if [ "$DEVICE" = cpu ]; then timed_steps & fi

@@ -321,54 +321,61 @@ def test_every_compressor_within_1_5_points_at_constant_lr():
     assert not low, low
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_fused_packing_kernels_match_the_cpu_codec_bit_for_bit(bits):
-    """comm/compression/kernels.py's 4/2-bit pack and unpack (compiled on CUDA) give the CPU codec's payload
-    byte for byte, padding of the last chunk included, and decode it to the same values."""
+@pytest.mark.parametrize("make", [lambda: QuantizeCompressor(bits=8), lambda: QuantizeCompressor(bits=4),
+                                  lambda: QuantizeCompressor(bits=2), lambda: SignCompressor(),
+                                  lambda: SignCompressor(two_level=False)], ids=["int8", "int4", "2bit", "sign", "sign1"])
+def test_fused_kernels_match_the_cpu_codec(make):
+    """The codecs' fused paths (comm/compression/kernels.py: one compiled call on CUDA), run eagerly
+    here under ``kernels.everywhere()``, give the CPU codec's payload byte for byte (the padding of
+    a partial last chunk included), its residual and its decoded values; a whole-chunk size too."""
     from phalanx.comm.compression import kernels
-    from phalanx.comm.compression.quantize import (
-        QuantizeCompressor,
-        from_bytes,
-        per_chunk,
-        to_bytes,
-    )
 
-    x = torch.randn(40 * 256 + 77, generator=torch.Generator().manual_seed(bits)) * 2
-    x[256:512] = 0
-    n, levels = x.numel(), 2 ** (bits - 1) - 1
-    q = QuantizeCompressor(bits=bits)
-    payload, ctx = q.compress(x)
-    packed, amax = kernels.run(kernels.packed_rows, per_chunk(x, 256), levels, bits, n)
-    code_bytes = -(-n * bits // 8)
-    assert torch.equal(torch.cat([packed.reshape(-1)[:code_bytes], to_bytes((amax / levels).reshape(-1))]), payload)
-    scale = from_bytes(payload[code_bytes:], torch.float32, 41).view(-1, 1)
-    values = kernels.run(kernels.unpacked_rows, per_chunk(payload[:code_bytes], 256 * bits // 8), scale, levels, bits)
-    assert torch.equal(values.view(-1)[:n], q.decompress(payload, ctx))
+    gen = torch.Generator().manual_seed(11)
+    for n in (40 * 256 + 77, 8 * 256):
+        x = torch.randn(n, generator=gen) * 2
+        x[256:512] = 0
+        x[600:856] = x[600:856].abs()  # a chunk with no "down" value
+        x[900:910] = torch.randn(10, generator=gen) * 1e-39
+        c = make()
+        payload, ctx = c.compress(x)
+        kept = x.clone()
+        c.compress_ef(kept)
+        out = torch.full((n,), 2.0)
+        c.decompress_add(payload, ctx, out, 0.25)
+        with kernels.everywhere():
+            fused_payload, fused_ctx = c.compress(x)
+            fused_kept = x.clone()
+            ef_payload, _ = c.compress_ef(fused_kept)
+            fused_out = torch.full((n,), 2.0)
+            c.decompress_add(payload, ctx, fused_out, 0.25)
+            y = c.decompress(payload, ctx)
+        assert torch.equal(fused_payload, payload) and torch.equal(ef_payload, payload), (c, n)
+        assert fused_ctx == ctx
+        torch.testing.assert_close(fused_kept, kept, rtol=0, atol=1e-6)
+        torch.testing.assert_close(fused_out, out, rtol=0, atol=1e-6)
+        torch.testing.assert_close(y, c.decompress(payload, ctx), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("two_level", [False, True])
-def test_fused_sign_kernels_match_the_cpu_codec(two_level):
-    """comm/compression/kernels.py's 1-bit kernels (compiled on CUDA) give the CPU codec's words and scales bit
-    for bit, its residual, and decode to its values."""
+def test_powersgd_gram_schmidt_on_the_fused_path_matches_qr():
+    """On CUDA PowerSGD orthogonalises P by the compiled Gram-Schmidt of kernels.py instead of a
+    QR: the same span, so the same approximations P Q^T (compress / decompress, and ``reduce``
+    with its warm start and residual over three steps), a zero column included."""
     from phalanx.comm.compression import kernels
-    from phalanx.comm.compression.quantize import from_bytes
 
-    x = torch.randn(24 * 256, generator=torch.Generator().manual_seed(3))
-    x[:256] = x[:256].abs()  # a chunk with no "down" value
-    n = x.numel()
-    c = SignCompressor(two_level=two_level)
-    payload, ctx = c.compress(x)
-    rows = x.clone().view(24, 256)
-    words, up, down = kernels.run(kernels.sign_rows, rows, two_level, True)
-    assert torch.equal(words.view(-1), from_bytes(payload, torch.int32, n // 32))
-    scales = from_bytes(payload[n // 8:], torch.float32, 48 if two_level else 24)
-    assert torch.equal(torch.cat([up, down]) if two_level else up, scales)
-    kept = x.clone()
-    c.compress_ef(kept)
-    torch.testing.assert_close(rows.view(-1), kept, rtol=0, atol=1e-6)
-    out = torch.zeros(24, 256)
-    kernels.run(kernels.sign_decode_into, out, words, (up + down).view(-1, 1), (-down).view(-1, 1), False)
-    torch.testing.assert_close(out.view(-1), c.decompress(payload, ctx), rtol=0, atol=1e-6)
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(60, 40, generator=gen) for _ in range(3)]
+    grads[1][:, :] = torch.outer(torch.randn(60, generator=gen), torch.randn(40, generator=gen))  # rank 1
+    plain, fused = get_compressor("powersgd"), get_compressor("powersgd")
+    for g in grads:
+        want = plain.decompress(*plain.compress(g))
+        a, _ = plain.reduce(g.clone(), name="w")
+        with kernels.everywhere():
+            got = fused.decompress(*fused.compress(g))
+            b, _ = fused.reduce(g.clone(), name="w")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    q = kernels.orthonormal_columns(torch.cat([torch.randn(50, 3, generator=gen), torch.zeros(50, 1)], 1))
+    torch.testing.assert_close(q.t() @ q, torch.diag(torch.tensor([1.0, 1.0, 1.0, 0.0])), rtol=0, atol=1e-5)
 
 
 def test_powersgd_reduce_keeps_its_residual():

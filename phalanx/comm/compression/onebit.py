@@ -109,24 +109,19 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         n, chunk = x.numel(), self.chunk
         chunks = math.ceil(n / chunk)
         nbits = math.ceil(n / 8)
+        words = chunk % 32 == 0 and sys.byteorder == "little"
+        if words and kernels.wanted(x):  # one compiled call on CUDA (comm/compression/kernels.py)
+            packed, up, down = kernels.run(kernels.sign_encode, x, chunk, self.two_level, residual)
+            return torch.cat([to_bytes(packed)[:nbits], to_bytes(torch.cat([up, down]) if self.two_level else up)])
         payload = torch.empty(nbits + 4 * chunks * (2 if self.two_level else 1), dtype=torch.uint8,
                               device=x.device)
         up_all = torch.empty(chunks, dtype=torch.float32, device=x.device)
         down_all = torch.empty(chunks, dtype=torch.float32, device=x.device) if self.two_level else up_all
-        words = chunk % 32 == 0 and sys.byteorder == "little"
         if not words:  # chunks do not fill whole words: pack all the bits at once, before any residual
             payload[:nbits] = pack_bits(x.view(torch.int32) >= 0, 1)
         for rows, start, stop in self._blocks(x):
             r0 = start // chunk
             nrows = rows.shape[0]
-            if words and x.device.type == "cuda" and stop - start == rows.numel():
-                # whole chunks on a GPU: one compiled kernel (comm/compression/kernels.py)
-                packed, up, down = kernels.run(kernels.sign_rows, rows, self.two_level, residual)
-                payload[start // 8 : stop // 8].view(torch.int32).copy_(packed.view(-1))
-                up_all[r0 : r0 + nrows] = up
-                if self.two_level:
-                    down_all[r0 : r0 + nrows] = down
-                continue
             # 1 where the sign bit is clear ("up"), 0 where set: (int32 >> 31) + 1. Elementwise int
             # ops on the flat view (on the 2-D view they ran 10x slower), sums on floats (CPU sums
             # of int32 rows were 15x slower than of fp32).
@@ -177,12 +172,9 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         low = (down * -alpha).view(-1, 1)  # what a cleared bit decodes to
         full = n // chunk
         words = chunk % 32 == 0 and sys.byteorder == "little"
-        if full and words and payload.device.type == "cuda":  # one compiled kernel (comm/compression/kernels.py)
-            w = from_bytes(payload, torch.int32, full * chunk // 32).view(full, chunk // 32)
-            kernels.run(kernels.sign_decode_into, out[: full * chunk].view(full, chunk), w, span[:full],
-                      low[:full], add)
-            rest = full * chunk
-        elif full and words:
+        if words and kernels.wanted(payload):  # one compiled call on CUDA (comm/compression/kernels.py)
+            return kernels.run(kernels.sign_decode, payload[:nbits], span, low, chunk, n, out, add)
+        if full and words:
             w = from_bytes(payload, torch.int32, full * chunk // 32)  # copies only if misaligned
             bits = (w.view(-1, 1) >> _SHIFTS.to(w.device)).bitwise_and_(1).view(full, chunk)
             body = out[: full * chunk].view(full, chunk)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.compression import kernels
 from phalanx.comm.compression.abilities import (
     CollectiveCodec,
     FixedSizePayload,
@@ -64,13 +65,21 @@ def _outer_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = Non
     if out is None:
         out = torch.empty(p.shape[0], q.shape[0], dtype=p.dtype, device=p.device)
     r = p.shape[1]
-    if r > 8:
+    if r > 8 or p.device.type == "cuda":  # on a GPU one GEMM writes ``out`` once; r updates write it r times
         return torch.mm(p, q.t(), out=out)
     qt = q.t().contiguous()  # a strided row of q^T made reduce_many on the MLP bucket 17.0 ms instead of 8.8
     torch.mul(p[:, :1], qt[:1], out=out)
     for i in range(1, r):
         out.addcmul_(p[:, i : i + 1], qt[i : i + 1])
     return out
+
+
+def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of ``p``'s columns: reduced QR, or on CUDA the compiled Gram-Schmidt of
+    comm/compression/kernels.py (one call instead of the solver's dozens of small kernels)."""
+    if kernels.wanted(p):
+        return kernels.run(kernels.orthonormal_columns, p.contiguous())
+    return torch.linalg.qr(p).Q
 
 
 class PowerSGDCompressor(Warmup, CollectiveCodec, FixedSizePayload, Stateful, Resettable):
@@ -89,6 +98,7 @@ class PowerSGDCompressor(Warmup, CollectiveCodec, FixedSizePayload, Stateful, Re
         self.memory = ResidualMemory()
         self.q_memory: dict[str, torch.Tensor] = {}
         self.steps: dict[str, int] = {}
+        self._starts: dict[tuple, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"PowerSGDCompressor(rank={self.rank}, error_feedback={self.error_feedback})"
@@ -123,9 +133,17 @@ class PowerSGDCompressor(Warmup, CollectiveCodec, FixedSizePayload, Stateful, Re
         matrix = self._matrix(tensor)
         rows, cols = matrix.shape
         r = min(self.rank, rows, cols)
-        q = torch.randn(cols, r, generator=torch.Generator().manual_seed(self.seed)).to(matrix.device)
-        p = torch.linalg.qr(matrix @ q).Q
+        p = _orthonormal(matrix @ self._start(cols, r, matrix.device))
         return (p, _t_matmul(matrix, p)), (tensor.numel(), tensor.dtype, tuple(tensor.shape))
+
+    def _start(self, cols: int, r: int, device: torch.device) -> torch.Tensor:
+        """The first Q: the same on every rank (seeded on the CPU), kept on ``device`` (a fresh
+        host-to-device copy of pageable memory each call would wait for the GPU)."""
+        key = (cols, r, str(device))
+        q = self._starts.get(key)
+        if q is None:
+            q = self._starts[key] = torch.randn(cols, r, generator=torch.Generator().manual_seed(self.seed)).to(device)
+        return q
 
     def decompress(self, payload, ctx) -> torch.Tensor:
         p, q = payload
@@ -208,15 +226,14 @@ class PowerSGDCompressor(Warmup, CollectiveCodec, FixedSizePayload, Stateful, Re
         for key, matrix, r in items:
             q = self.q_memory.get(key)
             if q is None or q.shape != (matrix.shape[1], r):
-                gen = torch.Generator().manual_seed(self.seed)  # the same start on every rank
-                q = torch.randn(matrix.shape[1], r, generator=gen).to(matrix.device)
+                q = self._start(matrix.shape[1], r, matrix.device)
             qs.append(q)
         ps = [(q.t().contiguous() @ m.t()).t() for q, (_, m, _) in zip(qs, items)]  # M @ Q, CPU-fast order
         head = [] if extra is None else [extra.reshape(-1)]
         flat_p = _mean(torch.cat(head + [p.reshape(-1) for p in ps]), group, world)
         if extra is not None:
             extra, flat_p = flat_p[: extra.numel()], flat_p[extra.numel() :]
-        ps = [torch.linalg.qr(p.view(p_old.shape)).Q for p, p_old in zip(flat_p.split([p.numel() for p in ps]), ps)]
+        ps = [_orthonormal(p.view(p_old.shape)) for p, p_old in zip(flat_p.split([p.numel() for p in ps]), ps)]
         qs = [_t_matmul(m, p) for p, (_, m, _) in zip(ps, items)]
         flat_q = _mean(torch.cat([q.reshape(-1) for q in qs]), group, world)
         qs = [q.view(q_old.shape) for q, q_old in zip(flat_q.split([q.numel() for q in qs]), qs)]

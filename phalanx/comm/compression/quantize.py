@@ -123,21 +123,18 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         return math.ceil(numel * self.bits / 8) + math.ceil(numel / self.chunk) * 4
 
     def compress(self, tensor: torch.Tensor):
+        x = tensor.detach().reshape(-1).float()
+        ctx = (x.numel(), tensor.dtype, tuple(tensor.shape))
+        if self._fused(x):  # one compiled call on CUDA (comm/compression/kernels.py)
+            return self._fused_encode(x, residual=False), ctx
         if self.bits == 8:
-            x = tensor.detach().reshape(-1).float()
-            return self._int8(x, residual=False), (x.numel(), tensor.dtype, tuple(tensor.shape))
-        flat = tensor.detach().reshape(-1).float()
-        n = flat.numel()
-        x = per_chunk(flat, self.chunk)
-        if self._fused(x):  # one kernel for scale, round and pack (comm/compression/kernels.py)
-            packed, amax = kernels.run(kernels.packed_rows, x, self.levels, self.bits, n)
-            code_bytes = math.ceil(n * self.bits / 8)
-            payload = torch.cat([packed.reshape(-1)[:code_bytes], to_bytes((amax / self.levels).reshape(-1))])
-            return payload, (n, tensor.dtype, tuple(tensor.shape))
-        amax = x.abs().amax(1, keepdim=True)
+            return self._int8(x, residual=False), ctx
+        n = x.numel()
+        rows = per_chunk(x, self.chunk)
+        amax = rows.abs().amax(1, keepdim=True)
         scale = amax / self.levels
         inv = torch.where(amax > 0, self.levels / amax, torch.zeros_like(amax))
-        y = x * inv
+        y = rows * inv
         if self.stochastic:
             noise = torch.rand(y.shape, generator=self._gen, device=y.device) if self._gen is not None and y.device.type == "cpu" else torch.rand_like(y)
             q = y.add_(noise).floor_()
@@ -145,33 +142,46 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             q = y.round_()
         codes = q.clamp_(-self.levels, self.levels).add_(self.levels).reshape(-1)[:n]
         payload = torch.cat([pack_bits(codes, self.bits), to_bytes(scale.reshape(-1))])
-        return payload, (n, tensor.dtype, tuple(tensor.shape))
+        return payload, ctx
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         n, dtype, shape = ctx
-        if self.bits == 8:
+        if self.bits == 8 or self._fused(payload):
             out = torch.empty(n, dtype=torch.float32, device=payload.device)
-            return self._int8_decode(payload, n, out, 1.0, add=False).to(dtype).reshape(shape)
+            return self.decompress_add(payload, ctx, out, add=False).to(dtype).reshape(shape)
         code_bytes = math.ceil(n * self.bits / 8)
         chunks = math.ceil(n / self.chunk)
-        if self._fused(payload):
-            row_bytes = self.chunk * self.bits // 8
-            packed = per_chunk(payload[:code_bytes], row_bytes)
-            scale = from_bytes(payload[code_bytes:], torch.float32, chunks).view(-1, 1)
-            out = kernels.run(kernels.unpacked_rows, *kernels.unpack_inputs(packed, scale), self.levels, self.bits)
-            return out.view(-1)[:n].to(dtype).reshape(shape)
         values = per_chunk(unpack_bits(payload[:code_bytes], self.bits, n), self.chunk).float()
         scale = from_bytes(payload[code_bytes:], torch.float32, chunks)
         out = values.sub_(self.levels).mul_(scale.view(-1, 1)).view(-1)[:n]
         return out.to(dtype).reshape(shape)
 
     def _fused(self, t: torch.Tensor) -> bool:
-        """4/2 bits on CUDA, rounding to nearest, whole bytes a chunk: the compiled kernels."""
-        return t.device.type == "cuda" and not self.stochastic and (self.chunk * self.bits) % 8 == 0
+        """The compiled kernels (on CUDA): rounding to nearest, whole bytes a chunk."""
+        return kernels.wanted(t) and not self.stochastic and (self.chunk * self.bits) % 8 == 0
+
+    def _fused_encode(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
+        if self.bits == 8:
+            codes, scales = kernels.run(kernels.int8_encode, x, self.levels, self.chunk, residual)
+        else:
+            codes, scales = kernels.run(kernels.packed_encode, x, self.levels, self.bits, self.chunk, residual)
+        return torch.cat([to_bytes(codes), to_bytes(scales)])
+
+    def _fused_decode(self, payload: torch.Tensor, n: int, out: torch.Tensor, alpha: float, add: bool):
+        code_bytes = math.ceil(n * self.bits / 8)
+        # the scales as a tensor of their own: the compile of a decoder given a float32 view of the
+        # payload's bytes failed on an H100
+        scales = from_bytes(payload[code_bytes:], torch.float32, math.ceil(n / self.chunk))
+        if self.bits == 8:  # alpha folded into the scales, as the eager loop does
+            return kernels.run(kernels.int8_decode, payload[:n], scales * alpha, self.chunk, out, add)
+        return kernels.run(kernels.packed_decode, payload[:code_bytes], scales.clone(), self.levels, self.bits,
+                           self.chunk, n, out, alpha, add)
 
     # ------------------------------------------------------------ fused int8 forms
     def compress_ef(self, x: torch.Tensor):
         """Compress the flat fp32 ``x`` and leave the residual ``x - decompress(payload)`` in it."""
+        if self._fused(x):
+            return self._fused_encode(x, residual=True), (x.numel(), x.dtype, tuple(x.shape))
         if self.bits != 8:  # 4/2 bits: compress, then subtract what the payload decodes to
             payload, ctx = self.compress(x)
             x.sub_(self.decompress(payload, ctx).reshape(-1))
@@ -182,6 +192,8 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
                        add: bool = True) -> torch.Tensor:
         """``out += alpha * decompress(payload)`` (``add=False``: ``out = ...``); ``out`` flat fp32."""
         n = ctx[0]
+        if self._fused(payload):
+            return self._fused_decode(payload, n, out, alpha, add)
         if self.bits != 8:
             y = self.decompress(payload, ctx).reshape(-1).float()
             return out.add_(y, alpha=alpha) if add else torch.mul(y, alpha, out=out)
@@ -211,10 +223,6 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
             blocks.append((x[: full * chunk].view(full, chunk), 0, full * chunk))
         if full < chunks:
             blocks.append((per_chunk(x[full * chunk :], chunk), full * chunk, n))
-        # On CUDA this stays eager for now. Compiled into one kernel the arithmetic took 78 us for
-        # 100 MB on an H100 against 340 us for this loop (benchmarks/gpu/fused_int8.py, one run),
-        # but wired in here it was not measured apart from codecs.py's run-to-run spread (the same
-        # eager loop: 376 and 627 us in two runs): the next GPU run decides, with fused_int8.py.
         for row, (rows, start, stop) in enumerate(blocks):
             # amax and amin as two float reductions: 2x faster than |x|.amax, 15x than aminmax (CPU)
             amax = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_())
