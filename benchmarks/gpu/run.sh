@@ -57,7 +57,7 @@ step() {
 }
 
 if [ "$DEVICE" = cuda ]; then
-  T_TESTS=300 T_OVERHEAD=100 T_AMP=60 T_CODECS=240 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
+  T_TESTS=${T_TESTS:-300} T_OVERHEAD=100 T_AMP=60 T_CODECS=240 T_ZERO=110 T_OVERLAP=60 T_LAUNCHER=80
   ZERO_ARGS="--timeout 40 --max-seconds 75"
   TESTS="tests/comm/test_collectives.py tests/parallel/test_data_parallel.py tests/parallel/test_zero.py \
 tests/comm/test_compression.py tests/comm/test_compressed_collectives.py tests/services/test_checkpoint.py"

@@ -356,6 +356,17 @@ def test_fused_kernels_match_the_cpu_codec(make):
         torch.testing.assert_close(y, c.decompress(payload, ctx), rtol=0, atol=1e-6)
 
 
+def test_fused_threshold_selection_matches_the_cpu_codec():
+    from phalanx.comm.compression import kernels
+    from phalanx.comm.compression.sparsify import ThresholdCompressor
+
+    c = ThresholdCompressor(0.5)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(2))
+    with kernels.everywhere():
+        fused, _ = c.compress(x)
+    assert torch.equal(fused, c.compress(x)[0])
+
+
 def test_powersgd_gram_schmidt_on_the_fused_path_matches_qr():
     """On CUDA PowerSGD orthogonalises P by the compiled Gram-Schmidt of kernels.py instead of a
     QR: the same span, so the same approximations P Q^T (compress / decompress, and ``reduce``

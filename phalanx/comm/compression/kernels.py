@@ -1,20 +1,21 @@
-"""Fused GPU kernels for the codecs: a whole compress or decompress in one compiled call.
+"""Fused GPU kernels for the codecs: each chunk-row pass of a compress or decompress in one compiled call.
 
 On a GPU a codec is memory-bound, and eager torch runs each operation as its own kernel that
 reads and writes the whole gradient, plus a launch from Python for each: int8's eager compress
 took 4.8x, sign's 16x the time of a plain device copy of the gradient on an H100
-(benchmarks/gpu/codecs.py). The functions here take the flat gradient as it is (a partial last
-chunk is padded inside, where TorchInductor turns the padding into masked loads instead of a
-copy), do the per-chunk reduction, the element-wise tail and the error-feedback residual, and
-are compiled by ``torch.compile`` for CUDA tensors (one or two Triton kernels a function) the
-first time they run, with dynamic shapes so that every bucket size shares one compilation. The
-decoders take the payload's bytes as ``uint8`` and the scales as a tensor of their own: the
-compile of a decoder that read a float32 view of the payload's bytes failed on an H100 ("when
-making fake tensor call"). On the CPU they run eagerly: the codecs' CPU paths are tuned for it,
-and compiling there costs tens of seconds at start-up for nothing. If compiling fails (no
-Triton, an unsupported torch), the eager function is used from then on, after one warning,
-and :func:`fallbacks` names it. ``PHALANX_COMPILE_CODECS=0`` keeps the codecs on their eager
-paths on CUDA too.
+(benchmarks/gpu/codecs.py). The functions here take the gradient's whole chunks as a 2-D view,
+``(rows, chunk)``, and do the per-row reduction, the element-wise tail and the error-feedback
+residual in place; the codecs call them once more on a zero-padded copy of a partial last chunk
+(:func:`row_blocks`). They are compiled by ``torch.compile`` for CUDA tensors (one or two Triton
+kernels a function) the first time they run, with the number of rows dynamic and the row width
+static (see :func:`run`). The decoders take the payload's bytes as ``uint8`` and the scales as a
+tensor of their own: the compile of a decoder that read a float32 view of the payload's bytes
+failed on an H100 ("when making fake tensor call"), and so did one that shifted by a symbolic
+bit count. On the CPU they run eagerly: the codecs' CPU paths are tuned for it, and compiling
+there costs tens of seconds at start-up for nothing. If compiling fails (no Triton, an
+unsupported torch), the eager function is used from then on, after one warning, and
+:func:`fallbacks` names it. ``PHALANX_COMPILE_CODECS=0`` keeps the codecs on their eager paths
+on CUDA too.
 
 :func:`wanted` is the codecs' one question ("take the fused path for this tensor?"); tests
 answer it yes on the CPU with :func:`everywhere`, which runs the same functions eagerly, so
@@ -23,7 +24,7 @@ the CUDA path's arithmetic is checked against the CPU codec in CI.
 Example::
 
     from phalanx.comm.compression import kernels
-    codes, scales = kernels.run(kernels.int8_encode, x, 127, 256, False)   # compiled on CUDA
+    codes, scales = kernels.run(kernels.int8_rows, rows, 127, False)   # compiled on CUDA
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ import threading
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from phalanx.log import get_logger
 from phalanx.runtime import current_settings
 
-__all__ = ["run", "wanted", "everywhere", "fallbacks", "int8_encode", "int8_decode", "packed_encode",
-           "packed_decode", "sign_encode", "sign_decode", "orthonormal_columns"]
+__all__ = ["run", "wanted", "everywhere", "fallbacks", "row_blocks", "write_back", "padded_rows", "int8_rows",
+           "int8_rows_decode", "packed_rows", "packed_rows_decode", "sign_rows", "sign_rows_decode",
+           "threshold_mask", "orthonormal_columns"]
 
 _log = get_logger(__name__)
 _lock = threading.Lock()
@@ -47,108 +48,127 @@ _compiled: dict[Callable, Callable | None] = {}  # None: compiling failed, run e
 _everywhere = False
 
 
-def _rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Flat ``x`` zero-padded to whole chunks, as ``(rows, chunk)`` (a view when nothing is padded)."""
-    return F.pad(x, (0, (-x.numel()) % chunk)).view(-1, chunk)
-
-
-def _valid(rows: torch.Tensor, n: int) -> torch.Tensor:
-    """True for the first ``n`` values of ``rows`` (False on the last row's padding)."""
-    return torch.arange(rows.numel(), device=rows.device).view(rows.shape) < n
-
-
-def int8_encode(x: torch.Tensor, levels: int, chunk: int, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes of flat fp32 ``x`` (``round(x * L / amax)`` per chunk) and each chunk's scale
-    ``amax / L``; with ``residual``, ``x`` becomes ``x - code * scale`` in place. A chunk whose
-    ``L / amax`` is not finite (amax 0, or below ~1e-37) sends zeros and keeps its values."""
+def row_blocks(x: torch.Tensor, chunk: int):
+    """The flat ``x`` as kernel inputs: ``(rows, count, start, stop)`` for its whole chunks (a
+    ``(n // chunk, chunk)`` view of ``x``), then for a partial last chunk a zero-padded ``(1, chunk)``
+    copy; ``count`` is how many of the block's values are real, ``x[start:stop]`` what it holds
+    (a kernel's residual in the copy goes back there with :func:`write_back`)."""
     n = x.numel()
-    rows = _rows(x, chunk)
+    full = n // chunk
+    if full:
+        yield x[: full * chunk].view(full, chunk), full * chunk, 0, full * chunk
+    if full * chunk < n:
+        tail = x.new_zeros(1, chunk)
+        tail[0, : n - full * chunk] = x[full * chunk :]
+        yield tail, n - full * chunk, full * chunk, n
+
+
+def write_back(x: torch.Tensor, rows: torch.Tensor, start: int, stop: int) -> None:
+    """Copy a padded block's values back to ``x[start:stop]`` (nothing for a view of ``x``)."""
+    if rows.numel() != stop - start:
+        x[start:stop].copy_(rows.view(-1)[: stop - start])
+
+
+def padded_rows(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` (bytes of a partial last chunk) zero-padded to one row of ``width``."""
+    row = flat.new_zeros(1, width)
+    row[0, : flat.numel()] = flat
+    return row
+
+
+def int8_rows(rows: torch.Tensor, levels: int, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes of each row (``round(x * L / amax)``) and its scale ``amax / L``; with ``residual``,
+    ``rows`` becomes ``rows - code * scale`` in place. A row whose ``L / amax`` is not finite (amax 0,
+    or below ~1e-37) sends zeros and keeps its values."""
     amax = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg())
     inv = torch.nan_to_num(levels / amax, nan=0.0, posinf=0.0, neginf=0.0)
     q = (rows * inv).round()
     scale = amax / levels
     if residual:
-        x.sub_((q * scale).view(-1)[:n])
-    return q.view(-1)[:n].to(torch.int8), scale.view(-1)
+        rows.sub_(q * scale)
+    return q.to(torch.int8), scale
 
 
-def int8_decode(codes: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor, add: bool) -> torch.Tensor:
-    """``out`` ``=`` (or ``+=``) ``code * scale`` for the int8 codes stored as the bytes ``codes`` (uint8)."""
-    n = codes.numel()
+def int8_rows_decode(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, add: bool) -> torch.Tensor:
+    """``out`` ``=`` (or ``+=``) ``code * scale`` for rows of int8 codes stored as bytes (uint8)."""
     c = codes.to(torch.int32)
-    c = c - ((c >> 7) << 8)  # the two's-complement byte as a signed value, without a dtype view
-    values = (_rows(c.float(), chunk) * scales.view(-1, 1)).view(-1)[:n]
+    values = (c - ((c >> 7) << 8)).float() * scales  # the two's-complement byte, without a dtype view
     return out.add_(values) if add else out.copy_(values)
 
 
-def packed_encode(x: torch.Tensor, levels: int, bits: int, chunk: int, residual: bool):
-    """4- or 2-bit codes of flat fp32 ``x``, ``code = clamp(round(x * L / amax), -L, L) + L``,
-    packed ``8 // bits`` to a byte, low bits first (padding packed as 0, as
-    ``quantize.pack_bits`` does), and each chunk's scale ``amax / L``; with ``residual``, ``x``
-    becomes ``x - (code - L) * scale``. ``chunk * bits`` must be a multiple of 8."""
-    n = x.numel()
-    rows = _rows(x, chunk)
+def packed_rows(rows: torch.Tensor, levels: int, bits: int, count: int, residual: bool):
+    """4- or 2-bit codes of each row, ``code = clamp(round(x * L / amax), -L, L) + L``, packed
+    ``8 // bits`` to a byte, low bits first, and its scale ``amax / L``; codes past the first ``count``
+    values (the padding) are packed as 0, as ``quantize.pack_bits`` does; with ``residual``, ``rows``
+    becomes ``rows - (code - L) * scale``. The row length times ``bits`` is a multiple of 8."""
     amax = rows.abs().amax(1, keepdim=True)
     inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
     q = (rows * inv).round().clamp(-levels, levels)
     scale = amax / levels
     if residual:
-        x.sub_((q * scale).view(-1)[:n])
-    codes = torch.where(_valid(rows, n), q + levels, torch.zeros_like(q)).to(torch.uint8)
+        rows.sub_(q * scale)
+    index = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
+    codes = torch.where(index < count, q + levels, torch.zeros_like(q)).to(torch.uint8)
     per_byte = 8 // bits
     slots = codes.view(rows.shape[0], -1, per_byte)
     packed = slots[..., 0]
     for i in range(1, per_byte):
         packed = packed | (slots[..., i] << (i * bits))
-    return packed.reshape(-1)[: (n * bits + 7) // 8], scale.view(-1)
+    return packed, scale
 
 
-def packed_decode(packed: torch.Tensor, scales: torch.Tensor, levels: int, bits: int, chunk: int, n: int,
-                  out: torch.Tensor, alpha: float, add: bool) -> torch.Tensor:
-    """Inverse of :func:`packed_encode`: ``out`` ``=`` (or ``+=``) ``alpha * (code - L) * scale``."""
+def packed_rows_decode(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, alpha: float,
+                       add: bool) -> torch.Tensor:
+    """Inverse of :func:`packed_rows`: ``out`` ``=`` (or ``+=``) ``alpha * (code - L) * scale``; the
+    width is read off the shapes (``out``'s rows are ``8 // bits`` times ``packed``'s)."""
+    bits = 8 // (out.shape[1] // packed.shape[1])
+    levels = 2 ** (bits - 1) - 1
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
-    codes = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(-1)
-    values = ((_rows(codes.float(), chunk) - levels) * scales.view(-1, 1)).view(-1)[:n]
-    return out.add_(values, alpha=alpha) if add else torch.mul(values, alpha, out=out)
+    codes = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(out.shape)
+    values = (codes.float() - levels) * scales
+    return out.add_(values, alpha=alpha) if add else out.copy_(values * alpha)
 
 
-def sign_encode(x: torch.Tensor, chunk: int, two_level: bool, residual: bool):
-    """1-bit codes of flat fp32 ``x`` (chunk a multiple of 32): ``(words, up, down)``.
+def sign_rows(rows: torch.Tensor, two_level: bool, count: int, residual: bool):
+    """1-bit codes of rows whose length is a multiple of 32: ``(words, up, down)``.
 
     Bit i is 1 where x_i's sign bit is clear ("up"), packed 32 to an int32 word, low bit first
-    (8 to a byte in little-endian memory; the padding's bits 0); ``up`` / ``down`` are each
-    chunk's two magnitudes (one, the mean |x|, without ``two_level``), as
-    :class:`phalanx.comm.compression.onebit.SignCompressor` computes them, the padding not
-    counted. With ``residual``, ``x`` becomes ``x + down - bit * (up + down)`` in place.
+    (8 to a byte in little-endian memory; the padding past the first ``count`` values gets 0);
+    ``up`` / ``down`` are each row's two magnitudes (one, the mean |x|, without ``two_level``), as
+    :class:`phalanx.comm.compression.onebit.SignCompressor` computes them, the padding not counted.
+    With ``residual``, ``rows`` becomes ``x + down - bit * (up + down)`` in place.
     """
-    n = x.numel()
-    rows = _rows(x, chunk)
-    valid = _valid(rows, n)
+    valid = torch.arange(rows.numel(), device=rows.device).view(rows.shape) < count
     u = torch.where(valid, (rows.view(torch.int32) >> 31) + 1, torch.zeros_like(rows, dtype=torch.int32))
     uf = u.float()
     total = rows.sum(1)
     l1 = rows.abs().sum(1)
-    count = valid.float().sum(1)
+    real = valid.float().sum(1)
     if two_level:
         npos = uf.sum(1)
         up = (total + l1) * 0.5 / npos.clamp(min=1)
-        down = (l1 - total) * 0.5 / (count - npos).clamp(min=1)
+        down = (l1 - total) * 0.5 / (real - npos).clamp(min=1)
     else:
-        up = down = l1 / count
-    shifts = torch.arange(32, device=x.device, dtype=torch.int32)
+        up = down = l1 / real
+    shifts = torch.arange(32, device=rows.device, dtype=torch.int32)
     words = (u.view(rows.shape[0], -1, 32) << shifts).sum(-1, dtype=torch.int32)
     if residual:
-        x.copy_((rows + down.view(-1, 1) - uf * (up + down).view(-1, 1)).view(-1)[:n])
-    return words.view(-1), up, down
+        rows.add_(down.view(-1, 1)).addcmul_(uf, (up + down).view(-1, 1), value=-1.0)
+    return words, up, down
 
 
-def sign_decode(bits: torch.Tensor, span: torch.Tensor, low: torch.Tensor, chunk: int, n: int,
-                out: torch.Tensor, add: bool) -> torch.Tensor:
-    """``out`` ``=`` (or ``+=``) ``low + bit * span`` per chunk, for the sign bits packed in the bytes ``bits``."""
+def sign_rows_decode(bits: torch.Tensor, span: torch.Tensor, low: torch.Tensor, out: torch.Tensor,
+                     add: bool) -> torch.Tensor:
+    """``out`` ``=`` (or ``+=``) ``low + bit * span`` per row, for the sign bits packed in the bytes ``bits``."""
     shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
-    b = ((bits.to(torch.int32).unsqueeze(-1) >> shifts) & 1).view(-1)
-    values = (_rows(b[:n].float(), chunk) * span.view(-1, 1) + low.view(-1, 1)).view(-1)[:n]
+    b = ((bits.to(torch.int32).unsqueeze(-1) >> shifts) & 1).view(out.shape).float()
+    values = b * span + low
     return out.add_(values) if add else out.copy_(values)
+
+
+def threshold_mask(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``|x| >= threshold``, one pass (the threshold codec's selection; its ``nonzero`` stays eager)."""
+    return x.abs() >= threshold
 
 
 def orthonormal_columns(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -202,9 +222,17 @@ def _compiling() -> bool:
 
 
 def run(fn: Callable, tensor: torch.Tensor, *args):
-    """``fn(tensor, *args)``, compiled when ``tensor`` is on CUDA."""
+    """``fn(tensor, *args)``, compiled when ``tensor`` is on CUDA.
+
+    Compiled with dynamic shapes, but the width of every 2-D tensor argument (a chunk, its bytes,
+    its words) is marked static: it is fixed per codec, and a symbolic width turns each element's
+    index into 64-bit divisions (compiled on the CPU, the int8 compress of a flat, padded input
+    ran 56x slower than of a 2-D view with the width known). The number of rows varies freely."""
     if tensor.device.type != "cuda" or not _compiling():
         return fn(tensor, *args)
+    for t in (tensor, *args):
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            torch._dynamo.mark_static(t, 1)
     compiled = _compiled.get(fn, fn)
     if compiled is fn:
         with _lock:

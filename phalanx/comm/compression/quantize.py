@@ -161,21 +161,42 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         return kernels.wanted(t) and not self.stochastic and (self.chunk * self.bits) % 8 == 0
 
     def _fused_encode(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
-        if self.bits == 8:
-            codes, scales = kernels.run(kernels.int8_encode, x, self.levels, self.chunk, residual)
-        else:
-            codes, scales = kernels.run(kernels.packed_encode, x, self.levels, self.bits, self.chunk, residual)
-        return torch.cat([to_bytes(codes), to_bytes(scales)])
+        """The payload of flat fp32 ``x`` from the compiled row kernels (and ``x`` left holding the
+        residual with ``residual``): codes, then scales, as the eager forms lay them out."""
+        codes, scales = [], []
+        for rows, count, start, stop in kernels.row_blocks(x, self.chunk):
+            if self.bits == 8:
+                c, scale = kernels.run(kernels.int8_rows, rows, self.levels, residual)
+            else:
+                c, scale = kernels.run(kernels.packed_rows, rows, self.levels, self.bits, count, residual)
+            codes.append(to_bytes(c)[: math.ceil((stop - start) * self.bits / 8)])
+            scales.append(to_bytes(scale))
+            if residual:
+                kernels.write_back(x, rows, start, stop)
+        return torch.cat(codes + scales)
 
     def _fused_decode(self, payload: torch.Tensor, n: int, out: torch.Tensor, alpha: float, add: bool):
+        chunk = self.chunk
+        full, rest = divmod(n, chunk)
+        row_bytes = chunk * self.bits // 8
         code_bytes = math.ceil(n * self.bits / 8)
         # the scales as a tensor of their own: the compile of a decoder given a float32 view of the
         # payload's bytes failed on an H100
-        scales = from_bytes(payload[code_bytes:], torch.float32, math.ceil(n / self.chunk))
+        scales = from_bytes(payload[code_bytes:], torch.float32, full + (rest > 0)).view(-1, 1)
         if self.bits == 8:  # alpha folded into the scales, as the eager loop does
-            return kernels.run(kernels.int8_decode, payload[:n], scales * alpha, self.chunk, out, add)
-        return kernels.run(kernels.packed_decode, payload[:code_bytes], scales.clone(), self.levels, self.bits,
-                           self.chunk, n, out, alpha, add)
+            fn, scales, extra = kernels.int8_rows_decode, scales * alpha, ()
+        else:
+            fn, scales, extra = kernels.packed_rows_decode, scales.clone(), (alpha,)
+        if full:
+            kernels.run(fn, payload[: full * row_bytes].view(full, row_bytes), scales[:full],
+                        out[: full * chunk].view(full, chunk), *extra, add)
+        if rest:  # the partial last chunk, decoded into a padded row
+            row = out.new_empty(1, chunk)
+            kernels.run(fn, kernels.padded_rows(payload[full * row_bytes : code_bytes], row_bytes), scales[full:],
+                        row, *extra, False)
+            tail = out[full * chunk :]
+            tail.add_(row[0, :rest]) if add else tail.copy_(row[0, :rest])
+        return out
 
     # ------------------------------------------------------------ fused int8 forms
     def compress_ef(self, x: torch.Tensor):

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from phalanx.comm.compression import kernels
 from phalanx.comm.compression.abilities import FixedSizePayload, FusedDecode, FusedResidual
 from phalanx.comm.compression.quantize import from_bytes, to_bytes
 
@@ -148,7 +149,11 @@ class ThresholdCompressor(FusedDecode):
 
     def compress(self, tensor: torch.Tensor):
         flat = tensor.detach().reshape(-1)
-        idx = (flat.abs() >= self.threshold).nonzero().reshape(-1)
+        if kernels.wanted(flat):  # |x| >= t in one compiled pass on CUDA (nonzero's size cannot be fused)
+            mask = kernels.run(kernels.threshold_mask, flat, self.threshold)
+        else:
+            mask = flat.abs() >= self.threshold
+        idx = mask.nonzero().reshape(-1)
         return _encode(flat, idx), (flat.numel(), tensor.dtype, tuple(tensor.shape))
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
