@@ -31,55 +31,41 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from phalanx.log import get_logger
 from phalanx.runtime import current_settings
 
-__all__ = ["run", "wanted", "everywhere", "fallbacks", "row_blocks", "write_back", "padded_rows", "int8_rows",
-           "int8_rows_decode", "packed_rows", "packed_rows_decode", "sign_rows", "sign_rows_decode",
-           "threshold_mask", "orthonormal_columns"]
+__all__ = ["run", "wanted", "everywhere", "fallbacks", "split_rows", "pad_row", "int8_encode", "int8_decode",
+           "packed_encode", "packed_decode", "sign_encode", "sign_decode", "threshold_mask", "orthonormal_columns"]
 
 _log = get_logger(__name__)
 _lock = threading.Lock()
-_compiled: dict[Callable, Callable | None] = {}  # None: compiling failed, run eagerly
+_compiled: dict[tuple, Callable | None] = {}  # (function, flags) -> compiled; None: compiling failed, run eagerly
 _everywhere = False
 
 
-def row_blocks(x: torch.Tensor, chunk: int):
-    """The flat ``x`` as kernel inputs: ``(rows, count, start, stop)`` for its whole chunks (a
-    ``(n // chunk, chunk)`` view of ``x``), then for a partial last chunk a zero-padded ``(1, chunk)``
-    copy; ``count`` is how many of the block's values are real, ``x[start:stop]`` what it holds
-    (a kernel's residual in the copy goes back there with :func:`write_back`)."""
-    n = x.numel()
-    full = n // chunk
-    if full:
-        yield x[: full * chunk].view(full, chunk), full * chunk, 0, full * chunk
-    if full * chunk < n:
-        tail = x.new_zeros(1, chunk)
-        tail[0, : n - full * chunk] = x[full * chunk :]
-        yield tail, n - full * chunk, full * chunk, n
+def split_rows(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The flat ``x`` as kernel inputs: ``(body, tail, rest)``: its whole chunks as a
+    ``(n // chunk, chunk)`` view, a partial last chunk of ``rest`` values as a zero-padded
+    ``(1, chunk)`` copy (None when there is none). A kernel's residual in the copy goes back
+    with ``x[n - rest:].copy_(tail[0, :rest])``."""
+    full, rest = divmod(x.numel(), chunk)
+    body = x[: full * chunk].view(full, chunk)
+    return body, (pad_row(x[full * chunk :], chunk) if rest else None), rest
 
 
-def write_back(x: torch.Tensor, rows: torch.Tensor, start: int, stop: int) -> None:
-    """Copy a padded block's values back to ``x[start:stop]`` (nothing for a view of ``x``)."""
-    if rows.numel() != stop - start:
-        x[start:stop].copy_(rows.view(-1)[: stop - start])
+def pad_row(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` zero-padded to one row of ``width``."""
+    return F.pad(flat, (0, width - flat.numel())).view(1, width)
 
 
-def padded_rows(flat: torch.Tensor, width: int) -> torch.Tensor:
-    """``flat`` (bytes of a partial last chunk) zero-padded to one row of ``width``."""
-    row = flat.new_zeros(1, width)
-    row[0, : flat.numel()] = flat
-    return row
-
-
-def int8_rows(rows: torch.Tensor, levels: int, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes of each row (``round(x * L / amax)``) and its scale ``amax / L``; with ``residual``,
-    ``rows`` becomes ``rows - code * scale`` in place. A row whose ``L / amax`` is not finite (amax 0,
-    or below ~1e-37) sends zeros and keeps its values."""
+# ------------------------------------------------------------------ the per-row arithmetic
+def _int8_rows(rows: torch.Tensor, levels: int, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
     amax = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg())
     inv = torch.nan_to_num(levels / amax, nan=0.0, posinf=0.0, neginf=0.0)
     q = (rows * inv).round()
@@ -89,18 +75,12 @@ def int8_rows(rows: torch.Tensor, levels: int, residual: bool) -> tuple[torch.Te
     return q.to(torch.int8), scale
 
 
-def int8_rows_decode(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, add: bool) -> torch.Tensor:
-    """``out`` ``=`` (or ``+=``) ``code * scale`` for rows of int8 codes stored as bytes (uint8)."""
+def _int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.int32)
-    values = (c - ((c >> 7) << 8)).float() * scales  # the two's-complement byte, without a dtype view
-    return out.add_(values) if add else out.copy_(values)
+    return (c - ((c >> 7) << 8)).float() * scales  # the two's-complement byte, without a dtype view
 
 
-def packed_rows(rows: torch.Tensor, levels: int, bits: int, count: int, residual: bool):
-    """4- or 2-bit codes of each row, ``code = clamp(round(x * L / amax), -L, L) + L``, packed
-    ``8 // bits`` to a byte, low bits first, and its scale ``amax / L``; codes past the first ``count``
-    values (the padding) are packed as 0, as ``quantize.pack_bits`` does; with ``residual``, ``rows``
-    becomes ``rows - (code - L) * scale``. The row length times ``bits`` is a multiple of 8."""
+def _packed_rows(rows: torch.Tensor, levels: int, bits: int, count, residual: bool):
     amax = rows.abs().amax(1, keepdim=True)
     inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
     q = (rows * inv).round().clamp(-levels, levels)
@@ -110,34 +90,21 @@ def packed_rows(rows: torch.Tensor, levels: int, bits: int, count: int, residual
     index = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
     codes = torch.where(index < count, q + levels, torch.zeros_like(q)).to(torch.uint8)
     per_byte = 8 // bits
-    slots = codes.view(rows.shape[0], -1, per_byte)
+    slots = codes.view(rows.shape[0], rows.shape[1] // per_byte, per_byte)
     packed = slots[..., 0]
     for i in range(1, per_byte):
         packed = packed | (slots[..., i] << (i * bits))
     return packed, scale
 
 
-def packed_rows_decode(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, alpha: float,
-                       add: bool) -> torch.Tensor:
-    """Inverse of :func:`packed_rows`: ``out`` ``=`` (or ``+=``) ``alpha * (code - L) * scale``; the
-    width is read off the shapes (``out``'s rows are ``8 // bits`` times ``packed``'s)."""
-    bits = 8 // (out.shape[1] // packed.shape[1])
-    levels = 2 ** (bits - 1) - 1
+def _packed_values(packed: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
+    bits = 8 // (width // packed.shape[1])  # read off the static shapes: a symbolic shift failed to compile
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
-    codes = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(out.shape)
-    values = (codes.float() - levels) * scales
-    return out.add_(values, alpha=alpha) if add else out.copy_(values * alpha)
+    codes = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], width)
+    return (codes.float() - (2 ** (bits - 1) - 1)) * scales
 
 
-def sign_rows(rows: torch.Tensor, two_level: bool, count: int, residual: bool):
-    """1-bit codes of rows whose length is a multiple of 32: ``(words, up, down)``.
-
-    Bit i is 1 where x_i's sign bit is clear ("up"), packed 32 to an int32 word, low bit first
-    (8 to a byte in little-endian memory; the padding past the first ``count`` values gets 0);
-    ``up`` / ``down`` are each row's two magnitudes (one, the mean |x|, without ``two_level``), as
-    :class:`phalanx.comm.compression.onebit.SignCompressor` computes them, the padding not counted.
-    With ``residual``, ``rows`` becomes ``x + down - bit * (up + down)`` in place.
-    """
+def _sign_rows(rows: torch.Tensor, two_level: bool, count, residual: bool):
     valid = torch.arange(rows.numel(), device=rows.device).view(rows.shape) < count
     u = torch.where(valid, (rows.view(torch.int32) >> 31) + 1, torch.zeros_like(rows, dtype=torch.int32))
     uf = u.float()
@@ -151,19 +118,96 @@ def sign_rows(rows: torch.Tensor, two_level: bool, count: int, residual: bool):
     else:
         up = down = l1 / real
     shifts = torch.arange(32, device=rows.device, dtype=torch.int32)
-    words = (u.view(rows.shape[0], -1, 32) << shifts).sum(-1, dtype=torch.int32)
+    words = (u.view(rows.shape[0], rows.shape[1] // 32, 32) << shifts).sum(-1, dtype=torch.int32)
     if residual:
         rows.add_(down.view(-1, 1)).addcmul_(uf, (up + down).view(-1, 1), value=-1.0)
     return words, up, down
 
 
-def sign_rows_decode(bits: torch.Tensor, span: torch.Tensor, low: torch.Tensor, out: torch.Tensor,
-                     add: bool) -> torch.Tensor:
-    """``out`` ``=`` (or ``+=``) ``low + bit * span`` per row, for the sign bits packed in the bytes ``bits``."""
+def _sign_values(bits: torch.Tensor, span: torch.Tensor, low: torch.Tensor, width: int) -> torch.Tensor:
     shifts = torch.arange(8, device=bits.device, dtype=torch.int32)
-    b = ((bits.to(torch.int32).unsqueeze(-1) >> shifts) & 1).view(out.shape).float()
-    values = b * span + low
-    return out.add_(values) if add else out.copy_(values)
+    b = ((bits.to(torch.int32).unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], width).float()
+    return b * span + low
+
+
+def _store(out_body: torch.Tensor, out_tail: torch.Tensor | None, body: torch.Tensor, tail: torch.Tensor | None,
+           alpha: float, add: bool) -> None:
+    if add:
+        out_body.add_(body, alpha=alpha)
+    else:
+        out_body.copy_(body * alpha)
+    if out_tail is not None:
+        values = tail.view(-1)[: out_tail.numel()]
+        out_tail.add_(values, alpha=alpha) if add else out_tail.copy_(values * alpha)
+
+
+# ------------------------------------------------------- one compiled call per compress / decode
+def int8_encode(body: torch.Tensor, tail: torch.Tensor | None, levels: int, residual: bool):
+    """int8 codes of the rows of ``body`` and ``tail`` (``round(x * L / amax)`` per row) and every
+    row's scale ``amax / L``: ``(body codes, tail codes, scales)``; with ``residual`` the rows become
+    ``x - code * scale`` in place. A row whose ``L / amax`` is not finite (amax 0, or below ~1e-37)
+    sends zeros and keeps its values."""
+    qb, sb = _int8_rows(body, levels, residual)
+    if tail is None:
+        return qb, None, sb.view(-1)
+    qt, st = _int8_rows(tail, levels, residual)
+    return qb, qt, torch.cat([sb, st]).view(-1)
+
+
+def int8_decode(body: torch.Tensor, tail: torch.Tensor | None, scales: torch.Tensor, out_body: torch.Tensor,
+                out_tail: torch.Tensor | None, alpha: float, add: bool) -> None:
+    """``out`` ``=`` (or ``+=``) ``code * (scale * alpha)`` for int8 codes stored as bytes (uint8),
+    rows of ``body`` then the padded ``tail`` row; ``scales`` one per row, as a column."""
+    scales = scales * alpha  # folded in first, as the eager loop does
+    full = body.shape[0]
+    vt = None if tail is None else _int8_values(tail, scales[full:])
+    _store(out_body, out_tail, _int8_values(body, scales[:full]), vt, 1.0, add)
+
+
+def packed_encode(body: torch.Tensor, tail: torch.Tensor | None, levels: int, bits: int, rest: int,
+                  residual: bool):
+    """4- or 2-bit codes of the rows, ``code = clamp(round(x * L / amax), -L, L) + L``, packed
+    ``8 // bits`` to a byte, low bits first, the padding past the tail's ``rest`` values packed as
+    0 (as ``quantize.pack_bits`` does), and every row's scale ``amax / L``: ``(body bytes, tail
+    bytes, scales)``; with ``residual`` the rows become ``x - (code - L) * scale``."""
+    pb, sb = _packed_rows(body, levels, bits, body.numel(), residual)
+    if tail is None:
+        return pb, None, sb.view(-1)
+    pt, st = _packed_rows(tail, levels, bits, rest, residual)
+    return pb, pt, torch.cat([sb, st]).view(-1)
+
+
+def packed_decode(body: torch.Tensor, tail: torch.Tensor | None, scales: torch.Tensor, out_body: torch.Tensor,
+                  out_tail: torch.Tensor | None, alpha: float, add: bool) -> None:
+    """Inverse of :func:`packed_encode`: ``out`` ``=`` (or ``+=``) ``alpha * (code - L) * scale``."""
+    full, width = body.shape[0], out_body.shape[1]
+    vt = None if tail is None else _packed_values(tail, scales[full:], width)
+    _store(out_body, out_tail, _packed_values(body, scales[:full], width), vt, alpha, add)
+
+
+def sign_encode(body: torch.Tensor, tail: torch.Tensor | None, two_level: bool, rest: int, residual: bool):
+    """1-bit codes of rows whose length is a multiple of 32: ``(body words, tail words, up, down)``.
+
+    Bit i is 1 where x_i's sign bit is clear ("up"), packed 32 to an int32 word, low bit first (8
+    to a byte in little-endian memory; the padding past the tail's ``rest`` values gets 0); ``up`` /
+    ``down`` are each row's two magnitudes (one, the mean |x|, without ``two_level``), as
+    :class:`phalanx.comm.compression.onebit.SignCompressor` computes them, the padding not counted.
+    With ``residual`` the rows become ``x + down - bit * (up + down)`` in place.
+    """
+    wb, ub, db = _sign_rows(body, two_level, body.numel(), residual)
+    if tail is None:
+        return wb, None, ub, db
+    wt, ut, dt = _sign_rows(tail, two_level, rest, residual)
+    return wb, wt, torch.cat([ub, ut]), torch.cat([db, dt])
+
+
+def sign_decode(body: torch.Tensor, tail: torch.Tensor | None, span: torch.Tensor, low: torch.Tensor,
+                out_body: torch.Tensor, out_tail: torch.Tensor | None, add: bool) -> None:
+    """``out`` ``=`` (or ``+=``) ``low + bit * span`` per row, for the sign bits packed in the bytes
+    of ``body`` and the padded ``tail`` row (``span`` and ``low`` columns, one per row)."""
+    full, width = body.shape[0], out_body.shape[1]
+    vt = None if tail is None else _sign_values(tail, span[full:], low[full:], width)
+    _store(out_body, out_tail, _sign_values(body, span[:full], low[:full], width), vt, 1.0, add)
 
 
 def threshold_mask(x: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -207,7 +251,7 @@ def everywhere():
 
 def fallbacks() -> list[str]:
     """The functions whose compile failed in this process (they run eagerly)."""
-    return sorted(fn.__name__ for fn, compiled in _compiled.items() if compiled is None)
+    return sorted({key[0].__name__ for key, compiled in _compiled.items() if compiled is None})
 
 
 _enabled: bool | None = None
@@ -221,24 +265,34 @@ def _compiling() -> bool:
     return _enabled
 
 
+def _compile_for(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and _compiling()
+
+
 def run(fn: Callable, tensor: torch.Tensor, *args):
     """``fn(tensor, *args)``, compiled when ``tensor`` is on CUDA.
 
     Compiled with dynamic shapes, but the width of every 2-D tensor argument (a chunk, its bytes,
     its words) is marked static: it is fixed per codec, and a symbolic width turns each element's
     index into 64-bit divisions (compiled on the CPU, the int8 compress of a flat, padded input
-    ran 56x slower than of a 2-D view with the width known). The number of rows varies freely."""
-    if tensor.device.type != "cuda" or not _compiling():
+    ran 56x slower than of a 2-D view with the width known). The number of rows varies freely.
+    Each combination of the flags (bool arguments, and which optional tensors are None) compiles
+    a copy of its own, so that the few specialisations of one (empty or single rows, bit widths)
+    never meet torch.compile's limit of 8 recompilations a function."""
+    if not _compile_for(tensor):
         return fn(tensor, *args)
     for t in (tensor, *args):
         if isinstance(t, torch.Tensor) and t.dim() == 2:
             torch._dynamo.mark_static(t, 1)
-    compiled = _compiled.get(fn, fn)
+    key = (fn, tuple(a if isinstance(a, bool) else None for a in args if a is None or isinstance(a, bool)))
+    compiled = _compiled.get(key, fn)
     if compiled is fn:
         with _lock:
-            if fn not in _compiled:
-                _compiled[fn] = torch.compile(fn, dynamic=True)
-            compiled = _compiled[fn]
+            if key not in _compiled:
+                # a fresh code object: torch.compile caches (and counts recompilations) per code object
+                copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+                _compiled[key] = torch.compile(copy, dynamic=True)
+            compiled = _compiled[key]
     if compiled is None:
         return fn(tensor, *args)
     try:
@@ -246,5 +300,5 @@ def run(fn: Callable, tensor: torch.Tensor, *args):
     except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager function is correct
         _log.warning("fused codec kernel %s could not be compiled (%s: %s); running it eagerly",
                      fn.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        _compiled[fn] = None
+        _compiled[key] = None
         return fn(tensor, *args)

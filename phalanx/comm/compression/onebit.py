@@ -110,16 +110,15 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         chunks = math.ceil(n / chunk)
         nbits = math.ceil(n / 8)
         words = chunk % 32 == 0 and sys.byteorder == "little"
-        if words and kernels.wanted(x):  # compiled row kernels on CUDA (comm/compression/kernels.py)
-            bits, ups, downs = [], [], []
-            for rows, count, start, stop in kernels.row_blocks(x, chunk):
-                packed, up, down = kernels.run(kernels.sign_rows, rows, self.two_level, count, residual)
-                bits.append(to_bytes(packed)[: math.ceil((stop - start) / 8)])
-                ups.append(to_bytes(up))
-                downs.append(to_bytes(down))
-                if residual:
-                    kernels.write_back(x, rows, start, stop)
-            return torch.cat(bits + ups + (downs if self.two_level else []))
+        if words and kernels.wanted(x):  # one compiled call on CUDA (comm/compression/kernels.py)
+            body, tail, rest = kernels.split_rows(x, chunk)
+            wb, wt, up, down = kernels.run(kernels.sign_encode, body, tail, self.two_level, rest, residual)
+            scales = [to_bytes(up)] + ([to_bytes(down)] if self.two_level else [])
+            if tail is None:
+                return torch.cat([to_bytes(wb)] + scales)
+            if residual:
+                x[n - rest :].copy_(tail[0, :rest])
+            return torch.cat([to_bytes(wb), to_bytes(wt)[: math.ceil(rest / 8)]] + scales)
         payload = torch.empty(nbits + 4 * chunks * (2 if self.two_level else 1), dtype=torch.uint8,
                               device=x.device)
         up_all = torch.empty(chunks, dtype=torch.float32, device=x.device)
@@ -179,17 +178,11 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         low = (down * -alpha).view(-1, 1)  # what a cleared bit decodes to
         full = n // chunk
         words = chunk % 32 == 0 and sys.byteorder == "little"
-        if words and kernels.wanted(payload):  # compiled row kernels on CUDA (comm/compression/kernels.py)
-            row_bytes = chunk // 8
-            if full:
-                kernels.run(kernels.sign_rows_decode, payload[: full * row_bytes].view(full, row_bytes), span[:full],
-                            low[:full], out[: full * chunk].view(full, chunk), add)
-            if full * chunk < n:  # the partial last chunk, decoded into a padded row
-                row = out.new_empty(1, chunk)
-                kernels.run(kernels.sign_rows_decode, kernels.padded_rows(payload[full * row_bytes : nbits], row_bytes),
-                            span[full:], low[full:], row, False)
-                tail = out[full * chunk :]
-                tail.add_(row[0, : n - full * chunk]) if add else tail.copy_(row[0, : n - full * chunk])
+        if words and kernels.wanted(payload):  # one compiled call on CUDA (comm/compression/kernels.py)
+            row_bytes, rest = chunk // 8, n - full * chunk
+            tail = kernels.pad_row(payload[full * row_bytes : nbits], row_bytes) if rest else None
+            kernels.run(kernels.sign_decode, payload[: full * row_bytes].view(full, row_bytes), tail, span, low,
+                        out[: full * chunk].view(full, chunk), out[full * chunk :] if rest else None, add)
             return out
         if full and words:
             w = from_bytes(payload, torch.int32, full * chunk // 32)  # copies only if misaligned

@@ -161,41 +161,30 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         return kernels.wanted(t) and not self.stochastic and (self.chunk * self.bits) % 8 == 0
 
     def _fused_encode(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
-        """The payload of flat fp32 ``x`` from the compiled row kernels (and ``x`` left holding the
+        """The payload of flat fp32 ``x`` from one compiled call (and ``x`` left holding the
         residual with ``residual``): codes, then scales, as the eager forms lay them out."""
-        codes, scales = [], []
-        for rows, count, start, stop in kernels.row_blocks(x, self.chunk):
-            if self.bits == 8:
-                c, scale = kernels.run(kernels.int8_rows, rows, self.levels, residual)
-            else:
-                c, scale = kernels.run(kernels.packed_rows, rows, self.levels, self.bits, count, residual)
-            codes.append(to_bytes(c)[: math.ceil((stop - start) * self.bits / 8)])
-            scales.append(to_bytes(scale))
-            if residual:
-                kernels.write_back(x, rows, start, stop)
-        return torch.cat(codes + scales)
+        body, tail, rest = kernels.split_rows(x, self.chunk)
+        if self.bits == 8:
+            cb, ct, scales = kernels.run(kernels.int8_encode, body, tail, self.levels, residual)
+        else:
+            cb, ct, scales = kernels.run(kernels.packed_encode, body, tail, self.levels, self.bits, rest, residual)
+        if tail is None:
+            return torch.cat([to_bytes(cb), to_bytes(scales)])
+        if residual:
+            x[x.numel() - rest :].copy_(tail[0, :rest])
+        return torch.cat([to_bytes(cb), to_bytes(ct)[: math.ceil(rest * self.bits / 8)], to_bytes(scales)])
 
     def _fused_decode(self, payload: torch.Tensor, n: int, out: torch.Tensor, alpha: float, add: bool):
         chunk = self.chunk
         full, rest = divmod(n, chunk)
         row_bytes = chunk * self.bits // 8
         code_bytes = math.ceil(n * self.bits / 8)
-        # the scales as a tensor of their own: the compile of a decoder given a float32 view of the
-        # payload's bytes failed on an H100
-        scales = from_bytes(payload[code_bytes:], torch.float32, full + (rest > 0)).view(-1, 1)
-        if self.bits == 8:  # alpha folded into the scales, as the eager loop does
-            fn, scales, extra = kernels.int8_rows_decode, scales * alpha, ()
-        else:
-            fn, scales, extra = kernels.packed_rows_decode, scales.clone(), (alpha,)
-        if full:
-            kernels.run(fn, payload[: full * row_bytes].view(full, row_bytes), scales[:full],
-                        out[: full * chunk].view(full, chunk), *extra, add)
-        if rest:  # the partial last chunk, decoded into a padded row
-            row = out.new_empty(1, chunk)
-            kernels.run(fn, kernels.padded_rows(payload[full * row_bytes : code_bytes], row_bytes), scales[full:],
-                        row, *extra, False)
-            tail = out[full * chunk :]
-            tail.add_(row[0, :rest]) if add else tail.copy_(row[0, :rest])
+        # the scales as a tensor of their own (not a float32 view of the payload's bytes)
+        scales = from_bytes(payload[code_bytes:], torch.float32, full + (rest > 0)).clone().view(-1, 1)
+        tail = kernels.pad_row(payload[full * row_bytes : code_bytes], row_bytes) if rest else None
+        kernels.run(kernels.int8_decode if self.bits == 8 else kernels.packed_decode,
+                    payload[: full * row_bytes].view(full, row_bytes), tail, scales,
+                    out[: full * chunk].view(full, chunk), out[full * chunk :] if rest else None, alpha, add)
         return out
 
     # ------------------------------------------------------------ fused int8 forms
