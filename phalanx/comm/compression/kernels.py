@@ -1,14 +1,15 @@
-"""Fused GPU kernels for the codecs: each chunk-row pass of a compress or decompress in one compiled call.
+"""Fused GPU kernels for the codecs: a whole compress, or a whole decode, in one compiled call.
 
 On a GPU a codec is memory-bound, and eager torch runs each operation as its own kernel that
 reads and writes the whole gradient, plus a launch from Python for each: int8's eager compress
 took 4.8x, sign's 16x the time of a plain device copy of the gradient on an H100
-(benchmarks/gpu/codecs.py). The functions here take the gradient's whole chunks as a 2-D view,
-``(rows, chunk)``, and do the per-row reduction, the element-wise tail and the error-feedback
-residual in place; the codecs call them once more on a zero-padded copy of a partial last chunk
-(:func:`row_blocks`). They are compiled by ``torch.compile`` for CUDA tensors (one or two Triton
-kernels a function) the first time they run, with the number of rows dynamic and the row width
-static (see :func:`run`). The decoders take the payload's bytes as ``uint8`` and the scales as a
+(benchmarks/gpu/codecs.py). On that machine's host one call of a compiled function costs about
+as long as a device copy of 100 MB, so each compress and each decode here is a single call
+(``*_encode`` / ``*_decode``): it takes the gradient's whole chunks as a 2-D view, ``(rows,
+chunk)``, and a zero-padded row of a partial last chunk (:func:`split_rows`), and does the
+per-row reduction, the element-wise tail and the error-feedback residual in place. They are
+compiled by ``torch.compile`` for CUDA tensors the first time they run, with the number of rows
+dynamic and the row width static (see :func:`run`). The decoders take the payload's bytes as ``uint8`` and the scales as a
 tensor of their own: the compile of a decoder that read a float32 view of the payload's bytes
 failed on an H100 ("when making fake tensor call"), and so did one that shifted by a symbolic
 bit count. On the CPU they run eagerly: the codecs' CPU paths are tuned for it, and compiling
@@ -24,7 +25,8 @@ the CUDA path's arithmetic is checked against the CPU codec in CI.
 Example::
 
     from phalanx.comm.compression import kernels
-    codes, scales = kernels.run(kernels.int8_rows, rows, 127, False)   # compiled on CUDA
+    body, tail, rest = kernels.split_rows(x, 256)
+    codes, tail_codes, scales = kernels.run(kernels.int8_encode, body, tail, 127, False)  # compiled on CUDA
 """
 
 from __future__ import annotations
