@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoE", "Router", "ExpertMLP", "Dispatcher", "LocalDispatch", "Routing", "route", "run_experts"]
+__all__ = ["MoE", "Router", "ExpertMLP", "GatedExpert", "Dispatcher", "LocalDispatch", "Routing", "route", "run_experts"]
 
 
 class ExpertMLP(nn.Module):
@@ -56,6 +56,21 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
+
+
+class GatedExpert(nn.Module):
+    """A SwiGLU-style expert as Mixtral and Qwen-MoE have it: ``down(act(gate(x)) · up(x))``,
+    gate and up fused in one ``(2·hidden, dim)`` weight."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: Callable = F.silu) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(gate_up)
+        self.down = nn.Parameter(down)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down)
 
 
 class Router(nn.Module):
@@ -154,8 +169,9 @@ class MoE(nn.Module):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"MoE: num_experts={num_experts!r} must be a positive integer")
-        if top_k not in (1, 2) or top_k > num_experts:
-            raise ValueError(f"MoE: top_k={top_k!r} must be 1 or 2 and at most num_experts={num_experts}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k={top_k!r} must be between 1 and num_experts={num_experts} "
+                             "(Switch: 1, GShard / Mixtral: 2)")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"MoE: capacity_factor={capacity_factor!r} must be > 0, or None for no dropping")
         self.dim, self.num_experts, self.top_k = dim, num_experts, top_k

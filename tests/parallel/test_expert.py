@@ -167,10 +167,41 @@ def _four_ranks(ckpt_dir):
     return out
 
 
+def _mixtral():
+    """A tiny random Mixtral (transformers) with its sparse blocks on phalanx's MoE layer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from phalanx.parallel.expert import from_hf
+
+    cfg = MixtralConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=EXPERTS,
+                        num_experts_per_tok=2, max_position_embeddings=8)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    from_hf(model, capacity_factor=1.0, aux_loss_weight=cfg.router_aux_loss_coef)
+    return model
+
+
+def _train_mixtral(model, opt, slices, index):
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch("gpt", step, slices)[index]
+        loss = _loss("gpt", model(x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _two_ranks(ckpt_dir):
     import phalanx.checkpoint as ckpt
     from phalanx.parallel.expert import expert_parallel
     from phalanx.parallel.grid import RankGrid
+
+    mesh = RankGrid(ep=2)
+    hf, hf_opt = expert_parallel(_mixtral(), mesh, optimizer=_opt("adam"))
+    mixtral = mesh.batch_index, _train_mixtral(hf, hf_opt, 2, mesh.batch_index), _global_state(hf)
 
     model, opt = expert_parallel(_mlp(2, None), RankGrid(ep=2), optimizer=_opt("adam"))
     x, y = _batch("mlp", 0, 2)[0]
@@ -182,7 +213,17 @@ def _two_ranks(ckpt_dir):
     opt.zero_grad()
     piece = ckpt.ExpertCheckpoint(model, opt)
     ckpt.load(ckpt_dir, {"model": piece, "dense_optim": opt.dense})
-    return _global_state(model), piece.state_dict()["optim"], [len(m.experts) for m in _moes(model)]
+    return _global_state(model), piece.state_dict()["optim"], [len(m.experts) for m in _moes(model)], mixtral
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The references are tiny: torch's intra-op threads only fight the ranks for the 2 cores
+    (one thread: 0.1-0.2 s a reference instead of 1-2 s here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -249,14 +290,57 @@ def test_checkpoint_saved_at_ep4_loads_at_ep2(runs):
                 full = moments.setdefault(k, torch.zeros(v.global_shape))
                 full[v.offsets[0]:v.offsets[0] + v.tensor.shape[0]] = v.tensor
     assert moments, "the saved experts' optimizer state has no moments"
-    assert {k for state, _, _ in runs[1] for k in state} == saved.keys()
-    for state, optim, held in runs[1]:
+    assert {k for state, *_ in runs[1] for k in state} == saved.keys()
+    for state, optim, held, _ in runs[1]:
         assert held == [EXPERTS // 2]
         for k, v in state.items():
             _close(v, saved[k], f"loaded {k}")
         for k, full in moments.items():  # each loading rank holds its 2 experts' rows
             v = optim[k]
             _close(v.tensor, full[v.offsets[0]:v.offsets[0] + v.tensor.shape[0]], f"loaded optimizer state {k}")
+
+
+def test_mixtral_from_transformers_trains_under_expert_parallel(runs):
+    """HF Mixtral (random weights) with its sparse blocks swapped for phalanx's MoE, at ep = 2,
+    against the same model in one process on the two slices in turn."""
+    model = _mixtral()
+    for moe in _moes(model):
+        moe.aux_grad_scale = 0.5
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    losses = []
+    for step in range(STEPS):
+        step_losses = []
+        for x, y in _batch("gpt", step, 2):
+            loss = _loss("gpt", model(x).logits, y)
+            (loss / 2).backward()
+            step_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_losses)
+    for *_, (b, r_losses, _) in runs[1]:
+        _close(r_losses, [s[b] for s in losses], f"mixtral losses of slice {b}")
+    _assert_state([r[3][2] for r in runs[1]], _global_state(model), "mixtral")
+
+
+@pytest.mark.unit
+def test_hf_blocks_become_the_same_function():
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from phalanx.parallel.expert import from_hf
+
+    cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=8, moe_intermediate_size=12, intermediate_size=12,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=EXPERTS,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=8)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    for p in model.parameters():
+        if p.dim() == 3 or p.shape[0] == EXPERTS:  # experts and router, away from their tiny init
+            nn.init.normal_(p, std=0.3)
+    ids = torch.randint(0, 16, (2, 6))
+    before = model(ids).logits
+    assert from_hf(model) == ["model.layers.0.mlp"]
+    torch.testing.assert_close(model(ids).logits, before, atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------- mistakes (no ranks)
@@ -288,8 +372,8 @@ def test_other_mistakes_are_one_line():
         expert_parallel(_mlp(1, 1.0), RankGrid(pp=2, ep=2, world_size=4, rank=0), optimizer=_opt("sgd"))
     with pytest.raises(GridError, match=r"dp=1 × pp=1 × tp=1 × ep=3 = 3, but the world size is 4"):
         RankGrid(ep=3, world_size=4)
-    with pytest.raises(ValueError, match="top_k=3 must be 1 or 2"):
-        MoE(DIM, 4, 3)
+    with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
+        MoE(DIM, 4, 5)
     with pytest.raises(ValueError, match="capacity_factor=0 must be > 0"):
         MoE(DIM, 4, 1, capacity_factor=0)
 

@@ -11,6 +11,7 @@ The package, one module per seam::
     dispatch.py     AllToAll (differentiable, variable splits) and AllToAllDispatch, the MoE's dispatcher
     shard.py        shard_experts: keep this rank's experts of every MoE layer; expert / dense names
     data.py         the two gradient groups (dense: dp × ep, experts: dp) and ExpertOptimizer
+    hf.py           from_hf: Mixtral / Qwen3-MoE sparse blocks onto phalanx's MoE layer
 
 Entry point::
 
@@ -42,6 +43,7 @@ from phalanx.parallel.expert.data import (
     check_options,
 )
 from phalanx.parallel.expert.dispatch import AllToAll, AllToAllDispatch, all_to_all
+from phalanx.parallel.expert.hf import from_hf
 from phalanx.parallel.expert.shard import (
     ExpertParallelError,
     check_experts,
@@ -53,7 +55,7 @@ from phalanx.parallel.expert.shard import (
 
 __all__ = ["expert_parallel", "ExpertOptimizer", "ExpertParallelError", "AllToAll",
            "AllToAllDispatch", "all_to_all", "check_experts", "shard_experts", "moe_layers", "expert_names",
-           "split_named_parameters", "DATA_PARALLEL"]
+           "split_named_parameters", "DATA_PARALLEL", "from_hf"]
 
 
 def expert_parallel(model: nn.Module, mesh, *,
