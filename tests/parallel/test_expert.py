@@ -2,7 +2,7 @@
 
 One spawned group of 4 ranks trains every case (dp × ep meshes with plain data
 parallel and ZeRO, k = 1 and 2, dropping and no-drop, phalanx's GPT with MoE
-blocks, and dp × pp × ep through ``parallelize``) and saves an expert-sharded
+blocks, and dp × pp × ep and tp × ep through ``parallelize``) and saves an expert-sharded
 checkpoint at ep = 4; one group of 2 ranks loads it at ep = 2. The reference is one
 process running the same model on each rank's slice of the batch in turn (the
 capacity counts one forward's tokens, so the slices are the routing groups),
@@ -37,6 +37,7 @@ CASES = {
     "gpt_dp2_ep2_sgd": ("gpt", 2, 2, 2, 1.0, "allreduce", "sgd"),  # Adam turns the key bias's zero gradient into noise
 }
 PIPELINE = "gpt_pp2_ep2_m2"  # parallelize(dp=1, pp=2, ep=2), two micro-batches, SGD
+TENSOR = "gpt_tp2_ep2"  # parallelize(tp=2, ep=2): experts whole on each tp rank, cut over ep
 
 
 def _mlp(top_k, cap):
@@ -149,6 +150,27 @@ def _pipeline():
     return mesh.batch_index, losses, _global_state(pm.module)
 
 
+def _tensor():
+    from phalanx.models import gpt_tp_plan
+    from phalanx.parallel.grid import RankGrid
+    from phalanx.parallel.parallelize import parallelize
+    from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
+
+    mesh = RankGrid(tp=2, ep=2)
+    model = _gpt(2, 1.0)
+    pm = parallelize(model, mesh, loss_fn=lambda out, y: vocab_parallel_cross_entropy(out, y, mesh.tp_group),
+                     tp_plan=gpt_tp_plan(model), data_parallel="allreduce", optimizer=_opt("sgd"))
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch("gpt", step, 2)[mesh.batch_index]
+        losses.append(pm.step(x, y).item())
+        pm.optimizer.step()
+        pm.optimizer.zero_grad()
+    experts = _global_state(pm.module)
+    state = {k: v for k, v in gather_tp_state_dict(pm.module, mesh.tp_group).items() if ".experts." not in k}
+    return losses, state | {k: v for k, v in experts.items() if ".experts." in k}
+
+
 def _four_ranks(ckpt_dir):
     import phalanx.checkpoint as ckpt
     from phalanx.parallel.expert import AllToAllDispatch
@@ -164,6 +186,7 @@ def _four_ranks(ckpt_dir):
             splits = [m.dispatcher.last_splits for m in _moes(model)]
             out["splits"] = splits, all(isinstance(m.dispatcher, AllToAllDispatch) for m in _moes(model))
     out[PIPELINE] = _pipeline()
+    out[TENSOR] = _tensor()
     return out
 
 
@@ -274,6 +297,14 @@ def test_pipeline_and_expert_parallel_match_one_process(runs):
     _assert_state([r[2] for r in results], state, PIPELINE)
 
 
+def test_tensor_and_expert_parallel_match_one_process(runs):
+    losses, _, _, state = _reference("gpt", 2, 1.0, "sgd", 2)
+    results = [r[TENSOR] for r in runs[0]]
+    for r_losses, _ in results:
+        _close(r_losses, [sum(s) / len(s) for s in losses], f"{TENSOR} losses")
+    _assert_state([r[1] for r in results], state, TENSOR)
+
+
 def test_dispatch_is_all_to_all_with_variable_splits(runs):
     splits, all_a2a = runs[0][0]["splits"]
     assert all_a2a
@@ -363,6 +394,8 @@ def test_other_mistakes_are_one_line():
     mesh = RankGrid(ep=2, world_size=2, rank=0)
     with pytest.raises(ExpertParallelError, match="has no MoE layer"):
         expert_parallel(nn.Linear(2, 2), mesh, optimizer=_opt("sgd"))
+    with pytest.raises(ExpertParallelError, match="data_parallel='zero3' is not supported"):
+        expert_parallel(_mlp(1, 1.0), mesh, optimizer=_opt("sgd"), data_parallel="zero3")
     with pytest.raises(ExpertParallelError, match="data_parallel='zero4'"):
         expert_parallel(_mlp(1, 1.0), mesh, optimizer=_opt("sgd"), data_parallel="zero4")
     with pytest.raises(ExpertParallelError, match="must be a function from parameters"):

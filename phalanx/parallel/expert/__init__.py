@@ -66,7 +66,7 @@ def expert_parallel(model: nn.Module, mesh, *,
     ``mesh``: a :class:`~phalanx.parallel.grid.RankGrid` with pp = tp = 1 (for pipeline or
     tensor parallel use ``parallelize``). ``optimizer``: a function from parameters to a
     torch optimizer (called twice: dense weights, experts). ``data_parallel``:
-    ``"allreduce"`` (bucketed, overlapped with backward) or ``"zero1|2|3"`` for the dense
+    ``"allreduce"`` (bucketed, overlapped with backward) or ``"zero1|2"`` for the dense
     weights over the dense group. Every rank trains on its own slice of the batch
     (``mesh.batch_index`` of ``mesh.dp * mesh.ep``).
     """

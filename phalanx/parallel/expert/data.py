@@ -13,9 +13,9 @@ over the dp·ep slices::
 
 The ``÷ ep`` is a gradient hook on each expert weight. Each group has its own
 bucketed, overlapped engine (:class:`~phalanx.parallel.data.DistributedOptimizer`);
-ZeRO (``data_parallel="zero1|2|3"``) shards the dense weights' optimizer state
-(and gradients, parameters) over the dense group and leaves the experts as they are:
-they are already cut ep ways.
+ZeRO (``data_parallel="zero1|2"``) shards the dense weights' optimizer state
+(and gradients) over the dense group and leaves the experts as they are: they are
+already cut ep ways. ZeRO-3 is refused: it shards every parameter of the module.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from phalanx.parallel.expert.shard import ExpertParallelError, split_named_param
 
 __all__ = ["ExpertOptimizer", "DATA_PARALLEL", "check_options", "build_optimizer", "scale_expert_grads"]
 
-DATA_PARALLEL = ("allreduce", "zero1", "zero2", "zero3")
+DATA_PARALLEL = ("allreduce", "zero1", "zero2")
 
 
 class ExpertOptimizer:
@@ -77,6 +77,10 @@ def scale_expert_grads(experts: list[tuple[str, nn.Parameter]], ep: int) -> None
 
 def check_options(optimizer, data_parallel: str) -> None:
     """One line for a bad ``data_parallel`` or an ``optimizer`` that is not a function of parameters."""
+    if data_parallel == "zero3":
+        raise ExpertParallelError("expert parallel: data_parallel='zero3' is not supported: ZeRO-3 shards every "
+                                  "parameter of the module, and the experts are cut over ep already; use 'zero1' or "
+                                  "'zero2' (the dense weights' optimizer state and gradients sharded)")
     if data_parallel not in DATA_PARALLEL:
         raise ExpertParallelError(f"expert parallel: data_parallel={data_parallel!r}: use one of "
                                   f"{', '.join(map(repr, DATA_PARALLEL))}")
