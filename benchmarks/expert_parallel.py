@@ -8,11 +8,14 @@ Configurations (fresh ranks each, interleaved within each repeat, medians report
 
 * ``ep``          phalanx ``expert_parallel`` on ``RankGrid(ep=np)``: each rank E/np experts, all-to-all dispatch.
 * ``replicated``  the same model, every rank all E experts, ``px.DistributedOptimizer`` over all weights.
-* ``torchtitan``  torchtitan's MoE layers with their EP sharding and all-to-all token dispatcher (the
+* ``torchtitan``  torchtitan's MoE layers with their EP sharding and all-to-all token dispatcher (a
                   peer; ``--model stack`` only), when torchtitan is installed and runs (else the line says why).
+* ``deepspeed``   DeepSpeed-MoE's layer (``deepspeed.moe.layer.MoE``, ep = np) around the same SwiGLU
+                  expert (a peer; ``--model stack`` only).
 
-Models: ``stack`` (default) = ``--layers`` residual MoE layers of SwiGLU experts, the layer torchtitan
-has, so all three run the same shapes; ``gpt`` = phalanx's GPT with MoE blocks; ``mixtral`` = a random
+Models: ``stack`` (default) = ``--layers`` residual MoE layers of SwiGLU experts, the layer the peers
+have, so all run the same shapes (phalanx and DeepSpeed drop past ``--capacity``, phalanx sending only
+the kept rows, DeepSpeed padding every expert to capacity; torchtitan has no capacity and drops none); ``gpt`` = phalanx's GPT with MoE blocks; ``mixtral`` = a random
 transformers Mixtral with its sparse blocks on phalanx's MoE (``from_hf``).
 
 Every rank trains on its own ``--batch x --seq`` tokens (the same global batch in every
@@ -69,7 +72,8 @@ def _mixtral(a):
 
 
 def _stack(a):
-    """--layers residual MoE layers of SwiGLU experts (hidden 4·width, no drop): torchtitan's MoE, in phalanx."""
+    """--layers residual MoE layers of SwiGLU experts (hidden 4·width, capacity ``--capacity`` as DeepSpeed's):
+    the layer the peers have, in phalanx."""
     from phalanx.models.moe import GatedExpert, MoE
 
     torch.manual_seed(0)
@@ -78,7 +82,7 @@ def _stack(a):
     def expert(_):
         return GatedExpert(torch.randn(2 * h, a.width) * 0.02, torch.randn(a.width, h) * 0.02)
 
-    layers = [MoE(a.width, a.experts, a.top_k, capacity_factor=None, expert=expert, aux_loss_weight=0.0)
+    layers = [MoE(a.width, a.experts, a.top_k, capacity_factor=a.capacity, expert=expert, aux_loss_weight=0.0)
               for _ in range(a.layers)]
     return Residual(layers)
 
@@ -154,6 +158,41 @@ def _titan(a):
     return Residual(layers)
 
 
+def _deepspeed(a):
+    """DeepSpeed-MoE's layer (``deepspeed.moe.layer.MoE``, top-k gating, its all-to-all over an expert
+    group of ep = np) around the same SwiGLU expert. Runs on CPU / gloo as is (deepspeed builds its
+    shared-memory comm op on first use) with its default fixed capacity (``--capacity``, tokens past it
+    dropped, every expert's buffer padded to it); with ``drop_tokens=False`` (no drop, like the other
+    configs) its all-to-all aborted the rank here: gloo "op.preamble.length <= op.nbytes. 2816 vs 2304.
+    Received data size doesn't match expected size" (deepspeed 0.19.8)."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    from phalanx.models.moe import GatedExpert
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    h = 4 * a.width
+    layers = []
+    for _ in range(a.layers):
+        expert = GatedExpert(torch.randn(2 * h, a.width) * 0.02, torch.randn(a.width, h) * 0.02)
+        layers.append(Unpack(DeepSpeedMoE(hidden_size=a.width, expert=expert, num_experts=a.experts,
+                                          ep_size=px.size(), k=a.top_k, capacity_factor=a.capacity,
+                                          eval_capacity_factor=a.capacity)))
+    return Residual(layers)
+
+
+class Unpack(torch.nn.Module):
+    """DeepSpeed's MoE returns ``(out, aux_loss, counts)``; keep ``out``."""
+
+    def __init__(self, moe) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
 def _bench(config, a):
     import torch.distributed as dist
 
@@ -161,12 +200,13 @@ def _bench(config, a):
     dist.all_gather_object([None] * dist.get_world_size(), config)
     base = _rss()
     n, r = px.size(), px.rank()
-    if config == "torchtitan":
+    if config in PEERS:
         try:
-            model = _titan(a)
+            model = PEERS[config](a)
         except Exception as e:  # noqa: BLE001 - the peer's own failure is the result to report
             return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        # (its router weights are not averaged across ranks here: a (E, width) all-reduce it is spared)
+        # (their router weights are not averaged across ranks here: a (E, width) all-reduce they are spared;
+        # DeepSpeed's engine would do that, and reduce its experts over their data-parallel group)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     else:
         model = {"stack": _stack, "gpt": _gpt, "mixtral": _mixtral}[a.model](a)
@@ -182,7 +222,7 @@ def _bench(config, a):
     g = torch.Generator().manual_seed(1000 + r)
     ids = torch.randint(0, 256, (a.batch, a.seq + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
-    stack = config == "torchtitan" or a.model == "stack"
+    stack = config in PEERS or a.model == "stack"
     if stack:
         x = torch.randn(a.batch, a.seq, a.width, generator=g)
 
@@ -198,7 +238,7 @@ def _bench(config, a):
         for _ in range(2):
             step()
     except Exception as e:  # noqa: BLE001
-        if config != "torchtitan":
+        if config not in PEERS:
             raise
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     times = []
@@ -260,7 +300,8 @@ def _overlap(a):
     return {k: statistics.median(v) for k, v in res.items()} | {"mib": x.numel() * 4 / 2**20}
 
 
-CONFIGS = ["ep", "replicated", "torchtitan"]
+PEERS = {"torchtitan": _titan, "deepspeed": _deepspeed}
+CONFIGS = ["ep", "replicated", "torchtitan", "deepspeed"]
 
 
 def main() -> None:
@@ -276,8 +317,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--configs", default=None, help="default: ep,replicated,torchtitan for --model stack, "
-                    "else ep,replicated (torchtitan runs its own MoE layers only)")
+    ap.add_argument("--configs", default=None, help="default: ep,replicated,torchtitan,deepspeed for --model "
+                    "stack, else ep,replicated (the peers run their own MoE layers only)")
     ap.add_argument("--sections", default="step,overlap")
     a = ap.parse_args()
     configs = [c for c in (a.configs or ",".join(CONFIGS if a.model == "stack" else CONFIGS[:2])).split(",") if c]
@@ -318,7 +359,7 @@ def main() -> None:
                 vs = f"{m['step_s'] / p['step_s']:.2f}x time, {m['model_bytes'] / p['model_bytes']:.2f}x model memory"
             print(f"| {c} | {m['step_s'] * 1e3:.1f} ({m['each']}) | {m['model_bytes'] / 2**20:.2f} | "
                   f"{m['peak'] / 2**20:.0f} | {vs} |")
-        for peer in ("replicated", "torchtitan"):
+        for peer in ("replicated", "torchtitan", "deepspeed"):
             if "ep" in med and peer in med:  # paired: each repeat's ratio (the load here drifts between repeats)
                 pairs = [e["step_s"] / p["step_s"] for e, p in zip(runs["ep"], runs[peer])
                          if "error" not in e and "error" not in p]

@@ -2,8 +2,8 @@
 
 One spawned group of 4 ranks trains every case (dp × ep meshes with plain data
 parallel and ZeRO, k = 1 and 2, dropping and no-drop, phalanx's GPT with MoE
-blocks, and dp × pp × ep and tp × ep through ``parallelize``) and saves an expert-sharded
-checkpoint at ep = 4; one group of 2 ranks loads it at ep = 2. The reference is one
+blocks, dp × pp × ep and tp × ep through ``parallelize``, a transformers Mixtral),
+saves an expert-sharded checkpoint at ep = 4 and loads it at dp 2 × ep 2. The reference is one
 process running the same model on each rank's slice of the batch in turn (the
 capacity counts one forward's tokens, so the slices are the routing groups),
 accumulating ``loss / W`` — the gradient of the global mean loss. Each check is its
@@ -173,7 +173,8 @@ def _tensor():
 
 def _four_ranks(ckpt_dir):
     import phalanx.checkpoint as ckpt
-    from phalanx.parallel.expert import AllToAllDispatch
+    from phalanx.parallel.expert import AllToAllDispatch, expert_parallel
+    from phalanx.parallel.grid import RankGrid
 
     out = {}
     for name in CASES:
@@ -187,6 +188,10 @@ def _four_ranks(ckpt_dir):
             out["splits"] = splits, all(isinstance(m.dispatcher, AllToAllDispatch) for m in _moes(model))
     out[PIPELINE] = _pipeline()
     out[TENSOR] = _tensor()
+    out["loaded"] = _load_at_ep2(ckpt_dir)
+    mesh = RankGrid(dp=2, ep=2)
+    hf, hf_opt = expert_parallel(_mixtral(), mesh, optimizer=_opt("adam"))
+    out["mixtral"] = mesh.batch_index, _train_mixtral(hf, hf_opt, 4, mesh.batch_index), _global_state(hf)
     return out
 
 
@@ -217,26 +222,22 @@ def _train_mixtral(model, opt, slices, index):
     return losses
 
 
-def _two_ranks(ckpt_dir):
+def _load_at_ep2(ckpt_dir):
+    """A fresh model at dp 2 × ep 2 (2 experts a rank) loads the checkpoint saved at ep 4."""
     import phalanx.checkpoint as ckpt
     from phalanx.parallel.expert import expert_parallel
     from phalanx.parallel.grid import RankGrid
 
-    mesh = RankGrid(ep=2)
-    hf, hf_opt = expert_parallel(_mixtral(), mesh, optimizer=_opt("adam"))
-    mixtral = mesh.batch_index, _train_mixtral(hf, hf_opt, 2, mesh.batch_index), _global_state(hf)
-
-    model, opt = expert_parallel(_mlp(2, None), RankGrid(ep=2), optimizer=_opt("adam"))
-    x, y = _batch("mlp", 0, 2)[0]
-    with torch.no_grad():  # one step at lr 0 so the experts' Adam state has its keys
-        for g in opt.param_groups:
-            g["lr"] = 0.0
+    model, opt = expert_parallel(_mlp(2, None), RankGrid(dp=2, ep=2), optimizer=_opt("adam"))
+    for g in opt.param_groups:  # one step at lr 0, so the experts' Adam state has its keys
+        g["lr"] = 0.0
+    x, y = _batch("mlp", 0, 4)[0]
     _loss("mlp", model(x), y).backward()
     opt.step()
     opt.zero_grad()
     piece = ckpt.ExpertCheckpoint(model, opt)
     ckpt.load(ckpt_dir, {"model": piece, "dense_optim": opt.dense})
-    return _global_state(model), piece.state_dict()["optim"], [len(m.experts) for m in _moes(model)], mixtral
+    return _global_state(model), piece.state_dict()["optim"], [len(m.experts) for m in _moes(model)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -252,9 +253,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ep") / "step-1")
-    four = distributed(_four_ranks, np=4, args=(path,), timeout=240)
-    two = distributed(_two_ranks, np=2, args=(path,), timeout=120)
-    return four, two
+    return distributed(_four_ranks, np=4, args=(path,), timeout=300)
 
 
 def _close(a, b, what):
@@ -278,7 +277,7 @@ def _assert_state(ranks_states, ref_state, name):
 def test_expert_parallel_matches_one_process(name, runs):
     kind, dp, ep, top_k, cap, _, opt_name = CASES[name]
     losses, dropped, aux, state = _reference(kind, top_k, cap, opt_name, dp * ep)
-    results = [r[name] for r in runs[0]]
+    results = [r[name] for r in runs]
     for b, r_losses, r_dropped, r_aux, _ in results:
         _close(r_losses, [s[b] for s in losses], f"{name} losses of slice {b}")
         assert r_dropped == [s[b] for s in dropped], f"{name} tokens dropped, slice {b}"
@@ -290,7 +289,7 @@ def test_expert_parallel_matches_one_process(name, runs):
 
 def test_pipeline_and_expert_parallel_match_one_process(runs):
     losses, _, _, state = _reference("gpt", 2, 1.0, "sgd", 2, micro=2)
-    results = [r[PIPELINE] for r in runs[0]]
+    results = [r[PIPELINE] for r in runs]
     for _, r_losses, _ in results:  # pm.step reports the mean over the dense group
         mean = [sum(s) / len(s) for s in losses]
         _close(r_losses, mean, f"{PIPELINE} losses")
@@ -299,30 +298,30 @@ def test_pipeline_and_expert_parallel_match_one_process(runs):
 
 def test_tensor_and_expert_parallel_match_one_process(runs):
     losses, _, _, state = _reference("gpt", 2, 1.0, "sgd", 2)
-    results = [r[TENSOR] for r in runs[0]]
+    results = [r[TENSOR] for r in runs]
     for r_losses, _ in results:
         _close(r_losses, [sum(s) / len(s) for s in losses], f"{TENSOR} losses")
     _assert_state([r[1] for r in results], state, TENSOR)
 
 
 def test_dispatch_is_all_to_all_with_variable_splits(runs):
-    splits, all_a2a = runs[0][0]["splits"]
+    splits, all_a2a = runs[0]["splits"]
     assert all_a2a
     send, recv = splits[0]
     assert len(send) == 4 and len(recv) == 4
 
 
 def test_checkpoint_saved_at_ep4_loads_at_ep2(runs):
-    saved = {k: v for r in runs[0] for k, v in r["saved"].items()}  # every rank's experts, global names
+    saved = {k: v for r in runs for k, v in r["saved"].items()}  # every rank's experts, global names
     moments = {}  # the stacked Adam moments, rows put together from the 4 savers' Shards
-    for r in runs[0]:
+    for r in runs:
         for k, v in r["saved_optim"].items():
             if hasattr(v, "tensor"):
                 full = moments.setdefault(k, torch.zeros(v.global_shape))
                 full[v.offsets[0]:v.offsets[0] + v.tensor.shape[0]] = v.tensor
     assert moments, "the saved experts' optimizer state has no moments"
-    assert {k for state, *_ in runs[1] for k in state} == saved.keys()
-    for state, optim, held, _ in runs[1]:
+    assert {k for r in runs for k in r["loaded"][0]} == saved.keys()
+    for state, optim, held in (r["loaded"] for r in runs):
         assert held == [EXPERTS // 2]
         for k, v in state.items():
             _close(v, saved[k], f"loaded {k}")
@@ -332,25 +331,25 @@ def test_checkpoint_saved_at_ep4_loads_at_ep2(runs):
 
 
 def test_mixtral_from_transformers_trains_under_expert_parallel(runs):
-    """HF Mixtral (random weights) with its sparse blocks swapped for phalanx's MoE, at ep = 2,
-    against the same model in one process on the two slices in turn."""
+    """HF Mixtral (random weights) with its sparse blocks swapped for phalanx's MoE, at dp 2 × ep 2,
+    against the same model in one process on the four slices in turn."""
     model = _mixtral()
     for moe in _moes(model):
-        moe.aux_grad_scale = 0.5
+        moe.aux_grad_scale = 0.25
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     losses = []
     for step in range(STEPS):
         step_losses = []
-        for x, y in _batch("gpt", step, 2):
+        for x, y in _batch("gpt", step, 4):
             loss = _loss("gpt", model(x).logits, y)
-            (loss / 2).backward()
+            (loss / 4).backward()
             step_losses.append(loss.item())
         opt.step()
         opt.zero_grad()
         losses.append(step_losses)
-    for *_, (b, r_losses, _) in runs[1]:
+    for b, r_losses, _ in (r["mixtral"] for r in runs):
         _close(r_losses, [s[b] for s in losses], f"mixtral losses of slice {b}")
-    _assert_state([r[3][2] for r in runs[1]], _global_state(model), "mixtral")
+    _assert_state([r["mixtral"][2] for r in runs], _global_state(model), "mixtral")
 
 
 @pytest.mark.unit
