@@ -9,8 +9,8 @@ experts, at row ``expert_offset``); the checkpoint reader fills a Shard with any
 other offsets from whichever files hold those rows, which is all resharding takes.
 Dense weights are plain tensors (equal on every rank, written once).
 
-It lives with the checkpoint code (a service), which knows the MoE layer (model code)
-and nothing of how its experts were cut beyond ``expert_offset``.
+It lives with the checkpoint code (a service, which may know the strategies; the expert
+package may not import the checkpoint code).
 
 Example::
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from phalanx.checkpoint._tree import Shard
-from phalanx.models.moe import MoE
+from phalanx.parallel.expert import ExpertOptimizer, moe_layers
 
 __all__ = ["ExpertCheckpoint"]
 
@@ -37,14 +37,17 @@ __all__ = ["ExpertCheckpoint"]
 class ExpertCheckpoint:
     """A checkpoint piece (``state_dict`` / ``load_state_dict``) for an expert-parallel model."""
 
-    def __init__(self, model: nn.Module, optimizer=None) -> None:
+    def __init__(self, model: nn.Module, optimizer: ExpertOptimizer | None = None) -> None:
+        if optimizer is not None and not isinstance(optimizer, ExpertOptimizer):
+            raise TypeError(f"ExpertCheckpoint: optimizer must be expert_parallel's ExpertOptimizer, got "
+                            f"{type(optimizer).__name__}; save a plain optimizer as its own piece")
         self.model = model
-        self.inner = getattr(getattr(optimizer, "experts", None), "optimizer", None)
+        self.inner = optimizer.experts.optimizer if optimizer is not None else None
 
     def _stacks(self):
         """``stacked name -> (E, offset, [local parameters in order])`` for every expert weight."""
         out = {}
-        for path, moe in ((n, m) for n, m in self.model.named_modules() if isinstance(m, MoE)):
+        for path, moe in moe_layers(self.model):
             prefix = f"{path}.experts.*." if path else "experts.*."
             for name, _ in moe.experts[0].named_parameters() if len(moe.experts) else ():
                 params = [e.get_parameter(name) for e in moe.experts]

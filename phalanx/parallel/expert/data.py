@@ -1,6 +1,6 @@
 """Gradients of an expert-parallel model: dense weights over dp × ep, experts over dp, one optimizer.
 
-Why two groups (DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv:2201.05596, §5; GShard §3.2):
+Why two groups (DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv:2201.05596; GShard, arXiv:2006.16668):
 on a ``dp × ep`` mesh every rank trains on its own slice of the batch, so a weight every
 rank holds (attention, router, embeddings — *dense*) is plain data parallel over all
 dp·ep of them. Expert j lives on one rank of each ep group, and the all-to-all's backward

@@ -1,7 +1,7 @@
 """All-to-all dispatch of routed tokens to the ranks that own their experts, and back.
 
-GShard (Lepikhin et al. 2020, arXiv:2006.16668) §2.2 and Switch Transformer
-(Fedus et al. 2021, arXiv:2101.03961) §2.2: E experts over the ep ranks of a group,
+GShard (Lepikhin et al. 2020, arXiv:2006.16668) and Switch Transformer
+(Fedus et al. 2021, arXiv:2101.03961): E experts over the ep ranks of a group,
 E/ep consecutive experts a rank (rank r owns r·E/ep … (r+1)·E/ep − 1). One MoE
 forward on rank r, with its rows already sorted by global expert::
 
