@@ -134,6 +134,8 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
         raise ValueError(f"dp*pp*tp*ep = {layout.dp}*{layout.pp}*{layout.tp}*{ep} != world size {cluster.size}")
     if ep > 1 and (not model.num_experts or model.num_experts % ep):
         raise ValueError(f"ep={ep} needs a model whose num_experts ({model.num_experts}) it divides")
+    if ep > 1 and layout.zero == 3:
+        raise ValueError("zero=3 with ep > 1: phalanx's expert parallel shards the dense weights with ZeRO-1 or 2 only")
     batch = layout.dp * ep  # ranks with their own slice of the batch
     shard_compute = model.compute_s / (batch * layout.tp)
     compute = cost.pipeline_step(shard_compute, layout.pp, layout.micro_batches,
@@ -206,6 +208,8 @@ def search(model: ModelSpec, cluster: cost.Cluster, *, zero_stages=(0, 1, 2, 3),
         # with dp = 1 there is no gradient sync: ZeRO, compression and buckets change nothing
         grid = itertools.product(zero_stages, compressions, bucket_mbs) if dp * ep > 1 else [(0, "none", bucket_mbs[-1])]
         for zero, comp, bucket in grid:
+            if ep > 1 and zero == 3:
+                continue
             for m in (micro_batches if pp > 1 else (1,)):
                 p = predict(model, cluster, Layout(dp, pp, tp, zero, comp, bucket, m, ep))
                 if p.memory_bytes <= cluster.memory_bytes:

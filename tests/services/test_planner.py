@@ -346,6 +346,7 @@ def test_plan_search_has_ep_layouts_and_costs_their_all_to_alls():
     ranked = plan.search(model, cl)
     eps = {p.layout.ep for p in ranked}
     assert eps == {1, 2, 4, 8}  # every divisor of the world that divides the 8 experts
+    assert not [p for p in ranked if p.layout.ep > 1 and p.layout.zero == 3]  # expert_parallel refuses ZeRO-3
     p = plan.predict(model, cl, plan.Layout(dp=2, ep=4))
     tokens = MOE["act_bytes_per_layer"] / 8  # each of the dp · ep = 8 ranks holds its own tokens
     assert p.parts["ep_s"] == pytest.approx(cost.ep_comm(tokens, 8, 4, cl.intra, 2, 1.25))
@@ -356,3 +357,18 @@ def test_plan_search_has_ep_layouts_and_costs_their_all_to_alls():
         plan.predict(model, cost.Cluster(hosts=1, ranks_per_host=3, intra=ETH, inter=ETH), plan.Layout(dp=1, ep=3))
     dense = plan.ModelSpec(params=1e9, layers=8, compute_s=2.0, act_bytes_per_layer=64e6)
     assert {p.layout.ep for p in plan.search(dense, cl)} == {1}
+
+
+@pytest.mark.unit
+def test_plan_command_searches_ep_for_a_moe_model(capsys):
+    import argparse
+
+    from phalanx.cli import plan_cmd
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--params", "1e9", "--layers", "8", "--act-mb", "64", "--ranks-per-host", "8",
+                              "--experts", "8", "--expert-params", "8e8", "--top", "1"])
+    assert args.func(args) == 0 and "ep=" in capsys.readouterr().out
+    args = parser.parse_args(["plan", "--params", "1e9", "--experts", "8"])
+    assert args.func(args) == 2 and "--experts 8 needs --expert-params" in capsys.readouterr().err
