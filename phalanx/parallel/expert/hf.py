@@ -11,7 +11,9 @@ With ``capacity_factor=None`` (the default: Mixtral drops no token) the block's 
 is unchanged (tested to 1e-6). The parameter names change (``mlp.experts.3.gate_up``,
 ``mlp.router.gate.weight``); the balance loss enters backward through the layer
 with ``aux_loss_weight`` (Mixtral's ``router_aux_loss_coef``), not through
-``output_router_logits``.
+``output_router_logits``. It is Switch's loss per layer, not transformers'
+``load_balancing_loss_func``, which pools every layer's router outputs before the
+product and counts a token's k choices k times: same aim, another function.
 
 Example::
 
