@@ -5,6 +5,7 @@ Run:
     phalanx run -np 4 python examples/train_gpt.py --dp 2 --pp 2 --tp 1 --schedule gpipe
     phalanx run -np 4 python examples/train_gpt.py --dp 2 --pp 2 --zero 1      # ZeRO-1 on the dp axis
     phalanx run -np 2 python examples/train_gpt.py --pp 2 --schedule interleaved_1f1b
+    phalanx run -np 4 python examples/train_gpt.py --experts 8 --ep 2 --pp 2 --dp 1   # MoE blocks, experts over ep
     python examples/train_gpt.py                     # one process, same code
 
 The corpus is every ``*.py`` file under the directory of ``os.py`` (sorted, read
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (needs --experts)")
+    ap.add_argument("--experts", type=int, default=0, help="MoE blocks of this many experts (0: dense MLPs)")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "eager_1f1b", "gpipe", "interleaved_1f1b"])
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                     help="ZeRO stage on the data-parallel axis (0: plain data parallel)")
@@ -64,12 +67,13 @@ def main() -> None:
     args = ap.parse_args()
 
     px.init()
-    mesh = RankGrid(dp=args.dp, pp=args.pp, tp=args.tp)
+    mesh = RankGrid(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep)
     text = load_corpus(args.corpus_mb)
     train = text
 
     torch.manual_seed(0)  # same initial weights everywhere; parallelize cuts them up
-    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
+    cfg = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width,
+                    n_experts=args.experts)
     model = GPT(cfg)
     plan = gpt_tp_plan(model) if args.tp > 1 else None
 
@@ -78,7 +82,7 @@ def main() -> None:
 
     pm = parallelize(model, mesh, loss_fn=loss_fn, tp_plan=plan, num_microbatches=args.microbatches,
                      schedule=args.schedule, checkpoint=args.checkpoint,
-                     data_parallel=f"zero{args.zero}" if args.zero else "auto",
+                     data_parallel=f"zero{args.zero}" if args.zero else "auto" if args.ep == 1 else "allreduce",
                      # AdamW spelled as Adam(decoupled_weight_decay=True): ZeRO rebuilds the optimizer
                      # from type(opt)(**opt.defaults), which torch's AdamW class refuses.
                      optimizer=lambda params: torch.optim.Adam(params, lr=args.lr, weight_decay=0.01,
@@ -89,8 +93,7 @@ def main() -> None:
         print(f"{mesh} corpus={len(text) / 1e6:.1f}M chars, stage bounds {pm.bounds}, "
               f"{n_local / 1e6:.2f}M params on rank 0")
 
-    d = mesh.coord[0]
-    gen = torch.Generator().manual_seed(1234 + d)  # each dp replica draws its own batches
+    gen = torch.Generator().manual_seed(1234 + mesh.batch_index)  # each dp (x ep) slice draws its own batches
     t0 = time.perf_counter()
     for step in range(args.steps):
         # tp and pp peers of one replica must see the same batch: same seed within a replica
@@ -101,7 +104,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if px.rank() == 0 and (step % 20 == 0 or step == args.steps - 1):
-            tok_s = (step + 1) * args.batch * args.dp * args.seq / (time.perf_counter() - t0)
+            tok_s = (step + 1) * args.batch * args.dp * args.ep * args.seq / (time.perf_counter() - t0)
             print(f"step {step:4d}  loss {loss.item():.3f}  {tok_s:,.0f} tokens/s")
     px.shutdown()
 

@@ -39,6 +39,7 @@ from phalanx.launcher.spawn import RankError, RankTimeoutError, run
 from phalanx.launcher.startup import join as _join
 from phalanx.log import log0, print0
 from phalanx.parallel.data import DataParallel, DistributedOptimizer
+from phalanx.parallel.expert import expert_parallel
 from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
@@ -120,6 +121,7 @@ __all__ = [
     # model parallel
     "RankGrid",
     "parallelize",
+    "expert_parallel",
     # launching
     "run",
     "RankError",

@@ -23,6 +23,7 @@ happens on each failure.
 
 from phalanx.checkpoint._tree import Shard
 from phalanx.checkpoint.async_save import AsyncWriter, CheckpointWriteError
+from phalanx.checkpoint.experts import ExpertCheckpoint
 from phalanx.checkpoint.export import ExportError, export
 from phalanx.checkpoint.io import CorruptCheckpointError
 from phalanx.checkpoint.manager import CheckpointManager, list_checkpoints, load_latest, resume
@@ -39,6 +40,7 @@ __all__ = [
     "read_manifest",
     "wait",
     "Shard",
+    "ExpertCheckpoint",
     "RNGState",
     "CheckpointManager",
     "CorruptCheckpointError",

@@ -24,6 +24,11 @@ def register(subparsers) -> None:
     p.add_argument("--compute-ms", type=float, default=100.0,
                    help="forward+backward+optimizer of one global batch on one rank (measured)")
     p.add_argument("--act-mb", type=float, default=0.0, help="activation MB per layer for the global batch")
+    p.add_argument("--experts", type=int, default=0,
+                   help="a mixture-of-experts model: experts per MoE layer (then ep is searched too)")
+    p.add_argument("--expert-params", type=float, default=0.0, help="how many of --params sit in experts")
+    p.add_argument("--moe-layers", type=int, default=0, help="MoE layers (default: --layers when --experts)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--hosts", type=int, default=1)
     p.add_argument("--ranks-per-host", type=int, default=1)
     p.add_argument("--intra-gbps", type=float, default=100.0, help="intra-host bandwidth, Gbit/s")
@@ -80,6 +85,9 @@ def _check(args: argparse.Namespace) -> None:
                         ("--inter-latency-us", args.inter_latency_us)):
         if value < 0:
             raise ValueError(f"{flag} must not be negative, got {value}")
+    if args.experts and (args.experts < 1 or not args.expert_params > 0 or not args.act_mb > 0):
+        raise ValueError(f"--experts {args.experts} needs --expert-params (> 0) and --act-mb (> 0): the experts' "
+                         "share of the parameters, and the activations the all-to-alls carry")
     if args.params is not None and not args.params > 0:
         raise ValueError(f"--params must be positive, got {args.params}")
     if not -1 <= args.overlap <= 1:
@@ -112,8 +120,10 @@ def main(args: argparse.Namespace) -> int:
             inter=cost.Link.from_bandwidth(args.inter_gbps * 1e9 / 8, args.inter_latency_us * 1e-6),
             memory_bytes=args.memory_gb * 2**30, overlap=args.overlap,
         )
+        moe = dict(num_experts=args.experts, expert_params=args.expert_params,
+                   moe_layers=args.moe_layers or args.layers, top_k=args.top_k) if args.experts else {}
         spec = plan.ModelSpec(params=params, layers=args.layers, compute_s=args.compute_ms / 1e3,
-                              act_bytes_per_layer=args.act_mb * 1e6, tensor_bytes=tensor_bytes)
+                              act_bytes_per_layer=args.act_mb * 1e6, tensor_bytes=tensor_bytes, **moe)
         ranked = plan.search(spec, cluster)
     except (ValueError, ImportError, AttributeError) as err:
         print(f"phalanx plan: {err}", file=sys.stderr)

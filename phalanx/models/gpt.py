@@ -11,6 +11,7 @@ Example::
     from phalanx.models import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128))
     logits_BTV = model(ids_BT)
+    moe_gpt = GPT(GPTConfig(n_experts=8, moe_top_k=2))   # every block's MLP a mixture of 8 experts
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from phalanx.models.moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "gpt_tp_plan"]
 
@@ -37,6 +40,14 @@ class GPTConfig:
     """Attention heads; must divide by the tensor-parallel size."""
     n_embd: int = 128
     """Width of the residual stream."""
+    n_experts: int = 0
+    """Experts per MoE block in place of each MLP (0: dense MLPs; :class:`phalanx.models.moe.MoE`)."""
+    moe_top_k: int = 2
+    """Experts each token is sent to (1: Switch, 2: GShard / Mixtral)."""
+    capacity_factor: float | None = 1.25
+    """Expert capacity as a multiple of an even share of the tokens; None drops no token."""
+    moe_aux_weight: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer's alpha)."""
 
 
 class Embed(nn.Module):
@@ -83,7 +94,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not cfg.n_experts else MoE(
+            cfg.n_embd, cfg.n_experts, cfg.moe_top_k, capacity_factor=cfg.capacity_factor,
+            aux_loss_weight=cfg.moe_aux_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -117,11 +130,13 @@ def gpt_tp_plan(model: GPT) -> dict[str, str]:
     """Megatron's plan: q/k/v and fc colwise, attn.proj and mlp.proj rowwise, vocab-cut embedding and head.
 
     The head's logits stay cut by vocabulary: use ``vocab_parallel_cross_entropy`` as the loss.
+    MoE blocks keep their experts whole (replicated over tp; expert parallel cuts them by expert).
     """
     plan = {"embed.tok": "vocab", "head.lm_head": "colwise"}
+    mlp = () if model.config.n_experts else ("mlp.fc", "mlp.proj")
     for i in range(model.config.n_layer):
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+        for name in ("attn.q", "attn.k", "attn.v") + mlp[:1]:
             plan[f"block{i}.{name}"] = "colwise"
-        for name in ("attn.proj", "mlp.proj"):
+        for name in ("attn.proj",) + mlp[1:]:
             plan[f"block{i}.{name}"] = "rowwise"
     return plan

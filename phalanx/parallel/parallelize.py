@@ -7,6 +7,10 @@ Why this order (torchtitan's rule: each step must see the model the previous one
 2. **Tensor parallel** rewrites layers inside blocks. It must come before the
    pipeline split because the plan names sub-modules by their path in the full
    model (``block3.mlp.fc``), and the cut layers' shapes are what a stage sends.
+2b. **Expert parallel** (mesh ``ep > 1``): each MoE layer keeps its E/ep experts and
+   dispatches over the ep group (:mod:`phalanx.parallel.expert`); after tensor parallel
+   (the plan leaves experts whole) and before the cut, like the plan it finds layers
+   by their path in the full model.
 3. **Pipeline**: keep only this rank's stage (a slice of the ``nn.Sequential``;
    with ``schedule="interleaved_1f1b"`` the model is cut in 2·pp pieces and the
    rank keeps pieces s and s + pp, its virtual stages).
@@ -16,6 +20,10 @@ Why this order (torchtitan's rule: each step must see the model the previous one
    (``data_parallel="zero1"|"zero2"|"zero3"``) also shards the optimizer state
    (and gradients, parameters) of that piece over the same dp group, so it
    needs the optimizer: pass ``optimizer=lambda params: torch.optim.AdamW(params)``.
+   With ``ep > 1`` the weights that are not experts are averaged over the dense group
+   (dp × ep ranks, each with its own tokens) and the experts over dp (their gradient
+   divided by ep: the all-to-all already summed the ep group's tokens into it), with
+   the plain per-step all-reduce; ZeRO there is :func:`phalanx.parallel.expert.expert_parallel`'s.
 
 Data flow of one step on rank (d, s, t)::
 
@@ -48,6 +56,8 @@ import torch
 from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce, broadcast, broadcast_object
+from phalanx.parallel.expert.data import scale_expert_grads
+from phalanx.parallel.expert.shard import moe_layers, shard_experts, split_named_parameters
 from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.pipeline import PipelineStage, Schedule, get_schedule, partition
 from phalanx.parallel.tensor import apply_tensor_parallel
@@ -75,7 +85,8 @@ class ParallelModel(nn.Module):
         self.stage, self.mesh, self.bounds = stage, mesh, bounds
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.optimizer = None
-        self._grads_reduced = mesh.dp == 1  # True when DataParallel or ZeRO owns the dp reduction
+        self._grads_reduced = mesh.dp * mesh.ep == 1  # True when DataParallel or ZeRO owns the dp reduction
+        self._experts: set[int] = set()  # ids of expert weights: reduced over dp, the rest over dp × ep
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a ParallelModel trains with .step(inputs, targets); its stage's module is .module")
@@ -88,11 +99,12 @@ class ParallelModel(nn.Module):
             # Plain fallback: average each gradient over the dp group once per step (not overlapped).
             for p in self.module.parameters():
                 if p.grad is not None:
-                    allreduce(p.grad, op=Average, group=self.mesh.dp_group, inplace=True, name="dp.grad")
+                    group = self.mesh.dp_group if id(p) in self._experts else self.mesh.dense_group
+                    allreduce(p.grad, op=Average, group=group, inplace=True, name="dp.grad")
         # Every rank reports the loss: the pipeline shares its last stage's, then the dp
         # replicas average theirs (equal local batches -> the global mean).
         loss = self.stage.share_loss(loss)
-        return allreduce(loss, op=Average, group=self.mesh.dp_group, name="dp.loss")
+        return allreduce(loss, op=Average, group=self.mesh.dense_group, name="dp.loss")
 
 
 def parallelize(
@@ -136,6 +148,10 @@ def parallelize(
         raise TypeError(f"parallelize needs an nn.Sequential of blocks, got {type(model).__name__}")
     if mesh.tp > 1 and not tp_plan:
         raise ValueError(f"mesh has tp={mesh.tp} but tp_plan is empty: pass tp_plan={{name: 'colwise'|'rowwise'|'vocab'}}")
+    if mesh.ep > 1 and zero_stage:
+        raise ValueError(f"data_parallel={data_parallel!r} with ep={mesh.ep} is not supported by parallelize: the "
+                         "experts and the other weights reduce over different groups; use data_parallel='allreduce', "
+                         "or phalanx.parallel.expert.expert_parallel for ZeRO on a dp × ep mesh")
     d, s, t = mesh.coord
     chunks = getattr(get_schedule(schedule), "chunks", 1)
     if chunks > 1 and zero_stage and mesh.dp > 1:
@@ -152,6 +168,14 @@ def parallelize(
     if tp_plan and mesh.tp > 1:
         apply_tensor_parallel(model, tp_plan, mesh.tp_group)
 
+    # 2b. Expert parallel: every MoE layer keeps its experts (full-model paths, like the plan).
+    layers = moe_layers(model)
+    if mesh.ep > 1:
+        shard_experts(model, mesh.ep_group)
+    for _, moe in layers:  # each micro-batch's loss counts 1/m; so does its balance loss
+        moe.aux_grad_scale = 1.0 / num_microbatches
+    experts = {id(p) for _, p in split_named_parameters(model)[1]} if layers else set()
+
     # 3. Pipeline: keep this rank's slice of the blocks (its virtual stages s, s + pp, …
     #    when interleaved). stage_module holds them all under their full-model names.
     children = list(model.named_children())
@@ -161,6 +185,9 @@ def parallelize(
                           ranks=mesh.pp_ranks, group=mesh.pp_group, grad_group=mesh.pp_grad_group,
                           loss_fn=loss_fn if s == mesh.pp - 1 else None, checkpoint=checkpoint)
     pm = ParallelModel(stage_module, stage, mesh, num_microbatches, schedule, bounds)
+    pm._experts = experts
+    if mesh.ep > 1:
+        scale_expert_grads([(n, p) for n, p in stage_module.named_parameters() if id(p) in experts], mesh.ep)
 
     # 4. Data parallel or ZeRO over the ranks holding the same (stage, TP shard). Last,
     #    because it must see exactly the parameters this rank keeps after steps 2 and 3.
@@ -176,9 +203,9 @@ def parallelize(
         return pm
     if optimizer is not None:
         pm.optimizer = optimizer(stage_module.parameters())
-    if mesh.dp > 1:
+    if mesh.dp * mesh.ep > 1:
         DataParallel = None
-        if data_parallel == "auto" and chunks == 1:
+        if data_parallel == "auto" and chunks == 1 and mesh.ep == 1:
             try:
                 from phalanx.parallel.data import DataParallel
             except ImportError:
@@ -192,5 +219,6 @@ def parallelize(
             pm._grads_reduced = True
         elif sync_init:
             for p in stage_module.parameters():
-                broadcast(p.data, root_rank=mesh.dp_ranks[0], group=mesh.dp_group, inplace=True, name="dp.init")
+                ranks, group = (mesh.dp_ranks, mesh.dp_group) if id(p) in experts else (mesh.dense_ranks, mesh.dense_group)
+                broadcast(p.data, root_rank=ranks[0], group=group, inplace=True, name="dp.init")
     return pm

@@ -60,7 +60,7 @@ from phalanx.comm.buckets import pack
 __all__ = [
     "Link", "Cluster", "seed_estimate", "ring_allreduce", "reducescatter", "allgather",
     "hierarchical_allreduce", "allreduce", "compressed_allreduce", "bucket_sizes", "ready_fractions", "overlapped_exposure",
-    "zero_comm", "zero_memory", "pipeline_bubble", "pipeline_step", "tp_comm",
+    "zero_comm", "zero_memory", "pipeline_bubble", "pipeline_step", "tp_comm", "alltoall", "ep_comm",
     "amdahl", "fit_amdahl", "fit_link", "fit_overlap",
 ]
 
@@ -294,6 +294,24 @@ def pipeline_step(compute_s: float, stages: int, micro_batches: int, act_bytes: 
 def tp_comm(act_bytes_per_layer: float, layers: int, tp: int, link: Link) -> float:
     """Megatron: 2 allreduces of the activations per layer forward, 2 backward."""
     return 4 * layers * ring_allreduce(act_bytes_per_layer, tp, link)
+
+
+def alltoall(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all of a rank's ``nbytes`` buffer over ``n`` ranks, pairwise: ``(n-1) alpha + (n-1)/n nbytes beta``
+    (it keeps 1/n of its rows and sends each other rank 1/n)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s
+
+
+def ep_comm(token_bytes: float, moe_layers: int, ep: int, link: Link, top_k: int = 2,
+            capacity_factor: float = 1.0) -> float:
+    """Expert parallel (GShard, Switch): 4 all-to-alls per MoE layer — dispatch and combine, forward
+    and backward — each of a rank's ``token_bytes`` of activations times the rows a token becomes
+    (``top_k``, padded up to ``capacity_factor``; dropping keeps it at most that). Not overlapped:
+    the experts wait for their rows and the next layer for the outputs."""
+    rows = top_k * max(1.0, capacity_factor)
+    return 4 * moe_layers * alltoall(token_bytes * rows, ep, link)
 
 
 def amdahl(p: float, n: float) -> float:

@@ -1,18 +1,21 @@
 """Plan search: enumerate layouts, keep those that fit in memory, rank by predicted step time.
 
-A layout is ``dp x pp x tp = world`` plus a ZeRO stage, a gradient compression
-and a bucket size. For each, the cost model (:mod:`phalanx.planner.cost`)
-predicts::
+A layout is ``dp x pp x tp x ep = world`` plus a ZeRO stage, a gradient compression
+and a bucket size (``ep`` > 1 only for a mixture-of-experts model: ``ModelSpec.num_experts``).
+For each, the cost model (:mod:`phalanx.planner.cost`) predicts::
 
-    step = pipeline(compute / (dp tp), pp stages, m micro-batches)     # bubble (p-1)/(m+p-1)
+    step = pipeline(compute / (dp ep tp), pp stages, m micro-batches)  # bubble (p-1)/(m+p-1)
          + tensor-parallel allreduces (4 per layer)                      # on the intra link if tp fits a host
+         + expert-parallel all-to-alls (4 per MoE layer)                 # on the intra link if ep·tp fits a host
          + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume;
                                                                          # only cluster.overlap of it can hide
          + codec time of the compression
          + waiting: what a collective right after compute costs beyond itself (measured)
 
 and the memory per rank of parameters, gradients and Adam state (ZeRO shards
-them over dp). Each prediction carries a one-line *why*.
+them over dp). Under expert parallel the ep ranks hold different tokens: the dense
+weights sync over dp·ep ranks (ZeRO shards them there), the experts (cut ep ways)
+over dp. Each prediction carries a one-line *why*.
 
 Example::
 
@@ -68,9 +71,24 @@ class ModelSpec:
     (``cost.bucket_sizes``), each ready when its bytes are done (``cost.ready_fractions``),
     instead of ``ceil(bytes / bucket)`` equal buckets ready at even steps of backward"""
 
+    num_experts: int = 0
+    """experts per MoE layer (0: a dense model; ep must divide it)"""
+    expert_params: float = 0.0
+    """how many of ``params`` sit in experts (cut over ep; the rest is dense)"""
+    moe_layers: int = 0
+    """MoE layers (each: 4 all-to-alls of its tokens per step under ep > 1)"""
+    top_k: int = 2
+    """experts per token"""
+    capacity_factor: float = 1.0
+    """rows an expert takes, as a multiple of an even share (an all-to-all carries up to that)"""
+
     def __post_init__(self) -> None:
         if any(b <= 0 for b in self.tensor_bytes):
             raise ValueError(f"ModelSpec.tensor_bytes must all be positive byte counts, got {self.tensor_bytes}")
+        if not 0 <= self.expert_params <= self.params:
+            raise ValueError(f"ModelSpec.expert_params={self.expert_params} must be between 0 and params={self.params}")
+        if self.num_experts and not (self.moe_layers and self.expert_params):
+            raise ValueError("ModelSpec: a model with num_experts > 0 needs moe_layers and expert_params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +100,11 @@ class Layout:
     compression: str = "none"
     bucket_mb: float = 25.0
     micro_batches: int = 1
+    ep: int = 1
 
     def __str__(self) -> str:
-        s = f"dp={self.dp} pp={self.pp} tp={self.tp} zero={self.zero} compression={self.compression} bucket={self.bucket_mb:g}MB"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        s = f"dp={self.dp} pp={self.pp} tp={self.tp}{ep} zero={self.zero} compression={self.compression} bucket={self.bucket_mb:g}MB"
         return s + (f" micro={self.micro_batches}" if self.pp > 1 else "")
 
 
@@ -109,17 +129,27 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     codecs = {**COMPRESSIONS, **(codecs or {})}
     if layout.compression not in codecs:
         raise ValueError(f"compression {layout.compression!r} unknown; choose one of {sorted(codecs)}")
-    if layout.dp * layout.pp * layout.tp != cluster.size:
-        raise ValueError(f"dp*pp*tp = {layout.dp}*{layout.pp}*{layout.tp} != world size {cluster.size}")
-    shard_compute = model.compute_s / (layout.dp * layout.tp)
+    ep = layout.ep
+    if layout.dp * layout.pp * layout.tp * ep != cluster.size:
+        raise ValueError(f"dp*pp*tp*ep = {layout.dp}*{layout.pp}*{layout.tp}*{ep} != world size {cluster.size}")
+    if ep > 1 and (not model.num_experts or model.num_experts % ep):
+        raise ValueError(f"ep={ep} needs a model whose num_experts ({model.num_experts}) it divides")
+    if ep > 1 and layout.zero == 3:
+        raise ValueError("zero=3 with ep > 1: phalanx's expert parallel shards the dense weights with ZeRO-1 or 2 only")
+    batch = layout.dp * ep  # ranks with their own slice of the batch
+    shard_compute = model.compute_s / (batch * layout.tp)
     compute = cost.pipeline_step(shard_compute, layout.pp, layout.micro_batches,
-                                 model.act_bytes_per_layer / layout.dp, cluster.inter if layout.pp > 1 else None)
+                                 model.act_bytes_per_layer / batch, cluster.inter if layout.pp > 1 else None)
     tp_link = cluster.intra if layout.tp <= cluster.ranks_per_host else cluster.inter
-    tp_time = cost.tp_comm(model.act_bytes_per_layer / layout.dp, math.ceil(model.layers / layout.pp),
+    tp_time = cost.tp_comm(model.act_bytes_per_layer / batch, math.ceil(model.layers / layout.pp),
                            layout.tp, tp_link)
-    grad_bytes = model.params * model.bytes_per_param / (layout.pp * layout.tp)
+    ep_link = cluster.intra if ep * layout.tp <= cluster.ranks_per_host else cluster.inter
+    ep_time = cost.ep_comm(model.act_bytes_per_layer / batch, math.ceil(model.moe_layers / layout.pp), ep, ep_link,
+                           model.top_k, model.capacity_factor) if ep > 1 else 0.0
+    dense_params = model.params - (model.expert_params if ep > 1 else 0.0)
+    grad_bytes = dense_params * model.bytes_per_param / (layout.pp * layout.tp)
     ratio, codec = codecs[layout.compression]
-    dpc = _dp_cluster(cluster, layout.dp, layout.pp * layout.tp)
+    dpc = _dp_cluster(cluster, batch, layout.pp * layout.tp)
     if model.tensor_bytes:
         shard = grad_bytes / sum(model.tensor_bytes)  # tensors split evenly over pp x tp (and dtype)
         sizes = cost.bucket_sizes([b * shard for b in model.tensor_bytes], layout.bucket_mb * 2**20)
@@ -127,25 +157,33 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     else:
         n = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
         sizes, ready = [grad_bytes / n] * n, None
-    n_buckets = len(sizes)
     bucket_times = [cost.compressed_allreduce(b, dpc, ratio, codec) * (1.5 if layout.zero == 3 else 1.0)
                     for b in sizes]
+    memory = cost.zero_memory(dense_params / (layout.pp * layout.tp), layout.zero, batch,
+                              model.bytes_per_param, model.optim_bytes_per_param)
+    if ep > 1:  # the experts: cut ep ways, synced over dp; counted as one more bucket, ready last (conservative)
+        experts = model.expert_params / (layout.pp * layout.tp * ep)
+        expert_sync = cost.compressed_allreduce(experts * model.bytes_per_param,
+                                                _dp_cluster(cluster, layout.dp, layout.pp * layout.tp * ep), ratio, codec)
+        if layout.dp > 1:
+            bucket_times, ready = bucket_times + [expert_sync], (list(ready) + [1.0]) if ready is not None else None
+        memory += cost.zero_memory(experts, 0, layout.dp, model.bytes_per_param, model.optim_bytes_per_param)
+    n_buckets = len(bucket_times)
     comm_total = sum(bucket_times)
     exposed = cost.overlapped_exposure(bucket_times, compute * model.backward_fraction, cluster.overlap, ready)
-    memory = cost.zero_memory(model.params / (layout.pp * layout.tp), layout.zero, layout.dp,
-                              model.bytes_per_param, model.optim_bytes_per_param)
-    wait = model.wait_s if layout.dp > 1 else 0.0
-    step = compute + tp_time + exposed + wait
+    wait = model.wait_s if batch > 1 else 0.0
+    step = compute + tp_time + ep_time + exposed + wait
     bubble = cost.pipeline_bubble(layout.pp, layout.micro_batches)
     why = (f"compute {compute * 1e3:.1f} ms" + (f" (bubble {bubble:.0%})" if layout.pp > 1 else "")
            + (f"; grad sync {comm_total * 1e3:.1f} ms in {n_buckets} bucket(s) over "
               f"{'inter' if dpc.hosts > 1 else 'intra'}-host links, {exposed * 1e3:.1f} ms exposed"
               + (f" (overlap {cluster.overlap:.2f})" if cluster.overlap < 1 else "")
-              if layout.dp > 1 else "; no gradient sync (dp = 1)")
+              if batch > 1 else "; no gradient sync (dp = 1)")
            + (f"; waiting {wait * 1e3:.1f} ms" if wait else "")
            + (f"; tp allreduces {tp_time * 1e3:.1f} ms" if layout.tp > 1 else "")
+           + (f"; ep all-to-alls {ep_time * 1e3:.1f} ms" if ep > 1 else "")
            + f"; {memory / 2**30:.2f} GiB/rank")
-    parts = {"compute_s": compute, "tp_s": tp_time, "grad_sync_s": comm_total, "exposed_s": exposed,
+    parts = {"compute_s": compute, "tp_s": tp_time, "ep_s": ep_time, "grad_sync_s": comm_total, "exposed_s": exposed,
              "wait_s": wait, "bubble": bubble}
     return Prediction(layout, step, memory, parts, why)
 
@@ -160,17 +198,20 @@ def search(model: ModelSpec, cluster: cost.Cluster, *, zero_stages=(0, 1, 2, 3),
     """Every layout that fits ``cluster.memory_bytes``, fastest first (ties: less memory first)."""
     out: list[Prediction] = []
     world = cluster.size
-    for tp, pp in itertools.product(_divisors(world), _divisors(world)):
-        if world % (tp * pp) or pp > model.layers or (max_pp and pp > max_pp) or (max_tp and tp > max_tp):
+    eps = [e for e in _divisors(world) if model.num_experts % e == 0] if model.num_experts else [1]
+    for tp, pp, ep in itertools.product(_divisors(world), _divisors(world), eps):
+        if world % (tp * pp * ep) or pp > model.layers or (max_pp and pp > max_pp) or (max_tp and tp > max_tp):
             continue
-        if tp > 1 and not model.act_bytes_per_layer:
-            continue  # tensor parallel's cost is its activation traffic: unknown without act_bytes_per_layer
-        dp = world // (tp * pp)
+        if (tp > 1 or ep > 1) and not model.act_bytes_per_layer:
+            continue  # tensor and expert parallel cost their activation traffic: unknown without act_bytes_per_layer
+        dp = world // (tp * pp * ep)
         # with dp = 1 there is no gradient sync: ZeRO, compression and buckets change nothing
-        grid = itertools.product(zero_stages, compressions, bucket_mbs) if dp > 1 else [(0, "none", bucket_mbs[-1])]
+        grid = itertools.product(zero_stages, compressions, bucket_mbs) if dp * ep > 1 else [(0, "none", bucket_mbs[-1])]
         for zero, comp, bucket in grid:
+            if ep > 1 and zero == 3:
+                continue
             for m in (micro_batches if pp > 1 else (1,)):
-                p = predict(model, cluster, Layout(dp, pp, tp, zero, comp, bucket, m))
+                p = predict(model, cluster, Layout(dp, pp, tp, zero, comp, bucket, m, ep))
                 if p.memory_bytes <= cluster.memory_bytes:
                     out.append(p)
     if not out:

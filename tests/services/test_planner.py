@@ -322,3 +322,53 @@ def test_a_layout_without_data_parallelism_reports_no_gradient_sync():
     alone = plan.predict(model, cl, plan.Layout(1, tp=4))
     assert "no gradient sync (dp = 1)" in alone.why and "grad sync" not in alone.why
     assert "grad sync" in plan.predict(model, cl, plan.Layout(4)).why
+
+
+MOE = dict(params=1e9, layers=8, compute_s=2.0, act_bytes_per_layer=64e6, num_experts=8, expert_params=0.8e9,
+           moe_layers=8, top_k=2, capacity_factor=1.25)
+
+
+@pytest.mark.unit
+def test_expert_parallel_all_to_all_by_hand():
+    # pairwise all-to-all of 100 MB over 4 ranks: 3 alpha + 3/4 of the buffer on the wire
+    assert cost.alltoall(100e6, 4, ETH) == pytest.approx(3e-4 + 0.06)
+    assert cost.alltoall(100e6, 1, ETH) == 0.0
+    # 4 per MoE layer (dispatch + combine, forward + backward), each of k · capacity rows per token
+    assert cost.ep_comm(10e6, 2, 4, ETH, top_k=2, capacity_factor=1.25) == pytest.approx(
+        8 * cost.alltoall(10e6 * 2.5, 4, ETH))
+
+
+@pytest.mark.unit
+def test_plan_search_has_ep_layouts_and_costs_their_all_to_alls():
+    cl = cost.Cluster(hosts=1, ranks_per_host=8, intra=cost.Link.from_bandwidth(10e9, 5e-6),
+                      inter=cost.Link.from_bandwidth(1e9, 5e-5))
+    model = plan.ModelSpec(**MOE)
+    ranked = plan.search(model, cl)
+    eps = {p.layout.ep for p in ranked}
+    assert eps == {1, 2, 4, 8}  # every divisor of the world that divides the 8 experts
+    assert not [p for p in ranked if p.layout.ep > 1 and p.layout.zero == 3]  # expert_parallel refuses ZeRO-3
+    p = plan.predict(model, cl, plan.Layout(dp=2, ep=4))
+    tokens = MOE["act_bytes_per_layer"] / 8  # each of the dp · ep = 8 ranks holds its own tokens
+    assert p.parts["ep_s"] == pytest.approx(cost.ep_comm(tokens, 8, 4, cl.intra, 2, 1.25))
+    assert "ep all-to-alls" in p.why
+    # per rank: dense weights whole, a quarter of the experts (ZeRO off), Adam 8 B + 4 B weight + 4 B grad
+    assert p.memory_bytes == pytest.approx((0.2e9 + 0.8e9 / 4) * 16)
+    with pytest.raises(ValueError, match="ep=3 needs a model whose num_experts"):
+        plan.predict(model, cost.Cluster(hosts=1, ranks_per_host=3, intra=ETH, inter=ETH), plan.Layout(dp=1, ep=3))
+    dense = plan.ModelSpec(params=1e9, layers=8, compute_s=2.0, act_bytes_per_layer=64e6)
+    assert {p.layout.ep for p in plan.search(dense, cl)} == {1}
+
+
+@pytest.mark.unit
+def test_plan_command_searches_ep_for_a_moe_model(capsys):
+    import argparse
+
+    from phalanx.cli import plan_cmd
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--params", "1e9", "--layers", "8", "--act-mb", "64", "--ranks-per-host", "8",
+                              "--experts", "8", "--expert-params", "8e8", "--top", "1"])
+    assert args.func(args) == 0 and "ep=" in capsys.readouterr().out
+    args = parser.parse_args(["plan", "--params", "1e9", "--experts", "8"])
+    assert args.func(args) == 2 and "--experts 8 needs --expert-params" in capsys.readouterr().err
