@@ -48,13 +48,14 @@ import torch
 from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce, broadcast, broadcast_object
+from phalanx.parallel import composition
 from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.pipeline import PipelineStage, Schedule, get_schedule, partition
 from phalanx.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["parallelize", "ParallelModel"]
 
-_DATA_PARALLEL = ("auto", "allreduce", "zero1", "zero2", "zero3")
+_DATA_PARALLEL = composition.DATA_PARALLEL_NAMES  # the list the planner searches too
 
 
 class ParallelModel(nn.Module):

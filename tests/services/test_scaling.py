@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from phalanx.planner import cost, hardware, published, scaling, workloads
+from phalanx.planner import collectives, cost, hardware, published, scaling, workloads
 
 pytestmark = pytest.mark.unit
 
@@ -59,8 +59,17 @@ def test_allreduce_shares_the_node_network_by_hand():
     m = 1e9
     # one node: a ring on the GPU links
     assert scaling.allreduce_time(m, hw, 8) == pytest.approx(cost.ring_allreduce(m, 8, link(100e9, 1e-6)))
-    # 4 nodes, tp = 1: one flat ring per node, the whole node bandwidth
-    assert scaling.allreduce_time(m, hw, 32) == pytest.approx(cost.ring_allreduce(m, 32, link(50e9, 1e-5)))
+    # 4 nodes, tp = 1: NCCL's ring gets the whole node's NICs; only the 2(4-1) steps that leave a node pay
+    # the network's latency, the other 2(32-1) - 6 NVLink's (NVIDIA/nccl src/graph/tuning.cc)
+    ring = 56 * 1e-6 + 6 * 1e-5 + 2 * 31 / 32 * m / 50e9
+    assert scaling.allreduce_time(m, hw, 32, algorithm="ring") == pytest.approx(ring)
+    # the tree: a chain in the node and log2(4) hops across, both ways, at 0.92 of the ring's bandwidth
+    tree = lambda s: 2 * (7 * 1e-6 + 2 * 1e-5) + 2 * s / (0.92 * 50e9)  # noqa: E731
+    assert scaling.allreduce_time(m, hw, 32) == pytest.approx(min(ring, tree(m)))  # NCCL's choice: the ring
+    small = 1e3
+    assert scaling.allreduce_time(small, hw, 32) == pytest.approx(tree(small))  # latency-bound: the tree
+    assert collectives.nccl_allreduce(small, collectives.place(hw, 32))[1] == "tree"
+    assert scaling.allreduce_time(small, hw, 32, trees=False) > tree(small)  # NCCL before 2.4: rings only
     # tp = 8: 8 dp groups cross every node at once, each ring gets 1/8 of it
     assert scaling.allreduce_time(m, hw, 4, tp=8) == pytest.approx(cost.ring_allreduce(m, 4, link(50e9 / 8, 1e-5)))
     # hierarchical: 8 cross rings per node (one per local rank), pipelined over 2 MiB chunks
