@@ -144,11 +144,11 @@ def allreduce_time(nbytes: float, hw: Hardware, dp: int, tp: int = 1, algorithm:
         return 0.0
     p = place(hw, dp, tp)
     trees = trees and hw.network.kind not in GLOO_ONLY
-    if p.nodes == 1 or algorithm == "ring" or not trees:
+    if p.nodes == 1 or algorithm == "ring":
         return ring_allreduce(nbytes, p)
     if algorithm == "hierarchical":
         return _hierarchical(nbytes, p, tree=trees)
-    return nccl_allreduce(nbytes, p)[0]
+    return nccl_allreduce(nbytes, p)[0] if trees else ring_allreduce(nbytes, p)
 
 
 def gather_time(nbytes: float, hw: Hardware, dp: int, tp: int = 1) -> float:
