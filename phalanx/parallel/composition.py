@@ -24,8 +24,9 @@ parallel, for one, would add an ``ep`` axis and its all-to-alls as ``Traffic`` r
 Example::
 
     from phalanx.parallel import composition
-    [o.axis.name for o in composition.data_axis_options(model_parallel=True)]   # the dp strategies under tp/pp
-    composition.accepts_compressor("zero1", summable=False)                     # False: int8 cannot be summed
+    opts = composition.data_axis_options({"none": True, "int8": False}, model_parallel=False)
+    [(o.axis.name, o.compression, o.algorithm) for o in opts]   # DataParallel takes int8; ZeRO does not
+    composition.accepts_compressor("zero1", summable=False)     # False: a reduce-scatter cannot sum int8
 """
 
 from __future__ import annotations

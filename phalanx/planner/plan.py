@@ -1,13 +1,16 @@
 """Plan search: enumerate layouts, keep those that fit in memory, rank by predicted step time.
 
 A layout is ``dp x pp x tp = world`` plus a ZeRO stage, a gradient compression
-and a bucket size. For each, the cost model (:mod:`phalanx.planner.cost`)
-predicts::
+and a bucket size, among those phalanx builds (:mod:`phalanx.parallel.composition`:
+ZeRO takes only summable compressors, ``parallelize`` none). For each, the cost model
+(:mod:`phalanx.planner.cost`) predicts::
 
     step = pipeline(compute / (dp tp), pp stages, m micro-batches)     # bubble (p-1)/(m+p-1)
          + tensor-parallel allreduces (4 per layer)                      # on the intra link if tp fits a host
-         + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume;
-                                                                         # only cluster.overlap of it can hide
+         + the dp strategy's traffic left exposed: buckets under backward   # DataParallel: allreduce;
+           (allreduce, or ZeRO's reduce-scatter + ZeRO-3's backward gather), # only cluster.overlap of it
+           ZeRO-3's forward gathers beyond forward's compute, ZeRO's        # can hide
+           parameter gather after the step
          + codec time of the compression
          + waiting: what a collective right after compute costs beyond itself (measured)
 
