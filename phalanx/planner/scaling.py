@@ -289,6 +289,7 @@ def explain(ranked: list[ScalePrediction], top: int = 5) -> list[str]:
         lines.append(f"      {p.why}")
     best = ranked[0]
     lines.append(f"why #1 wins: {best.why}")
+    lines.append(f"  build it: {best.job.command()}")
     if len(ranked) > 1:
         second = ranked[1]
         lines.append(f"  vs #2 ({second.job}): {(second.step_s - best.step_s) * 1e3:.1f} ms slower; "
