@@ -38,7 +38,7 @@ MODULE_SECONDS = {
     "test_mpirun": 26, "test_horovod_example": 26, "test_compressed_collectives": 26, "test_slurm": 23,
     "test_zero": 21, "test_parallelize": 19, "test_checkpoint_format": 15, "test_horovod_dtypes": 14,
     "test_checkpoint": 13, "test_compression": 12, "test_ps_protocol": 12, "test_data_parallel": 11,
-    "test_pipeline": 11, "test_gpu_dry_run": 55,
+    "test_pipeline": 11, "test_gpu_dry_run": 55, "test_plan_runnable": 12,
 }
 
 

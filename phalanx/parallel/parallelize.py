@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce, broadcast, broadcast_object
+from phalanx.parallel import composition
 from phalanx.parallel.expert.data import scale_expert_grads
 from phalanx.parallel.expert.shard import moe_layers, shard_experts, split_named_parameters
 from phalanx.parallel.grid import RankGrid
@@ -64,7 +65,7 @@ from phalanx.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["parallelize", "ParallelModel"]
 
-_DATA_PARALLEL = ("auto", "allreduce", "zero1", "zero2", "zero3")
+_DATA_PARALLEL = composition.DATA_PARALLEL_NAMES  # the list the planner searches too
 
 
 class ParallelModel(nn.Module):

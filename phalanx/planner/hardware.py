@@ -132,6 +132,20 @@ GPUS: dict[str, GPU] = {
     "h100-sxm5": GPU("H100-SXM5-80GB", {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T},
                      80 * GB, 3350 * GB, mfu=0.3979,
                      mfu_source="llm-foundry benchmarking README: MPT-13B seq 2048 on 8 x H100-80GB, MFU 39.79%"),
+    # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4
+    # TB/sec", 500 W; its peak "between SXM and NVL" and not known, so the SXM5 figures, as torchtitan's MFU uses
+    "h100-hbm2e": GPU("H100-96GB-HBM2e (Grand Teton)", {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T,
+                                                       "bf16": 989.5 * T}, 96 * GB, 2400 * GB, mfu=0.3979,
+                      mfu_source="the H100 constant (llm-foundry MPT-13B, 8 x H100-80GB: 39.79%)"),
+    # NVIDIA H200 datasheet (SXM): the H100's tensor cores (989.5 TFLOP/s bf16 dense), 141 GB HBM3e at 4.8 TB/s
+    "h200-sxm": GPU("H200-SXM-141GB", {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T},
+                    141 * GB, 4800 * GB, mfu=0.3979,
+                    mfu_source="the H100 constant: same tensor cores (no H200 end-to-end figure found)"),
+    # NVIDIA HGX B200 (1000 W), as tabulated at glennklockwood.com/garden/processors/B200: bf16 2250 TFLOP/s dense,
+    # fp32 80; DGX B200 datasheet: 1,440 GB HBM3e for 8 GPUs (180 GB each), 64 TB/s (8 TB/s each)
+    "b200": GPU("B200-180GB", {"fp32": 80 * T, "tf32": 1100 * T, "fp16": 2250 * T, "bf16": 2250 * T}, 180 * GB,
+                8000 * GB, mfu=0.3979,
+                mfu_source="no published Blackwell end-to-end MFU found: the H100 constant, unverified"),
 }
 
 # --- nodes ----------------------------------------------------------------------------------------
@@ -149,6 +163,10 @@ NODES: dict[str, Node] = {
     "dgxa100": Node("DGX A100, 8 x A100 NVSwitch", 8, 300 * GB, 5e-6),
     # NVIDIA DGX H100 datasheet: 8 H100, NVLink 4 / NVSwitch, 900 GB/s bidirectional per GPU
     "dgxh100": Node("DGX H100, 8 x H100 NVLink4", 8, 450 * GB, 5e-6),
+    # NVIDIA H200 datasheet (HGX H200): NVLink 900 GB/s bidirectional per GPU, 8 per board
+    "hgxh200": Node("HGX H200, 8 x H200 NVLink4", 8, 450 * GB, 5e-6),
+    # NVIDIA DGX B200 datasheet: 8 B200, NVLink 5, 1.8 TB/s bidirectional per GPU (14.4 TB/s in all)
+    "dgxb200": Node("DGX B200, 8 x B200 NVLink5", 8, 900 * GB, 5e-6),
 }
 
 # --- networks -------------------------------------------------------------------------------------
@@ -168,6 +186,10 @@ NETWORKS: dict[str, Network] = {
     "ib-hdr8": Network("8 x 200 Gbit/s HDR InfiniBand", 8 * 200 * GBIT, 5e-6, "infiniband"),
     # DGX H100 datasheet: 8 x 400 Gbit/s NDR InfiniBand (ConnectX-7) for compute
     "ib-ndr8": Network("8 x 400 Gbit/s NDR InfiniBand", 8 * 400 * GBIT, 5e-6, "infiniband"),
+    # NVIDIA ConnectX-8 SuperNIC: 800 Gbit/s XDR InfiniBand, one per GPU (GB300 / B300 systems)
+    "ib-xdr8": Network("8 x 800 Gbit/s XDR InfiniBand", 8 * 800 * GBIT, 5e-6, "infiniband"),
+    # 400 Gbit/s RoCE per GPU (ConnectX-7 on Ethernet, e.g. Spectrum-X); RoCE's latency as above
+    "roce400x8": Network("8 x 400 Gbit/s RoCE", 8 * 400 * GBIT, 10e-6, "roce"),
 }
 
 
@@ -206,6 +228,17 @@ def _hardware() -> dict[str, Hardware]:
                                "DGX H100: 8 H100 on NVLink4, 8 x 400 Gbit/s NDR InfiniBand (one per GPU)"),
         "h100-eth25": Hardware("h100-eth25", GPUS["h100-sxm5"], NODES["dgxh100"], NETWORKS["eth25"],
                                "8 H100 on NVLink4 per node, one 25 Gbit/s Ethernet NIC per node"),
+        "h100-gt": Hardware("h100-gt", GPUS["h100-hbm2e"], NODES["dgxh100"], NETWORKS["ib-ndr8"],
+                            "torchtitan's benchmark machine (Grand Teton): 8 H100 96GB on NVLink, 400 Gbit/s RDMA "
+                            "per GPU"),
+        "h100-roce400": Hardware("h100-roce400", GPUS["h100-sxm5"], NODES["dgxh100"], NETWORKS["roce400x8"],
+                                 "8 H100 on NVLink4 per node, 8 x 400 Gbit/s RoCE"),
+        "h200-ib400": Hardware("h200-ib400", GPUS["h200-sxm"], NODES["hgxh200"], NETWORKS["ib-ndr8"],
+                               "HGX H200: 8 H200 on NVLink4, 8 x 400 Gbit/s NDR InfiniBand"),
+        "b200-ib400": Hardware("b200-ib400", GPUS["b200"], NODES["dgxb200"], NETWORKS["ib-ndr8"],
+                               "DGX B200: 8 B200 on NVLink5, 8 x 400 Gbit/s (ConnectX-7)"),
+        "b200-xdr": Hardware("b200-xdr", GPUS["b200"], NODES["dgxb200"], NETWORKS["ib-xdr8"],
+                             "8 B200 on NVLink5, 8 x 800 Gbit/s XDR InfiniBand (ConnectX-8)"),
         "cpu2": CPU2,
     }
 

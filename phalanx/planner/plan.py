@@ -1,14 +1,17 @@
 """Plan search: enumerate layouts, keep those that fit in memory, rank by predicted step time.
 
 A layout is ``dp x pp x tp x ep = world`` plus a ZeRO stage, a gradient compression
-and a bucket size (``ep`` > 1 only for a mixture-of-experts model: ``ModelSpec.num_experts``).
-For each, the cost model (:mod:`phalanx.planner.cost`) predicts::
+and a bucket size (``ep`` > 1 only for a mixture-of-experts model: ``ModelSpec.num_experts``),
+among those phalanx builds (:mod:`phalanx.parallel.composition`: ZeRO takes only summable
+compressors, ``parallelize`` none). For each, the cost model (:mod:`phalanx.planner.cost`) predicts::
 
     step = pipeline(compute / (dp ep tp), pp stages, m micro-batches)  # bubble (p-1)/(m+p-1)
          + tensor-parallel allreduces (4 per layer)                      # on the intra link if tp fits a host
          + expert-parallel all-to-alls (4 per MoE layer)                 # on the intra link if ep·tp fits a host
-         + gradient sync left exposed after backward (buckets overlap)   # ZeRO-3: x1.5 volume;
-                                                                         # only cluster.overlap of it can hide
+         + the dp strategy's traffic left exposed: buckets under backward   # DataParallel: allreduce;
+           (allreduce, or ZeRO's reduce-scatter + ZeRO-3's backward gather), # only cluster.overlap of it
+           ZeRO-3's forward gathers beyond forward's compute, ZeRO's        # can hide
+           parameter gather after the step
          + codec time of the compression
          + waiting: what a collective right after compute costs beyond itself (measured)
 
@@ -33,9 +36,13 @@ import dataclasses
 import itertools
 import math
 
+from phalanx.parallel import composition
 from phalanx.planner import cost
 
 __all__ = ["ModelSpec", "Layout", "Prediction", "predict", "search", "COMPRESSIONS"]
+
+SUMMABLE = {"none": True, "fp16": True, "bf16": True}
+"""whether each compressor's payloads add up on the wire (ZeRO takes only those)"""
 
 COMPRESSIONS: dict[str, tuple[float, float]] = {
     # name: (bytes ratio, codec seconds per input byte — a CPU figure; calibrate for yours)
@@ -123,6 +130,28 @@ def _dp_cluster(cluster: cost.Cluster, dp: int, inner: int) -> cost.Cluster:
     return dataclasses.replace(cluster, hosts=max(1, math.ceil(dp / per_host)), ranks_per_host=per_host)
 
 
+def _data_traffic(layout: Layout, sizes: list[float], dpc: cost.Cluster, ratio: float,
+                  codec: float) -> tuple[list[float], list[float], float]:
+    """The dp strategy's traffic as it declares it (phalanx.parallel.composition): per bucket the time
+    under backward, the forward gathers (ZeRO-3), and what runs after the step (ZeRO's parameter gather)."""
+    axis = composition.by_name(f"zero{layout.zero}" if layout.zero else "allreduce")
+    link = dpc.inter if dpc.hosts > 1 else dpc.intra
+    backward, forward, after = [0.0] * len(sizes), [], 0.0
+    for t in axis.traffic:
+        if t.op == "allreduce":
+            each = [cost.compressed_allreduce(b, dpc, ratio if t.compressed else 1.0, codec) for b in sizes]
+        else:  # ZeRO's reduce-scatter / all-gather: a flat ring on the slowest link
+            each = [cost.reducescatter(b * (ratio if t.compressed else 1.0), dpc.size, link)
+                    + (b * codec if t.compressed else 0.0) for b in sizes]
+        if t.hides_behind == "backward":
+            backward = [a + b for a, b in zip(backward, each)]
+        elif t.hides_behind == "forward":
+            forward = each[::-1]  # forward meets the buckets in the opposite order
+        else:
+            after += sum(each)
+    return backward, forward, after
+
+
 def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
             codecs: dict[str, tuple[float, float]] | None = None) -> Prediction:
     """Predicted step time, memory and the why for one layout (``codecs`` overrides COMPRESSIONS)."""
@@ -157,8 +186,7 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
     else:
         n = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
         sizes, ready = [grad_bytes / n] * n, None
-    bucket_times = [cost.compressed_allreduce(b, dpc, ratio, codec) * (1.5 if layout.zero == 3 else 1.0)
-                    for b in sizes]
+    bucket_times, fwd_gathers, after_step = _data_traffic(layout, sizes, dpc, ratio, codec)
     memory = cost.zero_memory(dense_params / (layout.pp * layout.tp), layout.zero, batch,
                               model.bytes_per_param, model.optim_bytes_per_param)
     if ep > 1:  # the experts: cut ep ways, synced over dp; counted as one more bucket, ready last (conservative)
@@ -169,8 +197,12 @@ def predict(model: ModelSpec, cluster: cost.Cluster, layout: Layout,
             bucket_times, ready = bucket_times + [expert_sync], (list(ready) + [1.0]) if ready is not None else None
         memory += cost.zero_memory(experts, 0, layout.dp, model.bytes_per_param, model.optim_bytes_per_param)
     n_buckets = len(bucket_times)
-    comm_total = sum(bucket_times)
+    comm_total = sum(bucket_times) + sum(fwd_gathers) + after_step
     exposed = cost.overlapped_exposure(bucket_times, compute * model.backward_fraction, cluster.overlap, ready)
+    if fwd_gathers:  # ZeRO-3's forward gathers, prefetched one ahead: what forward's compute does not cover
+        forward, e = compute * (1 - model.backward_fraction), cluster.overlap
+        exposed += (1 - e) * sum(fwd_gathers) + e * max(fwd_gathers[0], sum(fwd_gathers) - forward)
+    exposed += after_step
     wait = model.wait_s if batch > 1 else 0.0
     step = compute + tp_time + ep_time + exposed + wait
     bubble = cost.pipeline_bubble(layout.pp, layout.micro_batches)
@@ -205,8 +237,13 @@ def search(model: ModelSpec, cluster: cost.Cluster, *, zero_stages=(0, 1, 2, 3),
         if (tp > 1 or ep > 1) and not model.act_bytes_per_layer:
             continue  # tensor and expert parallel cost their activation traffic: unknown without act_bytes_per_layer
         dp = world // (tp * pp * ep)
-        # with dp = 1 there is no gradient sync: ZeRO, compression and buckets change nothing
-        grid = itertools.product(zero_stages, compressions, bucket_mbs) if dp * ep > 1 else [(0, "none", bucket_mbs[-1])]
+        # what phalanx builds on the dp axis (phalanx.parallel.composition): under parallelize (tp or pp > 1)
+        # gradients go uncompressed; with dp * ep = 1 there is no gradient sync, so ZeRO and buckets change nothing
+        options = composition.data_axis_options({c: SUMMABLE.get(c, False) for c in compressions},
+                                                model_parallel=tp > 1 or pp > 1)
+        runnable = dict.fromkeys((o.axis.zero, o.compression) for o in options if o.axis.zero in zero_stages)
+        grid = ([(z, c, b) for (z, c), b in itertools.product(runnable, bucket_mbs)] if dp * ep > 1
+                else [(0, "none", bucket_mbs[-1])])
         for zero, comp, bucket in grid:
             if ep > 1 and zero == 3:
                 continue

@@ -1,31 +1,32 @@
 """Cluster-scale step model: a workload (planner.workloads) on hardware (planner.hardware).
 
-One training step of a ``dp x tp x pp`` job, per GPU, built from the alpha-beta
-terms of :mod:`phalanx.planner.cost`::
+One training step of a ``dp x tp x pp`` job, per GPU. Each strategy's traffic is what
+it declares in :mod:`phalanx.parallel.composition`, priced by :mod:`~phalanx.planner.collectives`
+the way NCCL runs it::
 
     compute   = FLOPs/sample x samples per replica / (tp pp x peak x mfu)
     pipeline  = compute x (1 + (pp-1) / (v m))          1F1B bubble, m micro-batches, v interleaved chunks
               + (m + pp - 1) x 2 p2p sends of b s h      (split over the tp GPUs: scatter/gather)
-    tensor    = m x blocks/pp x (4, or 6 with recomputation) ring allreduces of b s h over tp (NVLink)
-    data      = gradient buckets (the model's own, packed by the engine's rule) ready as backward reaches
-                them (by FLOPs), each a ring or hierarchical allreduce over dp; only what is left after
-                backward is exposed when buckets overlap (Horovod, DDP, Goyal), all of it when they do not
-                (Megatron: after the pipeline flush). ZeRO-3: x1.5. Compression shrinks the bytes and
-                adds its codec (int8: 4 passes over HBM; PowerSGD: its matmuls).
-
-The network is shared: every GPU of a node runs its data-parallel allreduce at the
-same time, so a flat ring gets ``node bandwidth / (dp groups per node)`` and each
-cross-node ring of a hierarchical allreduce ``node bandwidth / (GPUs per node / tp)``.
+    tensor    = m x blocks/pp x (4, or 6 with recomputation) allreduces of b s h over tp (NVLink)
+    data      DataParallel: the model's own gradient buckets (the engine's packing rule), each ready as
+                backward reaches it (by FLOPs), each an allreduce over dp (NCCL ring or tree, or phalanx's
+                hierarchical); compression shrinks them and adds its codec (int8: 4 passes over HBM;
+                PowerSGD: its matmuls). ZeRO-1/2: the same buckets reduce-scattered (stage 2: after every
+                micro-batch), then the parameters all-gathered after the step, on the critical path.
+                ZeRO-3: the parameters all-gathered module by module in forward, prefetched one ahead (only
+                what a module's compute does not cover is exposed), again in backward beside the
+                reduce-scatters, every micro-batch. What is left after backward is exposed when buckets
+                overlap (Horovod, DDP, Goyal), all of it when they do not (Megatron: after the flush).
 
 ``efficiency`` is the compute alone over the step: weak scaling against one GPU (or
 one node) doing the same per-GPU work with no communication; % of peak is
-``efficiency x mfu``.
+``efficiency x mfu``. Memory is :func:`phalanx.planner.memory.per_gpu`.
 
 Example::
 
     from phalanx.planner import hardware, scaling, workloads
     p = scaling.predict(workloads.get("resnet101"), hardware.get("p100-roce25"),
-                        scaling.Job(dp=512, global_batch=512 * 64, bucket_mb=64))
+                        scaling.Job(dp=512, global_batch=512 * 64, bucket_mb=64, algorithm="ring"))
     p.efficiency, p.step_s, p.why
 """
 
@@ -33,16 +34,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 from phalanx.comm.buckets import pack
-from phalanx.planner import cost
+from phalanx.parallel import composition
+from phalanx.planner import collectives, cost, memory
+from phalanx.planner.collectives import allreduce_time
 from phalanx.planner.hardware import Hardware
 from phalanx.planner.workloads import Workload
 
-__all__ = ["Job", "ScalePrediction", "predict", "search", "explain", "allreduce_time", "COMPRESSIONS"]
+__all__ = ["Job", "ScalePrediction", "predict", "search", "explain", "allreduce_time", "COMPRESSIONS",
+           "SUMMABLE"]
 
 COMPRESSIONS = ("none", "fp16", "int8", "powersgd")
+"""the compressors this model can price"""
+SUMMABLE = {"none": True, "fp16": True, "int8": False, "powersgd": False}
+"""whether each one's payloads add up on the wire (the codec's own ``summable``; a test checks they agree)"""
 INT8_RATIO = (1 + 4 / 256) / 4
 """int8 codes + one fp32 scale per 256 values, against fp32 (phalanx.comm.compression.quantize)"""
 INT8_CODEC_PASSES = 4
@@ -60,10 +66,12 @@ class Job:
     interleave: int = 1
     zero: int = 0
     compression: str = "none"
-    algorithm: str = "ring"
-    """"ring" (one flat ring over all dp ranks, over every NIC of the node) or "hierarchical"
-    (reduce-scatter in the node, ring across nodes, allgather in the node)"""
+    algorithm: str = "flat"
+    """"flat" (the backend's allreduce: NCCL picks ring or tree), "ring" (a flat ring only: NCCL before 2.4)
+    or "hierarchical" (phalanx's: reduce-scatter in the node, allreduce across, allgather in the node)"""
     bucket_mb: float = 25.0
+    trees: bool = True
+    """the backend has NCCL's tree allreduce (NCCL 2.4, 2019 on); False: rings only, as in 2017"""
     overlap: bool = True
     """data-parallel buckets launched during backward (False: after it, e.g. after a pipeline flush)"""
 
@@ -71,11 +79,34 @@ class Job:
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def strategy(self) -> str:
+        """The data-parallel strategy's name in phalanx.parallel.composition."""
+        return f"zero{self.zero}" if self.zero else "allreduce"
+
+    def command(self) -> str:
+        """The phalanx call that runs this layout."""
+        if self.tp == 1 and self.pp == 1:
+            if self.dp == 1:
+                return "plain model (one GPU)"
+            comp = f", compression={self.compression!r}" if self.compression != "none" else ""
+            if self.zero:
+                return f"px.zero(model, optimizer, stage={self.zero}{comp})"
+            alg = f", algorithm={self.algorithm!r}" if self.algorithm != "flat" else ""
+            return f"px.DataParallel(model{comp}{alg})"
+        sched = "" if self.interleave == 1 else ", schedule='interleaved_1f1b'"
+        return (f"px.parallelize(model, RankGrid(dp={self.dp}, pp={self.pp}, tp={self.tp}), data_parallel="
+                f"{self.strategy!r}" + (f", num_microbatches={self.micro_batches}" if self.pp > 1 else "") + sched + ")")
+
+    @property
+    def micro_batches(self) -> int:
+        return max(1, int(self.global_batch / self.dp / self.micro_batch)) if self.pp > 1 else 1
+
     def __str__(self) -> str:
         s = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         s += f" zero={self.zero}" if self.zero else ""
         s += f" {self.compression}" if self.compression != "none" else ""
-        s += f" {self.algorithm}" if self.dp > 1 else ""
+        s += f" {self.algorithm}" if self.dp > 1 and not self.zero else ""
         s += f" micro={self.micro_batch}" + (f" v={self.interleave}" if self.interleave > 1 else "") if self.pp > 1 else ""
         return s
 
@@ -97,38 +128,61 @@ class ScalePrediction:
         return self.memory_bytes <= hw.gpu.hbm_bytes
 
 
-def _placement(hw: Hardware, dp: int, tp: int) -> tuple[int, int, int]:
-    """(dp ranks per node, nodes a dp group spans, dp groups sharing a node's network)."""
-    gpn = hw.node.gpus
-    per_node = max(1, min(dp, gpn // tp)) if tp <= gpn else 1
-    nodes = math.ceil(dp / per_node)
-    return per_node, nodes, max(1, gpn // per_node)
-
-
-def allreduce_time(nbytes: float, hw: Hardware, dp: int, tp: int = 1, algorithm: str = "ring") -> float:
-    """One data-parallel allreduce of ``nbytes`` per GPU, with every GPU of the node doing the same."""
-    if dp <= 1:
-        return 0.0
-    per_node, nodes, groups = _placement(hw, dp, tp)
-    nvlink = cost.Link.from_bandwidth(hw.node.gpu_bandwidth, hw.node.latency_s)
-    if nodes == 1:
-        return cost.ring_allreduce(nbytes, dp, nvlink)
-    net = hw.network
-    if algorithm == "ring":
-        link = cost.Link.from_bandwidth(net.bandwidth / groups, net.latency_s)
-        return cost.ring_allreduce(nbytes, dp, link)
-    if algorithm != "hierarchical":
-        raise ValueError(f"algorithm must be 'ring' or 'hierarchical', got {algorithm!r}")
-    cross = cost.Link.from_bandwidth(net.bandwidth / (groups * per_node), net.latency_s)
-    return cost.hierarchical_allreduce(nbytes, per_node, nodes, nvlink, cross, cost.HIERARCHICAL_CHUNK_BYTES)
-
-
 def _buckets(w: Workload, shard: float, bucket_bytes: float, bytes_per_param: float) -> tuple[list, list]:
     """The engine's buckets of this model's gradients (backward order) and when each is ready."""
     order = w.backward_order()
     sizes = [p * shard * bytes_per_param for p, _ in order]
     groups = pack(sizes, bucket_bytes)
     return [sum(sizes[k] for k in g) for g in groups], [order[g[-1]][1] for g in groups]
+
+
+def _prefetched(gathers: list[float], computes: list[float]) -> float:
+    """Exposed time of gathers prefetched one module ahead: module k+1's gather runs under module k's
+    compute, so the first gather is exposed, and each later one by what module k's compute leaves."""
+    if not gathers:
+        return 0.0
+    return gathers[0] + sum(max(0.0, g - c) for g, c in zip(gathers[1:], computes))
+
+
+def _data_traffic(w: Workload, hw: Hardware, job: Job, compute: float, m: int) -> dict:
+    """The dp axis's traffic as the strategy declares it (phalanx.parallel.composition), priced."""
+    axis = composition.by_name(job.strategy)
+    shard = 1.0 / (job.tp * job.pp)
+    bpp = w.grad_bytes_per_param
+    ratio = {"none": 1.0, "fp16": min(1.0, 2 / bpp), "int8": INT8_RATIO * 4 / bpp,
+             "powersgd": w.powersgd_ratio(POWERSGD_RANK)}[job.compression]
+    sizes, ready = _buckets(w, shard, job.bucket_mb * 2**20, bpp)
+    per_mb_forward = compute / 3 / m
+    last = [0.0] * len(sizes)    # under the last micro-batch's backward, once a step
+    every = [0.0] * len(sizes)   # under every micro-batch's backward
+    after_step = forward_exposed = forward_total = 0.0
+    for t in axis.traffic:
+        times = m if t.per == "micro_batch" else 1
+        scale = ratio if t.compressed else 1.0
+        if t.op == "allreduce":
+            each = [allreduce_time(b * scale, hw, job.dp, job.tp, job.algorithm, job.trees) for b in sizes]
+        else:  # reduce-scatter / all-gather of the buckets (ZeRO lays its shards out by bucket)
+            each = [collectives.gather_time(b * scale, hw, job.dp, job.tp) for b in sizes]
+        if t.hides_behind == "backward":
+            target = every if times > 1 else last
+            for k, c in enumerate(each):
+                target[k] += c
+        elif t.hides_behind == "forward":  # module by module, prefetched one ahead
+            units = [layer for layer in w.layers if layer.params]
+            fwd_c = [per_mb_forward * layer.fwd_flops / max(w.fwd_flops_per_sample, 1.0) for layer in units]
+            gathers = [collectives.gather_time(layer.params * shard * bpp, hw, job.dp, job.tp) for layer in units]
+            forward_exposed += times * _prefetched(gathers, fwd_c)
+            forward_total += times * sum(gathers)
+        else:
+            after_step += times * sum(each)
+    one = [a + b for a, b in zip(last, every)]
+    window = compute * (2 / 3) / m
+    tail = cost.overlapped_exposure(one, window, 1.0, ready) if job.overlap and sum(one) else sum(one)
+    # the other micro-batches' reductions hide behind the compute that follows them, if it is long enough
+    earlier = max(0.0, (m - 1) * (sum(every) - compute / m))
+    return {"dp_s": sum(last) + m * sum(every) + after_step + forward_total,
+            "dp_exposed_s": tail + earlier + after_step + forward_exposed,
+            "buckets": len(sizes), "forward_gather_s": forward_exposed, "after_step_s": after_step}
 
 
 def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) -> ScalePrediction:
@@ -148,67 +202,50 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     gpn = hw.node.gpus
     per_gpu_net = cost.Link.from_bandwidth(hw.network.bandwidth / gpn, hw.network.latency_s)
     nvlink = cost.Link.from_bandwidth(hw.node.gpu_bandwidth, hw.node.latency_s)
-    p2p = (m + job.pp - 1) * 2 * per_gpu_net.time(act / job.tp) if job.pp > 1 else 0.0
+    sends = sum(t.count for t in composition.PIPELINE_TRAFFIC)
+    p2p = (m + job.pp - 1) * sends * per_gpu_net.time(act / job.tp) if job.pp > 1 else 0.0
     tp_link = nvlink if job.tp <= gpn else per_gpu_net
-    per_block = 6 if w.recompute else 4
+    # Megatron's f and g per block; recomputation runs the forward's allreduces again
+    per_block = sum(t.count for t in composition.TENSOR_TRAFFIC) + (2 if w.recompute else 0)
     tp_time = m * (w.blocks / job.pp) * per_block * cost.ring_allreduce(act, job.tp, tp_link) if job.tp > 1 else 0.0
-    # data parallel: buckets of this GPU's gradient shard
-    bpp = w.grad_bytes_per_param
-    ratio = {"none": 1.0, "fp16": min(1.0, 2 / bpp), "int8": INT8_RATIO * 4 / bpp,
-             "powersgd": w.powersgd_ratio(POWERSGD_RANK)}[job.compression]
-    sizes, ready = _buckets(w, shard, job.bucket_mb * 2**20, bpp)
-    scale = ratio * (1.5 if job.zero == 3 else 1.0)
-    times = [allreduce_time(b * scale, hw, job.dp, job.tp, job.algorithm) for b in sizes]
+    data = _data_traffic(w, hw, job, compute, int(m)) if job.dp > 1 else {
+        "dp_s": 0.0, "dp_exposed_s": 0.0, "buckets": 0, "forward_gather_s": 0.0, "after_step_s": 0.0}
     codec = 0.0
     if job.dp > 1 and job.compression == "int8":
         codec = INT8_CODEC_PASSES * w.params * shard * 4 / gpu.hbm_bandwidth
     elif job.dp > 1 and job.compression == "powersgd":
         codec = w.powersgd_flops(POWERSGD_RANK) * shard / gpu.rate("fp32")
-    backward = compute * (2 / 3) / (m if job.pp > 1 else 1)  # pipelines: only the last micro-batch's backward
-    exposed = cost.overlapped_exposure(times, backward, 1.0 if job.overlap else 0.0, ready) if times else 0.0
+    exposed = data["dp_exposed_s"]
     step = compute * (1 + bubble) + p2p + tp_time + exposed + codec
-    memory = _memory(w, job, per_replica, m)
+    mem = memory.per_gpu(w, job)
     eff = compute / step
     parts = {"compute_s": compute, "bubble_s": compute * bubble, "p2p_s": p2p, "tp_s": tp_time,
-             "dp_s": sum(times), "dp_exposed_s": exposed, "codec_s": codec}
+             "dp_s": data["dp_s"], "dp_exposed_s": exposed, "codec_s": codec}
     why = (f"compute {compute * 1e3:.1f} ms" + (f", bubble {bubble:.0%}" if bubble else "")
            + (f", tp allreduces {tp_time * 1e3:.1f} ms" if tp_time else "")
            + (f", p2p {p2p * 1e3:.1f} ms" if p2p else "")
-           + (f"; grad sync {sum(times) * 1e3:.1f} ms in {len(times)} bucket(s), {exposed * 1e3:.1f} ms exposed"
-              if job.dp > 1 else "")
+           + (f"; {job.strategy} traffic {data['dp_s'] * 1e3:.1f} ms in {data['buckets']} bucket(s), "
+              f"{exposed * 1e3:.1f} ms exposed" if job.dp > 1 else "")
+           + (f" ({data['forward_gather_s'] * 1e3:.1f} of forward gathers)" if data["forward_gather_s"] else "")
+           + (f" ({data['after_step_s'] * 1e3:.1f} after the step)" if data["after_step_s"] else "")
            + (f", codec {codec * 1e3:.1f} ms" if codec else "")
-           + f"; {memory / 2**30:.1f} GiB/GPU")
-    return ScalePrediction(job, step, job.global_batch / step, eff, compute * rate / step, memory, parts, why)
+           + f"; {mem / 2**30:.1f} GiB/GPU")
+    return ScalePrediction(job, step, job.global_batch / step, eff, compute * rate / step, mem, parts, why)
 
 
-def _memory(w: Workload, job: Job, per_replica: float, m: float) -> float:
-    """Weights + gradients + optimizer (fp32 SGD-momentum 12 B/param; mixed-precision Adam 16 B/param,
-    ZeRO sharding the optimizer (1), gradients (2), weights (3) over dp) + activations."""
-    n = w.params / (job.tp * job.pp)
-    if w.precision == "fp32":
-        wb, gb, ob = 4.0, 4.0, 4.0
-    else:
-        wb, gb, ob = 2.0, 2.0, 12.0
-    if job.zero >= 1:
-        ob /= job.dp
-    if job.zero >= 2:
-        gb /= job.dp
-    if job.zero >= 3:
-        wb /= job.dp
-    states = n * (wb + gb + ob)
-    micro = job.micro_batch if job.pp > 1 else per_replica
-    in_flight = min(job.pp, m) if job.pp > 1 else 1
-    acts = w.act_bytes_per_sample(4 if w.precision == "fp32" else 2) * micro * in_flight / job.pp
-    if not w.recompute:
-        acts /= job.tp
-    return states + acts
+def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *,
+           compressions=COMPRESSIONS, algorithms=collectives.ALGORITHMS, micro_batches=(1, 2, 4),
+           bucket_mb: float = 25.0) -> list[ScalePrediction]:
+    """Every dp x tp x pp layout of ``gpus`` that phalanx builds and that fits the GPU's memory, fastest first.
 
-
-def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *, zero_stages=(0, 1, 3),
-           compressions=("none", "int8", "powersgd"), algorithms=("ring", "hierarchical"),
-           micro_batches=(1, 2, 4), bucket_mb: float = 25.0) -> list[ScalePrediction]:
-    """Every dp x tp x pp layout of ``gpus`` that fits the GPU's memory, fastest first."""
+    The data-parallel choices (strategy, compressor, algorithm) are
+    :func:`phalanx.parallel.composition.data_axis_options`: what the strategies accept, under
+    ``parallelize`` too. ``algorithms`` limits the allreduce algorithms searched ("ring" is a flat
+    ring only, which NCCL's "flat" never does worse than, so it is left out unless asked for).
+    """
     out = []
+    # a cast to fp16 of gradients already in 16 bits sends the same bytes: not a layout of its own
+    priced = {c: SUMMABLE[c] for c in compressions if not (c == "fp16" and w.grad_bytes_per_param <= 2)}
     tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.node.gpus and gpus % t == 0] if w.kind == "transformer" else [1]
     pps = [p for p in range(1, max(1, w.blocks) + 1) if gpus % p == 0 and max(1, w.blocks) % p == 0]
     for tp, pp in itertools.product(tps, pps):
@@ -217,9 +254,10 @@ def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *, zero_st
         dp = gpus // (tp * pp)
         if global_batch % dp:
             continue
-        grid = itertools.product(zero_stages if dp > 1 else (0,), compressions if dp > 1 else ("none",),
-                                 algorithms if dp > 1 else ("ring",), micro_batches if pp > 1 else (1,))
-        for zero, comp, alg, mb in grid:
+        options = composition.data_axis_options(priced, model_parallel=tp > 1 or pp > 1) if dp > 1 else []
+        choices = [(o.axis.zero, o.compression, o.algorithm) for o in options
+                   if o.algorithm in algorithms or o.axis.zero] or [(0, "none", "flat")]
+        for (zero, comp, alg), mb in itertools.product(dict.fromkeys(choices), micro_batches if pp > 1 else (1,)):
             if pp > 1 and (global_batch / dp) % mb:
                 continue
             job = Job(dp, global_batch, tp, pp, mb, 1, zero, comp, alg, bucket_mb, overlap=pp == 1)
@@ -251,6 +289,7 @@ def explain(ranked: list[ScalePrediction], top: int = 5) -> list[str]:
         lines.append(f"      {p.why}")
     best = ranked[0]
     lines.append(f"why #1 wins: {best.why}")
+    lines.append(f"  build it: {best.job.command()}")
     if len(ranked) > 1:
         second = ranked[1]
         lines.append(f"  vs #2 ({second.job}): {(second.step_s - best.step_s) * 1e3:.1f} ms slower; "

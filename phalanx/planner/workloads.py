@@ -234,6 +234,20 @@ def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 5120
     return Workload(label, (emb,) + (block,) * layers + (head,), "transformer", s, h, heads, vocab, recompute, precision)
 
 
+def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int, *,
+          recompute: bool = False, name: str) -> Workload:
+    """A Llama 3 (Dubey et al. 2024, Table 3): grouped-query attention, SwiGLU MLP of width ``ffn``, RMSNorm,
+    untied input and output embeddings. Forward FLOPs per sequence: 2 s per weight of a block, plus
+    ``4 s^2 h`` for the attention scores and their use (as Narayanan et al. Eq. 3), plus the output layer."""
+    h, s, kv = hidden, seq, hidden // heads * kv_heads
+    emb = Layer("embedding", vocab * h, 0.0, ((vocab, h),), s * h)
+    weights = 2 * h * h + 2 * h * kv + 3 * h * ffn
+    block = Layer("block", weights + 2 * h, 2.0 * s * weights + 4.0 * s * s * h,
+                  ((h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn)), s * h, block=True)
+    head = Layer("output", vocab * h + h, 2.0 * s * h * vocab, ((vocab, h),), s * vocab)
+    return Workload(name, (emb,) + (block,) * layers + (head,), "transformer", s, h, heads, vocab, recompute, "bf16")
+
+
 _MODELS = {
     "resnet50": lambda: resnet(50),
     "resnet101": lambda: resnet(101),
@@ -247,6 +261,11 @@ _MODELS = {
     # Narayanan et al. 2021 Table 1, first and last rows
     "gpt-1.7b": lambda: gpt(24, 2304, 24, name="gpt-1.7b"),
     "gpt-1t": lambda: gpt(128, 25600, 160, name="gpt-1t"),
+    # Llama 3.1 (Dubey et al. 2024, Table 3): layers, model dim, heads, KV heads, FFN dim, vocab 128,256;
+    # sequence 8192 as torchtitan's benchmarks train them (benchmarks/llama3_h100_202412_torchtitan.md)
+    "llama3-8b": lambda: llama(32, 4096, 32, 8, 14336, 128256, 8192, name="llama3-8b"),
+    "llama3-70b": lambda: llama(80, 8192, 64, 8, 28672, 128256, 8192, recompute=True, name="llama3-70b"),
+    "llama3-405b": lambda: llama(126, 16384, 128, 8, 53248, 128256, 8192, recompute=True, name="llama3-405b"),
 }
 _cache: dict[str, Workload] = {}
 

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from phalanx import runtime
 from phalanx.comm.compression.codecs import get_compressor
 from phalanx.log import get_logger
+from phalanx.parallel import composition
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks
 from phalanx.parallel.zero.stage3 import Stage3
@@ -77,7 +78,7 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
     compressor = get_compressor(compression)
-    if not compressor.summable:
+    if not composition.accepts_compressor(f"zero{stage}", compressor.summable, compressor.name):
         raise ValueError(
             f"zero(compression={compression!r}): ZeRO reduce-scatters gradients, which sums the payloads on "
             "the wire, so only summable compressors work ('fp16', 'bf16'); for int8/top-k/sign/PowerSGD use "
