@@ -6,7 +6,7 @@ it from the model's own names, block by block::
     HF GPT-2        attn.c_attn   colwise_qkv   attn.c_proj  rowwise   mlp.c_fc  colwise   mlp.c_proj rowwise
     HF Llama        self_attn.{q,k,v}_proj colwise   self_attn.o_proj rowwise
     (Mistral, Qwen) mlp.{gate,up}_proj colwise       mlp.down_proj rowwise
-    torchtitan      attention.{wq,wk,wv} colwise     attention.wo rowwise
+    torchtitan      attention.[qkv_linear.]{wq,wk,wv} colwise   attention.wo rowwise
     Llama           feed_forward.{w1,w3} colwise     feed_forward.w2 rowwise
     all             input embedding vocab, head (lm_head / output) colwise: logits stay cut by
                     vocabulary, so the loss is ``vocab_parallel_cross_entropy``
@@ -41,9 +41,14 @@ BLOCK_STYLES: dict[str, dict[str, str]] = {
     "hf-llama": {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                  "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                  "mlp.down_proj": "rowwise"},
-    "torchtitan-llama": {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
-                         "attention.wo": "rowwise", "feed_forward.w1": "colwise", "feed_forward.w3": "colwise",
-                         "feed_forward.w2": "rowwise"},
+    # torchtitan 0.3 (q/k/v under attention.qkv_linear when not fused)
+    "torchtitan-llama": {"attention.qkv_linear.wq": "colwise", "attention.qkv_linear.wk": "colwise",
+                         "attention.qkv_linear.wv": "colwise", "attention.wo": "rowwise",
+                         "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"},
+    # torchtitan before 0.3
+    "torchtitan-llama-0.2": {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
+                             "attention.wo": "rowwise", "feed_forward.w1": "colwise", "feed_forward.w3": "colwise",
+                             "feed_forward.w2": "rowwise"},
 }
 HEADS = ("lm_head", "output")  # HF, torchtitan
 
@@ -78,8 +83,11 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
 
 def _check_heads(model: nn.Module, tp: int) -> None:
     cfg = getattr(model, "config", None)
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or heads
+    heads = getattr(cfg, "num_attention_heads", None)  # HF
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is None:  # torchtitan: the attention modules hold them
+        attn = next((m for m in model.modules() if isinstance(getattr(m, "n_kv_heads", None), int)), None)
+        heads, kv = (attn.n_heads, attn.n_kv_heads) if attn is not None else (None, None)
     if heads is not None and (heads % tp or kv % tp):
         raise ValueError(f"tensor parallel {tp}: {heads} attention heads and {kv} key/value heads must both "
                          f"divide by it; pick a tp dividing {kv}")

@@ -1,5 +1,7 @@
 """Tiny Hugging Face / torchtitan transformers for the tests, built from configs with random weights."""
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,35 @@ def hf_model(kind: str, tie: bool = True, layers: int = 2):
     return LlamaForCausalLM(cfg)
 
 
+def titan_model(layers: int = 2):
+    """torchtitan's Llama 3 (4 heads, 2 key/value heads), with torchtitan's SDPA attention module in place of
+    its default flex attention: torchtitan 0.3 refuses ``attn_backend="sdpa"`` for language models, and
+    torch's FlexAttention "does not support backward on CPU"."""
+    import torchtitan.models.llama3 as titan
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    torch.manual_seed(0)
+    dim = 32
+    blocks = titan._build_llama3_layers(n_layers=layers, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                        rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=SEQ * 2, theta=10000.0),
+                                        attn_backend="flex", fuse_qkv=False)
+    for block in blocks:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg = titan.Llama3Model.Config(
+        dim=dim, vocab_size=VOCAB, layers=blocks,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=titan._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=titan._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=titan._output_linear_init(dim)))
+    return cfg.build()
+
+
+def make(kind: str, tie: bool = True, layers: int = 2):
+    """``"gpt2"``, ``"llama"`` (HF) or ``"titan"`` (torchtitan's Llama 3, never tied)."""
+    return titan_model(layers) if kind == "titan" else hf_model(kind, tie, layers)
+
+
 def batch(step: int, rows: int = 4):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
@@ -31,7 +62,7 @@ def batch(step: int, rows: int = 4):
 
 
 def logits(model, x):
-    out = model(input_ids=x)
+    out = model(x) if type(model).__name__ == "Llama3Model" else model(input_ids=x)
     return out.logits if hasattr(out, "logits") else out
 
 
@@ -42,3 +73,7 @@ def lm_loss(model, x, y):
 def max_diff(sd: dict, ref: dict, skip: str = "") -> float:
     """Largest element difference over the keys of ``ref`` (``skip``: a substring of keys left out)."""
     return max((sd[k].float() - ref[k].float()).abs().max().item() for k in ref if not (skip and skip in k))
+
+
+def have(kind: str) -> bool:
+    return importlib.util.find_spec("torchtitan" if kind == "titan" else "transformers") is not None

@@ -1,6 +1,7 @@
-"""Big-model strategies on Hugging Face transformers (tiny configs, random weights), real gloo ranks
-against one process: ZeRO-3 with tied embeddings and activation checkpointing, 8-bit Adam state
-(under ZeRO and under DistributedOptimizer, its memory and its resharded checkpoint).
+"""Big-model strategies on Hugging Face and torchtitan transformers (tiny configs, random weights),
+real gloo ranks against one process: ZeRO-3 with tied embeddings and activation checkpointing,
+8-bit Adam state (under ZeRO and under DistributedOptimizer, its memory and its resharded
+checkpoint), pipeline stages cut by module path, Megatron tensor-parallel plans.
 
 One spawned group of 2 ranks runs every check (module fixture); each check is its own test below.
 """
@@ -10,10 +11,14 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import batch, hf_model, lm_loss, max_diff
+import torch.nn.functional as F
+from hf_models import batch, have, hf_model, lm_loss, logits, make, max_diff
 
 import phalanx as px
 from phalanx.optim import Adam8bit
+from phalanx.parallel.pipeline import PipelineStage, partition, split_by_path
+from phalanx.parallel.plans import apply_tp_plan, tp_plan
+from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
 from phalanx.parallel.zero import zero
 from phalanx.profiler.memory import memory_report
 from phalanx.testing import distributed
@@ -121,8 +126,80 @@ def _eight_bit_reshard():
     return {"world2": after, "world1": again}
 
 
+def _ce(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _pipeline(kind):
+    """Two stages cut where the parameter-balanced partition says, 1F1B over 2 micro-batches."""
+    m = make(kind, tie=False, layers=4)
+    ref = copy.deepcopy(m)
+    ref_losses = _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(3), sharded=False)
+    plan = partition(m, 2, method="parameters")
+    stage = split_by_path(m, plan.boundaries(m), px.rank())
+    pipe = PipelineStage(stage, px.rank(), 2, loss_fn=_ce)
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-2)
+    losses = []
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
+        opt.step()
+        losses.append(float(pipe.share_loss(loss)))
+    sd, rsd = stage.model.state_dict(), ref.state_dict()
+    return {"losses": losses, "ref": [float(v) for v in ref_losses], "boundaries": plan.boundaries(ref),
+            "stage_costs": plan.stage_costs, "keys": sorted(sd),
+            "diff": max_diff({k: rsd[k] for k in sd}, sd, KEY_BIAS)}  # this stage's tensors only
+
+
+def _tensor_parallel(kind):
+    """Megatron's plan from tp_plan (tied head where the model ties it), loss on vocabulary-cut logits."""
+    m = make(kind)
+    ref = copy.deepcopy(m)
+    ref_losses = _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(3), sharded=False)
+    group = dist.group.WORLD
+    model = apply_tp_plan(m, group)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss = vocab_parallel_cross_entropy(logits(model, x), y, group)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    full, rsd = gather_tp_state_dict(model, group), ref.state_dict()
+    # HF GPT-2's Conv1D stores [in, out]; its parallel form is a linear layer ([out, in])
+    conv = {f"{n}.weight" for n, mod in ref.named_modules() if type(mod).__name__ == "Conv1D"}
+    diff = max((full[k] - (rsd[k].t() if k in conv else rsd[k])).abs().max().item() for k in full if KEY_BIAS not in k)
+    local_q = {"gpt2": "transformer.h.0.attn.c_attn", "llama": "model.layers.0.self_attn.q_proj",
+               "titan": "layers.0.attention.qkv_linear.wq"}[kind]
+    tied = kind != "titan" and ref.get_submodule("lm_head").weight is ref.get_input_embeddings().weight
+    tied = tied and model.get_submodule("lm_head").weight is model.get_input_embeddings().weight  # re-tied
+    return {"losses": losses, "ref": [float(v) for v in ref_losses], "diff": diff, "tied": tied,
+            "local_rows": model.get_submodule(local_q).weight.shape[0],
+            "full_rows": ref.get_submodule(local_q).weight.shape[-1 if kind == "gpt2" else 0]}
+
+
+def _bad_heads():
+    """GQA with one key/value head cannot be cut in two: one line, before any weight moves."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+                      intermediate_size=64, vocab_size=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    try:
+        apply_tp_plan(LlamaForCausalLM(cfg), dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _all_checks():
     out = {}
+    for kind in KINDS:
+        out[("pp", kind)] = _pipeline(kind)
+        out[("tp", kind)] = _tensor_parallel(kind)
+    out["tp bad heads"] = _bad_heads()
     for kind in ("gpt2", "llama"):
         for recompute in (False, True):
             out[("zero3", kind, recompute)] = _zero3(kind, recompute)
@@ -132,8 +209,11 @@ def _all_checks():
     return out
 
 
-CHECKS = [("zero3", k, r) for k in ("gpt2", "llama") for r in (False, True)] + ["8bit zero", "8bit plain",
-                                                                                 "8bit reshard"]
+KINDS = ["gpt2", "llama"] + (["titan"] if have("titan") else [])
+CHECKS = ([("zero3", k, r) for k in ("gpt2", "llama") for r in (False, True)]
+          + ["8bit zero", "8bit plain", "8bit reshard", "tp bad heads"]
+          + [(s, k) for s in ("pp", "tp") for k in KINDS])
+TITAN = pytest.param("titan", marks=pytest.mark.skipif(not have("titan"), reason="torchtitan is not installed"))
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +281,45 @@ def test_state_bits_mistakes_are_one_line():
         zero(lin, torch.optim.SGD(lin.parameters(), lr=0.1), stage=2, state_bits=8)
     with pytest.raises(ValueError, match=r"DistributedOptimizer\(state_bits=8\) quantizes"):
         px.DistributedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), state_bits=8)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", TITAN])
+def test_pipeline_by_module_path_matches_one_process(kind, family):
+    for res in family:
+        r = res[("pp", kind)]
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert r["diff"] < 5e-5, r
+        # 4 blocks, embedding and head: the parameter-balanced cut is in the middle
+        assert len(r["boundaries"]) == 1 and r["boundaries"][0].endswith(".2"), r["boundaries"]
+    embeds = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight", "titan": "tok_embeddings.weight"}
+    assert embeds[kind] in family[0][("pp", kind)]["keys"] and embeds[kind] not in family[1][("pp", kind)]["keys"]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", TITAN])
+def test_tensor_parallel_plan_matches_one_process(kind, family):
+    for res in family:
+        r = res[("tp", kind)]
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert r["diff"] < 5e-5, r
+        assert r["local_rows"] * 2 == r["full_rows"], r  # q cut by heads: half on each rank
+        assert r["tied"] == (kind != "titan")
+
+
+def test_tensor_parallel_refuses_heads_that_do_not_divide(family):
+    for res in family:
+        assert "4 attention heads and 1 key/value heads must both divide by it" in res["tp bad heads"]
+
+
+@pytest.mark.unit
+def test_pipeline_and_plan_mistakes_are_one_line():
+    gpt2 = hf_model("gpt2", layers=2)
+    with pytest.raises(ValueError, match=r"boundaries \['transformer.h.7'\]: each must name a block"):
+        split_by_path(gpt2, ["transformer.h.7"], 0)
+    with pytest.raises(ValueError, match=r"lm_head.weight is also transformer.wte.weight \(tied\).*untied"):
+        split_by_path(gpt2, ["transformer.h.1"], 1)
+    with pytest.raises(ValueError, match="use 'uniform' or 'parameters'"):
+        partition(gpt2, 2, method="time", sample=batch(0)[0])
+    with pytest.raises(ValueError, match="no plan for blocks of type Linear"):
+        tp_plan(torch.nn.Sequential(torch.nn.Embedding(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)] * 2)))
+    with pytest.raises(TypeError, match="has no nn.ModuleList"):
+        split_by_path(torch.nn.Linear(2, 2), [], 0)
