@@ -194,8 +194,17 @@ def _bad_heads():
     return None
 
 
+def _data_parallel():
+    m = hf_model("llama")
+    ref = copy.deepcopy(m)
+    _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(3), sharded=False)
+    model = px.DataParallel(m)
+    _train(model, torch.optim.Adam(model.parameters(), lr=1e-2), range(3))
+    return max_diff(m.state_dict(), ref.state_dict())
+
+
 def _all_checks():
-    out = {}
+    out = {"dp llama": _data_parallel()}
     for kind in KINDS:
         out[("pp", kind)] = _pipeline(kind)
         out[("tp", kind)] = _tensor_parallel(kind)
@@ -211,7 +220,7 @@ def _all_checks():
 
 KINDS = ["gpt2", "llama"] + (["titan"] if have("titan") else [])
 CHECKS = ([("zero3", k, r) for k in ("gpt2", "llama") for r in (False, True)]
-          + ["8bit zero", "8bit plain", "8bit reshard", "tp bad heads"]
+          + ["dp llama", "8bit zero", "8bit plain", "8bit reshard", "tp bad heads"]
           + [(s, k) for s in ("pp", "tp") for k in KINDS])
 TITAN = pytest.param("titan", marks=pytest.mark.skipif(not have("titan"), reason="torchtitan is not installed"))
 
@@ -237,6 +246,11 @@ def test_zero3_tied_and_recomputed_matches_one_process(kind, recompute, family):
         # every block forward runs twice a step when recomputed (the forward, then inside backward)
         assert r["block_forwards"] == STEPS * (2 if recompute else 1), r
         assert r["gathered_after_step"] == 0, "a unit stayed gathered after the step"
+
+
+def test_data_parallel_on_an_hf_model_matches_one_process(family):
+    for res in family:
+        assert res["dp llama"] < 1e-5, res["dp llama"]
 
 
 def test_eight_bit_state_under_zero3_follows_the_fp32_curve(family):
