@@ -156,6 +156,13 @@ def _bench(system, h, layers, vocab, seq, batch, steps, budget):
     cuda = device.type == "cuda"
     dist.barrier()
     dist.broadcast(torch.zeros(4, device=device), src=0)  # connections before the baseline
+    import transformers.models.llama.modeling_llama  # noqa: F401  (its import is not the model's memory)
+
+    if system == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"}
     base = torch.cuda.memory_allocated(device) if cuda else _rss()
     try:
         with device:  # every system starts from the full model on every rank (none builds on meta here)
