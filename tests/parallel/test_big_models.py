@@ -147,7 +147,16 @@ def _pipeline(kind):
         opt.step()
         losses.append(float(pipe.share_loss(loss)))
     sd, rsd = stage.model.state_dict(), ref.state_dict()
+    # the stages' state dicts, joined, are the whole model's (same names): reload it at pp = 1
+    parts = [None] * px.size()
+    dist.all_gather_object(parts, sd)
+    whole = make(kind, tie=False, layers=4)
+    whole.load_state_dict({k: v for part in parts for k, v in part.items()})
+    x, y = batch(3)
+    nxt = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
+    reloaded = lm_loss(whole, x, y).item()
     return {"losses": losses, "ref": [float(v) for v in ref_losses], "boundaries": plan.boundaries(ref),
+            "next": float(pipe.share_loss(nxt)), "reloaded_pp1": reloaded,
             "stage_costs": plan.stage_costs, "keys": sorted(sd),
             "diff": max_diff({k: rsd[k] for k in sd}, sd, KEY_BIAS)}  # this stage's tensors only
 
@@ -174,9 +183,16 @@ def _tensor_parallel(kind):
     diff = max((full[k] - (rsd[k].t() if k in conv else rsd[k])).abs().max().item() for k in full if KEY_BIAS not in k)
     local_q = {"gpt2": "transformer.h.0.attn.c_attn", "llama": "model.layers.0.self_attn.q_proj",
                "titan": "layers.0.attention.qkv_linear.wq"}[kind]
+    # reload at tp = 1: the gathered state dict (a Conv1D's weight transposed back) into the plain model
+    plain = make(kind)
+    plain.load_state_dict({k: (v.t() if k in conv else v) for k, v in full.items()}, strict=False)
+    x, y = batch(3)
+    nxt = vocab_parallel_cross_entropy(logits(model, x), y, group).item()
+    reloaded = lm_loss(plain, x, y).item()
     tied = kind != "titan" and ref.get_submodule("lm_head").weight is ref.get_input_embeddings().weight
     tied = tied and model.get_submodule("lm_head").weight is model.get_input_embeddings().weight  # re-tied
     return {"losses": losses, "ref": [float(v) for v in ref_losses], "diff": diff, "tied": tied,
+            "next": nxt, "reloaded_tp1": reloaded,
             "local_rows": model.get_submodule(local_q).weight.shape[0],
             "full_rows": ref.get_submodule(local_q).weight.shape[-1 if kind == "gpt2" else 0]}
 
@@ -303,6 +319,7 @@ def test_pipeline_by_module_path_matches_one_process(kind, family):
         r = res[("pp", kind)]
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
         assert r["diff"] < 5e-5, r
+        assert r["reloaded_pp1"] == pytest.approx(r["next"], rel=1e-5), r  # saved at pp = 2, loaded at 1
         # 4 blocks, embedding and head: the parameter-balanced cut is in the middle
         assert len(r["boundaries"]) == 1 and r["boundaries"][0].endswith(".2"), r["boundaries"]
     embeds = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight", "titan": "tok_embeddings.weight"}
@@ -316,6 +333,7 @@ def test_tensor_parallel_plan_matches_one_process(kind, family):
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
         assert r["diff"] < 5e-5, r
         assert r["local_rows"] * 2 == r["full_rows"], r  # q cut by heads: half on each rank
+        assert r["reloaded_tp1"] == pytest.approx(r["next"], rel=1e-5), r  # saved at tp = 2, loaded at 1
         assert r["tied"] == (kind != "titan")
 
 
