@@ -75,7 +75,8 @@ def _zero3(kind, recompute):
     tied = m.lm_head.weight is m.get_input_embeddings().weight
     gathered_after = opt.engine.param_bytes() - sum(s.numel() * s.element_size() for s in opt.engine.shards)
     return {"diff": max_diff(sd, rsd, KEY_BIAS), "key_bias": max_diff(sd, rsd) if kind == "gpt2" else 0.0,
-            "block_forwards": len(calls), "tied": tied, "gathered_after_step": gathered_after}
+            "block_forwards": len(calls), "tied": tied, "gathered_after_step": gathered_after,
+            "units": [type(mod).__name__ for mod, _ in opt.engine.module_units]}
 
 
 def _eight_bit_zero():
@@ -262,6 +263,8 @@ def test_zero3_tied_and_recomputed_matches_one_process(kind, recompute, family):
         # every block forward runs twice a step when recomputed (the forward, then inside backward)
         assert r["block_forwards"] == STEPS * (2 if recompute else 1), r
         assert r["gathered_after_step"] == 0, "a unit stayed gathered after the step"
+        # the head is a unit that owns no shard (tied) and gathers the embedding's
+        assert r["units"].count("Embedding") == (2 if kind == "gpt2" else 1) and "Linear" in r["units"], r["units"]
 
 
 def test_data_parallel_on_an_hf_model_matches_one_process(family):
@@ -355,3 +358,19 @@ def test_pipeline_and_plan_mistakes_are_one_line():
         tp_plan(torch.nn.Sequential(torch.nn.Embedding(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)] * 2)))
     with pytest.raises(TypeError, match="has no nn.ModuleList"):
         split_by_path(torch.nn.Linear(2, 2), [], 0)
+
+
+@pytest.mark.unit
+def test_quantize_table_picks_the_nearest_code():
+    """The fp16 lookup table agrees with an exact nearest-code search but for values within half
+    an fp16 step of a midpoint (one code apart), and round-trips Adam-like moments closely."""
+    from phalanx.optim.quantize import BLOCK, CODE_SIGNED, CODE_UNSIGNED, dequantize, quantize
+
+    torch.manual_seed(0)
+    for code, x in ((CODE_SIGNED, torch.randn(1 << 16) * 1e-3), (CODE_UNSIGNED, torch.randn(1 << 16).pow(2) * 1e-6)):
+        q, absmax = quantize(x, code)
+        blocks = x.view(-1, BLOCK)
+        exact = torch.bucketize((blocks / blocks.abs().amax(1, keepdim=True)).reshape(-1), (code[1:] + code[:-1]) / 2)
+        assert (q.long() == exact).float().mean() > 0.99 and (q.long() - exact).abs().max() <= 1
+        back = dequantize(q, absmax, code, x.numel())
+        assert (back - x).norm() / x.norm() < 0.02
