@@ -1,4 +1,4 @@
-"""Optimizers that do their own (compressed) communication.
+"""Optimizers that do their own (compressed) communication, or keep their state in 8 bits.
 
 Example::
 
@@ -6,6 +6,7 @@ Example::
     opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
 """
 
+from phalanx.optim.adam8bit import STATE_BITS, Adam8bit
 from phalanx.optim.onebit_adam import OneBitAdam
 
-__all__ = ["OneBitAdam"]
+__all__ = ["OneBitAdam", "Adam8bit", "STATE_BITS"]

@@ -106,9 +106,17 @@ def _shard(full: torch.Tensor, dim: int, group) -> torch.Tensor:
     return full.chunk(n, dim=dim)[r].detach().clone()
 
 
-def _param(t: torch.Tensor, tp_dim: int | None) -> nn.Parameter:
+def _shard_parts(full: torch.Tensor, dim: int, parts: int, group) -> torch.Tensor:
+    """A fused tensor of ``parts`` equal pieces along ``dim`` (GPT-2's [q | k | v]): each piece cut, the cuts joined."""
+    if parts == 1:
+        return _shard(full, dim, group)
+    return torch.cat([_shard(piece, dim, group) for piece in full.chunk(parts, dim=dim)], dim=dim)
+
+
+def _param(t: torch.Tensor, tp_dim: int | None, parts: int = 1) -> nn.Parameter:
     p = nn.Parameter(t)
     p.tp_dim = tp_dim  # the dimension cut across the group; None = replicated
+    p.tp_parts = parts  # fused pieces along tp_dim, each cut separately (gather_tp_state_dict reassembles)
     return p
 
 
@@ -118,15 +126,16 @@ class ColumnParallelLinear(nn.Module):
     ``from_linear(linear, group)`` takes this rank's slice of an existing layer.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, parts: int = 1) -> None:
         super().__init__()
         self.group = group
-        self.weight = _param(_shard(weight, 0, group), 0)
-        self.bias = _param(_shard(bias, 0, group), 0) if bias is not None else None
+        self.weight = _param(_shard_parts(weight, 0, parts, group), 0, parts)
+        self.bias = _param(_shard_parts(bias, 0, parts, group), 0, parts) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group) -> ColumnParallelLinear:
-        return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, group)
+    def from_linear(cls, linear: nn.Module, group, parts: int = 1) -> ColumnParallelLinear:
+        """``parts=3``: a fused q/k/v projection, each of the three cut by heads."""
+        return cls(*_linear_weights(linear, "colwise"), group, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
@@ -142,8 +151,8 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(bias.detach().clone(), None) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group) -> RowParallelLinear:
-        return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, group)
+    def from_linear(cls, linear: nn.Module, group) -> RowParallelLinear:
+        return cls(*_linear_weights(linear, "rowwise"), group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
@@ -153,20 +162,23 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose vocabulary rows are cut across the group; output replicated (via g)."""
 
-    def __init__(self, weight: torch.Tensor, group) -> None:
+    def __init__(self, weight: torch.Tensor, group, padding_idx: int | None = None) -> None:
         super().__init__()
         self.group = group
         self.weight = _param(_shard(weight, 0, group), 0)
         self.vocab_start = _rank(group) * self.weight.shape[0]
+        # the padding row (HF Llama's pad token) gets no gradient, on the rank that holds it
+        local_pad = None if padding_idx is None else padding_idx - self.vocab_start
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.weight.shape[0] else None
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group) -> VocabParallelEmbedding:
-        return cls(emb.weight.data, group)
+        return cls(emb.weight.data, group, emb.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
 
@@ -214,13 +226,26 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return _VocabParallelCE.apply(flat.float(), target.reshape(-1), group).mean()
 
 
+def _linear_weights(m: nn.Module, style: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [out, in], bias)`` of an ``nn.Linear``, or of HF GPT-2's ``Conv1D`` (a linear layer
+    storing its weight as [in, out]; its parallel form is a linear layer, weight transposed)."""
+    bias = None if m.bias is None else m.bias.data
+    if isinstance(m, nn.Linear):
+        return m.weight.data, bias
+    if type(m).__name__ == "Conv1D" and getattr(m, "nf", None) == m.weight.shape[1]:
+        return m.weight.data.t(), bias
+    raise TypeError(f"style {style!r} applies to nn.Linear (or HF's Conv1D), got {type(m).__name__}")
+
+
 def _colwise(m: nn.Module, group) -> nn.Module:
-    _expect(m, nn.Linear, "colwise")
     return ColumnParallelLinear.from_linear(m, group)
 
 
+def _colwise_qkv(m: nn.Module, group) -> nn.Module:
+    return ColumnParallelLinear.from_linear(m, group, parts=3)
+
+
 def _rowwise(m: nn.Module, group) -> nn.Module:
-    _expect(m, nn.Linear, "rowwise")
     return RowParallelLinear.from_linear(m, group)
 
 
@@ -234,14 +259,14 @@ def _expect(m: nn.Module, kind: type, style: str) -> None:
         raise TypeError(f"style {style!r} applies to nn.{kind.__name__}, got {type(m).__name__}")
 
 
-TP_STYLES = {"colwise": _colwise, "rowwise": _rowwise, "vocab": _vocab}
+TP_STYLES = {"colwise": _colwise, "colwise_qkv": _colwise_qkv, "rowwise": _rowwise, "vocab": _vocab}
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group) -> nn.Module:
     """Replace each sub-module named in ``plan`` by its tensor-parallel form, in place.
 
     ``plan`` maps a sub-module name (as in ``model.named_modules()``) to
-    "colwise", "rowwise" or "vocab". Every rank of ``group`` must start from the
+    "colwise", "colwise_qkv" (a fused [q | k | v] projection), "rowwise" or "vocab". Every rank of ``group`` must start from the
     same full weights; each keeps its own slice. Returns ``model``.
     """
     for name, style in plan.items():
@@ -271,7 +296,9 @@ def gather_tp_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
         if dim is None or _size(group) == 1:
             out[name] = value.clone()
             continue
-        parts = [torch.empty_like(value) for _ in range(_size(group))]
-        dist.all_gather(parts, value.contiguous(), group=group)
-        out[name] = torch.cat(parts, dim=dim)
+        per_rank = [torch.empty_like(value) for _ in range(_size(group))]
+        dist.all_gather(per_rank, value.contiguous(), group=group)
+        k = getattr(p, "tp_parts", 1)  # fused pieces: piece j of the full tensor = piece j of every rank, joined
+        pieces = [torch.cat([t.chunk(k, dim=dim)[j] for t in per_rank], dim=dim) for j in range(k)]
+        out[name] = torch.cat(pieces, dim=dim)
     return out

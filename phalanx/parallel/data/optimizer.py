@@ -31,6 +31,7 @@ from torch import nn
 from phalanx import trace
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.horovod_ops import negotiate
+from phalanx.optim.adam8bit import Adam8bit, check_state_bits
 from phalanx.parallel.data.config import EngineConfig, resolve_topology
 from phalanx.parallel.data.delegation import WrapsOptimizer
 from phalanx.parallel.data.gradients import GradientEngine
@@ -55,6 +56,10 @@ class DistributedOptimizer(WrapsOptimizer):
     instead; ``join_ready=False`` drops both). On the whole world the steps run on a second group
     of it (``Topology.steps_group()``), so that ``hvd.join`` can wait for a step and for a facade
     collective at once.
+
+    ``state_bits=8`` (``torch.optim.Adam`` / ``AdamW``) steps an :class:`~phalanx.optim.Adam8bit` with the
+    same hyperparameters instead, whose moments are block-wise quantized bytes (2 bytes a parameter,
+    not 8); it is ``opt.optimizer`` (give LR schedulers that one).
     """
 
     def __init__(
@@ -75,7 +80,11 @@ class DistributedOptimizer(WrapsOptimizer):
         balance=None,
         join_ready: bool = True,
         missing_as_zeros: bool = False,
+        state_bits: int = 32,
     ) -> None:
+        check_state_bits("DistributedOptimizer", state_bits, optimizer)
+        if state_bits == 8:
+            optimizer = Adam8bit.like(optimizer)
         self.optimizer = optimizer
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         if named_parameters is None:

@@ -1,6 +1,7 @@
 """Pipeline parallelism: split a model by layers across ranks and stream micro-batches through.
 
 * :mod:`.partition` — balanced split (uniform / parameters / time / flops, exact min-bottleneck)
+* :mod:`.by_path` — stages of a model that is not an ``nn.Sequential`` (HF, torchtitan), by module path
 * :mod:`.schedules` — GPipe, 1F1B, eager 1F1B and interleaved 1F1B, with their timelines drawn; ideal-network replay
 * :mod:`.stage` — one stage's executor (p2p activations/gradients, loss, accumulation)
 
@@ -11,6 +12,13 @@ Example::
     stage = PipelineStage(plan.split(model)[px.rank()], px.rank(), 2, loss_fn=F.cross_entropy)
 """
 
+from phalanx.parallel.pipeline.by_path import (
+    PassThrough,
+    StageOfModel,
+    Zeros,
+    find_blocks,
+    split_by_path,
+)
 from phalanx.parallel.pipeline.partition import (
     Partition,
     block_costs,
@@ -34,6 +42,11 @@ from phalanx.parallel.pipeline.schedules import (
 from phalanx.parallel.pipeline.stage import PipelineStage, Span, StageLink
 
 __all__ = [
+    "split_by_path",
+    "find_blocks",
+    "StageOfModel",
+    "PassThrough",
+    "Zeros",
     "Partition",
     "block_costs",
     "min_bottleneck_split",

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from phalanx.parallel.pipeline.by_path import find_blocks, path_costs
+
 __all__ = ["Partition", "block_costs", "min_bottleneck_split", "partition", "uniform_split"]
 
 
@@ -64,6 +66,13 @@ class Partition:
     def std(self) -> float:
         """Population standard deviation of the stage costs: 0 is a perfect balance."""
         return statistics.pstdev(self.stage_costs)
+
+    def boundaries(self, model: nn.Module) -> list[str]:
+        """The first block of every stage but the first, by module path (for :func:`split_by_path`)."""
+        blocks = find_blocks(model)[1]
+        if len(blocks) != len(self.block_costs):
+            raise ValueError(f"partition was made for {len(self.block_costs)} blocks, the model has {len(blocks)}")
+        return [blocks[b] for b in self.bounds[1:-1]]
 
     def split(self, blocks: nn.Sequential | Sequence[nn.Module]) -> list[nn.Sequential]:
         """One ``nn.Sequential`` per stage; children keep their names from an ``nn.Sequential``."""
@@ -152,6 +161,8 @@ def block_costs(model, method: str = "parameters", sample: torch.Tensor | None =
         per_round = [block_costs(model, method, sample, repeats, loss_fn=loss_fn, target=target, rounds=1)
                      for _ in range(rounds)]
         return [statistics.median(costs) for costs in zip(*per_round)]
+    if isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return path_costs(model, method)  # a transformer's stack of blocks, split by module path
     blocks = _blocks(model)
     if (loss_fn is None) != (target is None):
         raise ValueError("pass loss_fn and target together (the loss is costed on the last block's output), "
@@ -195,7 +206,8 @@ def block_costs(model, method: str = "parameters", sample: torch.Tensor | None =
 
 def partition(model, num_stages: int, method: str = "parameters", sample: torch.Tensor | None = None, *,
               loss_fn=None, target: torch.Tensor | None = None, repeats: int = 5, rounds: int = 3) -> Partition:
-    """Split ``model`` (an ``nn.Sequential`` or list of blocks) into ``num_stages`` balanced stages.
+    """Split ``model`` (an ``nn.Sequential``, a list of blocks, or a model whose blocks sit in an
+    ``nn.ModuleList`` / ``nn.ModuleDict``: see :func:`split_by_path`) into ``num_stages`` balanced stages.
 
     ``uniform`` splits by block count; the other methods use the exact
     min-bottleneck split of their costs. ``loss_fn`` and ``target`` (a target

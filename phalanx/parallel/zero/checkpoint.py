@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from phalanx.optim.adam8bit import FullPrecisionState
 from phalanx.parallel.zero.shard import CHUNK_NUMEL, segments
 
 __all__ = ["FORMAT", "FULL_FORMAT", "ShardedCheckpoint", "consolidate", "full_as_shard_groups"]
@@ -52,7 +53,10 @@ class ShardedCheckpoint:
     def _flat_state(self, g: int) -> dict:
         """Group ``g``'s optimizer state as one flat tensor per key (chunks joined), scalars as they are."""
         cs = self.chunks[g]
-        per_chunk = [self.inner.state.get(c, {}) for c in cs]
+        if isinstance(self.inner, FullPrecisionState):  # 8-bit state: cut and saved as fp32, requantized on load
+            per_chunk = [self.inner.full_precision_state(c) for c in cs]
+        else:
+            per_chunk = [self.inner.state.get(c, {}) for c in cs]
         if not per_chunk[0]:
             return {}
         return {k: torch.cat([st[k] for st in per_chunk]) if isinstance(v, torch.Tensor) and v.shape == cs[0].shape
@@ -120,9 +124,12 @@ class ShardedCheckpoint:
             if state:
                 for i, c in enumerate(self.chunks[g]):
                     lo = i * CHUNK_NUMEL
-                    self.inner.state[c] = {k: (v[lo : lo + c.numel()] if k in keys else
-                                               (v.clone() if isinstance(v, torch.Tensor) else v))
-                                           for k, v in state.items()}
+                    st = {k: (v[lo : lo + c.numel()] if k in keys else (v.clone() if isinstance(v, torch.Tensor) else v))
+                          for k, v in state.items()}
+                    if isinstance(self.inner, FullPrecisionState):
+                        self.inner.load_full_precision_state(c, st)
+                    else:
+                        self.inner.state[c] = st
             self.inner.param_groups[g].update(saved[0]["hparams"])
         self.engine.publish()
 

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from phalanx import runtime
 from phalanx.comm.compression.codecs import get_compressor
 from phalanx.log import get_logger
+from phalanx.optim.adam8bit import Adam8bit, check_state_bits
 from phalanx.parallel import composition
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks
@@ -60,7 +61,8 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes, compression):
+def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes, compression,
+                state_bits=32):
     if stage not in (1, 2, 3):
         raise ValueError(f"zero(stage={stage!r}): stage must be 1, 2 or 3")
     if not isinstance(model, torch.nn.Module):
@@ -77,6 +79,7 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
         raise ValueError(f"zero(max_grad_norm={max_grad_norm!r}): must be positive, or None to not clip")
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
+    check_state_bits("zero", state_bits, optimizer)
     compressor = get_compressor(compression)
     if not composition.accepts_compressor(f"zero{stage}", compressor.summable, compressor.name):
         raise ValueError(
@@ -99,6 +102,7 @@ def zero(
     max_grad_norm: float | None = None,
     backward_passes_per_step: int = 1,
     compression=None,
+    state_bits: int = 32,
 ):
     """Shard ``optimizer`` (and, by stage, gradients and parameters) over the ranks of ``group``.
 
@@ -112,6 +116,8 @@ def zero(
     backward, which is what frees their gradient memory). Any other number of
     passes is still correct, only less overlapped. ``compression="fp16"|"bf16"``
     sends gradients in that dtype (summed in it too); the shard stays in the compute dtype.
+    ``state_bits=8`` (Adam / AdamW only) keeps the two moments as block-wise quantized bytes
+    (:class:`~phalanx.optim.Adam8bit`, Dettmers et al. 2021): 2 bytes a parameter instead of 8, sharded.
     ``topology``: the job's :class:`~phalanx.runtime.Topology` (default: the one ``px.init()``
     made); ``group`` defaults to its world group.
 
@@ -120,14 +126,14 @@ def zero(
         model, opt = px.zero(model, torch.optim.Adam(model.parameters()), stage=3)
     """
     compressor = _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm,
-                             backward_passes_per_step, compression)
+                             backward_passes_per_step, compression, state_bits)
     if topology is None:
         if not runtime.is_initialized():
             raise RuntimeError("zero(): phalanx is not initialised; call px.init() first (or pass topology=)")
         topology = runtime.topology()
     group = group if group is not None else topology.world_group()
     return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
-                                backward_passes_per_step, compressor)
+                                backward_passes_per_step, compressor, state_bits)
 
 
 def _cast(dtype):
@@ -146,7 +152,7 @@ class ZeroOptimizer(ShardedCheckpoint):
     """
 
     def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm,
-                 backward_passes_per_step: int = 1, compressor=None) -> None:
+                 backward_passes_per_step: int = 1, compressor=None, state_bits: int = 32) -> None:
         self.model, self.stage, self.group = model, stage, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.max_grad_norm = max_grad_norm
@@ -187,8 +193,11 @@ class ZeroOptimizer(ShardedCheckpoint):
                                   backward_passes_per_step, registration, compressor)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
         self.chunks = [chunks(m) for m in self.masters]
-        self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)],
-                                     **_constructor_defaults(optimizer))
+        if state_bits == 8:
+            self.inner = Adam8bit.like(optimizer, params=self.chunks)
+        else:
+            self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)],
+                                         **_constructor_defaults(optimizer))
         model.register_forward_pre_hook(lambda m, args: self.engine.before_forward())
         if compute_dtype is not None:
             model.register_forward_pre_hook(lambda m, args, kw: tree_map(_cast(compute_dtype), (args, kw)), with_kwargs=True)

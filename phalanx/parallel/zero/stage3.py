@@ -14,6 +14,20 @@ pointing at the same storage, which is refilled before backward::
 
 The model's code is untouched: only forward pre/post hooks, a multi-grad hook on
 each unit's outputs and post-accumulate-grad hooks on parameters are added.
+
+Tied parameters (GPT-2's and small Llamas' head *is* the token embedding) are
+sharded once, in the unit of the first module that owns them; every later user
+gathers that unit too before it runs and frees it after, as FSDP2 does with the
+root module. In backward the shared unit stays gathered from its last user's
+backward to its first one's, when its (single, summed) gradient is in.
+
+Activation checkpointing (``torch.utils.checkpoint``, non-reentrant, per block)
+composes: a forward that runs *inside* backward is the block's recomputation,
+so its pre-hooks gather again and its post-hooks do not free (autograd is about
+to use those parameters); each unit is freed when its gradients are in::
+
+    backward of block b:  recompute(b): gather u_b0 … u_bk (no prefetch, no free)
+                          → grads of u_bk … u_b0 arrive → each freed, reduce-scattered
 """
 
 from __future__ import annotations
@@ -39,6 +53,11 @@ def unit_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return chosen
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: a forward now is a checkpointed block's recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Stage3:
     """Sharded parameters with per-module gather/free hooks (see module docstring)."""
 
@@ -50,16 +69,15 @@ class Stage3:
         names = {id(p): n for named in groups_named for n, p in named}
         self.units: list[list[Unit]] = [[] for _ in groups_named]
         self.module_units: list[tuple[torch.nn.Module, list[tuple[int, Unit]]]] = []
-        seen: set[int] = set()
+        owner: dict[int, tuple[int, Unit]] = {}  # parameter → the (group, unit) that holds its one shard
         for _, m in unit_modules(model):
             per_group: dict[int, list] = {}
+            shared: list[tuple[int, Unit]] = []
             for p in m.parameters():
-                if id(p) in seen:
-                    raise ValueError(
-                        f"zero(stage=3): parameter {names.get(id(p))} is shared by two modules; "
-                        "stage 3 shards per module — tie weights inside one module or use stage 2"
-                    )
-                seen.add(id(p))
+                if id(p) in owner:  # tied (GPT-2's head is its embedding): gather the owner's unit here too
+                    if all(owner[id(p)][1] is not u for _, u in shared):
+                        shared.append(owner[id(p)])
+                    continue
                 if id(p) not in group_of:
                     raise ValueError(
                         f"zero(stage=3): parameter {names.get(id(p), '?')} is not in the optimizer; "
@@ -71,7 +89,8 @@ class Stage3:
                 u = build_units(named, world, None)[0]
                 self.units[g].append(u)
                 mu.append((g, u))
-            self.module_units.append((m, mu))
+                owner.update({id(p): (g, u) for p in u.params})
+            self.module_units.append((m, mu + shared))
         self.masters = [
             torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=self._device(us)) for us in self.units
         ]
@@ -159,6 +178,9 @@ class Stage3:
     # -- hooks ---------------------------------------------------------------------------
     def _make_pre(self, i: int):
         def pre(module, args):
+            if _in_backward():  # a recomputation (activation checkpointing): gather only
+                self._gather_module(i)
+                return
             if not self._order_done and i not in self._order:
                 self._order.append(i)
             self._gather_module(i)
@@ -171,6 +193,10 @@ class Stage3:
 
     def _make_post(self, i: int):
         def post(module, args, output):
+            if _in_backward():
+                # Recomputed inside backward: autograd is about to use these parameters, so they stay
+                # gathered until their gradients are in (the engine frees a unit once all have arrived).
+                return
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if torch.is_grad_enabled() and tensors:
                 register_multi_grad_hook(tensors, lambda grads: self._pre_backward(i), mode="any")

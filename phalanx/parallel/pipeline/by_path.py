@@ -1,0 +1,193 @@
+"""Pipeline stages of a model that is not an ``nn.Sequential``, cut by module path (torchtitan's way).
+
+A transformer is an embedding, a stack of blocks (an ``nn.ModuleList`` or ``nn.ModuleDict``:
+``transformer.h`` in HF GPT-2, ``model.layers`` in HF Llama, ``layers`` in torchtitan) and a
+head. Stage s keeps its own modules and the model's code runs unchanged; what belongs to
+other stages is swapped for a stand-in that passes the activation through::
+
+    stage 0          [embed] [wpe] [block 0] [block 1] (pass) (pass) (Identity) (Identity)   → hidden
+    stage 1   hidden → (pass) (zeros) (pass) (pass) [block 2] [block 3] [norm] [head]       → logits
+
+* blocks of other stages → :class:`PassThrough` (returns its first argument, which is what
+  a block returns in HF and torchtitan);
+* modules with parameters before the blocks → stage 0 only: the input embedding is skipped
+  by feeding hidden states as ``inputs_embeds=`` (HF) or passed through (torchtitan); other
+  embeddings (GPT-2's learned positions) become :class:`Zeros`, since stage 0 already added them;
+* modules with parameters after the blocks (final norm, head) → the last stage only; others
+  get ``nn.Identity``, so the model returns the hidden state as its "logits";
+* modules without parameters (dropout, rotary position tables) run on every stage.
+
+A parameter shared by modules of two stages (a head tied to the embedding, as GPT-2 and small
+Llamas build it) is refused with one line: build the model untied (Megatron instead keeps a copy
+on each end and all-reduces its gradient; not done here).
+
+Example::
+
+    from phalanx.parallel.pipeline import PipelineStage, partition, split_by_path
+    plan = partition(model, 2, method="parameters")            # any HF / torchtitan causal LM
+    stage = split_by_path(model, plan.boundaries(model), px.rank())
+    pipe = PipelineStage(stage, px.rank(), 2, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "path_costs"]
+
+
+class PassThrough(nn.Module):
+    """A block of another stage: returns its first argument (the hidden state), ignores the rest."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class Zeros(nn.Module):
+    """An embedding already added on stage 0 (learned positions): adds nothing on later stages."""
+
+    def forward(self, *args, **kwargs):
+        return torch.zeros(())
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
+    """The stack of blocks: the ``nn.ModuleList`` / ``nn.ModuleDict`` with the most children.
+
+    Returns its path and its blocks' paths (``("model.layers", ["model.layers.0", …])``).
+    """
+    best = None
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and (best is None or len(m) > len(best[1])):
+            best = (name, m)
+    if best is None:
+        raise TypeError(f"pipeline by module path: {type(model).__name__} has no nn.ModuleList / nn.ModuleDict "
+                        "of blocks to split; pass an nn.Sequential or a list of blocks")
+    name, stack = best
+    return name, [f"{name}.{k}" if name else k for k, _ in stack.named_children()]
+
+
+def _outer_modules(model: nn.Module, stack: str) -> tuple[list[str], list[str]]:
+    """Modules with parameters of their own outside the stack, before it and after it (registration order)."""
+    before, after, seen_stack = [], [], False
+    for name, m in model.named_modules():
+        if name == stack or name.startswith(stack + "."):
+            seen_stack = True
+            continue
+        side = after if seen_stack else before
+        if any(True for _ in m.parameters(recurse=False)) and not any(name.startswith(o + ".") for o in side):
+            side.append(name)
+    return before, after
+
+
+def path_costs(model: nn.Module, method: str) -> list[float]:
+    """Each block's cost ("uniform" or "parameters"); the embedding's parameters count in the first
+    block, the norm's and head's in the last, since those stages run them."""
+    if method not in ("uniform", "parameters"):
+        raise ValueError(f"partition(method={method!r}) of a model split by module path: use 'uniform' or "
+                         "'parameters' (timing a block alone needs the arguments the model's forward gives it)")
+    stack, blocks = find_blocks(model)
+    if method == "uniform":
+        return [1.0] * len(blocks)
+    costs = [float(sum(p.numel() for p in model.get_submodule(b).parameters())) for b in blocks]
+    before, after = _outer_modules(model, stack)
+    seen: set[int] = set()
+    for b in blocks:
+        seen.update(id(p) for p in model.get_submodule(b).parameters())
+
+    def own(names):
+        total = 0
+        for n in names:
+            for p in model.get_submodule(n).parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+        return float(total)
+
+    costs[0] += own(before)
+    costs[-1] += own(after)
+    return costs
+
+
+class StageOfModel(nn.Module):
+    """The whole model with other stages' modules swapped out; ``forward(x)`` → tensor.
+
+    Stage 0 takes the model's input (token ids); later stages take the hidden state, fed as
+    ``inputs_embeds=`` when the model's forward has that argument (HF), else positionally.
+    Returns the output's ``logits`` (the hidden state on all but the last stage) or the output itself.
+    """
+
+    def __init__(self, model: nn.Module, stage_index: int, num_stages: int, hidden_kwarg: str | None) -> None:
+        super().__init__()
+        self.model = model
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.hidden_kwarg = hidden_kwarg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stage_index > 0 and self.hidden_kwarg:
+            out = self.model(**{self.hidden_kwarg: x})
+        else:
+            out = self.model(x)
+        return out.logits if hasattr(out, "logits") else out
+
+
+def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:
+    parent, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    if isinstance(owner, nn.ModuleDict):
+        owner[leaf] = module
+    else:
+        setattr(owner, leaf, module)
+
+
+def split_by_path(model: nn.Module, boundaries: Sequence[str], stage_index: int) -> StageOfModel:
+    """Stage ``stage_index`` of ``model`` cut before each block path in ``boundaries``, in place.
+
+    ``boundaries``: the first block of every stage but the first (``["model.layers.2"]`` makes
+    two stages); :meth:`~phalanx.parallel.pipeline.Partition.boundaries` gives a balanced set.
+    The model is changed in place (the other stages' modules are dropped: build the full model
+    on every rank, or on the ``meta`` device and materialise after the split).
+    """
+    stack, blocks = find_blocks(model)
+    where = {b: i for i, b in enumerate(blocks)}
+    bad = [b for b in boundaries if b not in where or where[b] == 0]
+    if bad:
+        raise ValueError(f"pipeline boundaries {bad}: each must name a block of {stack!r} other than the first "
+                         f"(one of {blocks[1:3] + ['…'] if len(blocks) > 3 else blocks[1:]})")
+    cuts = [0] + sorted(where[b] for b in boundaries) + [len(blocks)]
+    if len(set(cuts)) != len(cuts):
+        raise ValueError(f"pipeline boundaries {list(boundaries)}: a block named twice makes an empty stage")
+    num_stages = len(cuts) - 1
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index={stage_index}: {list(boundaries)} make {num_stages} stages")
+    before, after = _outer_modules(model, stack)
+    first, last = stage_index == 0, stage_index == num_stages - 1
+    mine = set(blocks[cuts[stage_index] : cuts[stage_index + 1]])
+    owners = {}  # parameter → the stage that keeps it
+    for s in range(num_stages):
+        names = blocks[cuts[s] : cuts[s + 1]] + (before if s == 0 else []) + (after if s == num_stages - 1 else [])
+        for n in names:
+            for pn, p in model.get_submodule(n).named_parameters():
+                if owners.setdefault(id(p), (s, f"{n}.{pn}"))[0] != s:
+                    raise ValueError(
+                        f"pipeline: parameter {n}.{pn} is also {owners[id(p)][1]} (tied) on stages "
+                        f"{owners[id(p)][0]} and {s}; build the model untied (HF: tie_word_embeddings=False)")
+    hidden_kwarg = "inputs_embeds" if "inputs_embeds" in inspect.signature(model.forward).parameters else None
+    input_embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for b in blocks:
+        if b not in mine:
+            _set(model, b, PassThrough())
+    if not first:
+        for i, n in enumerate(before):
+            m = model.get_submodule(n)
+            # the input embedding (the first, or HF's get_input_embeddings()) passes the hidden state on;
+            # another embedding before the blocks (learned positions) was added on stage 0 already
+            is_input = m is input_embedding if input_embedding is not None else i == 0
+            _set(model, n, Zeros() if isinstance(m, nn.Embedding) and not is_input else PassThrough())
+    if not last:
+        for n in after:
+            _set(model, n, nn.Identity())
+    return StageOfModel(model, stage_index, num_stages, hidden_kwarg)

@@ -1,0 +1,79 @@
+"""Tiny Hugging Face / torchtitan transformers for the tests, built from configs with random weights."""
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ = 64, 8
+
+
+def hf_model(kind: str, tie: bool = True, layers: int = 2):
+    """``"gpt2"`` or ``"llama"`` (grouped-query attention: 4 heads, 2 key/value heads), seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                         tie_word_embeddings=tie)
+        return GPT2LMHeadModel(cfg)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=tie,
+                      max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def titan_model(layers: int = 2):
+    """torchtitan's Llama 3 (4 heads, 2 key/value heads), with torchtitan's SDPA attention module in place of
+    its default flex attention: torchtitan 0.3 refuses ``attn_backend="sdpa"`` for language models, and
+    torch's FlexAttention "does not support backward on CPU"."""
+    import torchtitan.models.llama3 as titan
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import ComplexRoPE
+
+    torch.manual_seed(0)
+    dim = 32
+    blocks = titan._build_llama3_layers(n_layers=layers, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                        rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=SEQ * 2, theta=10000.0),
+                                        attn_backend="flex", fuse_qkv=False)
+    for block in blocks:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg = titan.Llama3Model.Config(
+        dim=dim, vocab_size=VOCAB, layers=blocks,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=titan._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=titan._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=titan._output_linear_init(dim)))
+    return cfg.build()
+
+
+def make(kind: str, tie: bool = True, layers: int = 2):
+    """``"gpt2"``, ``"llama"`` (HF) or ``"titan"`` (torchtitan's Llama 3, never tied)."""
+    return titan_model(layers) if kind == "titan" else hf_model(kind, tie, layers)
+
+
+def batch(step: int, rows: int = 4):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def logits(model, x):
+    out = model(x) if type(model).__name__ == "Llama3Model" else model(input_ids=x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def lm_loss(model, x, y):
+    return F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten())
+
+
+def max_diff(sd: dict, ref: dict, skip: str = "") -> float:
+    """Largest element difference over the keys of ``ref`` (``skip``: a substring of keys left out)."""
+    return max((sd[k].float() - ref[k].float()).abs().max().item() for k in ref if not (skip and skip in k))
+
+
+def have(kind: str) -> bool:
+    return importlib.util.find_spec("torchtitan" if kind == "titan" else "transformers") is not None
