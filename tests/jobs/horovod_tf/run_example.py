@@ -1,10 +1,11 @@
-"""Run one of Horovod's TensorFlow 2 examples with a local MNIST stand-in (no download).
+"""Run Horovod's TensorFlow 2 examples with a local MNIST stand-in (no download).
 
-``python run_example.py EXAMPLE.py [ARGS...]``: ``mnist.load_data`` (tf-keras's and Keras 3's)
-returns a small learnable stand-in: 28x28 uint8 images, each of the 10 classes a fixed random
-template plus noise. With ``PHALANX_EXAMPLE_FIT_CAP=EPOCHS,STEPS`` (a test's budget) every
-``Model.fit`` runs at most that many epochs of that many steps; nothing else in the example
-changes. Everything else (the script, its arguments) is the example's own.
+``python run_example.py [--fit-cap EPOCHS,STEPS] EXAMPLE.py [ARGS...] [-- [--fit-cap E,S] NEXT.py ...]``:
+each script in turn, in this process (the test runs several in one job to pay TensorFlow's start
+once). ``mnist.load_data`` (tf-keras's and Keras 3's) returns a small learnable stand-in: 28x28
+uint8 images, each of the 10 classes a fixed random template plus noise. ``--fit-cap`` (a test's
+budget) makes every ``Model.fit`` of that script run at most that many epochs of at most that many
+steps; nothing else in the example changes. Everything else (the script, its arguments) is its own.
 """
 
 import os
@@ -22,16 +23,14 @@ def _mnist(path="mnist.npz"):
     return (images[:1536], labels[:1536].astype("uint8")), (images[1536:], labels[1536:].astype("uint8"))
 
 
-def _cap_fit(model_class, epochs_cap, steps_cap):
-    fit = model_class.fit
-
+def _capped(fit, epochs_cap, steps_cap):
     def capped(self, *args, **kwargs):
         kwargs["epochs"] = min(kwargs.get("epochs", 1), epochs_cap)
         if kwargs.get("steps_per_epoch") is not None:
             kwargs["steps_per_epoch"] = min(kwargs["steps_per_epoch"], steps_cap)
         return fit(self, *args, **kwargs)
 
-    model_class.fit = capped
+    return capped
 
 
 def main():
@@ -43,13 +42,23 @@ def main():
         import keras as keras_module
     keras_module.datasets.mnist.load_data = _mnist
     tf.keras.datasets.mnist.load_data = _mnist
-    cap = os.environ.get("PHALANX_EXAMPLE_FIT_CAP")
-    if cap:
-        epochs_cap, steps_cap = (int(x) for x in cap.split(","))
-        _cap_fit(keras_module.Model, epochs_cap, steps_cap)
-    example = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    runpy.run_path(example, run_name="__main__")
+    fit = keras_module.Model.fit
+    scripts = [[]]
+    for word in sys.argv[1:]:
+        if word == "--":
+            scripts.append([])
+        else:
+            scripts[-1].append(word)
+    for argv in scripts:
+        keras_module.Model.fit = fit
+        if argv[0] == "--fit-cap":
+            epochs_cap, steps_cap = (int(x) for x in argv[1].split(","))
+            keras_module.Model.fit = _capped(fit, epochs_cap, steps_cap)
+            argv = argv[2:]
+        sys.argv = argv
+        print(f"RUN {os.path.basename(argv[0])}", flush=True)
+        runpy.run_path(argv[0], run_name="__main__")
+        print(f"DONE {os.path.basename(argv[0])}", flush=True)
 
 
 if __name__ == "__main__":
