@@ -27,7 +27,9 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
+from phalanx import runtime
 from phalanx.comm.collectives import Average, ReduceOp
+from phalanx.keras.fused import reduce_gradients
 
 __all__ = ["TFKerasDistributedOptimizer"]
 
@@ -109,15 +111,11 @@ class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------- the step
     def _reduce(self, grads, variables):
-        from phalanx.keras.optimizer import reduce_gradients
-
         local = [v.ref() in self.local_variables for v in variables]
         shared = [None if is_local else g for g, is_local in zip(grads, local)]
         reduced = reduce_gradients(shared, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
                                    predivide=self.gradient_predivide_factor, name=f"{self.name}.grads",
                                    **({"bucket_mb": self.bucket_mb} if self.bucket_mb else {}))
-        from phalanx import runtime
-
         size = float(runtime.size())
         out = []
         for g, r, is_local in zip(grads, reduced, local):

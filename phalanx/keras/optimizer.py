@@ -43,44 +43,10 @@ from keras import ops
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
-from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
-from phalanx.keras.tensors import over_torch
+from phalanx.keras.fused import DEFAULT_BUCKET_MB, reduce_gradients
 from phalanx.keras.torch_backward import BackwardOverlap
 
-__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "reduce_gradients"]
-
-
-def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                     predivide: float = 1.0, name: str = "keras.grads", when=None):
-    """Average (or sum) gradients (torch, TensorFlow or JAX arrays) across ranks; ``None`` entries stay ``None``.
-
-    Works eagerly, inside a ``tf.function`` (through one ``tf.py_function``) and inside
-    ``jax.jit`` (one ``io_callback``). ``when``: a boolean scalar of the backend, the same
-    on every rank; where it is false the gradients come back as they are, no collective
-    (JAX's accumulation step, which cannot branch around a host call).
-    """
-    grads = list(grads)
-    if runtime.size() == 1:
-        return grads
-
-    def on_torch(tensors, align_bytes):
-        if when is not None:
-            flag, tensors = tensors[-1], tensors[:-1]
-            if not bool(flag):
-                return [None if t is None else t.clone() for t in tensors] + [flag]
-            return on_torch_now(tensors, align_bytes) + [flag]
-        return on_torch_now(tensors, align_bytes)
-
-    def on_torch_now(tensors, align_bytes):
-        if predivide != 1.0:
-            tensors = [None if t is None else t / predivide for t in tensors]
-        out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
-                             align_bytes=align_bytes)
-        return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
-
-    if when is None:
-        return over_torch(on_torch, grads)
-    return over_torch(on_torch, grads + [when])[:-1]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
 def _compression_name(compression) -> str | None:

@@ -56,6 +56,7 @@ from phalanx.horovod.torch import (
     rocm_built,
 )
 from phalanx.keras import DistributedOptimizer, PartialDistributedOptimizer
+from phalanx.tensorflow import util
 from phalanx.tensorflow.bridge import MismatchError
 from phalanx.tensorflow.compression import Compression
 from phalanx.tensorflow.functions import (
@@ -85,6 +86,7 @@ from phalanx.tensorflow.ops import (
     size_op,
 )
 from phalanx.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
+from phalanx.tensorflow.util import executing_eagerly
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
@@ -98,10 +100,11 @@ __all__ = [
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "HorovodInternalError", "MismatchError", "keras", "elastic",
+    "HorovodInternalError", "MismatchError", "keras", "elastic", "util", "executing_eagerly",
 ]
 
 Adasum = ADASUM
+_executing_eagerly = executing_eagerly  # Horovod's spelling, which scripts call as hvd._executing_eagerly()
 
 
 def init(comm=None, process_sets=None) -> None:

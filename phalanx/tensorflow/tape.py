@@ -21,8 +21,7 @@ import tensorflow as tf
 
 from phalanx.comm.collectives import Average, ReduceOp, Sum
 from phalanx.comm.horovod_ops.process_sets import global_process_set
-from phalanx.keras.fused import DEFAULT_BUCKET_MB
-from phalanx.keras.optimizer import reduce_gradients
+from phalanx.keras.fused import DEFAULT_BUCKET_MB, reduce_gradients
 from phalanx.tensorflow.compression import Compression
 from phalanx.tensorflow.ops import grouped_allreduce
 
