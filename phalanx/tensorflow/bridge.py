@@ -30,7 +30,7 @@ import torch
 from phalanx.comm.mismatch import CollectiveMismatchError
 from phalanx.keras.tensors import TF_ALIGN_BYTES
 
-__all__ = ["MismatchError", "call", "to_torch", "to_tf"]
+__all__ = ["MismatchError", "InvalidArgument", "call", "to_torch", "to_tf"]
 
 
 class MismatchError(tf.errors.FailedPreconditionError, CollectiveMismatchError):
@@ -38,6 +38,14 @@ class MismatchError(tf.errors.FailedPreconditionError, CollectiveMismatchError):
 
     def __init__(self, message: str) -> None:
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+class InvalidArgument(tf.errors.InvalidArgumentError, ValueError):
+    """A collective's arguments are wrong on this rank (splits that do not add up, a scalar to scatter):
+    TensorFlow's ``InvalidArgumentError`` as Horovod's kernels raise, and a ``ValueError`` as phalanx's."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
 
 
 _last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> its last collective op
@@ -72,6 +80,10 @@ def _host(fn, dtypes):
             if isinstance(err, MismatchError):
                 raise
             raise MismatchError(str(err)) from None
+        except ValueError as err:  # (inside a graph TensorFlow makes a ValueError InvalidArgument itself)
+            if isinstance(err, InvalidArgument):
+                raise
+            raise InvalidArgument(str(err)) from None
         return [to_tf(o, d) for o, d in zip(outs, dtypes)]
 
     return run

@@ -29,7 +29,7 @@ from phalanx import runtime
 from phalanx.comm import collectives as c
 from phalanx.comm.horovod_ops import ops
 from phalanx.comm.horovod_ops.process_sets import global_process_set, registered
-from phalanx.tensorflow.bridge import call
+from phalanx.tensorflow.bridge import InvalidArgument, call
 from phalanx.tensorflow.compression import Compression
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
@@ -75,8 +75,9 @@ def _as_tensors(tensors):
 # ---------------------------------------------------------------- allreduce
 def _grouped_allreduce_raw(tensors, op, pre, post, ps, name):
     def fn(ts):
-        handle = ops.grouped_allreduce_async(ts, op, name, pre, post, ps)
-        return ops.synchronize(handle)
+        if len(ts) == 1:  # checked with its own shape (a fused group is checked as one flat buffer)
+            return [ops.synchronize(ops.allreduce_async(ts[0], op, name, pre, post, ps))]
+        return ops.synchronize(ops.grouped_allreduce_async(ts, op, name, pre, post, ps))
 
     outs = call(fn, tensors, [(t.dtype, t.shape) for t in tensors])
 
@@ -287,8 +288,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     tensors = _as_tensors(tensors)
     for t in tensors:
         if t.shape.rank == 0:
-            raise ops.HorovodInternalError("reducescatter: a scalar cannot be scattered over the ranks; pass a "
-                                           "tensor whose first dimension is split across them")
+            raise InvalidArgument("reducescatter: a scalar cannot be scattered over the ranks; pass a tensor "
+                                  "whose first dimension is split across them")
     packed = [compression.compress(t) for t in tensors]
     payloads = [p for p, _ in packed]
 
