@@ -97,7 +97,21 @@ class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
         raise RuntimeError("TFKerasDistributedOptimizer applies updates through the optimizer it wraps")
 
     def get_config(self):
-        return self.inner_optimizer.get_config()
+        return {"name": self.name, "optimizer": {"class_name": type(self.inner_optimizer).__name__.lower(),
+                                                     "config": self.inner_optimizer.get_config()},
+                "compression": getattr(self.compression, "name", None), "op": self.op.value,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "average_aggregated_gradients": self.average_aggregated_gradients,
+                "gradient_predivide_factor": self.gradient_predivide_factor, "bucket_mb": self.bucket_mb}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        from phalanx.comm.compression.codecs import get_compressor
+
+        config = dict(config)
+        inner = tf_keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
+        config["compression"] = get_compressor(config.get("compression"))
+        return cls(inner, **config)
 
     def set_weights(self, weights):
         self.inner_optimizer.set_weights(weights)
