@@ -50,9 +50,9 @@ class DistributedGradientTape:
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, scale_local_gradients=True, bucket_mb=None):
+        if op not in (Average, Sum, "average", "sum"):
+            raise ValueError(f"DistributedGradientTape: op must be hvd.Average or hvd.Sum, got {op!r}")
         op = ReduceOp(op)
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedGradientTape: op must be hvd.Average or hvd.Sum, got {op.name.title()}")
         if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op is not Average):
             raise ValueError("DistributedGradientTape: gradient_predivide_factor must be > 0 and needs "
                              f"op=hvd.Average; got {gradient_predivide_factor}")
