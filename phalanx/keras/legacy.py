@@ -61,6 +61,10 @@ class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
         self._accumulated = None
         self._passes = None
 
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient on this rank (Horovod's ``register_local_var``; scaled by 1/size)."""
+        self.local_variables.add(var.ref())
+
     # ---------------------------------------------------------------- delegation
     @property
     def iterations(self):

@@ -121,6 +121,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.local_variable_ids: set[int] = set()  # PartialDistributedOptimizer's local layers' weights
         self._overlap = None
 
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient on this rank, divided by the number of ranks (Horovod's ``register_local_var``).
+
+        Example::
+
+            opt.register_local_var(model.layers[-1].kernel)
+        """
+        if self._overlap is not None:
+            raise ValueError("register_local_var: call it before the first training step")
+        self.local_variable_ids.add(id(var))
+
     # ---------------------------------------------------------------- state
     def build(self, var_list):
         if not self.inner_optimizer.built:
