@@ -42,11 +42,13 @@ def job(tmp_path_factory):
                os.path.join(JOBS, "tf_keras_checks.py")]
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # Each rank's lines carry "[r]: "; a progress bar without a newline can put another rank's line
+    # after it on the same physical line, so split at every prefix, not only at line starts.
     ranks = {0: [], 1: []}
     for line in proc.stdout.splitlines():
-        m = re.match(r"\[(\d)\]: (.*)", line)
-        if m:
-            ranks[int(m.group(1))].append(m.group(2))
+        pieces = re.split(r"\[(\d)\]: ", line)
+        for rank, text in zip(pieces[1::2], pieces[2::2]):
+            ranks[int(rank)].append(text)
     return {r: "\n".join(lines) for r, lines in ranks.items()}, os.listdir(cwd)
 
 
