@@ -343,13 +343,13 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
         return TFKerasDistributedOptimizer(optimizer, name, get_compressor(compression), op, backward_passes_per_step,
                                            average_aggregated_gradients, gradient_predivide_factor,
                                            local_variables=local, scale_local_gradients=scale_local_gradients)
+    if not scale_local_gradients:
+        raise ValueError("PartialDistributedOptimizer: scale_local_gradients=False is not supported on Keras 3 "
+                         "optimizers; local gradients are divided by the number of ranks")
     opt = DistributedOptimizer(optimizer, name=name, compression=compression,
                                gradient_predivide_factor=gradient_predivide_factor, op=op,
                                backward_passes_per_step=backward_passes_per_step,
                                average_aggregated_gradients=average_aggregated_gradients, groups=groups,
                                process_set=process_set)
     opt.local_variable_ids = {id(v) for v in local}
-    if not scale_local_gradients:
-        raise ValueError("PartialDistributedOptimizer: scale_local_gradients=False is not supported on Keras 3 "
-                         "optimizers; local gradients are divided by the number of ranks")
     return opt
