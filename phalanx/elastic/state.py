@@ -128,10 +128,7 @@ class TorchState:
         object.__setattr__(self, "_commit_count", self._commit_count + 1)
         if self._world is None:  # committed without a sync(): record the size this state belongs to
             object.__setattr__(self, "_world", _size(self._topology))
-        snapshot = {k: copy.deepcopy(v.sharded_state_dict() if is_gathered(v) else
-                                     v.state_dict() if is_stateful(v) else v)
-                    for k, v in self._pieces.items()}
-        object.__setattr__(self, "_memory", snapshot)
+        self.remember()
         from phalanx.elastic import inprocess
 
         # in-process elastic: workers join or leave at this commit. Asked before the snapshot is
@@ -144,6 +141,14 @@ class TorchState:
         preempt.at_commit(path, self.commit_dir)  # under elastic.run: a preemption signal -> save done, exit 85
         if changed is not None:
             raise changed
+
+    def remember(self) -> None:
+        """Keep the state as it is now in memory, as the point :meth:`restore` returns to (no snapshot,
+        no commit counted); ``commit()`` does this and more."""
+        snapshot = {k: copy.deepcopy(v.sharded_state_dict() if is_gathered(v) else
+                                     v.state_dict() if is_stateful(v) else v)
+                    for k, v in self._pieces.items()}
+        object.__setattr__(self, "_memory", snapshot)
 
     def restore(self) -> bool:
         """Roll back to the last commit: from memory if this process made it, else from the snapshot."""

@@ -28,7 +28,7 @@ import phalanx.runtime as runtime
 from phalanx.comm import collectives
 from phalanx.comm.compression.codecs import CastCompressor, NoneCompressor, get_compressor
 from phalanx.keras import callbacks
-from phalanx.keras.optimizer import DistributedOptimizer
+from phalanx.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from phalanx.keras.tensors import from_torch, kind, over_torch, to_torch
 from phalanx.keras.variables import broadcast_variables
 from phalanx.launcher.startup import join as join_job
@@ -37,7 +37,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "Average", "Sum", "Min", "Max", "Product", "Compression",
     "allreduce", "allgather", "broadcast", "broadcast_variables",
-    "DistributedOptimizer", "load_model", "callbacks", "elastic",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "elastic",
 ]
 
 Average, Sum, Min, Max, Product = (collectives.Average, collectives.Sum, collectives.Min, collectives.Max,

@@ -21,6 +21,9 @@ Semantics follow ``horovod/_keras/callbacks.py`` (Horovod 0.28):
       e' = epoch + batch / steps_per_epoch + 1 / steps_per_epoch
       lr = initial_lr / size * (e' * (size - 1) / warmup_epochs + 1)
 
+The callbacks also run in tf-keras's ``model.fit`` (Keras 2 code under ``TF_USE_LEGACY_KERAS=1``):
+they answer the hook queries its callback list makes.
+
 Momentum correction changes the optimizer's ``momentum`` attribute for one batch. The
 torch backend runs the step eagerly and sees it; TensorFlow's compiled step keeps the
 momentum it was traced with (as Horovod's did with Keras 3 optimizers), so there it
@@ -49,7 +52,26 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class Callback(keras.callbacks.Callback):
+    """A Keras 3 callback that tf-keras's ``CallbackList`` also takes (it asks which hooks are implemented)."""
+
+    _supports_tf_logs = False
+
+    def _implements_train_batch_hooks(self):
+        return True
+
+    def _implements_test_batch_hooks(self):
+        return False
+
+    def _implements_predict_batch_hooks(self):
+        return False
+
+
+def _keys(variables) -> set:
+    return {v.ref() if hasattr(v, "ref") else id(v) for v in variables}
+
+
+class BroadcastGlobalVariablesCallback(Callback):
     """Start every rank from ``root_rank``'s weights and optimizer state.
 
     Example::
@@ -57,25 +79,31 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     """
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        if local_variables is not None and not isinstance(local_variables, (list, tuple, set)):
+            local_variables = [local_variables]
+        self.local_variables = _keys(local_variables or [])  # Horovod's: these stay as each rank has them
+
+    def _shared(self, variables):
+        return [v for v in variables if (v.ref() if hasattr(v, "ref") else id(v)) not in self.local_variables]
 
     def on_train_begin(self, logs=None):
         if self.model.built and not self.broadcast_done:
-            broadcast_variables(self.model.variables, root_rank=self.root_rank)
+            broadcast_variables(self._shared(self.model.variables), root_rank=self.root_rank)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.broadcast_done:
             return
-        broadcast_variables(self.model.variables, root_rank=self.root_rank)
+        broadcast_variables(self._shared(self.model.variables), root_rank=self.root_rank)
         if self.model.optimizer is not None:
-            broadcast_variables(self.model.optimizer.variables, root_rank=self.root_rank)
+            broadcast_variables(self._shared(self.model.optimizer.variables), root_rank=self.root_rank)
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(Callback):
     """Replace each epoch's metrics in ``logs`` by their average over the ranks.
 
     Example::
@@ -96,7 +124,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = v
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(Callback):
     """Multiply ``initial_lr`` by ``multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``.
 
     ``multiplier`` is a function of the (fractional, when ``staircase=False``) epoch or a

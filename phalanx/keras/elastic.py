@@ -52,9 +52,23 @@ from phalanx.horovod.elastic import (
     run,
 )
 from phalanx.horovod.elastic import TorchState as _HorovodTorchState
+from phalanx.keras.callbacks import Callback
+from phalanx.keras.legacy_check import is_tf_keras_model
 
-__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run",
+__all__ = ["KerasState", "TensorFlowKerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run",
            "ObjectState", "HostsUpdatedInterrupt", "HorovodInternalError", "restart_count"]
+
+
+def _numpy(v) -> np.ndarray:
+    """A Keras 3 variable's or a ``tf.Variable``'s value as a NumPy array (a copy)."""
+    if hasattr(v, "numpy"):
+        return np.array(v.numpy())
+    return np.array(keras.ops.convert_to_numpy(v.value))
+
+
+def _built(optimizer) -> bool:
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return bool(getattr(inner, "built", getattr(inner, "_built", False)))
 
 
 class _KerasWeights:
@@ -69,8 +83,8 @@ class _KerasWeights:
 
     def state_dict(self) -> dict:
         optimizer = self._optimizer()
-        opt_values = [] if optimizer is None or not optimizer.built else [
-            torch.from_numpy(np.array(keras.ops.convert_to_numpy(v.value))) for v in optimizer.variables]
+        opt_values = [] if optimizer is None or not _built(optimizer) else [
+            torch.from_numpy(_numpy(v)) for v in optimizer.variables]
         return {"weights": [torch.from_numpy(np.array(w)) for w in self.model.get_weights()],
                 "optimizer": opt_values}
 
@@ -80,7 +94,7 @@ class _KerasWeights:
         optimizer = self._optimizer()
         if not values or optimizer is None:
             return
-        if not optimizer.built:  # a worker that joined before its first step: create the slots first
+        if not _built(optimizer):  # a worker that joined before its first step: create the slots first
             optimizer.build(self.model.trainable_variables)
         variables = optimizer.variables
         if len(variables) != len(values):
@@ -101,17 +115,23 @@ class KerasState(_HorovodTorchState):
     """
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs: Any) -> None:
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"KerasState takes a keras.Model, got {type(model).__name__}; for torch modules "
-                            "use phalanx.horovod.elastic.TorchState")
+        if not isinstance(model, keras.Model) and not is_tf_keras_model(model):
+            raise TypeError(f"KerasState takes a keras.Model (Keras 3 or tf-keras), got {type(model).__name__}; "
+                            "for torch modules use phalanx.horovod.elastic.TorchState")
         if "keras" in kwargs:
             raise ValueError("KerasState: 'keras' is the name of the model's own piece; name your extra otherwise")
         super().__init__(None, None, keras=_KerasWeights(model, optimizer), **kwargs)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer if optimizer is not None else model.optimizer)
 
+    def sync(self) -> None:
+        """Give every rank rank 0's state, and make it the point ``restore()`` returns to (as Horovod's
+        ``sync`` saves after broadcasting): a rank that syncs and then restores holds the synced weights."""
+        super().sync()
+        self.remember()
 
-class CommitStateCallback(keras.callbacks.Callback):
+
+class CommitStateCallback(Callback):
     """Commit ``state`` every ``batches_per_commit`` batches and at the end of each epoch.
 
     Example::
@@ -140,7 +160,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(Callback):
     """Keep ``state.batch``: the last finished batch of the epoch, 0 at an epoch's end.
 
     Example::
@@ -159,7 +179,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(Callback):
     """Keep ``state.epoch`` counting finished epochs across resets (Keras counts from 0 in each ``fit``).
 
     Example::
@@ -177,3 +197,6 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = self.initial_epoch + epoch + 1
+
+
+TensorFlowKerasState = KerasState  # horovod.tensorflow.elastic's name for the same state

@@ -35,12 +35,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx import runtime
 from phalanx.comm import collectives
 from phalanx.comm.buckets import pack
 from phalanx.comm.compression.allreduce import allreduce_compressed
 from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
+from phalanx.keras.tensors import over_torch
 
-__all__ = ["allreduce_list", "DEFAULT_BUCKET_MB"]
+__all__ = ["allreduce_list", "reduce_gradients", "DEFAULT_BUCKET_MB"]
 
 DEFAULT_BUCKET_MB = 25.0
 """Bucket size, as DDP's and Horovod's fusion buffer defaults (25 MiB; Horovod 64 MiB)."""
@@ -129,3 +131,36 @@ def _layout(tensors: list[torch.Tensor], offsets: list[int], total: int, padded:
     flat = torch.zeros(total, dtype=tensors[0].dtype, device=tensors[0].device)
     torch._foreach_copy_([flat[o:o + f.numel()] for o, f in zip(offsets, flats)], flats)
     return flat
+
+
+def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                     predivide: float = 1.0, name: str = "keras.grads", when=None):
+    """Average (or sum) gradients (torch, TensorFlow or JAX arrays) across ranks; ``None`` entries stay ``None``.
+
+    Works eagerly, inside a ``tf.function`` (through one ``tf.py_function``) and inside
+    ``jax.jit`` (one ``io_callback``). ``when``: a boolean scalar of the backend, the same
+    on every rank; where it is false the gradients come back as they are, no collective
+    (JAX's accumulation step, which cannot branch around a host call).
+    """
+    grads = list(grads)
+    if runtime.size() == 1:
+        return grads
+
+    def on_torch(tensors, align_bytes):
+        if when is not None:
+            flag, tensors = tensors[-1], tensors[:-1]
+            if not bool(flag):
+                return [None if t is None else t.clone() for t in tensors] + [flag]
+            return on_torch_now(tensors, align_bytes) + [flag]
+        return on_torch_now(tensors, align_bytes)
+
+    def on_torch_now(tensors, align_bytes):
+        if predivide != 1.0:
+            tensors = [None if t is None else t / predivide for t in tensors]
+        out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
+                             align_bytes=align_bytes)
+        return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
+
+    if when is None:
+        return over_torch(on_torch, grads)
+    return over_torch(on_torch, grads + [when])[:-1]

@@ -43,44 +43,10 @@ from keras import ops
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
-from phalanx.keras.fused import DEFAULT_BUCKET_MB, allreduce_list
-from phalanx.keras.tensors import over_torch
+from phalanx.keras.fused import DEFAULT_BUCKET_MB, reduce_gradients
 from phalanx.keras.torch_backward import BackwardOverlap
 
-__all__ = ["DistributedOptimizer", "reduce_gradients"]
-
-
-def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                     predivide: float = 1.0, name: str = "keras.grads", when=None):
-    """Average (or sum) gradients (torch, TensorFlow or JAX arrays) across ranks; ``None`` entries stay ``None``.
-
-    Works eagerly, inside a ``tf.function`` (through one ``tf.py_function``) and inside
-    ``jax.jit`` (one ``io_callback``). ``when``: a boolean scalar of the backend, the same
-    on every rank; where it is false the gradients come back as they are, no collective
-    (JAX's accumulation step, which cannot branch around a host call).
-    """
-    grads = list(grads)
-    if runtime.size() == 1:
-        return grads
-
-    def on_torch(tensors, align_bytes):
-        if when is not None:
-            flag, tensors = tensors[-1], tensors[:-1]
-            if not bool(flag):
-                return [None if t is None else t.clone() for t in tensors] + [flag]
-            return on_torch_now(tensors, align_bytes) + [flag]
-        return on_torch_now(tensors, align_bytes)
-
-    def on_torch_now(tensors, align_bytes):
-        if predivide != 1.0:
-            tensors = [None if t is None else t / predivide for t in tensors]
-        out = allreduce_list(tensors, average=average, compression=compression, bucket_mb=bucket_mb, name=name,
-                             align_bytes=align_bytes)
-        return [None if t is None else t.mul_(predivide) for t in out] if predivide != 1.0 else out
-
-    if when is None:
-        return over_torch(on_torch, grads)
-    return over_torch(on_torch, grads + [when])[:-1]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
 def _compression_name(compression) -> str | None:
@@ -101,7 +67,20 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     that many buckets); ``bucket_mb`` sets the bucket size directly. ``device_dense``,
     ``device_sparse`` and ``sparse_as_dense`` are accepted; sparse gradients are always
     reduced dense.
+
+    A tf-keras (Keras 2) optimizer, as Keras 2 code under ``TF_USE_LEGACY_KERAS=1`` makes,
+    gets the tf-keras form of this optimizer (:mod:`phalanx.keras.legacy`), which tf-keras's
+    ``model.compile`` accepts.
     """
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        from phalanx.keras.legacy_check import is_tf_keras_optimizer
+
+        if is_tf_keras_optimizer(optimizer):
+            from phalanx.keras.legacy import TFKerasDistributedOptimizer
+
+            return TFKerasDistributedOptimizer(optimizer, *_legacy_arguments(args, kwargs))
+        return super().__new__(cls)
 
     def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=None,
                  sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
@@ -117,8 +96,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already a phalanx.keras.DistributedOptimizer; wrap it only once")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
+            hint = ("for torch.optim use phalanx.horovod.DistributedOptimizer" if type(optimizer).__module__.startswith(
+                "torch") else "pass a Keras 3 or a tf-keras (TF_USE_LEGACY_KERAS=1) optimizer")
             raise TypeError(f"phalanx.keras.DistributedOptimizer wraps a keras.optimizers.Optimizer, got "
-                            f"{type(optimizer).__name__}; for torch.optim use phalanx.horovod.DistributedOptimizer")
+                            f"{type(optimizer).__module__}.{type(optimizer).__name__}; {hint}")
         if int(backward_passes_per_step) < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         op = ReduceOp(op)
@@ -137,7 +118,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.num_groups = len(groups) if isinstance(groups, (list, tuple)) else int(groups or num_groups or 0)
         self.bucket_mb = bucket_mb
         self.sparse_as_dense = sparse_as_dense
+        self.local_variable_ids: set[int] = set()  # PartialDistributedOptimizer's local layers' weights
         self._overlap = None
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient on this rank, divided by the number of ranks (Horovod's ``register_local_var``).
+
+        Example::
+
+            opt.register_local_var(model.layers[-1].kernel)
+        """
+        if self._overlap is not None:
+            raise ValueError("register_local_var: call it before the first training step")
+        self.local_variable_ids.add(id(var))
 
     # ---------------------------------------------------------------- state
     def build(self, var_list):
@@ -150,7 +143,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         self._bucket_mb_value = self._bucket_mb()
         if (keras.backend.backend() == "torch" and runtime.size() > 1 and self.backward_passes_per_step == 1
-                and isinstance(self.compression, NoneCompressor) and self.gradient_predivide_factor == 1.0):
+                and isinstance(self.compression, NoneCompressor) and self.gradient_predivide_factor == 1.0
+                and not self.local_variable_ids):
             # launch the buckets from backward (armed by scale_loss, which Keras's torch train_step calls)
             self._overlap = BackwardOverlap([v.value for v in var_list], bucket_mb=self._bucket_mb_value,
                                             average=self.op is ReduceOp.AVERAGE, name=f"{self.name}.grads")
@@ -195,7 +189,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return max(total / self.num_groups / 2**20, 1e-3)
         return DEFAULT_BUCKET_MB
 
-    def _reduce(self, grads):
+    def _reduce(self, grads, variables=None):
+        if self.local_variable_ids and variables is not None:
+            local = [id(v) in self.local_variable_ids for v in variables]
+            reduced = self._reduce([None if is_local else g for g, is_local in zip(grads, local)])
+            size = float(runtime.size())
+            return [r if not is_local else (None if g is None else g / size)
+                    for g, r, is_local in zip(grads, reduced, local)]
         return reduce_gradients(grads, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
                                 bucket_mb=self._bucket_mb_value, predivide=self.gradient_predivide_factor,
                                 name=f"{self.name}.grads")
@@ -218,7 +218,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             overlap.finish()  # other variables than the model's: complete what backward launched, then reduce
 
         if self.backward_passes_per_step == 1:
-            self.inner_optimizer.apply(self._reduce(grads), variables)
+            self.inner_optimizer.apply(self._reduce(grads, variables), variables)
             return
         k = self.backward_passes_per_step
         index = {id(v): i for i, v in enumerate(self._trainable_variables)}
@@ -235,7 +235,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             summed = [None if g is None else acc.value for acc, g in zip(accumulators, grads)]
             if self.average_aggregated_gradients:
                 summed = [None if s is None else s / k for s in summed]
-            self.inner_optimizer.apply(self._reduce(summed), variables)
+            self.inner_optimizer.apply(self._reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(ops.zeros_like(acc))
             self._passes.assign(0)
@@ -292,3 +292,64 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+_LEGACY_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
+                "gradient_predivide_factor", "op", "backward_passes_per_step", "average_aggregated_gradients",
+                "num_groups", "groups", "bucket_mb")
+
+
+def _legacy_arguments(args, kwargs) -> list:
+    """DistributedOptimizer's arguments, positional or named, as the tf-keras form takes them."""
+    given = dict(zip(_LEGACY_ARGS, args))
+    given.update(kwargs)
+    if given.pop("process_set", None) is not None:
+        raise ValueError("phalanx.keras.DistributedOptimizer: process_set is not supported; every rank takes part")
+    unknown = sorted(set(given) - set(_LEGACY_ARGS))
+    if unknown:
+        raise ValueError(f"phalanx.keras.DistributedOptimizer got unknown arguments {unknown}; "
+                         "set optimizer options on the optimizer you wrap")
+    return [given.get("name"), get_compressor(given.get("compression")), given.get("op", Average),
+            given.get("backward_passes_per_step", 1), given.get("average_aggregated_gradients", False),
+            given.get("gradient_predivide_factor", 1.0), given.get("bucket_mb")]
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                process_set=None, local_layers=None, scale_local_gradients=True):
+    """A :class:`DistributedOptimizer` that leaves the gradients of ``local_layers``' weights on each rank.
+
+    Local gradients are divided by the number of ranks (``scale_local_gradients``, Horovod's choice).
+
+    Example::
+
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.Adam(), local_layers=[model.layers[-1]])
+    """
+    if local_layers is None:
+        local_layers = []
+    elif hasattr(local_layers, "trainable_weights"):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    bad = [type(layer).__name__ for layer in local_layers if not hasattr(layer, "trainable_weights")]
+    if bad:
+        raise ValueError(f"PartialDistributedOptimizer: local_layers must be Keras layers, got {bad}")
+    local = [v for layer in local_layers for v in layer.trainable_weights]
+    from phalanx.keras.legacy_check import is_tf_keras_optimizer
+
+    if is_tf_keras_optimizer(optimizer):
+        from phalanx.keras.legacy import TFKerasDistributedOptimizer
+
+        return TFKerasDistributedOptimizer(optimizer, name, get_compressor(compression), op, backward_passes_per_step,
+                                           average_aggregated_gradients, gradient_predivide_factor,
+                                           local_variables=local, scale_local_gradients=scale_local_gradients)
+    if not scale_local_gradients:
+        raise ValueError("PartialDistributedOptimizer: scale_local_gradients=False is not supported on Keras 3 "
+                         "optimizers; local gradients are divided by the number of ranks")
+    opt = DistributedOptimizer(optimizer, name=name, compression=compression,
+                               gradient_predivide_factor=gradient_predivide_factor, op=op,
+                               backward_passes_per_step=backward_passes_per_step,
+                               average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                               process_set=process_set)
+    opt.local_variable_ids = {id(v) for v in local}
+    return opt

@@ -229,7 +229,15 @@ def import_dynamo_first() -> None:
     under CPU load). One process reproduces it: init gloo, import torch._dynamo, destroy:
     the threads remain; importing it before the init: they are gone. The import costs
     nothing extra for a training script, which pays it at its first optimizer step anyway.
+
+    TensorFlow first: dynamo imports triton when it is installed (every CUDA build of torch has
+    it), and triton's LLVM loaded after TensorFlow's aborts the process ("LLVM ERROR:
+    inconsistency in registered CommandLine options"). In a process that already holds
+    TensorFlow, torch is told there is no triton: nothing of phalanx's TensorFlow and Keras
+    fronts uses it (a compiled codec kernel runs eagerly instead, after one warning).
     """
+    if "tensorflow" in sys.modules and "triton" not in sys.modules:
+        sys.modules["triton"] = None  # `import triton` raises ImportError: torch's "no triton"
     try:
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - a torch build without dynamo: nothing to order

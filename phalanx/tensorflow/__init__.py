@@ -1,10 +1,12 @@
 """The commonly used part of ``horovod.tensorflow``: ``import phalanx.tensorflow as hvd``.
 
-For custom TensorFlow training loops: collectives on ``tf.Tensor`` (eagerly or inside
-``tf.function``), ``broadcast_variables``, ``DistributedGradientTape`` and the Keras
-``DistributedOptimizer``. Tensors cross into phalanx's collectives by DLPack, without
-a copy (docs/keras.md has the measured cost). ``phalanx.tensorflow.keras`` is
-``phalanx.keras``.
+Horovod's TensorFlow API for custom training loops, eagerly, inside ``tf.function`` and in
+``tf.compat.v1`` graphs: the collectives (with their gradients; ``ops.py``), variables and
+objects from one rank (``functions.py``), ``DistributedGradientTape`` and its partial form
+(``tape.py``), ``elastic`` and ``SyncBatchNormalization``; the Keras ``DistributedOptimizer``
+takes Keras 3 and tf-keras (Keras 2) optimizers. Tensors cross into phalanx's collectives by
+DLPack, without a copy (``bridge.py``; docs/keras.md has the measured cost).
+``phalanx.tensorflow.keras`` is ``phalanx.keras``.
 
 Example::
 
@@ -27,23 +29,96 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import phalanx.keras as _keras
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, Max, Min, Product, Sum
-from phalanx.keras import Compression, DistributedOptimizer, broadcast_variables
-from phalanx.keras.fused import DEFAULT_BUCKET_MB
-from phalanx.keras.optimizer import reduce_gradients
+from phalanx.comm.horovod_ops.ops import HorovodInternalError
+from phalanx.comm.horovod_ops.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from phalanx.horovod.torch import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from phalanx.keras import DistributedOptimizer, PartialDistributedOptimizer
+from phalanx.tensorflow import util
+from phalanx.tensorflow.bridge import MismatchError
+from phalanx.tensorflow.compression import Compression
+from phalanx.tensorflow.functions import (
+    allgather_object,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+)
+from phalanx.tensorflow.ops import (
+    ADASUM,
+    allgather,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    reducescatter,
+    size_op,
+)
+from phalanx.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
+from phalanx.tensorflow.util import executing_eagerly
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
-    "Average", "Sum", "Min", "Max", "Product", "Compression",
-    "allreduce", "allgather", "broadcast", "broadcast_variables",
-    "DistributedGradientTape", "DistributedOptimizer", "keras",
+    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
+    "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
+    "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
+    "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "HorovodInternalError", "MismatchError", "keras", "elastic", "util", "executing_eagerly",
 ]
 
-init = _keras.init
+Adasum = ADASUM
+_executing_eagerly = executing_eagerly  # Horovod's spelling, which scripts call as hvd._executing_eagerly()
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Join the job (``phalanx run`` / torchrun / SLURM / MPI variables; a world of one otherwise).
+
+    ``process_sets``: lists of ranks (or ``ProcessSet``) to register, as Horovod's ``init`` takes.
+    """
+    if comm is not None and not isinstance(comm, (list, tuple)):
+        raise ValueError("phalanx.tensorflow.init: MPI communicators are not supported; launch with phalanx run")
+    _keras.init(comm)
+    for ps in process_sets or []:
+        add_process_set(ps)
+
+
 shutdown, is_initialized = runtime.shutdown, runtime.is_initialized
 size, rank, local_size, local_rank = runtime.size, runtime.rank, runtime.local_size, runtime.local_rank
 cross_size, cross_rank = runtime.cross_size, runtime.cross_rank
@@ -54,77 +129,10 @@ sys.modules[__name__ + ".keras"] = _keras
 sys.modules[__name__ + ".keras.callbacks"] = _keras.callbacks
 
 
-def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, name=None):
-    """Average (default) or reduce ``tensor`` over all ranks (Horovod's argument order).
-
-    Example::
-
-        total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
-    """
-    return _keras.allreduce(tensor, name=name, average=average, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, op=op, compression=compression)
-
-
-def allgather(tensor, name=None):
-    """Concatenate every rank's ``tensor`` along the first dimension (sizes may differ)."""
-    return _keras.allgather(tensor, name=name)
-
-
-def broadcast(tensor, root_rank, name=None):
-    """``root_rank``'s ``tensor`` on every rank."""
-    return _keras.broadcast(tensor, root_rank=root_rank, name=name)
-
-
-class DistributedGradientTape:
-    """A ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged over every rank.
-
-    Holds the tape and delegates to it; the gradients of one ``gradient()`` call are
-    fused into buckets and reduced together. Args as Horovod's (``compression``, ``op``,
-    ``gradient_predivide_factor``, ``num_groups``; the device and sparse ones are
-    accepted, sparse gradients are reduced dense).
-
-    Example::
-
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x))
-        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
-    """
-
-    def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                 sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                 bucket_mb=None):
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedGradientTape: op must be hvd.Average or hvd.Sum, got {op}")
-        if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op is not Average):
-            raise ValueError("gradient_predivide_factor must be > 0 and needs op=hvd.Average; "
-                             f"got {gradient_predivide_factor}")
-        self.tape = gradtape
-        self.compression = compression
-        self.op = op
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.num_groups = len(groups) if isinstance(groups, (list, tuple)) else int(groups or num_groups or 0)
-        self.bucket_mb = bucket_mb
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["tape"], name)
-
-    def __enter__(self):
-        self.tape.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.tape.__exit__(*exc)
-
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
-        import tensorflow as tf
-
-        grads = self.tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
-        flat = tf.nest.flatten(grads)
-        bucket_mb = self.bucket_mb or DEFAULT_BUCKET_MB
-        if self.num_groups and self.bucket_mb is None:
-            total = sum(g.shape.num_elements() * g.dtype.size for g in flat if g is not None)
-            bucket_mb = max(total / self.num_groups / 2**20, 1e-3)
-        reduced = reduce_gradients(flat, average=self.op is Average, compression=self.compression,
-                                   bucket_mb=bucket_mb, predivide=self.gradient_predivide_factor, name="tf.tape")
-        return tf.nest.pack_sequence_as(grads, reduced)
+def __getattr__(name):
+    # on first use: elastic brings in phalanx.horovod's elastic loop; SyncBatchNormalization a Keras layer class
+    if name == "elastic":
+        return importlib.import_module("phalanx.tensorflow.elastic")
+    if name == "SyncBatchNormalization":
+        return importlib.import_module("phalanx.tensorflow.sync_batch_norm").SyncBatchNormalization
+    raise AttributeError(f"module 'phalanx.tensorflow' has no attribute {name!r}")

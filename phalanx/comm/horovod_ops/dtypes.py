@@ -1,6 +1,7 @@
 """Dtypes on the wire: carry what the backend lacks, fuse many tensors into one buffer per dtype.
 
-gloo and NCCL have no int16 (``RuntimeError: Invalid scalar type``); Horovod takes it. A
+gloo and NCCL have no int16, uint16 or uint32 (``RuntimeError: Invalid scalar type``); Horovod
+takes them (TensorFlow's uint16 tensors, say). A
 tensor of a missing dtype travels as the smallest wider dtype that holds every value
 (int16 → int32) and comes back cast: lossless for data movement, and for sums it wraps on
 overflow exactly as int16 arithmetic does. Checked dtype by dtype in
@@ -22,8 +23,8 @@ __all__ = ["to_wire", "fuse", "FusedHandle"]
 
 # dtype the backend lacks -> the dtype it travels as
 _CARRY = {
-    "gloo": {torch.int16: torch.int32},
-    "nccl": {torch.int16: torch.int32},
+    "gloo": {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64},
+    "nccl": {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64},
 }
 
 

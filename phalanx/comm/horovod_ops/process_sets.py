@@ -21,7 +21,7 @@ import torch.distributed as dist
 from phalanx import runtime
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of",
-           "process_set_ids"]
+           "process_set_ids", "registered"]
 
 
 class ProcessSet:
@@ -129,6 +129,14 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def process_set_ids() -> list[int]:
     """Ids of the registered process sets (0 is the global set)."""
     return sorted(_registered)
+
+
+def registered(process_set_id: int) -> ProcessSet:
+    """The registered set with this id (0: the global set); raises ``ValueError`` naming the known ids."""
+    ps = _registered.get(process_set_id)
+    if ps is None:
+        raise ValueError(f"no process set with id {process_set_id}; registered ids: {process_set_ids()}")
+    return ps
 
 
 def group_of(process_set: ProcessSet):

@@ -1,0 +1,177 @@
+"""``DistributedOptimizer`` for Keras 2 code: tf-keras optimizers (``TF_USE_LEGACY_KERAS=1``).
+
+TensorFlow >= 2.16 runs Keras 2 code with the ``tf-keras`` package; ``tf.keras.optimizers.Adam``
+is then a ``tf_keras.optimizers.Optimizer``, which Keras 3's ``model.compile`` cannot take and
+tf-keras's ``model.compile`` insists on. ``phalanx.keras.DistributedOptimizer(tf_keras_opt)``
+returns this class instead: a tf-keras optimizer that holds the user's one and delegates to it
+(learning rate, iterations, variables, config), averaging the gradients in ``apply_gradients``::
+
+    model.fit ─ train_step ─ optimizer.minimize(loss, vars, tape)
+                              ├─ compute_gradients (tf-keras's own)
+                              └─ apply_gradients ─ [accumulate k passes] ─ reduce_gradients
+                                                   (one tf.py_function, bucketed) ─ inner.apply_gradients
+
+Horovod built a subclass of the user's class at run time; composition gives the same
+behaviour without it. ``backward_passes_per_step=k`` sums (or with
+``average_aggregated_gradients`` averages) k passes locally and reduces once per k.
+
+Example (Horovod's tensorflow2_keras_mnist.py, only the import changed)::
+
+    import phalanx.tensorflow.keras as hvd
+    opt = hvd.DistributedOptimizer(tf.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(loss=..., optimizer=opt, metrics=["accuracy"])
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+
+from phalanx import runtime
+from phalanx.comm.collectives import Average, ReduceOp
+from phalanx.keras.fused import reduce_gradients
+
+__all__ = ["TFKerasDistributedOptimizer"]
+
+
+class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
+    """A tf-keras optimizer averaging gradients over every rank, then applying ``optimizer``'s update.
+
+    Arguments as :class:`phalanx.keras.DistributedOptimizer`; ``local_variables`` (Horovod's
+    ``PartialDistributedOptimizer``): variables whose gradients stay on this rank.
+    """
+
+    def __init__(self, optimizer, name=None, compression=None, op=Average, backward_passes_per_step=1,
+                 average_aggregated_gradients=False, gradient_predivide_factor=1.0, bucket_mb=None,
+                 local_variables=(), scale_local_gradients=True):
+        if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+            raise TypeError(f"phalanx.keras.DistributedOptimizer: the legacy tf-keras optimizer "
+                            f"{type(optimizer).__name__} (tf.keras.optimizers.legacy) is not supported; use "
+                            f"tf.keras.optimizers.{type(optimizer).__name__} instead")
+        super().__init__(name=name or f"Distributed{type(optimizer).__name__}", jit_compile=False)
+        self.inner_optimizer = optimizer
+        self.compression = compression
+        self.op = ReduceOp(op)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.bucket_mb = bucket_mb
+        self.local_variables = {v.ref() for v in local_variables}
+        self.scale_local_gradients = scale_local_gradients
+        self._accumulated = None
+        self._passes = None
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient on this rank (Horovod's ``register_local_var``; scaled by 1/size)."""
+        self.local_variables.add(var.ref())
+
+    # ---------------------------------------------------------------- delegation
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def lr(self):
+        return self.inner_optimizer.lr
+
+    @lr.setter
+    def lr(self, learning_rate):
+        self.inner_optimizer.lr = learning_rate
+
+    @property
+    def variables(self):
+        return self.inner_optimizer.variables
+
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+
+    def update_step(self, gradient, variable):
+        raise RuntimeError("TFKerasDistributedOptimizer applies updates through the optimizer it wraps")
+
+    def get_config(self):
+        return {"name": self.name, "optimizer": {"class_name": type(self.inner_optimizer).__name__.lower(),
+                                                     "config": self.inner_optimizer.get_config()},
+                "compression": getattr(self.compression, "name", None), "op": self.op.value,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "average_aggregated_gradients": self.average_aggregated_gradients,
+                "gradient_predivide_factor": self.gradient_predivide_factor, "bucket_mb": self.bucket_mb}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        from phalanx.comm.compression.codecs import get_compressor
+
+        config = dict(config)
+        inner = tf_keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
+        config["compression"] = get_compressor(config.get("compression"))
+        return cls(inner, **config)
+
+    def set_weights(self, weights):
+        self.inner_optimizer.set_weights(weights)
+
+    def __getattr__(self, name):
+        # the wrapped optimizer's hyper-parameters (beta_1, momentum, ...) read through
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    # ---------------------------------------------------------------- the step
+    def _reduce(self, grads, variables):
+        local = [v.ref() in self.local_variables for v in variables]
+        shared = [None if is_local else g for g, is_local in zip(grads, local)]
+        reduced = reduce_gradients(shared, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
+                                   predivide=self.gradient_predivide_factor, name=f"{self.name}.grads",
+                                   **({"bucket_mb": self.bucket_mb} if self.bucket_mb else {}))
+        size = float(runtime.size())
+        out = []
+        for g, r, is_local in zip(grads, reduced, local):
+            if not is_local:
+                out.append(r)
+            elif g is not None and self.scale_local_gradients:
+                out.append(g / size)
+            else:
+                out.append(g)
+        return out
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        grads = [None if g is None else tf.convert_to_tensor(g) for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        k = self.backward_passes_per_step
+        if k == 1:
+            reduced = self._reduce(grads, variables)
+            return self.inner_optimizer.apply_gradients(
+                [(g, v) for g, v in zip(reduced, variables) if g is not None], name=name)
+        if self._accumulated is None:
+            with tf.init_scope():
+                self._accumulated = [tf.Variable(tf.zeros_like(v), trainable=False, name="accumulated_grad")
+                                     for v in variables]
+                self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="backward_passes")
+        for acc, g in zip(self._accumulated, grads):
+            if g is not None:
+                acc.assign_add(tf.cast(g, acc.dtype))
+        self._passes.assign_add(1)
+
+        def update():
+            summed = [None if g is None else (acc / k if self.average_aggregated_gradients else acc + 0)
+                      for acc, g in zip(self._accumulated, grads)]
+            reduced = self._reduce(summed, variables)
+            self.inner_optimizer.apply_gradients([(g, v) for g, v in zip(reduced, variables) if g is not None])
+            for acc in self._accumulated:
+                acc.assign(tf.zeros_like(acc))
+            self._passes.assign(0)
+            return tf.constant(True)
+
+        return tf.cond(tf.equal(self._passes, k), update, lambda: tf.constant(False))
