@@ -63,7 +63,7 @@ if [ "$DEVICE" = cuda ]; then
 tests/comm/test_compression.py tests/comm/test_compressed_collectives.py tests/services/test_checkpoint.py"
   XDIST="-n 6"
 else  # the dry run: one small test module stands for the correctness step
-  T_TESTS=120 T_OVERHEAD=120 T_AMP=120 T_CODECS=60 T_ZERO=60 T_OVERLAP=60 T_LAUNCHER=80
+  T_TESTS=120 T_OVERHEAD=120 T_AMP=120 T_CODECS=60 T_ZERO=120 T_OVERLAP=90 T_LAUNCHER=80
   ZERO_ARGS="--configs zero1,zero3,fsdp2"  # the dry run: each code path once (stage 2 is stage 1's path)
   TESTS="tests/comm/test_collectives.py -k test_every_collective_and_op"
   XDIST="-n 0"
