@@ -239,7 +239,7 @@ KINDS = ["gpt2", "llama"] + (["titan"] if have("titan") else [])
 CHECKS = ([("zero3", k, r) for k in ("gpt2", "llama") for r in (False, True)]
           + ["dp llama", "8bit zero", "8bit plain", "8bit reshard", "tp bad heads"]
           + [(s, k) for s in ("pp", "tp") for k in KINDS])
-TITAN = pytest.param("titan", marks=pytest.mark.skipif(not have("titan"), reason="torchtitan is not installed"))
+TITAN = pytest.param("titan", marks=pytest.mark.skipif(not have("titan"), reason="torchtitan (with triton, which it imports) is not installed"))
 
 
 @pytest.fixture(scope="module")
