@@ -1,4 +1,5 @@
-"""Is this a tf-keras (Keras 2) object? Answered without importing tf-keras (which needs TensorFlow).
+"""Keras objects of either generation, answered without importing tf-keras (which needs TensorFlow):
+is this a tf-keras (Keras 2) object, and which weights do a user's ``local_layers`` hold.
 
 Example::
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["is_tf_keras_optimizer", "is_tf_keras_model"]
+__all__ = ["is_tf_keras_optimizer", "is_tf_keras_model", "local_weights"]
 
 
 def is_tf_keras_optimizer(optimizer) -> bool:
@@ -24,3 +25,17 @@ def is_tf_keras_model(model) -> bool:
     """Whether ``model`` is a tf-keras ``Model``."""
     module = sys.modules.get("tf_keras")
     return module is not None and isinstance(model, module.Model)
+
+
+def local_weights(local_layers, who: str) -> list:
+    """The trainable weights of ``local_layers`` (None, one layer, or layers of Keras 3 or tf-keras);
+    anything else is one ValueError naming ``who``."""
+    if local_layers is None:
+        local_layers = []
+    elif hasattr(local_layers, "trainable_weights"):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    bad = [type(layer).__name__ for layer in local_layers if not hasattr(layer, "trainable_weights")]
+    if bad:
+        raise ValueError(f"{who}: local_layers must be Keras layers, got {bad}")
+    return [v for layer in local_layers for v in layer.trainable_weights]

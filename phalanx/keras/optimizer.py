@@ -326,16 +326,9 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
 
         opt = hvd.PartialDistributedOptimizer(keras.optimizers.Adam(), local_layers=[model.layers[-1]])
     """
-    if local_layers is None:
-        local_layers = []
-    elif hasattr(local_layers, "trainable_weights"):
-        local_layers = [local_layers]
-    local_layers = list(local_layers)
-    bad = [type(layer).__name__ for layer in local_layers if not hasattr(layer, "trainable_weights")]
-    if bad:
-        raise ValueError(f"PartialDistributedOptimizer: local_layers must be Keras layers, got {bad}")
-    local = [v for layer in local_layers for v in layer.trainable_weights]
-    from phalanx.keras.legacy_check import is_tf_keras_optimizer
+    from phalanx.keras.legacy_check import is_tf_keras_optimizer, local_weights
+
+    local = local_weights(local_layers, "PartialDistributedOptimizer")
 
     if is_tf_keras_optimizer(optimizer):
         from phalanx.keras.legacy import TFKerasDistributedOptimizer

@@ -22,6 +22,7 @@ import tensorflow as tf
 from phalanx.comm.collectives import Average, ReduceOp, Sum
 from phalanx.comm.horovod_ops.process_sets import global_process_set
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, reduce_gradients
+from phalanx.keras.legacy_check import local_weights
 from phalanx.tensorflow.compression import Compression
 from phalanx.tensorflow.ops import grouped_allreduce
 
@@ -134,17 +135,9 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
 
         tape = hvd.PartialDistributedGradientTape(tape, local_layers=[head])
     """
-    if local_layers is None:
-        local_layers = []
-    elif hasattr(local_layers, "trainable_weights"):
-        local_layers = [local_layers]
-    local_layers = list(local_layers)
-    bad = [type(layer).__name__ for layer in local_layers if not hasattr(layer, "trainable_weights")]
-    if bad:
-        raise ValueError(f"PartialDistributedGradientTape: local_layers must be Keras layers, got {bad}")
+    local = local_weights(local_layers, "PartialDistributedGradientTape")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
-    for layer in local_layers:
-        for var in layer.trainable_weights:
-            tape.register_local_source(var)
+    for var in local:
+        tape.register_local_source(var)
     return tape
