@@ -16,6 +16,11 @@ codecs.py), the alternatives each could take, so that the codecs can take the fa
   cannot be fused: its size is data-dependent), and ``masked_select`` for the values.
 * PowerSGD's orthogonalisation of P (sqrt(n) x 4): ``torch.linalg.qr`` against kernels.py's
   compiled Gram-Schmidt.
+* int8's whole compress (kernels.int8_encode, rows of 256, with the residual) compiled as the
+  library compiles it (default mode) against CUDA graphs (``mode="reduce-overhead"``, static
+  shapes): the host cost of one compiled call is the codecs' bound on an H100 (docs/design.md),
+  which a replayed graph cuts to one launch; the library would then have to consume each
+  output before the next call (a graph's outputs are overwritten by its next replay).
 One JSON line per variant, step "variants", with ``x_copy_time``.
 """
 
@@ -55,6 +60,10 @@ def main() -> None:
     backend = "eager" if cpu else "inductor"  # the dry run checks the tracing, not the code it makes
     mask = torch.compile(_mask, dynamic=True, backend=backend)
     gram = torch.compile(kernels.orthonormal_columns, dynamic=True, backend=backend)
+    body, tail, _ = kernels.split_rows(g.clone(), 256)
+    enc_default = torch.compile(kernels.int8_encode, dynamic=True, backend=backend)
+    enc_graphs = (torch.compile(kernels.int8_encode, mode="reduce-overhead", dynamic=False) if not cpu
+                  else torch.compile(kernels.int8_encode, dynamic=False, backend=backend))
     variants = {
         "copy": lambda: dst.copy_(g),
         "ef_add": lambda: res.add_(g),
@@ -65,6 +74,8 @@ def main() -> None:
         "threshold_masked_select": lambda: g.masked_select(mask(g, 1e-3)),
         "orth_qr": lambda: torch.linalg.qr(p).Q,
         "orth_gram_schmidt_compiled": lambda: gram(p),
+        "int8_encode_compiled": lambda: enc_default(body, tail, 127, True),
+        "int8_encode_cuda_graphs": lambda: enc_graphs(body, tail, 127, True),
     }
     iters, blocks = (2, 1) if cpu else (10, 5)
     copy_s = None
