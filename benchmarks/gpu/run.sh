@@ -15,7 +15,8 @@
 #   7 launcher      `phalanx run` on a one-GPU machine: NCCL on cuda:0, two NCCL ranks refused in one
 #                   line, two gloo ranks sharing the GPU
 #   8 variants      what compiling cannot fuse (top-k, threshold, PowerSGD orthogonalisation) timed alone
-# Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2, 4 and 8 time
+#   9 codec_profile where a codec's round trip goes: device kernel time vs wall, top ops, top Python
+# Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2, 4, 8 and 9 time
 # kernels and run alone afterwards (after the tests, which have filled TorchInductor's cache of
 # the codecs' compiled kernels).
 #
@@ -102,6 +103,7 @@ timed_steps() {
   step overhead "$T_OVERHEAD" $PY benchmarks/gpu/overhead.py $J
   step codecs "$T_CODECS" $PY benchmarks/gpu/codecs.py $J
   step variants 120 $PY benchmarks/gpu/variants.py $J
+  step codec_profile 120 $PY benchmarks/gpu/codec_profile.py $J
 }
 # the dry run times nothing: its timed steps run beside the rest, so that its test stays short
 if [ "$DEVICE" = cpu ]; then timed_steps & fi
@@ -110,7 +112,7 @@ step zero_memory "$T_ZERO" $PY benchmarks/gpu/zero_memory.py $J $ZERO_ARGS
 step overlap "$T_OVERLAP" $PY benchmarks/gpu/overlap.py $J --trace-dir "$WORK"
 step launcher "$T_LAUNCHER" $PY benchmarks/gpu/launcher_check.py $J
 wait
-if [ "$DEVICE" = cuda ]; then timed_steps; fi  # 2, 4 and 8 alone: they time kernels
+if [ "$DEVICE" = cuda ]; then timed_steps; fi  # 2, 4, 8 and 9 alone: they time kernels
 
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" . 2>/dev/null
 rm -rf "$WORK"

@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ("correctness", "amp", "zero_memory", "overlap", "launcher", "overhead", "codecs", "variants")
+STEPS = ("correctness", "amp", "zero_memory", "overlap", "launcher", "overhead", "codecs", "variants", "codec_profile")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_each_step_wrote_its_results_and_the_verdicts_pass(dry_run):
     by_step = {}
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)
-    for step in ("correctness", "amp", "zero_memory", "overlap", "launcher", "overhead", "codecs", "variants"):
+    for step in STEPS:
         assert by_step.get(step), f"step {step} wrote no result line"
     errors = [r for r in rows if r.get("error") or r.get("errors")]
     assert not errors, errors
