@@ -43,6 +43,9 @@ class Layer:
     """output elements per sample (what backward keeps)"""
     block: bool = False
     """a transformer block (recomputed under activation checkpointing; split by tensor parallel)"""
+    row_parallel: tuple = ()
+    """indexes into ``matrices`` that tensor parallel splits by their input (Megatron's row-parallel: the
+    attention output and the MLP's down projection); the others are split by their output"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +230,7 @@ def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 5120
     h, s = hidden, seq
     emb = Layer("embedding", (vocab + s) * h, 0.0, ((vocab, h),), s * h)
     block = Layer("block", 12 * h * h + 13 * h, s * (24.0 * h * h + 4.0 * s * h),
-                  ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)), s * h, block=True)
+                  ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)), s * h, block=True, row_parallel=(1, 3))
     head = Layer("logits", 0, 2.0 * s * h * vocab, (), s * vocab)
     params = 12 * layers * h * h + 13 * layers * h + (vocab + s) * h
     label = name or f"gpt-{params / 1e9:.1f}b"
@@ -243,7 +246,8 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: 
     emb = Layer("embedding", vocab * h, 0.0, ((vocab, h),), s * h)
     weights = 2 * h * h + 2 * h * kv + 3 * h * ffn
     block = Layer("block", weights + 2 * h, 2.0 * s * weights + 4.0 * s * s * h,
-                  ((h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn)), s * h, block=True)
+                  ((h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn)), s * h, block=True,
+                  row_parallel=(3, 6))
     head = Layer("output", vocab * h + h, 2.0 * s * h * vocab, ((vocab, h),), s * vocab)
     return Workload(name, (emb,) + (block,) * layers + (head,), "transformer", s, h, heads, vocab, recompute, "bf16")
 
@@ -267,6 +271,14 @@ _MODELS = {
     "llama3-70b": lambda: llama(80, 8192, 64, 8, 28672, 128256, 8192, recompute=True, name="llama3-70b"),
     "llama3-405b": lambda: llama(126, 16384, 128, 8, 53248, 128256, 8192, recompute=True, name="llama3-405b"),
 }
+# Megatron-LM README (NVIDIA/Megatron-LM, images/model_table.png, Megatron-Core r0.8.0 on H100): GPTs of
+# vocabulary 131,072 and sequence 4,096; (layers, hidden, heads) per row
+MEGATRON_GPTS = {"1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48), "32b": (48, 7168, 56),
+                 "70b": (84, 8192, 64), "119b": (92, 10240, 80), "177b": (96, 12288, 96), "314b": (96, 16384, 128),
+                 "462b": (112, 18432, 144)}
+for _size, (_l, _h, _a) in MEGATRON_GPTS.items():
+    _MODELS[f"megatron-{_size}"] = (lambda n_layers=_l, h=_h, a=_a, n=f"megatron-{_size}":
+                                    gpt(n_layers, h, a, seq=4096, vocab=131072, recompute=False, precision="bf16", name=n))
 _cache: dict[str, Workload] = {}
 
 
