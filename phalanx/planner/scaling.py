@@ -82,6 +82,9 @@ class Job:
     ac: str = ""
     """activation checkpointing: "none", "op" (torchtitan's selective op policy) or "full"; "" for the
     workload's own (full if it recomputes)"""
+    accumulate: bool = False
+    """pp = 1: the per-replica batch runs as micro-batches of ``micro_batch`` (gradient accumulation, as
+    Megatron-LM does); False: as one pass. Priced on kernel-table GPUs (the GEMMs' shapes change)"""
     regather: bool = True
     """ZeRO-3 under a pipeline gathers the parameters again for every micro-batch (phalanx's); False: once a
     step (FSDP2 with reshard_after_forward=False, as torchtitan runs it with pipeline parallel)"""
@@ -255,7 +258,9 @@ def _kernel_compute(w: Workload, hw: Hardware, job: Job, per_replica: float, m: 
     the optimizer step over the local parameters."""
     k = kernels.get(hw.gpu.kernels)
     ac = job.ac or ("full" if w.recompute else "none")
-    tokens = (job.micro_batch if job.pp > 1 else per_replica) * w.seq
+    if job.pp == 1 and job.accumulate:
+        m = per_replica / job.micro_batch
+    tokens = (job.micro_batch if job.pp > 1 or job.accumulate else per_replica) * w.seq
     scale = {"gemm_scale": hw.gpu.gemm_scale, "hbm_scale": hw.gpu.hbm_bandwidth / kernels.MEASURED_HBM_BANDWIDTH}
     block = k.block_time(w, tokens, job.tp, float8=job.float8, compiled=job.compiled, ac=ac, **scale)
     head = k.head_time(w, tokens, job.tp, **scale)
