@@ -1,8 +1,9 @@
 """Achieved rates of the kernels a transformer step is made of, on this GPU, at the published rows' shapes.
 
-Run on a CUDA machine: ``python benchmarks/gpu/kernel_rates.py --out rates.jsonl`` (about 3 minutes on one H100).
-The planner's compute term for H100-class GPUs (``phalanx.planner.kernels``) reads the result, kept in
-``benchmarks/results/gpu-h100-kernel-rates.jsonl``. One JSON line per measurement:
+Run on a CUDA machine: ``python benchmarks/gpu/kernel_rates.py --out rates.jsonl`` (about 1 minute on one H100),
+and ``--only mlperf`` for the MLPerf GPT-3 shapes (seconds). The planner's compute term for H100-class GPUs
+(``phalanx.planner.kernels``) reads the results, kept in ``benchmarks/results/gpu-h100-kernel-rates.jsonl`` and
+``gpu-h100-kernel-rates-mlperf.jsonl``. One JSON line per measurement:
 
 - ``linear``: one ``nn.Linear`` without bias (x[M,K] @ W[N,K]^T) in bf16, forward alone and forward + backward
   (the three GEMMs: y = x W^T, dx = dy W, dW = dy^T x), at each (M, K, N) the rows run per GPU;
@@ -45,6 +46,15 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         out.append(a.elapsed_time(b) / 1e3)
     return statistics.median(out)
+
+
+def mlperf_shapes() -> dict:
+    """MLPerf Training v3.1 GPT-3 175B as NVIDIA ran it at 10,752 H100s (TP 4, micro-batch 1, sequence 2048,
+    vocabulary 50,257 padded to 50,688): fused QKV, proj, fc1, fc2, output, tensor-parallel shards."""
+    h, tp, t = 12288, 4, 2048
+    return {(t, k, n): f"gpt3-175b-tp4-mb1/{name}" for name, k, n in (
+        ("qkv", h, 3 * h // tp), ("proj", h // tp, h), ("fc1", h, 4 * h // tp), ("fc2", 4 * h // tp, h),
+        ("out", h, 50688 // tp))}
 
 
 def linear_shapes() -> dict:
@@ -179,6 +189,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-block", action="store_true")
+    ap.add_argument("--only", choices=("all", "mlperf"), default="all",
+                    help="mlperf: the MLPerf GPT-3 shapes alone (bf16 and float8 linears, attention)")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = torch.cuda.get_device_properties(0)
@@ -194,11 +206,12 @@ def main() -> None:
         dst = torch.empty_like(src)
         t = timed(lambda: dst.copy_(src), 20)
         emit({"step": "copy", "bytes": 2 * src.numel(), "s": t, "bytes_per_s": 2 * src.numel() / t})
-        for (m, k, n), tag in sorted(linear_shapes().items(), key=lambda kv: kv[1]):
+        shapes = mlperf_shapes() if a.only == "mlperf" else linear_shapes()
+        for (m, k, n), tag in sorted(shapes.items(), key=lambda kv: kv[1]):
             fwd, both = bench_linear(m, k, n, a.iters)
             rec = {"step": "linear", "tag": tag, "m": m, "k": k, "n": n, "fwd_s": fwd, "fwd_bwd_s": both,
                    "fwd_tflops": 2 * m * k * n / fwd / 1e12, "fwd_bwd_tflops": 6 * m * k * n / both / 1e12}
-            if tag.startswith("llama"):
+            if tag.startswith(("llama", "gpt3")):
                 try:
                     f8 = bench_fp8(m, k, n, a.iters)
                     rec8 = {"step": "fp8_gemm", "tag": tag, "m": m, "k": k, "n": n, "fwd_s": f8[0], "dgrad_s": f8[1],
@@ -208,14 +221,16 @@ def main() -> None:
                 emit(rec8)
             emit(rec)
             torch.cuda.empty_cache()
-        for tag, b, hq, s in (("llama8b", 2, 32, 8192), ("llama70b-tp8", 16, 8, 8192), ("llama405b-tp8", 4, 16, 8192),
-                              ("gpt-h2048-tp1", 1, 16, 4096), ("gpt-h4096-tp2", 1, 16, 4096),
-                              ("gpt-h6144-tp4", 1, 12, 4096), ("gpt-h7168-tp8", 1, 7, 4096),
-                              ("gpt-h8192-tp8", 1, 8, 4096), ("gpt-h16384-tp8", 1, 16, 4096)):
+        attn = (("llama8b", 2, 32, 8192), ("llama70b-tp8", 16, 8, 8192), ("llama405b-tp8", 4, 16, 8192),
+                ("gpt-h2048-tp1", 1, 16, 4096), ("gpt-h4096-tp2", 1, 16, 4096), ("gpt-h6144-tp4", 1, 12, 4096),
+                ("gpt-h7168-tp8", 1, 7, 4096), ("gpt-h8192-tp8", 1, 8, 4096), ("gpt-h16384-tp8", 1, 16, 4096))
+        if a.only == "mlperf":
+            attn = (("gpt3-175b-tp4", 1, 24, 2048),)
+        for tag, b, hq, s in attn:
             fwd, both = bench_attention(b, hq, s, 128, a.iters)
             emit({"step": "attention", "tag": tag, "b": b, "heads": hq, "s": s, "d": 128, "fwd_s": fwd,
                   "fwd_bwd_s": both, "causal": True})
-        if not a.skip_block:
+        if not a.skip_block and a.only == "all":
             for comp in (False, True):
                 try:
                     fwd, both = bench_block(a.iters, comp)

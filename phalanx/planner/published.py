@@ -22,7 +22,7 @@ import dataclasses
 
 from phalanx.planner import hardware, scaling, workloads
 
-__all__ = ["Row", "ROWS", "TORCHTITAN", "MEGATRON", "reproduce", "error", "goal", "BOUND", "RELATIVE_BOUND", "by_key"]
+__all__ = ["Row", "ROWS", "TORCHTITAN", "MEGATRON", "MLPERF", "reproduce", "error", "goal", "BOUND", "RELATIVE_BOUND", "by_key"]
 
 BOUND = 0.10
 """the goal for the efficiency and %-of-peak rows: within 10 points (docs/scaling.md lists each row's own bound)"""
@@ -121,6 +121,21 @@ MEGATRON: tuple[Row, ...] = tuple(
         ("32b", 8, 1, 192, 459.6, 0.15), ("70b", 8, 2, 384, 419.7, 0.15), ("119b", 8, 4, 768, 420.5, 0.15),
         ("177b", 8, 6, 1152, 432.8, 0.15), ("314b", 8, 8, 1536, 474.4, 0.15), ("462b", 8, 16, 3072, 459.9, 0.15)))
 ROWS = ROWS + MEGATRON
+
+# MLPerf Training v3.1, GPT-3 175B, NVIDIA on Eos: 1344 x DGX H100 = 10,752 H100s (mlcommons/training_results_v3.1,
+# NVIDIA/results/eos-dfw_n1344_ngc23.09_nemo/gpt3/result_0.txt: time to train 3.92 min; global batch 2688 of 2048
+# tokens, gradient accumulation 8; median train_step_timing 0.9296 s over its 220 steps, the same in result_1 and
+# result_2). Configuration: NVIDIA/benchmarks/gpt3/implementations/pytorch/config_DGXH100_1344x8x8x4x8_mbs1.sh,
+# config_common.sh, config_fp8.sh and conf/custom.yaml: TP 4, PP 8 with 12 virtual stages (interleaved 1F1B),
+# micro-batch 1, no recomputation, FP8 (Transformer Engine, hybrid), distributed Adam, TP communication overlap.
+_MLPERF = "MLPerf Training v3.1, NVIDIA Eos (mlcommons/training_results_v3.1)"
+MLPERF: tuple[Row, ...] = (
+    Row("mlperf-gpt3-175b-10752", _MLPERF + " GPT-3 175B, 1344 x DGX H100", "gpt3-175b", "h100-ib400", "tokens",
+        2688 * 2048 / 0.9296 / 10752,
+        scaling.Job(dp=336, tp=4, pp=8, global_batch=2688, micro_batch=1, interleave=12, float8=True, compiled=True),
+        bound=0.15, note="tokens/s per GPU of the training steps (the run's median step); evaluation not modelled"),
+)
+ROWS = ROWS + MLPERF
 
 
 def by_key(key: str) -> Row:

@@ -276,6 +276,10 @@ _MODELS = {
 MEGATRON_GPTS = {"1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48), "32b": (48, 7168, 56),
                  "70b": (84, 8192, 64), "119b": (92, 10240, 80), "177b": (96, 12288, 96), "314b": (96, 16384, 128),
                  "462b": (112, 18432, 144)}
+# MLPerf Training v3.1's GPT-3 175B (mlcommons/training_results_v3.1, NVIDIA's NeMo config): 96 layers, h 12288,
+# 96 heads, sequence 2048; GPT-2's 50,257 tokens padded to a multiple of 128 x TP 4 = 50,688 (Megatron's rule)
+_MODELS["gpt3-175b"] = lambda: gpt(96, 12288, 96, seq=2048, vocab=50688, recompute=False, precision="bf16",
+                                   name="gpt3-175b")
 for _size, (_l, _h, _a) in MEGATRON_GPTS.items():
     _MODELS[f"megatron-{_size}"] = (lambda n_layers=_l, h=_h, a=_a, n=f"megatron-{_size}":
                                     gpt(n_layers, h, a, seq=4096, vocab=131072, recompute=False, precision="bf16", name=n))
