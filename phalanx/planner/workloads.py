@@ -225,14 +225,16 @@ def inception_v3() -> Workload:
 
 
 def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 51200, *, recompute: bool = True,
-        precision: str = "fp16", name: str | None = None) -> Workload:
-    """A GPT (Narayanan et al. 2021 Eq. 2-3): blocks of attention + 4h MLP, tied embeddings."""
+        precision: str = "fp16", name: str | None = None, tied: bool = True) -> Workload:
+    """A GPT (Narayanan et al. 2021 Eq. 2-3): blocks of attention + 4h MLP, tied embeddings (``tied=False``: an
+    output layer of its own, as Megatron-LM's ``--untie-embeddings-and-output-weights``)."""
     h, s = hidden, seq
     emb = Layer("embedding", (vocab + s) * h, 0.0, ((vocab, h),), s * h)
     block = Layer("block", 12 * h * h + 13 * h, s * (24.0 * h * h + 4.0 * s * h),
                   ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)), s * h, block=True, row_parallel=(1, 3))
-    head = Layer("logits", 0, 2.0 * s * h * vocab, (), s * vocab)
-    params = 12 * layers * h * h + 13 * layers * h + (vocab + s) * h
+    head = (Layer("logits", 0, 2.0 * s * h * vocab, (), s * vocab) if tied else
+            Layer("output", vocab * h, 2.0 * s * h * vocab, ((vocab, h),), s * vocab))
+    params = 12 * layers * h * h + 13 * layers * h + (vocab + s) * h + (0 if tied else vocab * h)
     label = name or f"gpt-{params / 1e9:.1f}b"
     return Workload(label, (emb,) + (block,) * layers + (head,), "transformer", s, h, heads, vocab, recompute, precision)
 
@@ -272,7 +274,8 @@ _MODELS = {
     "llama3-405b": lambda: llama(126, 16384, 128, 8, 53248, 128256, 8192, recompute=True, name="llama3-405b"),
 }
 # Megatron-LM README (NVIDIA/Megatron-LM, images/model_table.png, Megatron-Core r0.8.0 on H100): GPTs of
-# vocabulary 131,072 and sequence 4,096; (layers, hidden, heads) per row
+# vocabulary 131,072 and sequence 4,096; (layers, hidden, heads) per row. The table's sizes count an untied output
+# layer (1.7B: 1.48B tied, 1.74B untied; 462B: 461.4B untied)
 MEGATRON_GPTS = {"1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48), "32b": (48, 7168, 56),
                  "70b": (84, 8192, 64), "119b": (92, 10240, 80), "177b": (96, 12288, 96), "314b": (96, 16384, 128),
                  "462b": (112, 18432, 144)}
@@ -282,7 +285,8 @@ _MODELS["gpt3-175b"] = lambda: gpt(96, 12288, 96, seq=2048, vocab=50688, recompu
                                    name="gpt3-175b")
 for _size, (_l, _h, _a) in MEGATRON_GPTS.items():
     _MODELS[f"megatron-{_size}"] = (lambda n_layers=_l, h=_h, a=_a, n=f"megatron-{_size}":
-                                    gpt(n_layers, h, a, seq=4096, vocab=131072, recompute=False, precision="bf16", name=n))
+                                    gpt(n_layers, h, a, seq=4096, vocab=131072, recompute=False, precision="bf16", name=n,
+                                        tied=False))
 _cache: dict[str, Workload] = {}
 
 
