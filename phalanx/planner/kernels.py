@@ -108,9 +108,12 @@ class Kernels:
 
     # -- a block ------------------------------------------------------------------------------------
     def block_time(self, w, tokens: float, tp: int = 1, *, float8: bool = False, compiled: bool = False,
-                   ac: str = "none", gemm_scale: float = 1.0, hbm_scale: float = 1.0) -> dict:
+                   ac: str = "none", sequence_parallel: bool = False, gemm_scale: float = 1.0,
+                   hbm_scale: float = 1.0) -> dict:
         """Seconds of one transformer block's forward + backward (+ recomputation) on ``tokens`` tokens per
-        GPU, split: tensor-core time (``gemm_s``, scaled by 1/gemm_scale) and memory-bound (``hbm_s``)."""
+        GPU, split: tensor-core time (``gemm_s``, scaled by 1/gemm_scale) and memory-bound (``hbm_s``).
+        ``sequence_parallel`` (Korthikanti et al. 2022): the elementwise work on the row-parallel outputs
+        (residual adds, norms) runs on 1/tp of the tokens."""
         if ac not in AC_MODES:
             raise ValueError(f"activation checkpointing {ac!r} unknown; choose one of {', '.join(AC_MODES)}")
         block = next(layer for layer in w.layers if layer.block)
@@ -123,7 +126,7 @@ class Kernels:
             gemm += both - casts
             hbm += casts
             fwd_mm.append(f)
-            width += n
+            width += n / tp if sequence_parallel and i in block.row_parallel else n
         heads = w.heads // tp
         af, ab = self.attention_time(tokens / w.seq * heads, w.seq, w.hidden // w.heads)
         gemm += ab

@@ -82,6 +82,9 @@ class Job:
     ac: str = ""
     """activation checkpointing: "none", "op" (torchtitan's selective op policy) or "full"; "" for the
     workload's own (full if it recomputes)"""
+    sequence_parallel: bool = False
+    """tensor parallel with sequence parallelism (Korthikanti et al. 2022; Megatron-LM, torchtitan): the norms
+    and residual adds run on 1/tp of the tokens. phalanx's tensor parallel has none. Kernel-table GPUs only"""
     accumulate: bool = False
     """pp = 1: the per-replica batch runs as micro-batches of ``micro_batch`` (gradient accumulation, as
     Megatron-LM does); False: as one pass. Priced on kernel-table GPUs (the GEMMs' shapes change)"""
@@ -262,7 +265,8 @@ def _kernel_compute(w: Workload, hw: Hardware, job: Job, per_replica: float, m: 
         m = per_replica / job.micro_batch
     tokens = (job.micro_batch if job.pp > 1 or job.accumulate else per_replica) * w.seq
     scale = {"gemm_scale": hw.gpu.gemm_scale, "hbm_scale": hw.gpu.hbm_bandwidth / kernels.MEASURED_HBM_BANDWIDTH}
-    block = k.block_time(w, tokens, job.tp, float8=job.float8, compiled=job.compiled, ac=ac, **scale)
+    block = k.block_time(w, tokens, job.tp, float8=job.float8, compiled=job.compiled, ac=ac,
+                         sequence_parallel=job.sequence_parallel, **scale)
     head = k.head_time(w, tokens, job.tp, **scale)
     per_mb = w.blocks / job.pp * (block["gemm_s"] + block["hbm_s"]) + head["gemm_s"] + head["hbm_s"]
     local = w.params / (job.tp * job.pp) / (job.dp if job.zero else 1)

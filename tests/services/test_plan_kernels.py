@@ -47,8 +47,15 @@ def test_terms_at_the_rows_shapes():
     assert t["none"] < t["op"] < t["full"]
     with pytest.raises(ValueError, match="activation checkpointing 'some' unknown; choose one of none, op, full"):
         k.block_time(w, 16384, ac="some")
-    # tensor parallel: the column-parallel shards of the 70B block are the measured shapes (no roofline)
+    # sequence parallel: the elementwise work on the row-parallel outputs (h wide) runs on 1/tp of the tokens
     w70 = workloads.get("llama3-70b")
+    plain, sp = (k.block_time(w70, 16 * 8192, 8, sequence_parallel=s) for s in (False, True))
+    assert sp["gemm_s"] == plain["gemm_s"]
+    h, kv, ffn = 8192, 1024, 28672
+    assert sp["hbm_s"] / plain["hbm_s"] == pytest.approx((h / 8 + 2 * kv / 8 + 2 * ffn / 8 + 2 * h / 8)
+                                                         / (h / 8 + 2 * kv / 8 + 2 * ffn / 8 + 2 * h))
+    assert k.block_time(w, 16384, 1, sequence_parallel=True) == k.block_time(w, 16384, 1)
+    # tensor parallel: the column-parallel shards of the 70B block are the measured shapes (no roofline)
     block = next(layer for layer in w70.layers if layer.block)
     for i, (out, inp) in enumerate(block.matrices):
         n, kk = (out, inp // 8) if i in block.row_parallel else (out // 8, inp)
