@@ -78,8 +78,8 @@ def published_points() -> list[tuple]:
     point; None where the source gives no such figure."""
     out = []
     for row in published.ROWS:
-        if row.key == "horovod-inception3" or row.metric == "tokens":
-            continue  # same GPUs and figure as ResNet-101: one star; throughput rows are in the table
+        if row.key == "horovod-inception3" or row.metric in ("tokens", "mfu"):
+            continue  # same GPUs and figure as ResNet-101: one star; throughput and MFU rows are in the table
         w, hw = workloads.get(row.model), hardware.get(row.hardware)
         p = scaling.predict(w, hw, row.job)
         pred = published.reproduce(row)
@@ -143,7 +143,7 @@ def plot_published(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["metric"] != "tokens"]  # on a 0-1 axis; the throughput rows are in the table
+    rows = [r for r in rows if r["metric"] in ("efficiency", "peak")]  # errors in points; the others: the table
     fig, ax = plt.subplots(figsize=(8, 5))
     y = range(len(rows))
     ax.barh([i + 0.2 for i in y], [r["published"] for r in rows], height=0.4, label="published", color="black")
@@ -167,11 +167,11 @@ def main() -> None:
     ap.add_argument("--plots", default=None, help="directory for the PNGs (e.g. docs/img)")
     args = ap.parse_args()
     rows = table()
-    print(f"{'row':<20} {'metric':<10} {'published':>9} {'predicted':>9} {'error':>8} {'bound':>6} "
+    print(f"{'row':<24} {'metric':<10} {'published':>9} {'predicted':>9} {'error':>8} {'bound':>6} "
           f"{'no overlap':>10}")
     for r in rows:
-        unit = "%" if r["metric"] == "tokens" else "p"  # throughput rows: relative error
-        print(f"{r['key']:<20} {r['metric']:<10} {r['published']:>9.2f} {r['predicted']:>9.3f} "
+        unit = "%" if r["metric"] in ("tokens", "mfu") else "p"  # throughput and MFU rows: relative error
+        print(f"{r['key']:<24} {r['metric']:<10} {r['published']:>9.2f} {r['predicted']:>9.3f} "
               f"{r['error'] * 100:>+7.1f}{unit} {r['bound'] * 100:>5.0f}{unit} {r['no_overlap']:>10.3f}")
     one_t = published.by_key("narayanan-1t")
     print(f"\nnarayanan-1t with the A100 constant from the same paper's 1.7B row (0.44): "

@@ -8,6 +8,7 @@
 - :mod:`~phalanx.planner.hardware`: GPU / node / network profiles (P100, V100, A100, H100; this
   machine measured); :mod:`~phalanx.planner.workloads`: models sized from their layers;
   :mod:`~phalanx.planner.scaling`: the step at cluster scale and ``phalanx plan --hardware``;
+  :mod:`~phalanx.planner.kernels`: a transformer's compute on H100-class GPUs from measured kernel times;
   :mod:`~phalanx.planner.published`: published results the model reproduces (docs/scaling.md).
 
 Example::

@@ -56,6 +56,11 @@ class GPU:
     mfu: float
     """achieved fraction of peak in end-to-end training (one constant per generation; see its source)"""
     mfu_source: str = ""
+    kernels: str = ""
+    """a measured kernel table (planner.kernels) that prices a transformer's compute kernel by kernel instead
+    of ``mfu``; "" for none"""
+    gemm_scale: float = 1.0
+    """this part's tensor-core rate against the part the kernel table was measured on"""
 
     def rate(self, precision: str) -> float:
         """Achieved FLOP/s at ``precision``: peak x mfu."""
@@ -131,16 +136,21 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 datasheet (SXM5 80GB): 67 TFLOP/s fp32, 494.5 tf32, 989.5 bf16/fp16 dense; HBM3 3.35 TB/s
     "h100-sxm5": GPU("H100-SXM5-80GB", {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T},
                      80 * GB, 3350 * GB, mfu=0.3979,
-                     mfu_source="llm-foundry benchmarking README: MPT-13B seq 2048 on 8 x H100-80GB, MFU 39.79%"),
+                     mfu_source="llm-foundry benchmarking README: MPT-13B seq 2048 on 8 x H100-80GB, MFU 39.79%",
+                     kernels="h100"),
     # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4
-    # TB/sec", 500 W; its peak "between SXM and NVL" and not known, so the SXM5 figures, as torchtitan's MFU uses
+    # TB/sec", 500 W; its peak "between SXM and NVL" and not known, so the SXM5 figures, as torchtitan's MFU uses.
+    # gemm_scale: the middle of that interval against the SXM5's 989.5: NVIDIA H100 NVL datasheet, 1,671 TFLOP/s
+    # bf16 with sparsity = 835.5 dense; (835.5 + 989.5) / 2 / 989.5 = 0.922 (the ends, 0.844 and 1, in docs/scaling.md)
     "h100-hbm2e": GPU("H100-96GB-HBM2e (Grand Teton)", {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T,
                                                        "bf16": 989.5 * T}, 96 * GB, 2400 * GB, mfu=0.3979,
-                      mfu_source="the H100 constant (llm-foundry MPT-13B, 8 x H100-80GB: 39.79%)"),
+                      mfu_source="the H100 constant (llm-foundry MPT-13B, 8 x H100-80GB: 39.79%)",
+                      kernels="h100", gemm_scale=(835.5 + 989.5) / 2 / 989.5),
     # NVIDIA H200 datasheet (SXM): the H100's tensor cores (989.5 TFLOP/s bf16 dense), 141 GB HBM3e at 4.8 TB/s
     "h200-sxm": GPU("H200-SXM-141GB", {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T},
                     141 * GB, 4800 * GB, mfu=0.3979,
-                    mfu_source="the H100 constant: same tensor cores (no H200 end-to-end figure found)"),
+                    mfu_source="the H100 constant: same tensor cores (no H200 end-to-end figure found)",
+                    kernels="h100"),
     # NVIDIA HGX B200 (1000 W), as tabulated at glennklockwood.com/garden/processors/B200: bf16 2250 TFLOP/s dense,
     # fp32 80; DGX B200 datasheet: 1,440 GB HBM3e for 8 GPUs (180 GB each), 64 TB/s (8 TB/s each)
     "b200": GPU("B200-180GB", {"fp32": 80 * T, "tf32": 1100 * T, "fp16": 2250 * T, "bf16": 2250 * T}, 180 * GB,

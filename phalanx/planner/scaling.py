@@ -37,7 +37,7 @@ import itertools
 
 from phalanx.comm.buckets import pack
 from phalanx.parallel import composition
-from phalanx.planner import collectives, cost, memory
+from phalanx.planner import collectives, cost, kernels, memory
 from phalanx.planner.collectives import allreduce_time
 from phalanx.planner.hardware import Hardware
 from phalanx.planner.workloads import Workload
@@ -74,6 +74,23 @@ class Job:
     """the backend has NCCL's tree allreduce (NCCL 2.4, 2019 on); False: rings only, as in 2017"""
     overlap: bool = True
     """data-parallel buckets launched during backward (False: after it, e.g. after a pipeline flush)"""
+    float8: bool = False
+    """Float8 linears (torchao's tensorwise recipe; with ZeRO-3, the parameters gathered in float8 too). Priced
+    only on a GPU with a measured kernel table (planner.kernels)"""
+    compiled: bool = False
+    """torch.compile of each block (fused elementwise kernels; kernel-table GPUs only)"""
+    ac: str = ""
+    """activation checkpointing: "none", "op" (torchtitan's selective op policy) or "full"; "" for the
+    workload's own (full if it recomputes)"""
+    sequence_parallel: bool = False
+    """tensor parallel with sequence parallelism (Korthikanti et al. 2022; Megatron-LM, torchtitan): the norms
+    and residual adds run on 1/tp of the tokens. phalanx's tensor parallel has none. Kernel-table GPUs only"""
+    accumulate: bool = False
+    """pp = 1: the per-replica batch runs as micro-batches of ``micro_batch`` (gradient accumulation, as
+    Megatron-LM does); False: as one pass. Priced on kernel-table GPUs (the GEMMs' shapes change)"""
+    regather: bool = True
+    """ZeRO-3 under a pipeline gathers the parameters again for every micro-batch (phalanx's); False: once a
+    step (FSDP2 with reshard_after_forward=False, as torchtitan runs it with pipeline parallel)"""
 
     @property
     def gpus(self) -> int:
@@ -157,8 +174,8 @@ def _data_traffic(w: Workload, hw: Hardware, job: Job, compute: float, m: int) -
     every = [0.0] * len(sizes)   # under every micro-batch's backward
     after_step = forward_exposed = forward_total = 0.0
     for t in axis.traffic:
-        times = m if t.per == "micro_batch" else 1
-        scale = ratio if t.compressed else 1.0
+        times = m if t.per == "micro_batch" and (job.regather or t.op != "all_gather") else 1
+        scale = ratio if t.compressed else (0.5 if job.float8 and t.op == "all_gather" else 1.0)
         if t.op == "allreduce":
             each = [allreduce_time(b * scale, hw, job.dp, job.tp, job.algorithm, job.trees) for b in sizes]
         else:  # reduce-scatter / all-gather of the buckets (ZeRO lays its shards out by bucket)
@@ -170,7 +187,8 @@ def _data_traffic(w: Workload, hw: Hardware, job: Job, compute: float, m: int) -
         elif t.hides_behind == "forward":  # module by module, prefetched one ahead
             units = [layer for layer in w.layers if layer.params]
             fwd_c = [per_mb_forward * layer.fwd_flops / max(w.fwd_flops_per_sample, 1.0) for layer in units]
-            gathers = [collectives.gather_time(layer.params * shard * bpp, hw, job.dp, job.tp) for layer in units]
+            gathers = [collectives.gather_time(layer.params * shard * bpp * scale, hw, job.dp, job.tp)
+                       for layer in units]
             forward_exposed += times * _prefetched(gathers, fwd_c)
             forward_total += times * sum(gathers)
         else:
@@ -195,8 +213,11 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     rate = gpu.rate(w.precision) * ((mfu / gpu.mfu) if mfu is not None else 1.0)
     per_replica = job.global_batch / job.dp
     shard = 1.0 / (job.tp * job.pp)
-    compute = w.train_flops_per_sample * per_replica * shard / rate
     m = max(1, per_replica / job.micro_batch) if job.pp > 1 else 1
+    if gpu.kernels and w.kind == "transformer" and mfu is None:
+        compute = _kernel_compute(w, hw, job, per_replica, m)
+    else:
+        compute = w.train_flops_per_sample * per_replica * shard / rate
     bubble = (job.pp - 1) / (job.interleave * m) if job.pp > 1 else 0.0
     act = (job.micro_batch if job.pp > 1 else per_replica) * w.seq * w.hidden * 2  # a micro-batch's b s h, fp16
     gpn = hw.node.gpus
@@ -230,7 +251,26 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
            + (f" ({data['after_step_s'] * 1e3:.1f} after the step)" if data["after_step_s"] else "")
            + (f", codec {codec * 1e3:.1f} ms" if codec else "")
            + f"; {mem / 2**30:.1f} GiB/GPU")
-    return ScalePrediction(job, step, job.global_batch / step, eff, compute * rate / step, mem, parts, why)
+    flops = w.train_flops_per_sample * per_replica * shard
+    return ScalePrediction(job, step, job.global_batch / step, eff, flops / step, mem, parts, why)
+
+
+def _kernel_compute(w: Workload, hw: Hardware, job: Job, per_replica: float, m: float) -> float:
+    """A transformer's compute per GPU from the GPU's measured kernel table (planner.kernels): the blocks of
+    one pipeline stage and, on the last stage, the output layer and the loss, for every micro-batch, then
+    the optimizer step over the local parameters."""
+    k = kernels.get(hw.gpu.kernels)
+    ac = job.ac or ("full" if w.recompute else "none")
+    if job.pp == 1 and job.accumulate:
+        m = per_replica / job.micro_batch
+    tokens = (job.micro_batch if job.pp > 1 or job.accumulate else per_replica) * w.seq
+    scale = {"gemm_scale": hw.gpu.gemm_scale, "hbm_scale": hw.gpu.hbm_bandwidth / kernels.MEASURED_HBM_BANDWIDTH}
+    block = k.block_time(w, tokens, job.tp, float8=job.float8, compiled=job.compiled, ac=ac,
+                         sequence_parallel=job.sequence_parallel, **scale)
+    head = k.head_time(w, tokens, job.tp, **scale)
+    per_mb = w.blocks / job.pp * (block["gemm_s"] + block["hbm_s"]) + head["gemm_s"] + head["hbm_s"]
+    local = w.params / (job.tp * job.pp) / (job.dp if job.zero else 1)
+    return m * per_mb + k.optimizer_time(local, scale["hbm_scale"])
 
 
 def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *,

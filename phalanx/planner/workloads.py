@@ -43,6 +43,9 @@ class Layer:
     """output elements per sample (what backward keeps)"""
     block: bool = False
     """a transformer block (recomputed under activation checkpointing; split by tensor parallel)"""
+    row_parallel: tuple = ()
+    """indexes into ``matrices`` that tensor parallel splits by their input (Megatron's row-parallel: the
+    attention output and the MLP's down projection); the others are split by their output"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,14 +225,16 @@ def inception_v3() -> Workload:
 
 
 def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 51200, *, recompute: bool = True,
-        precision: str = "fp16", name: str | None = None) -> Workload:
-    """A GPT (Narayanan et al. 2021 Eq. 2-3): blocks of attention + 4h MLP, tied embeddings."""
+        precision: str = "fp16", name: str | None = None, tied: bool = True) -> Workload:
+    """A GPT (Narayanan et al. 2021 Eq. 2-3): blocks of attention + 4h MLP, tied embeddings (``tied=False``: an
+    output layer of its own, as Megatron-LM's ``--untie-embeddings-and-output-weights``)."""
     h, s = hidden, seq
     emb = Layer("embedding", (vocab + s) * h, 0.0, ((vocab, h),), s * h)
     block = Layer("block", 12 * h * h + 13 * h, s * (24.0 * h * h + 4.0 * s * h),
-                  ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)), s * h, block=True)
-    head = Layer("logits", 0, 2.0 * s * h * vocab, (), s * vocab)
-    params = 12 * layers * h * h + 13 * layers * h + (vocab + s) * h
+                  ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)), s * h, block=True, row_parallel=(1, 3))
+    head = (Layer("logits", 0, 2.0 * s * h * vocab, (), s * vocab) if tied else
+            Layer("output", vocab * h, 2.0 * s * h * vocab, ((vocab, h),), s * vocab))
+    params = 12 * layers * h * h + 13 * layers * h + (vocab + s) * h + (0 if tied else vocab * h)
     label = name or f"gpt-{params / 1e9:.1f}b"
     return Workload(label, (emb,) + (block,) * layers + (head,), "transformer", s, h, heads, vocab, recompute, precision)
 
@@ -243,7 +248,8 @@ def llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: 
     emb = Layer("embedding", vocab * h, 0.0, ((vocab, h),), s * h)
     weights = 2 * h * h + 2 * h * kv + 3 * h * ffn
     block = Layer("block", weights + 2 * h, 2.0 * s * weights + 4.0 * s * s * h,
-                  ((h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn)), s * h, block=True)
+                  ((h, h), (kv, h), (kv, h), (h, h), (ffn, h), (ffn, h), (h, ffn)), s * h, block=True,
+                  row_parallel=(3, 6))
     head = Layer("output", vocab * h + h, 2.0 * s * h * vocab, ((vocab, h),), s * vocab)
     return Workload(name, (emb,) + (block,) * layers + (head,), "transformer", s, h, heads, vocab, recompute, "bf16")
 
@@ -267,6 +273,20 @@ _MODELS = {
     "llama3-70b": lambda: llama(80, 8192, 64, 8, 28672, 128256, 8192, recompute=True, name="llama3-70b"),
     "llama3-405b": lambda: llama(126, 16384, 128, 8, 53248, 128256, 8192, recompute=True, name="llama3-405b"),
 }
+# Megatron-LM README (NVIDIA/Megatron-LM, images/model_table.png, Megatron-Core r0.8.0 on H100): GPTs of
+# vocabulary 131,072 and sequence 4,096; (layers, hidden, heads) per row. The table's sizes count an untied output
+# layer (1.7B: 1.48B tied, 1.74B untied; 462B: 461.4B untied)
+MEGATRON_GPTS = {"1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48), "32b": (48, 7168, 56),
+                 "70b": (84, 8192, 64), "119b": (92, 10240, 80), "177b": (96, 12288, 96), "314b": (96, 16384, 128),
+                 "462b": (112, 18432, 144)}
+# MLPerf Training v3.1's GPT-3 175B (mlcommons/training_results_v3.1, NVIDIA's NeMo config): 96 layers, h 12288,
+# 96 heads, sequence 2048; GPT-2's 50,257 tokens padded to a multiple of 128 x TP 4 = 50,688 (Megatron's rule)
+_MODELS["gpt3-175b"] = lambda: gpt(96, 12288, 96, seq=2048, vocab=50688, recompute=False, precision="bf16",
+                                   name="gpt3-175b")
+for _size, (_l, _h, _a) in MEGATRON_GPTS.items():
+    _MODELS[f"megatron-{_size}"] = (lambda n_layers=_l, h=_h, a=_a, n=f"megatron-{_size}":
+                                    gpt(n_layers, h, a, seq=4096, vocab=131072, recompute=False, precision="bf16", name=n,
+                                        tied=False))
 _cache: dict[str, Workload] = {}
 
 

@@ -1,0 +1,95 @@
+"""The planner's kernel-table compute term (planner.kernels): the table is the measured H100 run, each term is
+what the table says at the rows' shapes, and the published rows use it with the configuration each ran."""
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from phalanx.planner import hardware, kernels, published, scaling, workloads
+
+pytestmark = pytest.mark.unit
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_table_is_the_measured_run():
+    raw = (ROOT / "benchmarks/results/gpu-h100-kernel-rates.jsonl").read_text()
+    # the second run (--only mlperf): its kernels appended, its copy bandwidth not (the first run's is the table's)
+    mlperf = [line for line in (ROOT / "benchmarks/results/gpu-h100-kernel-rates-mlperf.jsonl").read_text().splitlines()
+              if json.loads(line)["step"] in ("linear", "fp8_gemm", "attention")]
+    assert kernels.H100_TABLE.read_text() == raw + "".join(line + "\n" for line in mlperf)
+    machine = json.loads(raw.splitlines()[0])
+    assert machine["gpu"].startswith("NVIDIA H100")
+    k = kernels.H100
+    assert set(k.elementwise) == {False, True}  # the eager and the compiled Llama block both measured
+    assert k.elementwise[True][1] < k.elementwise[False][1]  # compile fuses: less elementwise time
+    assert 1e12 < k.copy_bw < 3.35e12 and 5e14 < k.best_rate < 9.895e14
+
+
+def test_terms_at_the_rows_shapes():
+    k = kernels.H100
+    rec = next(json.loads(line) for line in kernels.H100_TABLE.read_text().splitlines()
+               if '"llama8b-tp1-b2/w1"' in line and '"linear"' in line)
+    fwd, both, casts = k.linear_time(16384, 4096, 14336)
+    assert (fwd, both, casts) == (rec["fwd_s"], rec["fwd_bwd_s"], 0.0)
+    f8 = k.linear_time(16384, 4096, 14336, float8=True)
+    assert f8[1] < 0.75 * both and f8[2] == pytest.approx(6 * (16384 * 4096 + 16384 * 14336 + 4096 * 14336) / k.copy_bw)
+    # an unmeasured shape: the roofline of the best measured rate and the copy bandwidth
+    assert k.linear_time(1000, 1000, 1000)[0] == pytest.approx(max(2e9 / k.best_rate, 6e6 / k.copy_bw))
+    # attention scales with batch x heads from the nearest measurement
+    one = k.attention_time(64, 8192, 128)
+    assert k.attention_time(128, 8192, 128)[1] == pytest.approx(15.05e-3, rel=0.01)  # the 70B run measured
+    assert one[1] == pytest.approx(7.29e-3, rel=0.01)
+    # recomputation: op (every second matmul) costs less than full, more than none
+    w = workloads.get("llama3-8b")
+    t = {ac: sum(k.block_time(w, 16384, ac=ac).values()) for ac in kernels.AC_MODES}
+    assert t["none"] < t["op"] < t["full"]
+    with pytest.raises(ValueError, match="activation checkpointing 'some' unknown; choose one of none, op, full"):
+        k.block_time(w, 16384, ac="some")
+    # sequence parallel: the elementwise work on the row-parallel outputs (h wide) runs on 1/tp of the tokens
+    w70 = workloads.get("llama3-70b")
+    plain, sp = (k.block_time(w70, 16 * 8192, 8, sequence_parallel=s) for s in (False, True))
+    assert sp["gemm_s"] == plain["gemm_s"]
+    h, kv, ffn = 8192, 1024, 28672
+    assert sp["hbm_s"] / plain["hbm_s"] == pytest.approx((h / 8 + 2 * kv / 8 + 2 * ffn / 8 + 2 * h / 8)
+                                                         / (h / 8 + 2 * kv / 8 + 2 * ffn / 8 + 2 * h))
+    assert k.block_time(w, 16384, 1, sequence_parallel=True) == k.block_time(w, 16384, 1)
+    # tensor parallel: the column-parallel shards of the 70B block are the measured shapes (no roofline)
+    block = next(layer for layer in w70.layers if layer.block)
+    for i, (out, inp) in enumerate(block.matrices):
+        n, kk = (out, inp // 8) if i in block.row_parallel else (out // 8, inp)
+        assert (16 * 8192, kk, n) in k.linear, (i, out, inp)
+
+
+def test_kernel_table_gpus_and_the_others():
+    w = workloads.get("llama3-8b")
+    job = scaling.Job(dp=8, global_batch=16, zero=3, ac="op")
+    gt, sxm = hardware.get("h100-gt"), hardware.get("h100-ib400")
+    assert gt.gpu.kernels == sxm.gpu.kernels == "h100"
+    # the Grand Teton part: tensor-core time / 0.922 (middle of NVL..SXM), memory-bound time x 3.35/2.4
+    assert scaling.predict(w, gt, job).parts["compute_s"] > 1.1 * scaling.predict(w, sxm, job).parts["compute_s"]
+    # compile and Float8 each shorten the step; the one-constant model (mfu=) ignores both
+    base = scaling.predict(w, gt, job).step_s
+    comp = scaling.predict(w, gt, dataclasses.replace(job, compiled=True)).step_s
+    f8 = scaling.predict(w, gt, dataclasses.replace(job, compiled=True, float8=True)).step_s
+    assert f8 < comp < base
+    one = scaling.predict(w, gt, job, mfu=gt.gpu.mfu)
+    f8_one = scaling.predict(w, gt, dataclasses.replace(job, float8=True), mfu=gt.gpu.mfu)
+    assert one.parts["compute_s"] == f8_one.parts["compute_s"]
+    # a GPU without a table keeps the one-constant model
+    a100 = hardware.get("a100-hdr")
+    g = workloads.get("gpt-1.7b")
+    p = scaling.predict(g, a100, scaling.Job(dp=8, global_batch=16))
+    assert p.parts["compute_s"] == pytest.approx(g.train_flops_per_sample * 2 / a100.gpu.rate(g.precision))
+
+
+def test_published_speedups_of_compile_and_float8():
+    """The ratios within torchtitan's Table 1 do not depend on the machine's clock: compile and Float8, each
+    against the row before it, within 5% of the published ratios (1.157 and 1.280)."""
+    rows = {r.key: r for r in published.ROWS}
+    pred = {k: published.reproduce(rows[k]) for k in ("torchtitan-8b-8", "torchtitan-8b-8-compile",
+                                                      "torchtitan-8b-8-float8")}
+    for a, b in (("torchtitan-8b-8", "torchtitan-8b-8-compile"), ("torchtitan-8b-8-compile", "torchtitan-8b-8-float8")):
+        want = rows[b].figure / rows[a].figure
+        assert pred[b] / pred[a] == pytest.approx(want, rel=0.05), (a, b)
