@@ -72,7 +72,7 @@ def test_horovods_synthetic_benchmark_runs_its_tf_function_step(job):
     assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", texts[0]), texts[0][-2000:]
 
 
-@pytest.mark.parametrize("case", ["sgd_k1", "sgd_k2", "adam_k1", "adam_k2"])
+@pytest.mark.parametrize("case", ["sgd_k1", "sgd_k2", "adam_k1", "adam_k2", "legacy-adam_k1"])
 def test_tf_keras_distributed_optimizer_matches_one_process(case, job):
     texts, _ = job
     for r, text in texts.items():
