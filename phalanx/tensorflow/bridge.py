@@ -102,8 +102,9 @@ def _raise_failed_precondition(message):
     TensorFlow has no op that raises an error of a given code, and maps a ``py_function``'s
     exceptions to a few codes (``UnknownError`` for ours). A hash table refuses, with exactly this
     code, a second value for a key it holds, and names the value in its message: a fresh table
-    (``AnonymousHashTable``: one per run of the op) given ``message`` twice for one key does
-    nothing, and given ``""`` then ``message`` fails with it. Cost: two small ops per collective.
+    (``AnonymousHashTable``: one per run of the op) given ``""`` and ``message`` for one key does
+    nothing when the message is empty and fails with it otherwise. Cost: two small ops (and an
+    identity per output) per collective.
     """
     table = tf.raw_ops.AnonymousHashTable(key_dtype=tf.string, value_dtype=tf.string)
     key = tf.constant(["phalanx collective", "phalanx collective"])
