@@ -174,6 +174,11 @@ def _v1_optimizer(tf, hvd, r, n, out):
     rows = slice(r * 4, (r + 1) * 4)
     out["v1_opt"] = _v1_graph_train(tf, V1_X[rows], V1_Y[rows], hvd.DistributedOptimizer)
     out["v1_opt_ref"] = _v1_graph_train(tf, V1_X, V1_Y, lambda opt: opt)  # one process, both ranks' rows
+    try:
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=2)
+        out["v1_opt_k2"] = "no error"
+    except ValueError as err:
+        out["v1_opt_k2"] = str(err)
 
 
 def _in_function_broadcast(tf, hvd, r, out):
@@ -425,6 +430,7 @@ def test_v1_optimizer_in_a_graph_trains_as_one_process_on_both_ranks_rows(tf_ran
         np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-5, err_msg=f"rank {r} weights")
         np.testing.assert_allclose(got["b"], ref["b"], rtol=1e-5, atol=1e-7, err_msg=f"rank {r} bias")
         assert not np.allclose(ref["w"], 1.0), "the reference trained"
+        assert "backward_passes_per_step" in out["v1_opt_k2"] and "\n" not in out["v1_opt_k2"], out["v1_opt_k2"]
 
 
 def test_v1_optimizer_compute_gradients_averages_and_scales_a_local_var(tf_ranks):

@@ -80,6 +80,13 @@ def test_tf_keras_distributed_optimizer_matches_one_process(case, job):
         assert diff < 1e-5, f"rank {r} {case}: 2 ranks x B differ from 1 process x 2kB by {diff}"
 
 
+def test_tf_keras_legacy_optimizer_refuses_accumulation_in_one_line(job):
+    texts, _ = job
+    for text in texts.values():
+        message = checks(text)["legacy_k2"]
+        assert "backward_passes_per_step=2" in message and "tf.keras.optimizers.Adam" in message, message
+
+
 def test_tf_keras_callbacks_broadcast_average_and_warm_up(job):
     texts, _ = job
     for text in texts.values():
