@@ -31,7 +31,36 @@ from phalanx import runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.keras.fused import reduce_gradients
 
-__all__ = ["TFKerasDistributedOptimizer"]
+__all__ = ["TFKerasDistributedOptimizer", "distributed_tf_keras_optimizer", "reduce_with_local_variables"]
+
+
+def distributed_tf_keras_optimizer(optimizer, *args, **kwargs):
+    """The tf-keras wrapper that fits ``optimizer``: :class:`TFKerasDistributedOptimizer`, or for a legacy
+    one (``tf.keras.optimizers.legacy``, OptimizerV2) ``legacy_v2.TFKerasLegacyDistributedOptimizer``."""
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        from phalanx.keras.legacy_v2 import TFKerasLegacyDistributedOptimizer
+
+        return TFKerasLegacyDistributedOptimizer(optimizer, *args, **kwargs)
+    return TFKerasDistributedOptimizer(optimizer, *args, **kwargs)
+
+
+def reduce_with_local_variables(grads, variables, *, local, scale_local, op, compression, predivide, bucket_mb, name):
+    """Reduce ``grads`` over the ranks, except those of variables in ``local`` (``var.ref()`` s): these stay,
+    divided by the number of ranks when ``scale_local`` (Horovod's ``scale_local_gradients``)."""
+    is_local = [v.ref() in local for v in variables]
+    shared = [None if mine else g for g, mine in zip(grads, is_local)]
+    reduced = reduce_gradients(shared, average=ReduceOp(op) is ReduceOp.AVERAGE, compression=compression,
+                               predivide=predivide, name=name, **({"bucket_mb": bucket_mb} if bucket_mb else {}))
+    size = float(runtime.size())
+    out = []
+    for g, r, mine in zip(grads, reduced, is_local):
+        if not mine:
+            out.append(r)
+        elif g is not None and scale_local:
+            out.append(g / size)
+        else:
+            out.append(g)
+    return out
 
 
 class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
@@ -44,10 +73,6 @@ class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
     def __init__(self, optimizer, name=None, compression=None, op=Average, backward_passes_per_step=1,
                  average_aggregated_gradients=False, gradient_predivide_factor=1.0, bucket_mb=None,
                  local_variables=(), scale_local_gradients=True):
-        if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
-            raise TypeError(f"phalanx.keras.DistributedOptimizer: the legacy tf-keras optimizer "
-                            f"{type(optimizer).__name__} (tf.keras.optimizers.legacy) is not supported; use "
-                            f"tf.keras.optimizers.{type(optimizer).__name__} instead")
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", jit_compile=False)
         self.inner_optimizer = optimizer
         self.compression = compression
@@ -129,21 +154,10 @@ class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------- the step
     def _reduce(self, grads, variables):
-        local = [v.ref() in self.local_variables for v in variables]
-        shared = [None if is_local else g for g, is_local in zip(grads, local)]
-        reduced = reduce_gradients(shared, average=self.op is ReduceOp.AVERAGE, compression=self.compression,
-                                   predivide=self.gradient_predivide_factor, name=f"{self.name}.grads",
-                                   **({"bucket_mb": self.bucket_mb} if self.bucket_mb else {}))
-        size = float(runtime.size())
-        out = []
-        for g, r, is_local in zip(grads, reduced, local):
-            if not is_local:
-                out.append(r)
-            elif g is not None and self.scale_local_gradients:
-                out.append(g / size)
-            else:
-                out.append(g)
-        return out
+        return reduce_with_local_variables(
+            grads, variables, local=self.local_variables, scale_local=self.scale_local_gradients, op=self.op,
+            compression=self.compression, predivide=self.gradient_predivide_factor, bucket_mb=self.bucket_mb,
+            name=f"{self.name}.grads")
 
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
         grads_and_vars = list(grads_and_vars)

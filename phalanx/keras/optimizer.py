@@ -77,9 +77,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         from phalanx.keras.legacy_check import is_tf_keras_optimizer
 
         if is_tf_keras_optimizer(optimizer):
-            from phalanx.keras.legacy import TFKerasDistributedOptimizer
+            from phalanx.keras.legacy import distributed_tf_keras_optimizer
 
-            return TFKerasDistributedOptimizer(optimizer, *_legacy_arguments(args, kwargs))
+            return distributed_tf_keras_optimizer(optimizer, *_legacy_arguments(args, kwargs))
         return super().__new__(cls)
 
     def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=None,
@@ -331,11 +331,11 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
     local = local_weights(local_layers, "PartialDistributedOptimizer")
 
     if is_tf_keras_optimizer(optimizer):
-        from phalanx.keras.legacy import TFKerasDistributedOptimizer
+        from phalanx.keras.legacy import distributed_tf_keras_optimizer
 
-        return TFKerasDistributedOptimizer(optimizer, name, get_compressor(compression), op, backward_passes_per_step,
-                                           average_aggregated_gradients, gradient_predivide_factor,
-                                           local_variables=local, scale_local_gradients=scale_local_gradients)
+        return distributed_tf_keras_optimizer(optimizer, name, get_compressor(compression), op, backward_passes_per_step,
+                                              average_aggregated_gradients, gradient_predivide_factor,
+                                              local_variables=local, scale_local_gradients=scale_local_gradients)
     if not scale_local_gradients:
         raise ValueError("PartialDistributedOptimizer: scale_local_gradients=False is not supported on Keras 3 "
                          "optimizers; local gradients are divided by the number of ranks")

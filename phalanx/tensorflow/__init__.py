@@ -3,8 +3,9 @@
 Horovod's TensorFlow API for custom training loops, eagerly, inside ``tf.function`` and in
 ``tf.compat.v1`` graphs: the collectives (with their gradients; ``ops.py``), variables and
 objects from one rank (``functions.py``), ``DistributedGradientTape`` and its partial form
-(``tape.py``), ``elastic`` and ``SyncBatchNormalization``; the Keras ``DistributedOptimizer``
-takes Keras 3 and tf-keras (Keras 2) optimizers. Tensors cross into phalanx's collectives by
+(``tape.py``), ``elastic`` and ``SyncBatchNormalization``; ``DistributedOptimizer`` takes
+Keras 3 and tf-keras (Keras 2) optimizers (``phalanx.keras``'s) and TensorFlow 1 optimizers
+(``tf.compat.v1.train.Optimizer``; ``v1_optimizer.py``). Tensors cross into phalanx's collectives by
 DLPack, without a copy (``bridge.py``; docs/keras.md has the measured cost).
 ``phalanx.tensorflow.keras`` is ``phalanx.keras``.
 
@@ -55,7 +56,7 @@ from phalanx.horovod.torch import (
     nccl_built,
     rocm_built,
 )
-from phalanx.keras import DistributedOptimizer, PartialDistributedOptimizer
+from phalanx.keras import PartialDistributedOptimizer
 from phalanx.tensorflow import util
 from phalanx.tensorflow.bridge import MismatchError
 from phalanx.tensorflow.compression import Compression
@@ -87,6 +88,7 @@ from phalanx.tensorflow.ops import (
 )
 from phalanx.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from phalanx.tensorflow.util import executing_eagerly
+from phalanx.tensorflow.v1_optimizer import V1DistributedOptimizer, is_v1_optimizer
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
@@ -117,6 +119,33 @@ def init(comm=None, process_sets=None) -> None:
     _keras.init(comm)
     for ps in process_sets or []:
         add_process_set(ps)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,
+                         gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """Horovod's ``horovod.tensorflow.DistributedOptimizer``: gradients averaged over the ranks, then applied.
+
+    A ``tf.compat.v1.train.Optimizer`` gets :class:`V1DistributedOptimizer` (``compute_gradients``
+    reduces, ``apply_gradients`` is the wrapped one's); a Keras 3 or tf-keras optimizer gets
+    ``phalanx.keras.DistributedOptimizer``, as Horovod hands Keras optimizers to its Keras front.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(0.001 * hvd.size()))
+        train_op = opt.minimize(loss)
+    """
+    if is_v1_optimizer(optimizer):
+        return V1DistributedOptimizer(optimizer, name, use_locking, device_dense, device_sparse, compression,
+                                      sparse_as_dense, op, gradient_predivide_factor, backward_passes_per_step,
+                                      num_groups, groups, process_set, scale_local_gradients)
+    return _keras.DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+        sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step, average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups, groups=groups,
+        process_set=None if process_set is global_process_set else process_set)
 
 
 shutdown, is_initialized = runtime.shutdown, runtime.is_initialized

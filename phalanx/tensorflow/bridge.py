@@ -12,8 +12,10 @@ tensors::
                            collectives, or gloo would see two at once)
 
 A cross-rank mismatch (shapes, dtypes, ops, roots that differ between ranks) comes out as
-:class:`MismatchError`, a ``tf.errors.FailedPreconditionError`` as Horovod's is (inside a
-graph TensorFlow re-raises it as ``UnknownError`` with the same one-line message).
+:class:`MismatchError`, a ``tf.errors.FailedPreconditionError`` as Horovod's is. Inside a graph
+TensorFlow would re-raise any exception of a ``py_function`` as ``UnknownError``, so there the
+``py_function`` returns the message as one more output and a TensorFlow op raises it with that
+code (:func:`_raise_failed_precondition`).
 
 Example::
 
@@ -72,11 +74,15 @@ def to_tf(t: torch.Tensor, dtype=None):
     return out if dtype is None or out.dtype == dtype else tf.cast(out, dtype)
 
 
-def _host(fn, dtypes):
+def _host(fn, dtypes, status: bool = False):
+    """The py_function body; with ``status`` it returns a mismatch as a last string output instead."""
+
     def run(*xs):
         try:
             outs = fn([to_torch(x) for x in xs])
         except CollectiveMismatchError as err:
+            if status:
+                return [tf.zeros([0], d) for d in dtypes] + [tf.constant(str(err))]
             if isinstance(err, MismatchError):
                 raise
             raise MismatchError(str(err)) from None
@@ -84,9 +90,26 @@ def _host(fn, dtypes):
             if isinstance(err, InvalidArgument):
                 raise
             raise InvalidArgument(str(err)) from None
-        return [to_tf(o, d) for o, d in zip(outs, dtypes)]
+        outs = [to_tf(o, d) for o, d in zip(outs, dtypes)]
+        return outs + [tf.constant("")] if status else outs
 
     return run
+
+
+def _raise_failed_precondition(message):
+    """An op that fails with ``FailedPreconditionError(message)`` when the string ``message`` is not empty.
+
+    TensorFlow has no op that raises an error of a given code, and maps a ``py_function``'s
+    exceptions to a few codes (``UnknownError`` for ours). A hash table refuses, with exactly this
+    code, a second value for a key it holds, and names the value in its message: a fresh table
+    (``AnonymousHashTable``: one per run of the op) given ``""`` and ``message`` for one key does
+    nothing when the message is empty and fails with it otherwise. Cost: two small ops (and an
+    identity per output) per collective.
+    """
+    table = tf.raw_ops.AnonymousHashTable(key_dtype=tf.string, value_dtype=tf.string)
+    key = tf.constant(["phalanx collective", "phalanx collective"])
+    return tf.raw_ops.LookupTableImportV2(table_handle=table, keys=key,
+                                          values=tf.stack([tf.constant(""), message]))
 
 
 def call(fn, inputs, outputs):
@@ -96,16 +119,17 @@ def call(fn, inputs, outputs):
     """
     inputs = [tf.convert_to_tensor(x) for x in inputs]
     dtypes = [tf.as_dtype(d) for d, _ in outputs]
-    host = _host(fn, dtypes)
     if tf.executing_eagerly():
-        return host(*inputs)
+        return _host(fn, dtypes)(*inputs)
     graph = tf.compat.v1.get_default_graph()
     previous = None if graph.building_function else _last_collective.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outs = tf.py_function(host, inputs, Tout=dtypes, name="phalanx_collective")
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if not graph.building_function and outs:
-        _last_collective[graph] = outs[0].op
+        *outs, message = tf.py_function(_host(fn, dtypes, status=True), inputs, Tout=dtypes + [tf.string],
+                                        name="phalanx_collective")
+    with tf.control_dependencies([_raise_failed_precondition(message)]):
+        outs = [tf.identity(o) for o in outs]
+    if not graph.building_function:
+        _last_collective[graph] = message.op
     for o, (_, shape) in zip(outs, outputs):
         if shape is not None:
             o.set_shape(shape)

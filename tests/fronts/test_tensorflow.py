@@ -104,7 +104,8 @@ def _tf_checks():
     hvd.init()
     r = hvd.rank()
     out = {"alias": hvd_keras is phalanx.keras and callbacks is phalanx.keras.callbacks,
-           "optimizer_alias": hvd.DistributedOptimizer is phalanx.keras.DistributedOptimizer}
+           "optimizer_alias": isinstance(hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+                                         phalanx.keras.DistributedOptimizer)}
     x = tf.constant([1.0, 2.0]) * (r + 1)
     out["eager_avg"] = hvd.allreduce(x).numpy()
     out["eager_sum"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16).numpy()
@@ -152,7 +153,7 @@ def _tf_checks():
 def test_phalanx_tensorflow_on_two_ranks():
     a, b = distributed(_tf_checks, np=2, env={"KERAS_BACKEND": "tensorflow"}, timeout=300)
     for res in (a, b):
-        assert res["alias"] and res["optimizer_alias"], "phalanx.tensorflow.keras must be phalanx.keras"
+        assert res["alias"] and res["optimizer_alias"], "phalanx.tensorflow.keras must be phalanx.keras (and its optimizer)"
         np.testing.assert_allclose(res["eager_avg"], [1.5, 3.0])
         np.testing.assert_allclose(res["eager_sum"], [3.0, 6.0])
         s, g, bc = res["graph"]

@@ -80,6 +80,20 @@ def _mismatch(tf, hvd, r, out):
         out["mismatch"] = (type(err).__name__, isinstance(err, hvd.MismatchError), "allreduce" in err.message)
     out["after_mismatch"] = float(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy()[0])
 
+    def kind_of_error(run):
+        try:
+            run()
+            return "no error"
+        except tf.errors.OpError as err:
+            return type(err).__name__, "allreduce" in err.message
+
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+        bad, good = hvd.allreduce(tf.ones([2 + r])), hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
+        out["mismatch_graph"] = kind_of_error(lambda: session.run(bad))
+        out["after_mismatch_graph"] = session.run(good).tolist()
+    out["mismatch_function"] = kind_of_error(lambda: tf.function(hvd.allreduce)(tf.ones([2 + r])))
+
 
 def _gradients(tf, hvd, r, n, out):
     w = tf.Variable([1.0, 2.0, 3.0, 4.0])
@@ -128,6 +142,43 @@ def _graph_mode(tf, hvd, r, out):
         out["eager_global_variables"] = "no error"
     except RuntimeError as err:
         out["eager_global_variables"] = str(err)
+
+
+V1_X = np.random.default_rng(3).standard_normal((8, 3)).astype("float32")
+V1_Y = np.random.default_rng(4).standard_normal((8, 1)).astype("float32")
+
+
+def _v1_graph_train(tf, x, y, wrap, steps=3):
+    """TF1 code: a linear model trained with MomentumOptimizer in a v1 graph; ``wrap`` the optimizer or not."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+        w = tf.compat.v1.Variable(np.ones((3, 1), "float32"), use_resource=True)
+        b = tf.compat.v1.Variable(np.zeros((1,), "float32"), use_resource=True)
+        loss = tf.reduce_mean((tf.matmul(x, w) + b - y) ** 2)
+        opt = wrap(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+        train_op = opt.minimize(loss)
+        local = wrap(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+        if hasattr(local, "register_local_var"):
+            local.register_local_var(b)
+        first_grads = local.compute_gradients(loss, [w, b])
+        session.run(tf.compat.v1.global_variables_initializer())
+        grads = session.run([g for g, _ in first_grads])
+        for _ in range(steps):
+            session.run(train_op)
+        return {"w": session.run(w).ravel().tolist(), "b": session.run(b).tolist(),
+                "grads": [g.ravel().tolist() for g in grads], "slots": opt.get_slot_names(),
+                "is_v1": isinstance(opt, tf.compat.v1.train.Optimizer)}
+
+
+def _v1_optimizer(tf, hvd, r, n, out):
+    rows = slice(r * 4, (r + 1) * 4)
+    out["v1_opt"] = _v1_graph_train(tf, V1_X[rows], V1_Y[rows], hvd.DistributedOptimizer)
+    out["v1_opt_ref"] = _v1_graph_train(tf, V1_X, V1_Y, lambda opt: opt)  # one process, both ranks' rows
+    try:
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=2)
+        out["v1_opt_k2"] = "no error"
+    except ValueError as err:
+        out["v1_opt_k2"] = str(err)
 
 
 def _in_function_broadcast(tf, hvd, r, out):
@@ -231,6 +282,7 @@ def _tf_body():
     _mismatch(tf, hvd, r, out)
     _gradients(tf, hvd, r, n, out)
     _graph_mode(tf, hvd, r, out)
+    _v1_optimizer(tf, hvd, r, n, out)
     _in_function_broadcast(tf, hvd, r, out)
     _tapes(tf, hvd, r, n, out)
     _sync_batch_norm(tf, hvd, r, n, out)
@@ -325,6 +377,13 @@ def test_a_cross_rank_mismatch_is_a_failed_precondition_and_the_group_goes_on(tf
         assert out["after_mismatch"] == 2.0
 
 
+def test_a_mismatch_in_a_v1_graph_or_tf_function_is_a_failed_precondition_too(tf_ranks):
+    for out in tf_ranks:
+        assert out["mismatch_graph"] == ("FailedPreconditionError", True), out["mismatch_graph"]
+        assert out["after_mismatch_graph"] == [2.0], "the graph's next collective runs"
+        assert out["mismatch_function"] == ("FailedPreconditionError", True), out["mismatch_function"]
+
+
 def _expected_gradients(r):
     """The gradient of sum(f(w * (r+1))^2 / 2) with respect to w, by Horovod's rules, for N=2."""
     w = np.array([1.0, 2.0, 3.0, 4.0])
@@ -362,6 +421,29 @@ def test_v1_session_runs_several_collectives_in_one_run(tf_ranks):
         assert summed == [3.0, 4.0] and gathered == [0.0, 1.0, 1.0] and broadcast == [2.0, 2.0]
         assert variable == [1.0, 1.0], "broadcast_global_variables(1) in the session"
         assert "broadcast_variables" in out["eager_global_variables"]
+
+
+def test_v1_optimizer_in_a_graph_trains_as_one_process_on_both_ranks_rows(tf_ranks):
+    for r, out in enumerate(tf_ranks):
+        got, ref = out["v1_opt"], out["v1_opt_ref"]
+        assert got["is_v1"] and got["slots"] == ["momentum"], "a tf.compat.v1.train.Optimizer, the inner one's slots"
+        np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-5, err_msg=f"rank {r} weights")
+        np.testing.assert_allclose(got["b"], ref["b"], rtol=1e-5, atol=1e-7, err_msg=f"rank {r} bias")
+        assert not np.allclose(ref["w"], 1.0), "the reference trained"
+        assert "backward_passes_per_step" in out["v1_opt_k2"] and "\n" not in out["v1_opt_k2"], out["v1_opt_k2"]
+
+
+def test_v1_optimizer_compute_gradients_averages_and_scales_a_local_var(tf_ranks):
+    w = np.ones((3, 1))
+    own = []
+    for q in range(N):
+        x, y = V1_X[q * 4:(q + 1) * 4].astype("float64"), V1_Y[q * 4:(q + 1) * 4].astype("float64")
+        err = x @ w - y
+        own.append((2 * x.T @ err / len(x), 2 * err.mean(0)))
+    for r, out in enumerate(tf_ranks):
+        grad_w, grad_b = out["v1_opt"]["grads"]
+        np.testing.assert_allclose(grad_w, np.mean([g[0] for g in own], 0).ravel(), rtol=1e-5)
+        np.testing.assert_allclose(grad_b, own[r][1] / N, rtol=1e-5, err_msg="local var: own gradient / size")
 
 
 def test_broadcast_variables_inside_tf_function_on_the_first_step(tf_ranks):

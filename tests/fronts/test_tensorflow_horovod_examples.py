@@ -72,12 +72,19 @@ def test_horovods_synthetic_benchmark_runs_its_tf_function_step(job):
     assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+", texts[0]), texts[0][-2000:]
 
 
-@pytest.mark.parametrize("case", ["sgd_k1", "sgd_k2", "adam_k1", "adam_k2"])
+@pytest.mark.parametrize("case", ["sgd_k1", "sgd_k2", "adam_k1", "adam_k2", "legacy-adam_k1"])
 def test_tf_keras_distributed_optimizer_matches_one_process(case, job):
     texts, _ = job
     for r, text in texts.items():
         diff = checks(text)[f"equivalence_{case}"]
         assert diff < 1e-5, f"rank {r} {case}: 2 ranks x B differ from 1 process x 2kB by {diff}"
+
+
+def test_tf_keras_legacy_optimizer_refuses_accumulation_in_one_line(job):
+    texts, _ = job
+    for text in texts.values():
+        message = checks(text)["legacy_k2"]
+        assert "backward_passes_per_step=2" in message and "tf.keras.optimizers.Adam" in message, message
 
 
 def test_tf_keras_callbacks_broadcast_average_and_warm_up(job):

@@ -4,7 +4,8 @@ Run on 2 ranks by ``tests/fronts/test_tensorflow_horovod_examples.py`` (after tw
 example scripts, in the same processes). Each check prints one line ``CHECK <name> <json>``:
 
 * ``equivalence_<opt>_k<k>``: 2 ranks x local batch B against one process with batch 2kB,
-  max |weight difference| (SGD with momentum, Adam; backward_passes_per_step 1 and 2);
+  max |weight difference| (SGD with momentum, Adam; backward_passes_per_step 1 and 2; the legacy
+  Adam, ``tf.keras.optimizers.legacy``, k = 1; ``legacy_k2``: k = 2 there is refused in one line);
 * ``callbacks``: after a fit with the broadcast, metric-average and warm-up callbacks, whether
   the ranks' weights agree, the averaged loss and the learning rate of each batch;
 * ``state``: KerasState's sync then restore on a tf-keras model;
@@ -46,6 +47,8 @@ def local_rows(x, global_batch, rank, size):
 
 
 def optimizer(kind):
+    if kind == "legacy-adam":  # an OptimizerV2 (tf.keras.optimizers.legacy), with its deprecated lr=
+        return tf.keras.optimizers.legacy.Adam(lr=0.01)
     return tf.keras.optimizers.SGD(0.1, momentum=0.9) if kind == "sgd" else tf.keras.optimizers.Adam(0.01)
 
 
@@ -117,6 +120,12 @@ def main():
     for kind in ("sgd", "adam"):
         for k in (1, 2):
             check(f"equivalence_{kind}_k{k}", equivalence(kind, k))
+    check("equivalence_legacy-adam_k1", equivalence("legacy-adam", 1))
+    try:
+        hvd.DistributedOptimizer(optimizer("legacy-adam"), backward_passes_per_step=2)
+        check("legacy_k2", "no error")
+    except ValueError as err:
+        check("legacy_k2", str(err))
     check("callbacks", callbacks())
     check("state", state())
     check("partial", partial())
