@@ -18,6 +18,10 @@ between the short-lived fp32 moments and the long-lived bytes, and a 4-rank ZeRO
 run's resident set grew by ~250 MiB in the first step, more than the 6 bytes a
 parameter the state saves (benchmarks/LOG.md, big-model-cpu-run3).
 
+What this file adds: the step clamps m̂/√v̂ to the most exact Adam can reach
+(:func:`_ratio_bound`), against a second moment that underflowed to code 0 in a
+block whose scale another parameter sets (ZeRO's flat shards).
+
 What the paper adds and this file does not: its "stable embedding" layer
 (layer norm after the embedding, for NLP models trained from scratch at large
 scale), and keeping 32-bit state for tensors under 4,096 elements.
@@ -148,6 +152,7 @@ class Adam8bit(torch.optim.Optimizer):
             p.mul_(1 - lr * wd)
         p_flat, g_flat = _flat(p), _flat(p.grad)
         bc2_sqrt, step_size = (1 - beta2**t) ** 0.5, -lr / (1 - beta1**t)
+        limit = _ratio_bound(beta1, beta2, t)
         for lo in range(0, p.numel(), SLICE):
             n = min(SLICE, p.numel() - lo)
             span, blocks = slice(lo, lo + padded(n)), slice(lo // BLOCK, (lo + padded(n)) // BLOCK)
@@ -166,7 +171,11 @@ class Adam8bit(torch.optim.Optimizer):
             v[n:].zero_()
             # torch.optim.Adam's order of operations, so a run with no rounding matches it
             denom = (v[:n].sqrt() / bc2_sqrt).add_(eps)
-            ps.addcdiv_(m[:n].to(p.dtype), denom.to(p.dtype), value=step_size)
+            if limit is None:
+                ps.addcdiv_(m[:n].to(p.dtype), denom.to(p.dtype), value=step_size)
+            else:  # no element moves further than exact Adam can move one (see _ratio_bound)
+                ratio = torch.div(m[:n], denom, out=denom).clamp_(-limit, limit)
+                ps.add_(ratio.to(p.dtype), alpha=step_size)
             del denom, g
             quantize_(m, CODE_SIGNED, st["exp_avg_q"][span], st["exp_avg_absmax"][blocks], ws)
             quantize_(v, CODE_UNSIGNED, st["exp_avg_sq_q"][span], st["exp_avg_sq_absmax"][blocks], ws)
@@ -207,6 +216,24 @@ class Adam8bit(torch.optim.Optimizer):
         """Quantize fp32 moments (torch Adam's keys, any shape of ``p.numel()`` elements) into ``p``'s state."""
         st = self.state[p] = {"step": torch.as_tensor(state["step"], dtype=torch.float32).clone()}
         self._store(st, state["exp_avg"].float().reshape(-1), state["exp_avg_sq"].float().reshape(-1))
+
+
+def _ratio_bound(beta1: float, beta2: float, t: float) -> float | None:
+    """The most exact Adam's ``m_t / (sqrt(v_t) / sqrt(1 - β2^t))`` can be: the ratio the step multiplies
+    by ``lr / (1 - β1^t)`` (``None``: no bound, when β1² >= β2).
+
+    By Cauchy-Schwarz on m_t = (1-β1) Σ β1^k g_(t-k) against v_t = (1-β2) Σ β2^k g²_(t-k):
+    |m_t| <= (1-β1) sqrt(Σ (β1²/β2)^k) sqrt(v_t / (1-β2)), the sum over k < t. A quantized
+    second moment can underflow to 0 in a block whose scale another element sets (ZeRO's flat
+    shards put several parameters in one block) while the signed first moment, scaled by its own
+    block, does not: the update m/(0 + eps) would then be ~1e5 x lr. Clamping the ratio to what
+    exact Adam can reach leaves every exact-Adam update as it is and bounds that one.
+    """
+    r = beta1 * beta1 / beta2
+    if r >= 1:
+        return None
+    bound = (1 - beta1) * ((1 - r**t) / (1 - r) / (1 - beta2)) ** 0.5
+    return bound * (1 - beta2**t) ** 0.5
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -411,6 +411,20 @@ def test_quantize_table_picks_the_nearest_code():
         assert (back - x).norm() / x.norm() < 0.02
 
 
+@pytest.mark.unit
+def test_eight_bit_step_moves_no_element_further_than_adam_can():
+    """A block whose second moment underflows to code 0 for its small elements (one large element sets
+    the block's scale, as in ZeRO's flat shards) while their first moments survive: without the bound
+    on m/sqrt(v) a zero gradient then moves them by ~lr·m/eps. Exact Adam moves none by more than ~lr."""
+    p = torch.nn.Parameter(torch.zeros(2048))
+    opt = Adam8bit([p], lr=1e-2)
+    for g in (torch.full((2048,), 1e-6), torch.zeros(2048)):
+        g[0] = 1.0
+        p.grad = g
+        opt.step()
+    assert p.abs().max().item() <= 2 * 1e-2 * 1.001, p.abs().max().item()
+
+
 def _saved_bytes(recompute: bool, layers: int) -> int:
     """Bytes autograd keeps from one forward (parameters excluded), each storage counted once."""
     m = hf_model("llama", layers=layers)
