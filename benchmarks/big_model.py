@@ -3,7 +3,7 @@
 Run:  flock /tmp/phalanx-bench.lock python benchmarks/big_model.py [--device cpu|cuda] [--np 4]
           [--budget-mib 1024] [--sizes 256x4,384x6,512x8] [--seq 128] [--batch 2] [--steps 2]
           [--systems phalanx,phalanx-32bit,phalanx-pp,fsdp2,deepspeed]
-      MALLOC_MMAP_THRESHOLD_=65536 is set for the ranks on the CPU (RSS then follows live bytes).
+      On the CPU each rank sets glibc's mmap threshold to 64 KiB (mallopt) so RSS follows live bytes.
 
 Model: Hugging Face ``LlamaForCausalLM`` from a config with random weights, ``HxL`` = hidden size
 H and L decoder layers, H/64 heads of 64, H/256 key/value heads (at least 1), MLP 8H/3 (rounded to
@@ -50,6 +50,19 @@ def _rss() -> int:
 def _hwm() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def _mmap_threshold(nbytes: int) -> bool:
+    """glibc's ``M_MMAP_THRESHOLD``, set in this process: blocks from ``nbytes`` up get their own mapping,
+    returned to the system when freed, so the resident set follows live bytes. The environment
+    variable ``MALLOC_MMAP_THRESHOLD_`` would not do: ranks are forks of a forkserver whose malloc
+    was set up before any rank's environment (runs 1 and 2 of LOG.md were measured that way)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(-3, nbytes) == 1  # M_MMAP_THRESHOLD = -3
+    except OSError:
+        return False
 
 
 def _llama(h, layers, vocab, seq):
@@ -163,6 +176,8 @@ def _bench(system, h, layers, vocab, seq, batch, steps, budget):
             import deepspeed  # noqa: F401
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"}
+    if not cuda and not _mmap_threshold(65536):
+        return {"ok": False, "error": "could not set glibc's mmap threshold (not glibc?): RSS would not follow live bytes"}
     base = torch.cuda.memory_allocated(device) if cuda else _rss()
     try:
         with device:  # every system starts from the full model on every rank (none builds on meta here)
@@ -223,8 +238,6 @@ def main() -> None:
     env = {"PHALANX_BACKEND": "gloo"}
     if a.device == "cuda":
         env["PHALANX_DEVICE"] = "cuda:0"  # every rank on the one GPU, gloo (NCCL needs a GPU per rank)
-    else:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     print(f"device {a.device}, np={a.np}, budget {a.budget_mib:.0f} MiB/rank, seq {a.seq}, batch {a.batch}/rank, "
           f"vocab {a.vocab}, {a.steps} steps, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     rows = {}

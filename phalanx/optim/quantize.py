@@ -30,7 +30,8 @@ import math
 
 import torch
 
-__all__ = ["BLOCK", "dynamic_code", "quantize", "dequantize", "padded", "CODE_SIGNED", "CODE_UNSIGNED"]
+__all__ = ["BLOCK", "dynamic_code", "quantize", "dequantize", "quantize_", "dequantize_", "Workspace", "padded",
+           "CODE_SIGNED", "CODE_UNSIGNED"]
 
 # The paper's block size: smaller blocks would track outliers more closely but add 4 bytes of
 # scale per block; at 2,048 the scale costs 0.2% of the state.
@@ -92,21 +93,54 @@ def padded(numel: int) -> int:
     return max(1, math.ceil(numel / BLOCK)) * BLOCK
 
 
+class Workspace:
+    """The scratch buffers of :func:`quantize_` / :func:`dequantize_` for up to ``numel`` elements
+    (rounded up to whole blocks): an int32 index and an fp16 copy, 6 bytes an element.
+
+    Allocated once per optimizer step and reused for every tensor, so quantizing in place allocates
+    nothing: the allocator sees the same few blocks each step instead of a train of short-lived ones
+    between the long-lived state (which glibc's heap would keep as holes, see :mod:`phalanx.optim.adam8bit`).
+    """
+
+    def __init__(self, numel: int, device) -> None:
+        n = padded(numel)
+        self.index = torch.empty(n, dtype=torch.int32, device=device)
+        self.half = torch.empty(n, dtype=torch.float16, device=device)
+
+
+def dequantize_(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
+    """``out`` (fp32, ``q.numel()`` long, a multiple of BLOCK) = the values :func:`quantize_` stored."""
+    index = ws.index[: q.numel()]
+    index.copy_(q)
+    torch.index_select(code.to(q.device), 0, index, out=out)
+    out.view(-1, BLOCK).mul_(absmax.unsqueeze(1))
+
+
+def quantize_(x: torch.Tensor, code: torch.Tensor, q: torch.Tensor, absmax: torch.Tensor, ws: Workspace) -> None:
+    """``x`` (fp32, flat, a multiple of BLOCK long) → ``q`` (uint8) and ``absmax`` (fp32, one per block),
+    in place. ``x`` is overwritten (divided by its block scales)."""
+    blocks = x.view(-1, BLOCK)
+    torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1, out=absmax)
+    blocks.div_(absmax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
+    half, index = ws.half[: x.numel()], ws.index[: x.numel()]
+    half.copy_(x)
+    index.copy_(half.view(torch.int16)).bitwise_and_(0xFFFF)  # the fp16 bit pattern, as unsigned
+    torch.index_select(_table(code, x.device), 0, index, out=q)
+
+
 def quantize(x: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any shape) → (uint8 indices [padded(numel)], fp32 block scales [padded/BLOCK])."""
-    flat = x.detach().reshape(-1).float()
-    n = flat.numel()
-    if padded(n) != n:
-        flat = torch.nn.functional.pad(flat, (0, padded(n) - n))
-    blocks = flat.view(-1, BLOCK)
-    absmax = blocks.abs().amax(dim=1)
-    normed = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
-    # a negative int16 pattern indexes from the table's end, i.e. at its unsigned value
-    bits = normed.reshape(-1).to(torch.float16).view(torch.int16).to(torch.int32)
-    return _table(code, flat.device)[bits], absmax
+    n = x.numel()
+    flat = torch.zeros(padded(n), dtype=torch.float32, device=x.device)
+    flat[:n] = x.detach().reshape(-1)
+    q = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(flat.numel() // BLOCK, dtype=torch.float32, device=x.device)
+    quantize_(flat, code, q, absmax, Workspace(n, x.device))
+    return q, absmax
 
 
 def dequantize(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, numel: int) -> torch.Tensor:
     """The fp32 values (flat, ``numel`` long) that :func:`quantize` stored."""
-    values = code.to(q.device)[q.to(torch.int32)].view(-1, BLOCK) * absmax.unsqueeze(1)
-    return values.reshape(-1)[:numel]
+    out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+    dequantize_(q, absmax, code, out, Workspace(q.numel(), q.device))
+    return out[:numel]

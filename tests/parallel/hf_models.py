@@ -26,11 +26,63 @@ def hf_model(kind: str, tie: bool = True, layers: int = 2):
     return LlamaForCausalLM(cfg)
 
 
+class _Anything:
+    """Stands for any attribute of the triton stub: callable, indexable, and a decorator that keeps the function."""
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+    def __getattr__(self, name):
+        return self
+
+    def __getitem__(self, key):
+        return self
+
+
+def _stub_attribute(name: str):
+    if name.startswith("__"):  # __file__, __path__, ...: a plain module's answer (inspect walks sys.modules)
+        raise AttributeError(name)
+    return _Anything()
+
+
+def _import_titan():
+    """``torchtitan.models.llama3``. torchtitan 0.3 imports triton at module level for its expert-parallel
+    kernels (``torchtitan.distributed.minimal_async_ep.kernels``: ``@triton.jit`` functions and ``tl.*``
+    annotations), which a dense Llama never calls; its pip metadata does not pull triton in, and
+    triton's LLVM clashes with TensorFlow's in one process. Where triton is absent a stub stands in
+    for the import only, and is taken out of ``sys.modules`` again so that nothing after it (torch's
+    own ``has_triton`` checks) sees a triton. It goes in only after a first import without it has
+    failed on triton: by then torch's modules that probe for triton have loaded, and found none."""
+    import sys
+    import types
+
+    try:  # first without: whatever imports cleanly (torch's own modules, which probe for triton) stays loaded
+        import torchtitan.models.llama3 as titan
+
+        return titan
+    except ModuleNotFoundError as e:
+        if e.name != "triton" or "triton" in sys.modules:
+            raise
+    stubs = {}
+    for name in ("triton", "triton.language"):
+        mod = types.ModuleType(name)
+        mod.__getattr__ = _stub_attribute
+        stubs[name] = sys.modules[name] = mod
+    stubs["triton"].language = stubs["triton.language"]
+    try:
+        import torchtitan.models.llama3 as titan
+    finally:
+        for name, mod in stubs.items():
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+    return titan
+
+
 def titan_model(layers: int = 2):
     """torchtitan's Llama 3 (4 heads, 2 key/value heads), with torchtitan's SDPA attention module in place of
     its default flex attention: torchtitan 0.3 refuses ``attn_backend="sdpa"`` for language models, and
     torch's FlexAttention "does not support backward on CPU"."""
-    import torchtitan.models.llama3 as titan
+    titan = _import_titan()
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.rope import ComplexRoPE
@@ -76,12 +128,6 @@ def max_diff(sd: dict, ref: dict, skip: str = "") -> float:
 
 
 def have(kind: str) -> bool:
-    """transformers importable; torchtitan's Llama 3 importable (torchtitan 0.3 imports triton, which
-    its pip metadata does not pull in, so a torchtitan without triton is not there for these tests)."""
-    if kind != "titan":
-        return importlib.util.find_spec("transformers") is not None
-    try:
-        import torchtitan.models.llama3  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure: the titan cases skip with their reason
-        return False
-    return True
+    """transformers / torchtitan installed (found, not imported: torchtitan is imported in the ranks,
+    through :func:`_import_titan`, which stands a stub in for triton where it is absent)."""
+    return importlib.util.find_spec("torchtitan" if kind == "titan" else "transformers") is not None
