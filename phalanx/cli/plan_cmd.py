@@ -45,6 +45,8 @@ def register(subparsers) -> None:
                    help="a named hardware profile (planner.hardware, e.g. h100-ib400); with --gpus and a named "
                         "--model (planner.workloads, e.g. gpt-13b) it ranks dp x tp x pp layouts on that machine")
     p.add_argument("--gpus", type=int, default=None, help="GPUs for --hardware")
+    p.add_argument("--state-bits", type=int, default=32, choices=(32, 8),
+                   help="optimizer state in 32 bits or block-wise 8 bits (px.zero(..., state_bits=8)), for --hardware")
     p.add_argument("--batch-per-gpu", type=float, default=None,
                    help="samples per GPU for --hardware (default 64 images or 2 sequences)")
     p.set_defaults(func=main)
@@ -102,13 +104,16 @@ def main(args: argparse.Namespace) -> int:
             if not (args.hardware and args.gpus and args.model):
                 raise ValueError("give --hardware NAME, --gpus N and --model NAME together")
             print("\n".join(scaling.plan(args.model, args.hardware, args.gpus, batch_per_gpu=args.batch_per_gpu,
-                                         top=args.top)))
+                                         top=args.top, state_bits=args.state_bits)))
         except ValueError as err:
             print(f"phalanx plan: {err}", file=sys.stderr)
             return 2
         return 0
     try:
         _check(args)
+        if args.state_bits != 32:
+            raise ValueError("--state-bits is priced for --hardware plans only; add --hardware NAME --gpus N "
+                             "--model NAME, or leave it out")
         params, tensor_bytes = _model_sizes(args.model) if args.model else (args.params, ())
         if args.model and not params:
             raise ValueError(f"--model {args.model}: the model has no trainable parameters")

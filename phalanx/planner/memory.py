@@ -6,7 +6,9 @@ architecture, and the allocator's overhead, so that "fits" means it fits.
     states       params + grads + optimizer, each divided by dp where the data-parallel strategy
                  shards it (phalanx.parallel.composition: ZeRO-1 the optimizer, 2 + grads, 3 + params)
                  and by tp x pp; mixed precision with Adam: 2 + 2 + 12 bytes a parameter (fp32 master
-                 and two moments), fp32 with momentum: 4 + 4 + 4
+                 and two moments), fp32 with momentum: 4 + 4 + 4; with 8-bit state (``state_bits=8``,
+                 Dettmers et al. 2021, arXiv:2110.02861) each 4-byte moment is 1 byte + a 4-byte absmax
+                 per block of 2048, and the step's fp32 scratch is one slice of 2^20 elements (~26 MiB)
     gathered     ZeRO-3: the module being run and the one prefetched, whole, in the compute dtype
     residuals    lossy compression (int8, PowerSGD): error feedback keeps one gradient-sized buffer
     activations  a transformer block keeps s b h (10 + 24/t) bytes in 16 bits (Korthikanti et al. 2022,
@@ -25,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+from phalanx.optim.adam8bit import SLICE
+from phalanx.optim.quantize import BLOCK
 from phalanx.parallel import composition
 from phalanx.planner.workloads import Workload
 
@@ -35,6 +39,9 @@ FRAGMENTATION = 1.21
 DataParallel (1.03) and ZeRO-1/2/3 (1.20, 1.21, 1.20) in benchmarks/results/gpu-h100-run1.jsonl (the
 ``zero_memory`` step: 12 x Linear(4096, 4096), AdamW, bf16). The CUDA context and NCCL's buffers sit outside
 the allocator and are not counted."""
+
+STEP_SCRATCH_BYTES_PER_ELEMENT = 26
+"""phalanx.optim.Adam8bit's step: fp32 moments, update and temporaries of one slice, ~26 bytes an element"""
 
 LOSSY = ("int8", "powersgd")
 """compressors with error feedback: one residual the size of the gradient"""
@@ -57,6 +64,11 @@ def per_gpu(w: Workload, job) -> float:
     axis = composition.by_name(job.strategy)
     n = w.params / (job.tp * job.pp)
     wb, gb, ob = (4.0, 4.0, 4.0) if w.precision == "fp32" else (2.0, 2.0, 12.0)
+    scratch = 0.0
+    if job.state_bits == 8:
+        moments = 4.0 if w.precision == "fp32" else 8.0     # momentum, or Adam's two moments
+        ob += moments / 4 * (1 + 4 / BLOCK) - moments
+        scratch = STEP_SCRATCH_BYTES_PER_ELEMENT * SLICE
     states = n * (wb / (job.dp if "params" in axis.shards else 1)
                   + gb / (job.dp if "grads" in axis.shards else 1)
                   + ob / (job.dp if "optimizer" in axis.shards else 1))
@@ -70,4 +82,4 @@ def per_gpu(w: Workload, job) -> float:
     m = max(1, per_replica / job.micro_batch) if job.pp > 1 else 1
     in_flight = min(job.pp, m) if job.pp > 1 else 1
     acts = activations(w, micro, job.tp, 4 if w.precision == "fp32" else 2) * in_flight / job.pp
-    return (states + gathered + residual + acts) * FRAGMENTATION
+    return (states + gathered + residual + acts + scratch) * FRAGMENTATION

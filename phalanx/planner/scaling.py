@@ -88,6 +88,9 @@ class Job:
     accumulate: bool = False
     """pp = 1: the per-replica batch runs as micro-batches of ``micro_batch`` (gradient accumulation, as
     Megatron-LM does); False: as one pass. Priced on kernel-table GPUs (the GEMMs' shapes change)"""
+    state_bits: int = 32
+    """Adam's two moments (or SGD's momentum) in 32 bits, or block-wise 8-bit (``state_bits=8`` of px.zero
+    and DistributedOptimizer: phalanx.optim.Adam8bit; memory only, the step time is not priced)"""
     regather: bool = True
     """ZeRO-3 under a pipeline gathers the parameters again for every micro-batch (phalanx's); False: once a
     step (FSDP2 with reshard_after_forward=False, as torchtitan runs it with pipeline parallel)"""
@@ -275,7 +278,7 @@ def _kernel_compute(w: Workload, hw: Hardware, job: Job, per_replica: float, m: 
 
 def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *,
            compressions=COMPRESSIONS, algorithms=collectives.ALGORITHMS, micro_batches=(1, 2, 4),
-           bucket_mb: float = 25.0) -> list[ScalePrediction]:
+           bucket_mb: float = 25.0, state_bits: int = 32) -> list[ScalePrediction]:
     """Every dp x tp x pp layout of ``gpus`` that phalanx builds and that fits the GPU's memory, fastest first.
 
     The data-parallel choices (strategy, compressor, algorithm) are
@@ -300,7 +303,8 @@ def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *,
         for (zero, comp, alg), mb in itertools.product(dict.fromkeys(choices), micro_batches if pp > 1 else (1,)):
             if pp > 1 and (global_batch / dp) % mb:
                 continue
-            job = Job(dp, global_batch, tp, pp, mb, 1, zero, comp, alg, bucket_mb, overlap=pp == 1)
+            job = Job(dp, global_batch, tp, pp, mb, 1, zero, comp, alg, bucket_mb, overlap=pp == 1,
+                      state_bits=state_bits)
             p = predict(w, hw, job)
             if p.fits(hw):
                 out.append(p)
@@ -353,7 +357,7 @@ DEFAULT_BATCH_PER_GPU = {"cnn": 64, "transformer": 2}
 
 
 def plan(model: str, hardware_name: str, gpus: int, *, batch_per_gpu: float | None = None,
-         global_batch: float | None = None, top: int = 5) -> list[str]:
+         global_batch: float | None = None, top: int = 5, state_bits: int = 32) -> list[str]:
     """``phalanx plan --gpus N --hardware H --model M``: the ranked layouts and why the first wins."""
     from phalanx.planner import hardware, workloads
 
@@ -364,7 +368,9 @@ def plan(model: str, hardware_name: str, gpus: int, *, batch_per_gpu: float | No
         raise ValueError(f"--hardware {hardware_name} has no network figures for a GPU plan; choose a GPU profile")
     if global_batch is None:
         global_batch = gpus * (batch_per_gpu or DEFAULT_BATCH_PER_GPU[w.kind])
-    ranked = search(w, hw, gpus, global_batch)
+    if state_bits not in (32, 8):
+        raise ValueError(f"--state-bits must be 32 or 8, got {state_bits}")
+    ranked = search(w, hw, gpus, global_batch, state_bits=state_bits)
     head = (f"{w.name}: {w.params / 1e9:.2f}B params, {w.train_flops_per_sample / 1e9:.1f} GFLOP/sample; "
             f"{gpus} x {hw.gpu.name} ({hw.node.gpus}/node, {hw.network.name}), global batch {global_batch:g}; "
             f"{len(ranked)} layouts fit")

@@ -4,6 +4,8 @@
 import argparse
 import dataclasses
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -201,3 +203,24 @@ def test_memory_counts_activations_and_the_measured_allocator_overhead():
     states = w.params * 16 / 8
     gathered = 2 * max(layer.params for layer in w.layers) * 2
     assert memory.per_gpu(w, job) == pytest.approx((states + gathered + want) * memory.FRAGMENTATION)
+
+
+def test_eight_bit_state_is_priced_as_adam8bit_stores_it():
+    """state_bits=8: each 4-byte moment becomes 1 byte + a 4-byte absmax a block of 2048, plus one
+    slice of fp32 scratch in the step; `phalanx plan --state-bits 8` without --hardware is one line."""
+    from phalanx.optim.adam8bit import SLICE
+    from phalanx.planner import memory
+
+    w = workloads.get("gpt-13b")
+    full, eight = scaling.Job(dp=8, global_batch=16, zero=3), scaling.Job(dp=8, global_batch=16, zero=3, state_bits=8)
+    saved = w.params * (8 - 2 * (1 + 4 / 2048)) / 8
+    extra = memory.STEP_SCRATCH_BYTES_PER_ELEMENT * SLICE
+    assert memory.per_gpu(w, eight) == pytest.approx((memory.per_gpu(w, full) / memory.FRAGMENTATION - saved + extra)
+                                                     * memory.FRAGMENTATION)
+    lines = scaling.plan("gpt-13b", "h100-ib400", 8, state_bits=8, top=1)
+    assert "layouts fit" in lines[0]
+    with pytest.raises(ValueError, match="--state-bits must be 32 or 8"):
+        scaling.plan("gpt-13b", "h100-ib400", 8, state_bits=4)
+    p = subprocess.run([sys.executable, "-m", "phalanx", "plan", "--params", "1e9", "--state-bits", "8"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().startswith("phalanx plan: --state-bits is priced for --hardware"), p.stderr
