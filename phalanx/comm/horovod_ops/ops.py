@@ -16,20 +16,23 @@ Each function takes a :class:`~phalanx.comm.horovod_ops.process_sets.ProcessSet`
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from phalanx import runtime
 from phalanx.comm import collectives as c
 from phalanx.comm.horovod_ops import adasum, negotiate
 from phalanx.comm.horovod_ops.dtypes import FusedHandle, fuse, to_wire
 from phalanx.comm.horovod_ops.process_sets import ProcessSet, global_process_set, group_of
-from phalanx.comm.mismatch import default_device
+from phalanx.comm.mismatch import CollectiveMismatchError, default_device
 
 __all__ = [
     "ADASUM", "HorovodInternalError", "CompositeHandle", "allreduce_async", "grouped_allreduce_async",
     "allgather_async", "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
     "grouped_reducescatter_async", "sparse_allreduce_async", "barrier", "broadcast_object", "allgather_object",
-    "join", "poll", "synchronize", "adasum_combine",
+    "join", "poll", "synchronize", "adasum_combine", "DeferredHandle", "reset",
 ]
 
 ADASUM = "adasum"
@@ -62,23 +65,134 @@ class CompositeHandle(c.Handle):
 
 # ---------------------------------------------------------------- names and negotiation
 _in_flight: dict[tuple, c.Handle] = {}
+_pending: dict[str, DeferredHandle] = {}  # named ops on the global set, submitted here, not started
 
 
-def _start(kind: str, name, ps: ProcessSet, tensor: torch.Tensor | None, **extra):
-    """Common prologue: the group, the duplicate-name check, the join negotiation.
-    Returns ``(group, check)``; ``check`` is False once the ranks' descriptors were compared."""
-    group = group_of(ps)
-    if name is not None:
-        previous = _in_flight.get((ps.process_set_id, name))
-        if previous is not None and not previous.done:
-            raise ValueError(f"{kind}: a collective named {name!r} is already in flight on {ps}; "
-                             "synchronize it first or give pending operations unique names")
+class DeferredHandle(c.Handle):
+    """A named collective on the global set, submitted but not started: it starts in the first
+    round (``synchronize()`` or a facade collective, on every rank) in which every training rank
+    has submitted its name, as Horovod's coordinator matches collectives by name
+    (:mod:`phalanx.comm.horovod_ops.negotiate`). ``poll`` is False until then."""
+
+    def __init__(self, desc: dict, run) -> None:
+        super().__init__(None, None)
+        self.desc, self._run, self._inner, self._refused, self._polled = desc, run, None, None, None
+
+    @property
+    def started(self) -> bool:
+        return self._inner is not None
+
+    def start(self, refused: str | None = None) -> None:
+        """Launch it (every rank does so in the same round, in the same order), or record why the
+        training ranks refuse it (a kind Horovod does not support while a rank has joined)."""
+        if refused is not None:
+            self._refused, self._inner = refused, c.Handle(None, None)
+        else:
+            self._inner = self._run(None, False)
+
+    def is_completed(self) -> bool:
+        if self._inner is None:
+            # a loop that only polls would never start it: bounded by the collective timeout
+            now = time.monotonic()
+            self._polled = self._polled or now
+            if now - self._polled > runtime.topology().timeout_s:
+                raise HorovodInternalError(
+                    f"poll: {self.desc['call']} {self.desc['name']!r} has not started within the collective "
+                    "timeout: a named asynchronous collective starts at the next synchronize() or facade "
+                    "collective of every rank; call hvd.synchronize(handle)")
+            return False
+        return self._done or self._inner.is_completed()
+
+    def wait(self):
+        if not self._done:
+            while self._inner is None:
+                _settle(sync=self)
+            if self._refused is not None:
+                raise HorovodInternalError(self._refused)
+            self._result, self._done = self._inner.wait(), True
+        return self._result
+
+
+def _settle(desc: dict | None = None, sync: DeferredHandle | None = None) -> bool:
+    """Negotiation rounds (:mod:`~phalanx.comm.horovod_ops.negotiate`) until this rank's blocking call
+    ``desc`` may run (True: it was checked across ranks) or until ``sync``, a pending named op, has
+    started. Every round starts the pending names that every training rank has submitted."""
+    while True:
+        mine = list(_pending.values())
+        if sync is not None:
+            code = negotiate.digest(sync.desc) if mine == [sync] else negotiate.PENDING
+        else:
+            code = negotiate.PENDING if mine else negotiate.digest(desc)
+        high, low, joined = negotiate.probe(code, desc or sync.desc)
+        if not joined and high == -low == code != negotiate.PENDING:  # every rank: this same call
+            if sync is None:
+                return True
+            del _pending[sync.desc["name"]]
+            sync.start()
+            return False
+        try:
+            plan = negotiate.plan(negotiate.exchange({
+                "call": desc, "sync": None if sync is None else sync.desc["name"],
+                "pending": [h.desc for h in mine], "joined": False}))
+        except CollectiveMismatchError as err:
+            for h in mine:  # every rank drops its pending names: the next call starts afresh
+                del _pending[h.desc["name"]]
+                h.start(refused=str(err))
+            raise
+        for d in plan.ready:
+            _pending.pop(d["name"]).start(negotiate.refusal(d, plan.joined))
+        if sync is not None:
+            if sync.started:
+                return False
+        elif plan.call is not None:
+            refused = negotiate.refusal(plan.call, plan.joined)
+            if refused is not None:
+                raise HorovodInternalError(refused)
+            return True
+
+
+def _describe(kind: str, name, tensor: torch.Tensor | None, extra: dict) -> dict:
     shape = None if tensor is None else tuple(tensor.shape)
     if shape and kind in ("allgather", "alltoall"):
         shape = ("*",) + shape[1:]
-    desc = {"call": kind, "name": name, "dtype": None if tensor is None else str(tensor.dtype), "shape": shape,
+    return {"call": kind, "name": name, "dtype": None if tensor is None else str(tensor.dtype), "shape": shape,
             **extra}
-    return group, not negotiate.announce(desc, group)
+
+
+def _check_name(kind: str, name, ps: ProcessSet) -> None:
+    if name is not None:
+        previous = _in_flight.get((ps.process_set_id, name))
+        if previous is not None and not previous.is_completed():
+            raise ValueError(f"{kind}: a collective named {name!r} is already in flight on {ps}; "
+                             "synchronize it first or give pending operations unique names")
+
+
+def _start(kind: str, name, ps: ProcessSet, tensor: torch.Tensor | None, **extra):
+    """A blocking call's prologue: the group, the duplicate-name check, the negotiation.
+    Returns ``(group, check)``; ``check`` is False once the ranks' calls were compared."""
+    group = group_of(ps)
+    _check_name(kind, name, ps)
+    desc = _describe(kind, name, tensor, extra)
+    return group, not (negotiate.active(group) and _settle(desc))
+
+
+def _submit(kind: str, name, ps: ProcessSet, tensor: torch.Tensor, run, **extra) -> c.Handle:
+    """An asynchronous call: ``run(group, check)`` launches it and returns its handle. A named call
+    on the global set waits in the pending list (a :class:`DeferredHandle`) and never blocks here."""
+    group = group_of(ps)
+    _check_name(kind, name, ps)
+    desc = _describe(kind, name, tensor, extra)
+    if name is not None and negotiate.active(group):
+        handle = _pending[name] = DeferredHandle(desc, run)
+    else:
+        handle = run(group, not (negotiate.active(group) and _settle(desc)))
+    return _track(name, ps, handle)
+
+
+def reset() -> None:
+    """Forget pending names (``hvd.init()`` / ``hvd.shutdown()``: a new job has none)."""
+    _pending.clear()
+    _in_flight.clear()
 
 
 def _track(name, ps: ProcessSet, handle: c.Handle) -> c.Handle:
@@ -89,10 +203,11 @@ def _track(name, ps: ProcessSet, handle: c.Handle) -> c.Handle:
 
 def synchronize(handle):
     """Wait for an asynchronous operation and return its result."""
-    result = handle.wait()
-    for key in [k for k, h in _in_flight.items() if h is handle]:
-        del _in_flight[key]
-    return result
+    try:
+        return handle.wait()
+    finally:
+        for key in [k for k, h in _in_flight.items() if h is handle]:
+            del _in_flight[key]
 
 
 def poll(handle) -> bool:
@@ -150,31 +265,31 @@ def _op_value(op) -> str:
 
 def allreduce_async(tensor, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None, inplace=False):
-    ps = process_set or global_process_set
-    group, check = _start("allreduce", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
-                          post=postscale_factor)
-    return _track(name, ps, _allreduce(tensor, op, prescale_factor, postscale_factor, group, check, inplace, name))
+    return _submit("allreduce", name, process_set or global_process_set, tensor, lambda group, check: _allreduce(
+        tensor, op, prescale_factor, postscale_factor, group, check, inplace, name),
+        op=_op_value(op), pre=prescale_factor, post=postscale_factor)
 
 
 def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=None, inplace=False):
     """One fused collective per dtype (Horovod's grouped allreduce); results split back per tensor."""
     ps, tensors = process_set or global_process_set, list(tensors)
+    _check_name("grouped_allreduce", name, ps)
     parts = []
     for k, (idx, flat) in enumerate(fuse(tensors)):
         part_name = None if name is None else f"{name}.{k}"
-        group, check = _start("allreduce", part_name, ps, flat, op=_op_value(op), pre=prescale_factor,
-                              post=postscale_factor)
         counts = [tensors[j].numel() for j in idx] if op == ADASUM else None  # Adasum: per tensor
-        parts.append((idx, _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True,
-                                         part_name, counts)))
+
+        def run(group, check, flat=flat, part_name=part_name, counts=counts):
+            return _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True, part_name, counts)
+        parts.append((idx, _submit("allreduce", part_name, ps, flat, run, op=_op_value(op), pre=prescale_factor,
+                                   post=postscale_factor)))
     return _track(name, ps, FusedHandle(parts, tensors, inplace))
 
 
 def allgather_async(tensor, name=None, process_set=None):
-    ps = process_set or global_process_set
-    group, check = _start("allgather", name, ps, tensor)
-    return _track(name, ps, _allgather(tensor, group, check, name))
+    return _submit("allgather", name, process_set or global_process_set, tensor,
+                   lambda group, check: _allgather(tensor, group, check, name))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None):
@@ -184,29 +299,27 @@ def grouped_allgather_async(tensors, name=None, process_set=None):
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None, inplace=False):
-    ps = process_set or global_process_set
-    group, check = _start("broadcast", name, ps, tensor, root=int(root_rank))
-    return _track(name, ps, _broadcast(tensor, int(root_rank), group, check, inplace, name))
+    root = int(root_rank)
+    return _submit("broadcast", name, process_set or global_process_set, tensor,
+                   lambda group, check: _broadcast(tensor, root, group, check, inplace, name), root=root)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """Returns ``(received, received_splits)`` when synchronized."""
-    ps = process_set or global_process_set
-    group, check = _start("alltoall", name, ps, tensor)
-    return _track(name, ps, _alltoall(tensor, splits, group, check, name))
+    return _submit("alltoall", name, process_set or global_process_set, tensor,
+                   lambda group, check: _alltoall(tensor, splits, group, check, name))
 
 
 def reducescatter_async(tensor, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
-    ps = process_set or global_process_set
     if tensor.dim() == 0:
         raise HorovodInternalError("reducescatter: a scalar (0-d tensor) cannot be scattered over the ranks; "
                                    "pass a tensor whose first dimension is split across them")
     if _op_value(op) not in ("sum", "average"):
         raise HorovodInternalError(f"reducescatter supports op=Sum or Average, got {op}")
-    group, check = _start("reducescatter", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
-                          post=postscale_factor)
-    return _track(name, ps, _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name))
+    return _submit("reducescatter", name, process_set or global_process_set, tensor, lambda group, check:
+                   _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name),
+                   op=_op_value(op), pre=prescale_factor, post=postscale_factor)
 
 
 def grouped_reducescatter_async(tensors, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
@@ -330,14 +443,14 @@ def join(on_step=None, also_answered=None) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
     answered = 0
     while True:
-        kind, desc = negotiate.next_request(None)
+        kind, plan = negotiate.next_request(None)
         if kind == "done":
             break
         answered += 1
-        if kind == "call":
-            _answer(desc)
-        elif kind == "skip":
-            continue
+        if kind == "round":
+            for desc in plan.ready + ([plan.call] if plan.call is not None else []):
+                if negotiate.refusal(desc, plan.joined) is None:  # refused: the training ranks raise
+                    _answer(desc)
         elif on_step is None:
             raise HorovodInternalError("join: the other ranks are stepping a DistributedOptimizer, but this rank "
                                        "has none; create the same DistributedOptimizer on every rank")
