@@ -143,12 +143,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
     process_set = process_set or global_process_set
     named_parameters = _named(optimizer, named_parameters)
     names = {p: n for n, p in sorted(named_parameters, key=lambda item: item[0])}  # Horovod's _parameter_names
+    if op == ops.ADASUM and process_set is not global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
     if not process_set.included():
         return OutsideSetOptimizer(optimizer, names)
     if op == ops.ADASUM:
         # Horovod's delta optimizer: local step, then the parameter changes combined with Adasum
-        if process_set is not global_process_set:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
         return AdasumOptimizer(optimizer, named_parameters, compression=compression)
     if gradient_predivide_factor != 1.0 and c.ReduceOp(op) is not c.ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging "

@@ -4,7 +4,7 @@ lacked, on 2 real ranks (scripts/horovod_torch_suite runs that suite itself, by 
 Named collectives match by name, not by order, and a second submission of a pending name raises
 at once; ``join`` answers allreduce and refuses allgather/broadcast as Horovod's controller does;
 ``DistributedOptimizer`` outside its process set, without named parameters and over
-``SparseAdam``; ``broadcast_optimizer_state`` before any gradient. One spawned group runs every
+``SparseAdam``; ``broadcast_optimizer_state`` before any gradient; an integer average truncates. One spawned group runs every
 check; each check is its own test, numeric ones against a one-process reference.
 """
 
@@ -133,7 +133,11 @@ def _sparse_adam(r):
     return out
 
 
-CHECKS = {"duplicate": _duplicate_at_submission, "any_order": _any_order, "one_rank_only": _one_rank_only,
+def _int_average(r):
+    return hvd.allreduce(torch.tensor([-1, 5]) if r == 0 else torch.tensor([-4, 2]), name="int.avg")
+
+
+CHECKS = {"int_average": _int_average, "duplicate": _duplicate_at_submission, "any_order": _any_order, "one_rank_only": _one_rank_only,
           "join": _join, "outside_set": _outside_set, "without_names": _without_names,
           "state_before_grad": _state_before_any_gradient, "sparse_adam": _sparse_adam}
 
@@ -241,3 +245,8 @@ def test_sparse_adam_over_sparse_and_densified_gradients(results):
         for sparse_as_dense in (False, True):
             torch.testing.assert_close(got[sparse_as_dense], emb.weight.detach(),
                                        msg=lambda m, s=sparse_as_dense, r=r: f"rank {r} sparse_as_dense={s}: {m}")
+
+
+def test_integer_average_truncates_toward_zero_as_horovods_suite(results):
+    for got in _ok(results, "int_average"):
+        assert got.dtype == torch.int64 and got.tolist() == [-2, 3]  # (-5, 7) / 2; floor would give -3

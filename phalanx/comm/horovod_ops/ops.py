@@ -234,6 +234,12 @@ def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
 def _allreduce(tensor, op, pre, post, group, check, inplace, name=None, counts=None):
     if op == ADASUM:
         return _adasum(tensor, pre, post, group, check, inplace, name, counts)
+    if c.ReduceOp(op) is c.ReduceOp.AVERAGE and not tensor.is_floating_point() and tensor.dtype != torch.bool:
+        # Horovod's integer average truncates toward zero (its suite: t.div(n, rounding_mode="trunc");
+        # phalanx's own Average floors)
+        n = dist.get_world_size(group)
+        summed = _allreduce(tensor, c.Sum, pre, post, group, check, inplace, name)
+        return CompositeHandle([summed], lambda hs: hs[0].wait().div_(n, rounding_mode="trunc"))
     return _carry(tensor, group, inplace, lambda t, into: c.allreduce(
         t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, inplace=into, check=check))
 
