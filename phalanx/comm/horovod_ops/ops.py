@@ -3,10 +3,15 @@
 Each function takes a :class:`~phalanx.comm.horovod_ops.process_sets.ProcessSet` and an optional
 ``name`` and returns a handle; on top of :mod:`phalanx.comm.collectives` it adds:
 
-- names: a second collective with the name of one not yet synchronized raises ``ValueError``
-  on the rank that issues it, before anything is sent (Horovod's duplicate-name error);
-- join: on the global set, a rank inside :func:`join` answers every collective the others
-  still issue with zeros of the described shape (:mod:`phalanx.comm.horovod_ops.negotiate`);
+- names (:mod:`phalanx.comm.horovod_ops.names`): a named asynchronous collective on the global set
+  starts once every rank has submitted that name, so submission never blocks; a second one with
+  the name of one still in flight raises ``ValueError`` on the rank that issues it, before
+  anything is sent (Horovod's duplicate-name error);
+- join: on the global set, a rank inside :func:`join` answers the allreduces the others still
+  issue with zeros (the op's identity for Min/Max/Product) and their object collectives and
+  barriers; allgather, alltoall, reducescatter and broadcast raise on the training ranks, as
+  Horovod's controller does (:mod:`phalanx.comm.horovod_ops.negotiate`);
+- an integer Average truncates toward zero (Horovod's suite), where phalanx's own floors;
 - dtypes the backend lacks travel cast (:mod:`phalanx.comm.horovod_ops.dtypes`); in-place forms work on
   non-contiguous tensors (through a contiguous copy);
 - Adasum (``op=ADASUM``) on any backend: Horovod's vector-halving tree (:mod:`phalanx.comm.horovod_ops.adasum`).
@@ -16,203 +21,30 @@ Each function takes a :class:`~phalanx.comm.horovod_ops.process_sets.ProcessSet`
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
-from phalanx import runtime
 from phalanx.comm import collectives as c
-from phalanx.comm.horovod_ops import adasum, negotiate
+from phalanx.comm.horovod_ops import adasum, names, negotiate
 from phalanx.comm.horovod_ops.dtypes import FusedHandle, fuse, to_wire
-from phalanx.comm.horovod_ops.process_sets import ProcessSet, global_process_set, group_of
-from phalanx.comm.mismatch import CollectiveMismatchError, default_device
+from phalanx.comm.horovod_ops.names import (
+    CompositeHandle,
+    HorovodInternalError,
+    poll,
+    reset,
+    synchronize,
+)
+from phalanx.comm.horovod_ops.process_sets import global_process_set
+from phalanx.comm.mismatch import default_device
 
 __all__ = [
     "ADASUM", "HorovodInternalError", "CompositeHandle", "allreduce_async", "grouped_allreduce_async",
     "allgather_async", "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
     "grouped_reducescatter_async", "sparse_allreduce_async", "barrier", "broadcast_object", "allgather_object",
-    "join", "poll", "synchronize", "adasum_combine", "DeferredHandle", "reset",
+    "join", "poll", "synchronize", "adasum_combine", "reset",
 ]
 
 ADASUM = "adasum"
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a collective that cannot be carried out (e.g. a scalar reducescatter)."""
-
-
-class CompositeHandle(c.Handle):
-    """A handle over inner handles: ``poll`` is true once all are; ``wait`` applies ``finish`` once.
-
-    Callable, so Horovod's ``sparse_allreduce_async(...)()`` form works too.
-    """
-
-    def __init__(self, inner, finish) -> None:
-        super().__init__(None, None)
-        self._inner, self._then = list(inner), finish
-
-    def is_completed(self) -> bool:
-        return self._done or all(h.is_completed() for h in self._inner)
-
-    def wait(self):
-        if not self._done:
-            self._result, self._done = self._then(self._inner), True
-        return self._result
-
-    __call__ = wait
-
-
-# ---------------------------------------------------------------- names and negotiation
-_in_flight: dict[tuple, c.Handle] = {}
-_pending: dict[str, DeferredHandle] = {}  # named ops on the global set, submitted here, not started
-
-
-class DeferredHandle(c.Handle):
-    """A named collective on the global set, submitted but not started: it starts in the first
-    round (``synchronize()`` or a facade collective, on every rank) in which every training rank
-    has submitted its name, as Horovod's coordinator matches collectives by name
-    (:mod:`phalanx.comm.horovod_ops.negotiate`). ``poll`` is False until then."""
-
-    def __init__(self, desc: dict, run) -> None:
-        super().__init__(None, None)
-        self.desc, self._run, self._inner, self._refused, self._polled = desc, run, None, None, None
-
-    @property
-    def started(self) -> bool:
-        return self._inner is not None
-
-    def start(self, refused: str | None = None) -> None:
-        """Launch it (every rank does so in the same round, in the same order), or record why the
-        training ranks refuse it (a kind Horovod does not support while a rank has joined)."""
-        if refused is not None:
-            self._refused, self._inner = refused, c.Handle(None, None)
-        else:
-            self._inner = self._run(None, False)
-
-    def is_completed(self) -> bool:
-        if self._inner is None:
-            # a loop that only polls would never start it: bounded by the collective timeout
-            now = time.monotonic()
-            self._polled = self._polled or now
-            if now - self._polled > runtime.topology().timeout_s:
-                raise HorovodInternalError(
-                    f"poll: {self.desc['call']} {self.desc['name']!r} has not started within the collective "
-                    "timeout: a named asynchronous collective starts at the next synchronize() or facade "
-                    "collective of every rank; call hvd.synchronize(handle)")
-            return False
-        return self._done or self._inner.is_completed()
-
-    def wait(self):
-        if not self._done:
-            while self._inner is None:
-                _settle(sync=self)
-            if self._refused is not None:
-                raise HorovodInternalError(self._refused)
-            self._result, self._done = self._inner.wait(), True
-        return self._result
-
-
-def _settle(desc: dict | None = None, sync: DeferredHandle | None = None) -> bool:
-    """Negotiation rounds (:mod:`~phalanx.comm.horovod_ops.negotiate`) until this rank's blocking call
-    ``desc`` may run (True: it was checked across ranks) or until ``sync``, a pending named op, has
-    started. Every round starts the pending names that every training rank has submitted."""
-    while True:
-        mine = list(_pending.values())
-        if sync is not None:
-            code = negotiate.digest(sync.desc) if mine == [sync] else negotiate.PENDING
-        else:
-            code = negotiate.PENDING if mine else negotiate.digest(desc)
-        high, low, joined = negotiate.probe(code, desc or sync.desc)
-        if not joined and high == -low == code != negotiate.PENDING:  # every rank: this same call
-            if sync is None:
-                return True
-            del _pending[sync.desc["name"]]
-            sync.start()
-            return False
-        try:
-            plan = negotiate.plan(negotiate.exchange({
-                "call": desc, "sync": None if sync is None else sync.desc["name"],
-                "pending": [h.desc for h in mine], "joined": False}))
-        except CollectiveMismatchError as err:
-            for h in mine:  # every rank drops its pending names: the next call starts afresh
-                del _pending[h.desc["name"]]
-                h.start(refused=str(err))
-            raise
-        for d in plan.ready:
-            _pending.pop(d["name"]).start(negotiate.refusal(d, plan.joined))
-        if sync is not None:
-            if sync.started:
-                return False
-        elif plan.call is not None:
-            refused = negotiate.refusal(plan.call, plan.joined)
-            if refused is not None:
-                raise HorovodInternalError(refused)
-            return True
-
-
-def _describe(kind: str, name, tensor: torch.Tensor | None, extra: dict) -> dict:
-    shape = None if tensor is None else tuple(tensor.shape)
-    if shape and kind in ("allgather", "alltoall"):
-        shape = ("*",) + shape[1:]
-    return {"call": kind, "name": name, "dtype": None if tensor is None else str(tensor.dtype), "shape": shape,
-            **extra}
-
-
-def _check_name(kind: str, name, ps: ProcessSet) -> None:
-    if name is not None:
-        previous = _in_flight.get((ps.process_set_id, name))
-        if previous is not None and not previous.is_completed():
-            raise ValueError(f"{kind}: a collective named {name!r} is already in flight on {ps}; "
-                             "synchronize it first or give pending operations unique names")
-
-
-def _start(kind: str, name, ps: ProcessSet, tensor: torch.Tensor | None, **extra):
-    """A blocking call's prologue: the group, the duplicate-name check, the negotiation.
-    Returns ``(group, check)``; ``check`` is False once the ranks' calls were compared."""
-    group = group_of(ps)
-    _check_name(kind, name, ps)
-    desc = _describe(kind, name, tensor, extra)
-    return group, not (negotiate.active(group) and _settle(desc))
-
-
-def _submit(kind: str, name, ps: ProcessSet, tensor: torch.Tensor, run, **extra) -> c.Handle:
-    """An asynchronous call: ``run(group, check)`` launches it and returns its handle. A named call
-    on the global set waits in the pending list (a :class:`DeferredHandle`) and never blocks here."""
-    group = group_of(ps)
-    _check_name(kind, name, ps)
-    desc = _describe(kind, name, tensor, extra)
-    if name is not None and negotiate.active(group):
-        handle = _pending[name] = DeferredHandle(desc, run)
-    else:
-        handle = run(group, not (negotiate.active(group) and _settle(desc)))
-    return _track(name, ps, handle)
-
-
-def reset() -> None:
-    """Forget pending names (``hvd.init()`` / ``hvd.shutdown()``: a new job has none)."""
-    _pending.clear()
-    _in_flight.clear()
-
-
-def _track(name, ps: ProcessSet, handle: c.Handle) -> c.Handle:
-    if name is not None:
-        _in_flight[(ps.process_set_id, name)] = handle
-    return handle
-
-
-def synchronize(handle):
-    """Wait for an asynchronous operation and return its result."""
-    try:
-        return handle.wait()
-    finally:
-        for key in [k for k, h in _in_flight.items() if h is handle]:
-            del _in_flight[key]
-
-
-def poll(handle) -> bool:
-    """True when the asynchronous operation has finished (never blocks)."""
-    return handle.is_completed()
 
 
 def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
@@ -271,7 +103,7 @@ def _op_value(op) -> str:
 
 def allreduce_async(tensor, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None, inplace=False):
-    return _submit("allreduce", name, process_set or global_process_set, tensor, lambda group, check: _allreduce(
+    return names.submit("allreduce", name, process_set or global_process_set, tensor, lambda group, check: _allreduce(
         tensor, op, prescale_factor, postscale_factor, group, check, inplace, name),
         op=_op_value(op), pre=prescale_factor, post=postscale_factor)
 
@@ -280,7 +112,7 @@ def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.
                             process_set=None, inplace=False):
     """One fused collective per dtype (Horovod's grouped allreduce); results split back per tensor."""
     ps, tensors = process_set or global_process_set, list(tensors)
-    _check_name("grouped_allreduce", name, ps)
+    names.check_name("grouped_allreduce", name, ps)
     parts = []
     for k, (idx, flat) in enumerate(fuse(tensors)):
         part_name = None if name is None else f"{name}.{k}"
@@ -288,31 +120,31 @@ def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.
 
         def run(group, check, flat=flat, part_name=part_name, counts=counts):
             return _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True, part_name, counts)
-        parts.append((idx, _submit("allreduce", part_name, ps, flat, run, op=_op_value(op), pre=prescale_factor,
+        parts.append((idx, names.submit("allreduce", part_name, ps, flat, run, op=_op_value(op), pre=prescale_factor,
                                    post=postscale_factor)))
-    return _track(name, ps, FusedHandle(parts, tensors, inplace))
+    return names.track(name, ps, FusedHandle(parts, tensors, inplace))
 
 
 def allgather_async(tensor, name=None, process_set=None):
-    return _submit("allgather", name, process_set or global_process_set, tensor,
+    return names.submit("allgather", name, process_set or global_process_set, tensor,
                    lambda group, check: _allgather(tensor, group, check, name))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None):
     handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set)
                for i, t in enumerate(tensors)]
-    return _track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
+    return names.track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None, inplace=False):
     root = int(root_rank)
-    return _submit("broadcast", name, process_set or global_process_set, tensor,
+    return names.submit("broadcast", name, process_set or global_process_set, tensor,
                    lambda group, check: _broadcast(tensor, root, group, check, inplace, name), root=root)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """Returns ``(received, received_splits)`` when synchronized."""
-    return _submit("alltoall", name, process_set or global_process_set, tensor,
+    return names.submit("alltoall", name, process_set or global_process_set, tensor,
                    lambda group, check: _alltoall(tensor, splits, group, check, name))
 
 
@@ -323,7 +155,7 @@ def reducescatter_async(tensor, op=c.Average, name=None, process_set=None, presc
                                    "pass a tensor whose first dimension is split across them")
     if _op_value(op) not in ("sum", "average"):
         raise HorovodInternalError(f"reducescatter supports op=Sum or Average, got {op}")
-    return _submit("reducescatter", name, process_set or global_process_set, tensor, lambda group, check:
+    return names.submit("reducescatter", name, process_set or global_process_set, tensor, lambda group, check:
                    _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name),
                    op=_op_value(op), pre=prescale_factor, post=postscale_factor)
 
@@ -332,7 +164,7 @@ def grouped_reducescatter_async(tensors, op=c.Average, name=None, process_set=No
                                 postscale_factor=1.0):
     handles = [reducescatter_async(t, op, None if name is None else f"{name}.{i}", process_set, prescale_factor,
                                    postscale_factor) for i, t in enumerate(tensors)]
-    return _track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
+    return names.track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
 
 
 def sparse_allreduce_async(tensor, op=c.Average, name=None, process_set=None):
@@ -353,22 +185,22 @@ def sparse_allreduce_async(tensor, op=c.Average, name=None, process_set=None):
         indices, values = (synchronize(h) for h in hs)
         return torch.sparse_coo_tensor(indices.t(), values * scale, tensor.shape).coalesce()
 
-    return _track(name, ps, CompositeHandle(parts, finish))
+    return names.track(name, ps, CompositeHandle(parts, finish))
 
 
 def barrier(process_set=None) -> None:
-    group, _ = _start("barrier", None, process_set or global_process_set, None)
+    group, _ = names.start_call("barrier", None, process_set or global_process_set, None)
     c.barrier(group=group)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
-    group, _ = _start("broadcast_object", name, process_set or global_process_set, None, root=int(root_rank))
+    group, _ = names.start_call("broadcast_object", name, process_set or global_process_set, None, root=int(root_rank))
     return c.broadcast_object(obj, int(root_rank), group=group)
 
 
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's ``obj`` in rank order (a rank inside ``join`` contributes None)."""
-    group, _ = _start("allgather_object", name, process_set or global_process_set, None)
+    group, _ = names.start_call("allgather_object", name, process_set or global_process_set, None)
     return c.allgather_object(obj, group=group)
 
 
