@@ -25,6 +25,7 @@ import re
 import shlex
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "horovod_tf_suite"))
@@ -62,6 +63,18 @@ def outcomes(text: str, rank: int):
     return order, seen, started
 
 
+def junit(path: str) -> dict:
+    """A rank's outcomes from its JUnit XML (written when pytest ends; absent after a crash or hang)."""
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"test_torch.py::{case.get('classname').split('.')[-1]}::{case.get('name')}"
+        tags = {child.tag for child in case}
+        out[name] = "FAILED" if tags & {"failure", "error"} else "SKIPPED" if "skipped" in tags else "PASSED"
+    return out
+
+
 def main():
     if sys.argv[1] == "--common":
         print(common_helpers(sys.argv[2], ("mpi_env_rank_and_size", "skip_or_fail_gpu_test", "temppath")))
@@ -79,15 +92,19 @@ def main():
         remaining = " ".join(i for i in ids if i not in results)
         if not remaining:
             break
+        xml = f"{os.path.abspath(out_json)}.attempt{attempt}.rank"
         inner = ("HOROVOD_RANK=$RANK HOROVOD_SIZE=$WORLD_SIZE exec python -m pytest -p no:cacheprovider -v -rA -x "
-                 f"--timeout=90 --timeout-method=thread {remaining}")
+                 f"--timeout=90 --timeout-method=thread --junitxml={xml}$RANK.xml {remaining}")
         proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", "sh", "-c", inner], cwd=HERE,
                               env=env, capture_output=True, text=True, timeout=3000)
         text = proc.stdout + proc.stderr
         with open(f"{out_json}.attempt{attempt}.log", "w") as f:
             f.write(text)
         ranks = [outcomes(text, r) for r in (0, 1)]
-        order = ranks[0][0] + [n for n in ranks[1][0] if n not in ranks[0][0]]
+        order = []
+        for r, (ran, seen, _) in enumerate(ranks):
+            seen.update(junit(f"{xml}{r}.xml"))  # whole records (the -v lines of two ranks interleave)
+            order += [n for n in [*ran, *seen] if n not in order]
         before = len(results)
         for name in order:
             got = [seen.get(name) for _, seen, _ in ranks]
@@ -98,7 +115,7 @@ def main():
                 results[name] = got[0]
         else:
             started = ranks[0][2] or ranks[1][2]
-            if started and started not in results:
+            if started and started not in results and proc.returncode != 0:
                 results[started] = "HUNG" if "+ Timeout +" in text else "CRASHED"
         if len(results) == before:
             break
