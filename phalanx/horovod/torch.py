@@ -71,12 +71,19 @@ def init(comm=None, process_sets=None):
     """Start phalanx (``comm``: a list of ranks is accepted; MPI communicators are not used)."""
     if comm is not None and not isinstance(comm, (list, tuple)):
         raise ValueError("phalanx.horovod.init: MPI communicators are not supported; launch with phalanx run")
+    ops.reset()  # no name of an earlier job is pending
     join_job()  # as px.init(): the runtime, and the services `phalanx run` asks for (heartbeat, timeline, autotune)
     for ps in process_sets or []:
         add_process_set(ps)
 
 
-shutdown, is_initialized = runtime.shutdown, runtime.is_initialized
+def shutdown() -> None:
+    """Stop phalanx; named asynchronous collectives still pending on this rank are dropped."""
+    ops.reset()
+    runtime.shutdown()
+
+
+is_initialized = runtime.is_initialized
 size, rank, local_size, local_rank = runtime.size, runtime.rank, runtime.local_size, runtime.local_rank
 cross_size, cross_rank = runtime.cross_size, runtime.cross_rank
 

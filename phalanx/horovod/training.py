@@ -21,12 +21,14 @@ from phalanx.comm.broadcast import broadcast_parameters as broadcast_params
 from phalanx.comm.horovod_ops import ops as ops
 from phalanx.comm.horovod_ops.process_sets import global_process_set, group_of
 from phalanx.parallel.data.adasum_optimizer import AdasumOptimizer
+from phalanx.parallel.data.delegation import WrapsOptimizer
 from phalanx.parallel.data.optimizer import DistributedOptimizer as PlainDistributedOptimizer
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "DistributedOptimizer",
     "HorovodOptimizer",
+    "OutsideSetOptimizer",
     "SyncBatchNorm",
     "broadcast_parameters",
     "broadcast_optimizer_state",
@@ -43,13 +45,24 @@ _SYNC_THEN_STEP = ("optimizer.step() called without optimizer.skip_synchronize()
 
 class HorovodOptimizer(PlainDistributedOptimizer):
     """phalanx's ``DistributedOptimizer`` plus Horovod's warning when ``step()`` follows an explicit
-    ``synchronize()`` outside ``skip_synchronize()`` (the gradients would be waited for twice)."""
+    ``synchronize()`` outside ``skip_synchronize()`` (the gradients would be waited for twice), its
+    ``_parameter_names`` (``{parameter: name}``, read by Horovod's own tests and some scripts), and
+    sparse gradients for ``SparseAdam`` after ``sparse_as_dense=True``."""
+
+    _parameter_names: dict = {}
 
     synchronized = False
 
     def synchronize(self) -> None:
         super().synchronize()
         self.synchronized = True
+        if isinstance(self.optimizer, torch.optim.SparseAdam):
+            # sparse_as_dense reduced them dense; SparseAdam steps sparse gradients only (Horovod
+            # turns an averaged gradient back to sparse when it came sparse)
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p.grad.layout is torch.strided:
+                        p.grad = p.grad.to_sparse()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -64,6 +77,48 @@ class HorovodOptimizer(PlainDistributedOptimizer):
             return super().step(closure)
         finally:
             self.synchronized = False
+
+
+class OutsideSetOptimizer(WrapsOptimizer):
+    """What ``DistributedOptimizer(..., process_set=ps)`` is on a rank outside ``ps``, as in Horovod:
+    nothing is reduced (no hooks, ``synchronize()`` returns at once) and ``step()`` is the inner
+    optimizer's, on this rank's own gradients."""
+
+    def __init__(self, optimizer, parameter_names: dict) -> None:
+        self.optimizer = optimizer
+        self._parameter_names = parameter_names
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: this rank is outside the optimizer's process set."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def _named(optimizer, named_parameters) -> list:
+    """Horovod's names: ``named_parameters`` as given (tuples of name and parameter), or
+    ``allreduce.noname.{group}.{index}`` for every parameter of the optimizer when it is None."""
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p)
+                for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters()")
+    return named
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
@@ -85,16 +140,20 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
     in backward order).
     """
     global _last_optimizer
+    process_set = process_set or global_process_set
+    named_parameters = _named(optimizer, named_parameters)
+    names = {p: n for n, p in sorted(named_parameters, key=lambda item: item[0])}  # Horovod's _parameter_names
+    if op == ops.ADASUM and process_set is not global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    if not process_set.included():
+        return OutsideSetOptimizer(optimizer, names)
     if op == ops.ADASUM:
         # Horovod's delta optimizer: local step, then the parameter changes combined with Adasum
-        if (process_set or global_process_set) is not global_process_set:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
         return AdasumOptimizer(optimizer, named_parameters, compression=compression)
     if gradient_predivide_factor != 1.0 and c.ReduceOp(op) is not c.ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average (it splits the averaging "
                          "into a division before and after the sum), as in Horovod")
-    named_parameters = list(named_parameters) if named_parameters is not None else None
-    params = [p for _, p in (named_parameters or [])] or [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for _, p in named_parameters]
     kwargs = {}
     n_groups = len(groups) if isinstance(groups, (list, tuple)) else (groups or num_groups)
     if n_groups:
@@ -104,8 +163,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's spelling
         optimizer, named_parameters=named_parameters, compression=compression,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        group=group_of(process_set or global_process_set), missing_as_zeros=True, **kwargs,
+        group=group_of(process_set), missing_as_zeros=True, **kwargs,
     )
+    _last_optimizer._parameter_names = names
     return _last_optimizer
 
 
@@ -122,8 +182,22 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_set=global_process_set) -> None:
     """Copy optimizer state (also when still empty, or when some parameters have no gradient yet)
-    from ``root_rank`` to every rank of the process set."""
+    from ``root_rank`` to every rank of the process set.
+
+    As after Horovod's, a parameter that requires a gradient and has none holds zeros in ``.grad``
+    afterwards when the state was empty (sparse zeros for ``SparseAdam``). Horovod gets there by
+    stepping the inner optimizer once on zero gradients to create the state; that step is not
+    copied (it would apply weight decay once and start Adam's bias correction a step late): the
+    whole state dict travels as it is, empty or not.
+    """
     inner = getattr(optimizer, "optimizer", optimizer)
+    if not inner.state:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    if isinstance(inner, torch.optim.SparseAdam):
+                        p.grad = p.grad.to_sparse()
     broadcast_state_of(inner, root_rank=root_rank, group=group_of(process_set or global_process_set))
 
 

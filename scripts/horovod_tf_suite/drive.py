@@ -26,12 +26,13 @@ import subprocess
 import sys
 
 
-def common_helpers(path):
-    """The two helpers of Horovod's test/utils/common.py that test_tensorflow.py imports."""
+def common_helpers(path, names=("mpi_env_rank_and_size", "skip_or_fail_gpu_test")):
+    """The helpers of Horovod's test/utils/common.py that a test file imports (default: test_tensorflow.py's)."""
     src = open(path).read()
-    keep = [re.search(r"^def mpi_env_rank_and_size\(.*?(?=^def )", src, re.S | re.M).group(0),
-            re.search(r"^def skip_or_fail_gpu_test\(.*?(?=^def |\Z)", src, re.S | re.M).group(0)]
-    return '"""From Horovod test/utils/common.py (Apache-2.0, Uber)."""\nimport os\n\n\n' + "\n\n".join(keep)
+    keep = [re.search(rf"^(@contextlib.contextmanager\n)?def {n}\(.*?(?=^def |^@|\Z)", src, re.S | re.M).group(0)
+            for n in names]
+    return ('"""From Horovod test/utils/common.py (Apache-2.0, Uber)."""\nimport contextlib\nimport os\n'
+            'import tempfile\n\n\n' + "\n\n".join(keep))
 
 
 def main():

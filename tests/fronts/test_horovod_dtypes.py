@@ -74,7 +74,7 @@ def _reduce(stack, how, dtype):
     result = {"sum": wide.sum(0), "min": wide.min(0).values, "max": wide.max(0).values,
               "product": wide.prod(0), "average": wide.sum(0) / len(stack)}[how]
     if how == "average" and not dtype.is_floating_point:
-        result = wide.sum(0).div(len(stack), rounding_mode="floor")
+        result = wide.sum(0).div(len(stack), rounding_mode="trunc")  # as Horovod's suite
     return result.to(dtype)
 
 

@@ -3,10 +3,15 @@
 Each function takes a :class:`~phalanx.comm.horovod_ops.process_sets.ProcessSet` and an optional
 ``name`` and returns a handle; on top of :mod:`phalanx.comm.collectives` it adds:
 
-- names: a second collective with the name of one not yet synchronized raises ``ValueError``
-  on the rank that issues it, before anything is sent (Horovod's duplicate-name error);
-- join: on the global set, a rank inside :func:`join` answers every collective the others
-  still issue with zeros of the described shape (:mod:`phalanx.comm.horovod_ops.negotiate`);
+- names (:mod:`phalanx.comm.horovod_ops.names`): a named asynchronous collective on the global set
+  starts once every rank has submitted that name, so submission never blocks; a second one with
+  the name of one still in flight raises ``ValueError`` on the rank that issues it, before
+  anything is sent (Horovod's duplicate-name error);
+- join: on the global set, a rank inside :func:`join` answers the allreduces the others still
+  issue with zeros (the op's identity for Min/Max/Product) and their object collectives and
+  barriers; allgather, alltoall, reducescatter and broadcast raise on the training ranks, as
+  Horovod's controller does (:mod:`phalanx.comm.horovod_ops.negotiate`);
+- an integer Average truncates toward zero (Horovod's suite), where phalanx's own floors;
 - dtypes the backend lacks travel cast (:mod:`phalanx.comm.horovod_ops.dtypes`); in-place forms work on
   non-contiguous tensors (through a contiguous copy);
 - Adasum (``op=ADASUM``) on any backend: Horovod's vector-halving tree (:mod:`phalanx.comm.horovod_ops.adasum`).
@@ -20,84 +25,26 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import collectives as c
-from phalanx.comm.horovod_ops import adasum, negotiate
+from phalanx.comm.horovod_ops import adasum, names, negotiate
 from phalanx.comm.horovod_ops.dtypes import FusedHandle, fuse, to_wire
-from phalanx.comm.horovod_ops.process_sets import ProcessSet, global_process_set, group_of
+from phalanx.comm.horovod_ops.names import (
+    CompositeHandle,
+    HorovodInternalError,
+    poll,
+    reset,
+    synchronize,
+)
+from phalanx.comm.horovod_ops.process_sets import global_process_set
 from phalanx.comm.mismatch import default_device
 
 __all__ = [
     "ADASUM", "HorovodInternalError", "CompositeHandle", "allreduce_async", "grouped_allreduce_async",
     "allgather_async", "grouped_allgather_async", "broadcast_async", "alltoall_async", "reducescatter_async",
     "grouped_reducescatter_async", "sparse_allreduce_async", "barrier", "broadcast_object", "allgather_object",
-    "join", "poll", "synchronize", "adasum_combine",
+    "join", "poll", "synchronize", "adasum_combine", "reset",
 ]
 
 ADASUM = "adasum"
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a collective that cannot be carried out (e.g. a scalar reducescatter)."""
-
-
-class CompositeHandle(c.Handle):
-    """A handle over inner handles: ``poll`` is true once all are; ``wait`` applies ``finish`` once.
-
-    Callable, so Horovod's ``sparse_allreduce_async(...)()`` form works too.
-    """
-
-    def __init__(self, inner, finish) -> None:
-        super().__init__(None, None)
-        self._inner, self._then = list(inner), finish
-
-    def is_completed(self) -> bool:
-        return self._done or all(h.is_completed() for h in self._inner)
-
-    def wait(self):
-        if not self._done:
-            self._result, self._done = self._then(self._inner), True
-        return self._result
-
-    __call__ = wait
-
-
-# ---------------------------------------------------------------- names and negotiation
-_in_flight: dict[tuple, c.Handle] = {}
-
-
-def _start(kind: str, name, ps: ProcessSet, tensor: torch.Tensor | None, **extra):
-    """Common prologue: the group, the duplicate-name check, the join negotiation.
-    Returns ``(group, check)``; ``check`` is False once the ranks' descriptors were compared."""
-    group = group_of(ps)
-    if name is not None:
-        previous = _in_flight.get((ps.process_set_id, name))
-        if previous is not None and not previous.done:
-            raise ValueError(f"{kind}: a collective named {name!r} is already in flight on {ps}; "
-                             "synchronize it first or give pending operations unique names")
-    shape = None if tensor is None else tuple(tensor.shape)
-    if shape and kind in ("allgather", "alltoall"):
-        shape = ("*",) + shape[1:]
-    desc = {"call": kind, "name": name, "dtype": None if tensor is None else str(tensor.dtype), "shape": shape,
-            **extra}
-    return group, not negotiate.announce(desc, group)
-
-
-def _track(name, ps: ProcessSet, handle: c.Handle) -> c.Handle:
-    if name is not None:
-        _in_flight[(ps.process_set_id, name)] = handle
-    return handle
-
-
-def synchronize(handle):
-    """Wait for an asynchronous operation and return its result."""
-    result = handle.wait()
-    for key in [k for k, h in _in_flight.items() if h is handle]:
-        del _in_flight[key]
-    return result
-
-
-def poll(handle) -> bool:
-    """True when the asynchronous operation has finished (never blocks)."""
-    return handle.is_completed()
 
 
 def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
@@ -119,6 +66,12 @@ def _carry(tensor: torch.Tensor, group, inplace: bool, run) -> c.Handle:
 def _allreduce(tensor, op, pre, post, group, check, inplace, name=None, counts=None):
     if op == ADASUM:
         return _adasum(tensor, pre, post, group, check, inplace, name, counts)
+    if c.ReduceOp(op) is c.ReduceOp.AVERAGE and not tensor.is_floating_point() and tensor.dtype != torch.bool:
+        # Horovod's integer average truncates toward zero (its suite: t.div(n, rounding_mode="trunc");
+        # phalanx's own Average floors)
+        n = dist.get_world_size(group)
+        summed = _allreduce(tensor, c.Sum, pre, post, group, check, inplace, name)
+        return CompositeHandle([summed], lambda hs: hs[0].wait().div_(n, rounding_mode="trunc"))
     return _carry(tensor, group, inplace, lambda t, into: c.allreduce(
         t, op, group=group, async_op=True, name=name, prescale_factor=pre, postscale_factor=post, inplace=into, check=check))
 
@@ -150,70 +103,68 @@ def _op_value(op) -> str:
 
 def allreduce_async(tensor, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None, inplace=False):
-    ps = process_set or global_process_set
-    group, check = _start("allreduce", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
-                          post=postscale_factor)
-    return _track(name, ps, _allreduce(tensor, op, prescale_factor, postscale_factor, group, check, inplace, name))
+    return names.submit("allreduce", name, process_set or global_process_set, tensor, lambda group, check: _allreduce(
+        tensor, op, prescale_factor, postscale_factor, group, check, inplace, name),
+        op=_op_value(op), pre=prescale_factor, post=postscale_factor)
 
 
 def grouped_allreduce_async(tensors, op=c.Average, name=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=None, inplace=False):
     """One fused collective per dtype (Horovod's grouped allreduce); results split back per tensor."""
     ps, tensors = process_set or global_process_set, list(tensors)
+    names.check_name("grouped_allreduce", name, ps)
     parts = []
     for k, (idx, flat) in enumerate(fuse(tensors)):
         part_name = None if name is None else f"{name}.{k}"
-        group, check = _start("allreduce", part_name, ps, flat, op=_op_value(op), pre=prescale_factor,
-                              post=postscale_factor)
         counts = [tensors[j].numel() for j in idx] if op == ADASUM else None  # Adasum: per tensor
-        parts.append((idx, _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True,
-                                         part_name, counts)))
-    return _track(name, ps, FusedHandle(parts, tensors, inplace))
+
+        def run(group, check, flat=flat, part_name=part_name, counts=counts):
+            return _allreduce(flat, op, prescale_factor, postscale_factor, group, check, True, part_name, counts)
+        parts.append((idx, names.submit("allreduce", part_name, ps, flat, run, op=_op_value(op), pre=prescale_factor,
+                                   post=postscale_factor)))
+    return names.track(name, ps, FusedHandle(parts, tensors, inplace))
 
 
 def allgather_async(tensor, name=None, process_set=None):
-    ps = process_set or global_process_set
-    group, check = _start("allgather", name, ps, tensor)
-    return _track(name, ps, _allgather(tensor, group, check, name))
+    return names.submit("allgather", name, process_set or global_process_set, tensor,
+                   lambda group, check: _allgather(tensor, group, check, name))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None):
     handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set)
                for i, t in enumerate(tensors)]
-    return _track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
+    return names.track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None, inplace=False):
-    ps = process_set or global_process_set
-    group, check = _start("broadcast", name, ps, tensor, root=int(root_rank))
-    return _track(name, ps, _broadcast(tensor, int(root_rank), group, check, inplace, name))
+    root = int(root_rank)
+    return names.submit("broadcast", name, process_set or global_process_set, tensor,
+                   lambda group, check: _broadcast(tensor, root, group, check, inplace, name), root=root)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """Returns ``(received, received_splits)`` when synchronized."""
-    ps = process_set or global_process_set
-    group, check = _start("alltoall", name, ps, tensor)
-    return _track(name, ps, _alltoall(tensor, splits, group, check, name))
+    return names.submit("alltoall", name, process_set or global_process_set, tensor,
+                   lambda group, check: _alltoall(tensor, splits, group, check, name))
 
 
 def reducescatter_async(tensor, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
-    ps = process_set or global_process_set
     if tensor.dim() == 0:
         raise HorovodInternalError("reducescatter: a scalar (0-d tensor) cannot be scattered over the ranks; "
                                    "pass a tensor whose first dimension is split across them")
     if _op_value(op) not in ("sum", "average"):
         raise HorovodInternalError(f"reducescatter supports op=Sum or Average, got {op}")
-    group, check = _start("reducescatter", name, ps, tensor, op=_op_value(op), pre=prescale_factor,
-                          post=postscale_factor)
-    return _track(name, ps, _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name))
+    return names.submit("reducescatter", name, process_set or global_process_set, tensor, lambda group, check:
+                   _reducescatter(tensor, op, prescale_factor, postscale_factor, group, check, name),
+                   op=_op_value(op), pre=prescale_factor, post=postscale_factor)
 
 
 def grouped_reducescatter_async(tensors, op=c.Average, name=None, process_set=None, prescale_factor=1.0,
                                 postscale_factor=1.0):
     handles = [reducescatter_async(t, op, None if name is None else f"{name}.{i}", process_set, prescale_factor,
                                    postscale_factor) for i, t in enumerate(tensors)]
-    return _track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
+    return names.track(name, process_set or global_process_set, CompositeHandle(handles, lambda hs: [h.wait() for h in hs]))
 
 
 def sparse_allreduce_async(tensor, op=c.Average, name=None, process_set=None):
@@ -234,22 +185,22 @@ def sparse_allreduce_async(tensor, op=c.Average, name=None, process_set=None):
         indices, values = (synchronize(h) for h in hs)
         return torch.sparse_coo_tensor(indices.t(), values * scale, tensor.shape).coalesce()
 
-    return _track(name, ps, CompositeHandle(parts, finish))
+    return names.track(name, ps, CompositeHandle(parts, finish))
 
 
 def barrier(process_set=None) -> None:
-    group, _ = _start("barrier", None, process_set or global_process_set, None)
+    group, _ = names.start_call("barrier", None, process_set or global_process_set, None)
     c.barrier(group=group)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
-    group, _ = _start("broadcast_object", name, process_set or global_process_set, None, root=int(root_rank))
+    group, _ = names.start_call("broadcast_object", name, process_set or global_process_set, None, root=int(root_rank))
     return c.broadcast_object(obj, int(root_rank), group=group)
 
 
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's ``obj`` in rank order (a rank inside ``join`` contributes None)."""
-    group, _ = _start("allgather_object", name, process_set or global_process_set, None)
+    group, _ = names.start_call("allgather_object", name, process_set or global_process_set, None)
     return c.allgather_object(obj, group=group)
 
 
@@ -330,14 +281,14 @@ def join(on_step=None, also_answered=None) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
     answered = 0
     while True:
-        kind, desc = negotiate.next_request(None)
+        kind, plan = negotiate.next_request(None)
         if kind == "done":
             break
         answered += 1
-        if kind == "call":
-            _answer(desc)
-        elif kind == "skip":
-            continue
+        if kind == "round":
+            for desc in plan.ready + ([plan.call] if plan.call is not None else []):
+                if negotiate.refusal(desc, plan.joined) is None:  # refused: the training ranks raise
+                    _answer(desc)
         elif on_step is None:
             raise HorovodInternalError("join: the other ranks are stepping a DistributedOptimizer, but this rank "
                                        "has none; create the same DistributedOptimizer on every rank")
