@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -62,12 +63,35 @@ def default_commit_dir() -> str:
     return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 
 
+_owners: dict[str, weakref.ref] = {}  # commit dir -> the live state writing its snapshots there
+
+
+def _own_commit_dir(state: TorchState, wanted: str) -> str:
+    """``wanted``, or ``wanted-state2``, ``-state3``… when a live state of this process already commits there.
+
+    Two states sharing one directory would number their snapshots alike and prune each other's
+    (and a restore would read the other's pieces). A restarted process creates its states in the same
+    order, so each finds its own directory again. A sibling, not a subdirectory: the checkpoint
+    manager prunes every directory under its root that is not one of its newest snapshots.
+    """
+    chosen, n = wanted, 1
+    while (owner := _owners.get(chosen)) is not None and owner() is not None:
+        n += 1
+        chosen = f"{wanted.rstrip(os.sep)}-state{n}"
+    _owners[chosen] = weakref.ref(state)
+    if n > 1:
+        log.info("elastic state #%d of this process commits to %s (%s is another state's)", n, chosen, wanted)
+    return chosen
+
+
 class TorchState:
     """Model, optimizer and named extras (schedulers, samplers, plain values) as one elastic state.
 
     Extras are attributes: ``state.epoch``, ``state.sampler``. ``commit()`` keeps
     a copy in memory and writes a snapshot to ``commit_dir`` (``keep`` newest
-    kept); ``restore()`` returns False when there is nothing to restore.
+    kept); ``restore()`` returns False when there is nothing to restore. A second
+    state alive in the same process with the same directory commits to
+    ``<commit_dir>-state2`` (and so on), so each keeps its own snapshots.
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
@@ -77,7 +101,7 @@ class TorchState:
                  commit_dir: str | None = None, keep: int = 2, topology=None, **extras: Any) -> None:
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
-        object.__setattr__(self, "commit_dir", commit_dir or default_commit_dir())
+        object.__setattr__(self, "commit_dir", _own_commit_dir(self, commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         object.__setattr__(self, "_memory", None)

@@ -264,3 +264,42 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     assert messages.empty() and inprocess.change_at_commit(notices=True) is None
     with pytest.raises(queue.Empty):
         messages.get(timeout=0.2)
+
+
+def test_two_states_in_one_job_keep_their_own_commits(tmp_path, monkeypatch):
+    """Two hvd.elastic states on the shared default commit dir (issue 39): each commits, prunes and restores
+    its own snapshots; a restarted process (fresh states, created in the same order) gets each one back."""
+    import gc
+
+    import phalanx.horovod as hvd
+
+    monkeypatch.setenv("PHALANX_ELASTIC_DIR", str(tmp_path / "commits"))
+
+    def states():
+        torch.manual_seed(0)
+        net, head = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+        return (hvd.elastic.TorchState(net, torch.optim.SGD(net.parameters(), lr=0.1), epoch=0, batch=0),
+                hvd.elastic.TorchState(head, step=0))
+
+    a, b = states()
+    assert a.commit_dir != b.commit_dir and a.commit_dir == str(tmp_path / "commits")
+    for i in range(3):  # a commits 3 times, b twice, interleaved (the same step numbers, different pieces)
+        a.epoch, a.batch = 10 + i, i
+        with torch.no_grad():
+            a.model.weight.add_(1.0)
+        a.commit()
+        if i < 2:
+            b.step = 100 + i
+            with torch.no_grad():
+                b.model.bias.fill_(float(i + 7))
+            b.commit()
+    want_a, want_b = a.model.weight.clone(), b.model.bias.clone()
+    a.epoch, b.step = -1, -1
+    assert a.restore() and b.restore() and (a.epoch, b.step) == (12, 101)  # from memory
+
+    del a, b
+    gc.collect()
+    a2, b2 = states()  # the restarted process: no commit in memory, each reads its own snapshots
+    assert a2.restore() and b2.restore()
+    assert (a2.epoch, a2.batch, a2.commits, b2.step, b2.commits) == (12, 2, 3, 101, 2)
+    assert torch.equal(a2.model.weight, want_a) and torch.equal(b2.model.bias, want_b)
