@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import weakref
 from typing import Any, Protocol, runtime_checkable
@@ -63,25 +64,31 @@ def default_commit_dir() -> str:
     return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 
 
-_owners: dict[str, weakref.ref] = {}  # commit dir -> the live state writing its snapshots there
+_owners: dict[str, tuple[tuple[str, ...], weakref.WeakSet]] = {}  # commit dir -> (its pieces' names, live states)
 
 
 def _own_commit_dir(state: TorchState, wanted: str) -> str:
-    """``wanted``, or ``wanted-state2``, ``-state3``… when a live state of this process already commits there.
+    """``wanted``, or ``wanted-state-<hash of the piece names>`` when a live state of this process with
+    other pieces already commits there.
 
-    Two states sharing one directory would number their snapshots alike and prune each other's
-    (and a restore would read the other's pieces). A restarted process creates its states in the same
-    order, so each finds its own directory again. A sibling, not a subdirectory: the checkpoint
-    manager prunes every directory under its root that is not one of its newest snapshots.
+    Two different states sharing one directory would number their snapshots alike, prune each
+    other's, and a restore would read the other's pieces. A state made again with the same pieces
+    (a fresh copy that restores what the first committed) shares the directory on purpose. A restarted
+    process creates its states in the same order, so each finds its own directory again. A sibling,
+    not a subdirectory: the checkpoint manager prunes every directory under its root that is not
+    one of its newest snapshots.
     """
-    chosen, n = wanted, 1
-    while (owner := _owners.get(chosen)) is not None and owner() is not None:
-        n += 1
-        chosen = f"{wanted.rstrip(os.sep)}-state{n}"
-    _owners[chosen] = weakref.ref(state)
-    if n > 1:
-        log.info("elastic state #%d of this process commits to %s (%s is another state's)", n, chosen, wanted)
-    return chosen
+    names = tuple(sorted(state._pieces))
+    owner = _owners.get(wanted)
+    if owner is None or not owner[1] or owner[0] == names:
+        if owner is None or not owner[1]:
+            owner = _owners[wanted] = (names, weakref.WeakSet())
+        owner[1].add(state)
+        return wanted
+    chosen = f"{wanted.rstrip(os.sep)}-state-{hashlib.sha1(' '.join(names).encode()).hexdigest()[:8]}"
+    log.info("a second elastic state (pieces %s) commits to %s (%s holds another state's commits)",
+             ", ".join(names), chosen, wanted)
+    return _own_commit_dir(state, chosen)
 
 
 class TorchState:
@@ -90,8 +97,8 @@ class TorchState:
     Extras are attributes: ``state.epoch``, ``state.sampler``. ``commit()`` keeps
     a copy in memory and writes a snapshot to ``commit_dir`` (``keep`` newest
     kept); ``restore()`` returns False when there is nothing to restore. A second
-    state alive in the same process with the same directory commits to
-    ``<commit_dir>-state2`` (and so on), so each keeps its own snapshots.
+    state with other pieces, alive in the same process with the same directory, commits to
+    ``<commit_dir>-state-<hash of its piece names>``, so each keeps its own snapshots.
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
