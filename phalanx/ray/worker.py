@@ -162,6 +162,23 @@ class BaseWorker:
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "hostname": socket.gethostname(), "gpu_ids": gpu_ids, "pid": os.getpid()}
 
+    def use_own_gpus(self, local_rank: int) -> str:
+        """Elastic with use_gpu: this node's GPUs, with the ones Ray gave this actor at ``local_rank``
+        (CUDA_VISIBLE_DEVICES), and compute on it (PHALANX_DEVICE) when CUDA is there. Returns the list."""
+        import ray
+        import torch
+
+        from phalanx.ray.placement import elastic_visible_devices  # (placement imports this module)
+
+        own = [str(g) for g in ray.get_gpu_ids()]
+        node = ray.get_runtime_context().get_node_id()
+        count = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["NodeID"] == node), len(own))
+        visible, index = elastic_visible_devices(own, count, local_rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        if torch.cuda.is_available():  # (a CPU build with Ray's logical GPUs, as in the tests: CPU)
+            os.environ["PHALANX_DEVICE"] = f"cuda:{index}"
+        return visible
+
     def nic_address(self, nics) -> tuple[str, str] | None:
         return _interface_address(list(nics))
 
