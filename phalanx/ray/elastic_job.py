@@ -14,12 +14,12 @@ The driver plays the part ``phalanx run --min-np/--max-np`` plays: it runs the l
 
 Slots come from the cluster: the job's running actors, plus the free resources (CPUs, and GPUs
 with ``use_gpu``; or its own actors still waiting to be placed), capped at ``max_workers`` — or,
-with ``override_discovery=False``, from ``settings.discovery`` (:mod:`phalanx.ray.discovery`).
+with ``override_discovery=False``, from ``settings.discovery`` (e.g. :mod:`phalanx.horovod.ray.elastic`'s TestDiscovery).
 Every actor counts as one host ("ray"): ``local_rank`` is the rank.
 
 GPUs (``use_gpu``): each actor asks Ray for ``gpus_per_worker`` GPUs (``num_gpus``); before the
 function runs it sees its node's GPUs with its own at index ``local_rank``
-(CUDA_VISIBLE_DEVICES, :func:`~phalanx.ray.placement.elastic_visible_devices`), so Horovod's
+(CUDA_VISIBLE_DEVICES, :func:`~phalanx.ray.worker.elastic_visible_devices`), so Horovod's
 ``torch.cuda.set_device(hvd.local_rank())`` lands on the GPU Ray gave it, and phalanx computes there
 (PHALANX_DEVICE). A re-form changes ranks, not devices: the actor keeps its GPU.
 

@@ -83,7 +83,7 @@ class Settings:
     reset_limit: int | None = None
     elastic_timeout: float = 600
     # elastic: where the slots come from instead of Ray's free resources (with override_discovery=False),
-    # e.g. phalanx.ray.discovery.TestDiscovery; anything with find_available_hosts_and_slots()
+    # e.g. phalanx.horovod.ray.elastic.TestDiscovery; anything with find_available_hosts_and_slots()
     discovery: Any = None
 
 
@@ -175,7 +175,7 @@ class RayExecutor:
         if self.elastic and not override_discovery and settings.discovery is not None \
                 and not callable(getattr(settings.discovery, "find_available_hosts_and_slots", None)):
             raise ValueError(f"RayExecutor: settings.discovery ({settings.discovery!r}) has no "
-                             "find_available_hosts_and_slots(); use phalanx.ray.discovery.RayHostDiscovery or TestDiscovery")
+                             "find_available_hosts_and_slots(); use phalanx.horovod.ray.elastic's RayHostDiscovery or TestDiscovery")
 
     def _check_elastic(self, num_workers, num_hosts, use_gpu, min_workers, max_workers, reset_limit, cooldown_range,
                        elastic_timeout) -> int:

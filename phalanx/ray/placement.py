@@ -33,8 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from phalanx.ray.worker import BaseWorker
 
-__all__ = ["WorkerSpec", "Placed", "place_workers", "ranks_host_major", "rank_environments", "STRATEGIES",
-           "elastic_visible_devices"]
+__all__ = ["WorkerSpec", "Placed", "place_workers", "ranks_host_major", "rank_environments", "STRATEGIES"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -158,24 +157,3 @@ def rank_environments(infos: list[dict], *, master_addr: str, master_port: int, 
         envs.append({k: str(v) for k, v in env.items()})
     return envs
 
-
-def elastic_visible_devices(own: list[str], node_gpus: int, local_rank: int) -> tuple[str, int]:
-    """An elastic actor's CUDA_VISIBLE_DEVICES and the index of its own first GPU in it.
-
-    The actor sees every GPU of its node (as horovod.ray's elastic executor shows ``0..local_size-1``,
-    so peers can use CUDA IPC), ordered so that the first GPU Ray gave it (``own``, Ray's ids on the
-    node) sits at index ``local_rank`` when the node has that many: a script's
-    ``torch.cuda.set_device(hvd.local_rank())`` then computes on the GPU Ray reserved for it, not on
-    a neighbour's.
-
-    Example::
-
-        elastic_visible_devices(["2"], 4, 1)   # ("0,2,1,3", 1)
-    """
-    if not own:
-        raise ValueError("elastic_visible_devices: Ray gave this actor no GPU (use_gpu needs num_gpus >= 1 "
-                         "per worker, and GPUs in the cluster)")
-    others = [str(g) for g in range(max(node_gpus, 0)) if str(g) not in own]
-    at = min(local_rank, len(others))
-    order = others[:at] + list(own) + others[at:]
-    return ",".join(order), at

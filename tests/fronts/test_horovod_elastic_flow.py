@@ -230,7 +230,7 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     monkeypatch.setattr(inprocess, "_ctx", None)
     notices = HostNotices(store)
     store.set("pxe/latest", "0")
-    messages = hel.HostMessages()
+    messages = hel.state.HostMessages()
     assert messages.empty() and inprocess.change_at_commit(notices=True) is None
     notices.post(ADDED)  # workers started on a new host
     assert not messages.empty() and messages.qsize() == 1
@@ -308,6 +308,7 @@ def test_two_states_in_one_job_keep_their_own_commits(tmp_path, monkeypatch):
 EXIT_RUNS = int(os.environ.get("PHALANX_TEST_EXIT_RUNS", "20"))
 
 
+@pytest.mark.timeout(60 * EXIT_RUNS)  # about 10 s a run on an idle 2-core machine, several times that under load
 def test_horovods_elastic_mnist_example_never_aborts_at_exit(tmp_path):
     """Horovod's examples/elastic/pytorch/pytorch_mnist_elastic.py (only its import changed) under
     `phalanx run -np 2 --min-np 1 --max-np 2`, EXIT_RUNS times on a tiny local MNIST (one step per rank):

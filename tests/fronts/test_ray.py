@@ -404,7 +404,7 @@ def test_horovods_elastic_import_paths():
 
 
 def test_elastic_visible_devices_put_rays_gpu_at_the_local_rank():
-    from phalanx.ray.placement import elastic_visible_devices
+    from phalanx.ray.worker import elastic_visible_devices
 
     assert elastic_visible_devices(["2"], 4, 1) == ("0,2,1,3", 1)  # set_device(local_rank=1) -> Ray's GPU 2
     assert elastic_visible_devices(["0"], 2, 1) == ("1,0", 1)
@@ -415,7 +415,7 @@ def test_elastic_visible_devices_put_rays_gpu_at_the_local_rank():
 
 
 def test_test_discovery_sets_a_host_aside_and_brings_it_back(monkeypatch):
-    from phalanx.ray import discovery
+    from phalanx.horovod.ray import elastic as discovery
 
     nodes = [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "Resources": {"CPU": 4.0, "GPU": 1.0}}
              for i in range(3)] + [{"Alive": False, "NodeManagerAddress": "10.0.0.9", "Resources": {"CPU": 8.0}}]
