@@ -308,7 +308,7 @@ def test_two_states_in_one_job_keep_their_own_commits(tmp_path, monkeypatch):
 EXIT_RUNS = int(os.environ.get("PHALANX_TEST_EXIT_RUNS", "20"))
 
 
-@pytest.mark.timeout(60 * EXIT_RUNS)  # about 10 s a run on an idle 2-core machine, several times that under load
+@pytest.mark.timeout(150 * EXIT_RUNS)  # measured: 24 s a run on the 2-core machine, 75 s under a load of 20
 def test_horovods_elastic_mnist_example_never_aborts_at_exit(tmp_path):
     """Horovod's examples/elastic/pytorch/pytorch_mnist_elastic.py (only its import changed) under
     `phalanx run -np 2 --min-np 1 --max-np 2`, EXIT_RUNS times on a tiny local MNIST (one step per rank):
@@ -342,5 +342,6 @@ def test_horovods_elastic_mnist_example_never_aborts_at_exit(tmp_path):
         if "terminate called" in out or "aborted in the interpreter's teardown" in out:
             failures.append(f"run {run}: " + "; ".join(line for line in out.splitlines()
                                                           if "terminate called" in line or "aborted" in line))
+        print(f"run {run}: {time.monotonic() - began:.0f}s, {len(failures)} aborted so far", flush=True)
     print(f"\n{EXIT_RUNS} runs of the elastic MNIST example in {time.monotonic() - began:.0f}s")
     assert not failures, "\n".join(failures)
