@@ -25,7 +25,9 @@ Example::
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -62,12 +64,41 @@ def default_commit_dir() -> str:
     return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 
 
+_owners: dict[str, tuple[tuple[str, ...], weakref.WeakSet]] = {}  # commit dir -> (its pieces' names, live states)
+
+
+def _own_commit_dir(state: TorchState, wanted: str) -> str:
+    """``wanted``, or ``wanted-state-<hash of the piece names>`` when a live state of this process with
+    other pieces already commits there.
+
+    Two different states sharing one directory would number their snapshots alike, prune each
+    other's, and a restore would read the other's pieces. A state made again with the same pieces
+    (a fresh copy that restores what the first committed) shares the directory on purpose. A restarted
+    process creates its states in the same order, so each finds its own directory again. A sibling,
+    not a subdirectory: the checkpoint manager prunes every directory under its root that is not
+    one of its newest snapshots.
+    """
+    names = tuple(sorted(state._pieces))
+    owner = _owners.get(wanted)
+    if owner is None or not owner[1] or owner[0] == names:
+        if owner is None or not owner[1]:
+            owner = _owners[wanted] = (names, weakref.WeakSet())
+        owner[1].add(state)
+        return wanted
+    chosen = f"{wanted.rstrip(os.sep)}-state-{hashlib.sha1(' '.join(names).encode()).hexdigest()[:8]}"
+    log.info("a second elastic state (pieces %s) commits to %s (%s holds another state's commits)",
+             ", ".join(names), chosen, wanted)
+    return _own_commit_dir(state, chosen)
+
+
 class TorchState:
     """Model, optimizer and named extras (schedulers, samplers, plain values) as one elastic state.
 
     Extras are attributes: ``state.epoch``, ``state.sampler``. ``commit()`` keeps
     a copy in memory and writes a snapshot to ``commit_dir`` (``keep`` newest
-    kept); ``restore()`` returns False when there is nothing to restore.
+    kept); ``restore()`` returns False when there is nothing to restore. A second
+    state with other pieces, alive in the same process with the same directory, commits to
+    ``<commit_dir>-state-<hash of its piece names>``, so each keeps its own snapshots.
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
@@ -77,7 +108,7 @@ class TorchState:
                  commit_dir: str | None = None, keep: int = 2, topology=None, **extras: Any) -> None:
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
-        object.__setattr__(self, "commit_dir", commit_dir or default_commit_dir())
+        object.__setattr__(self, "commit_dir", _own_commit_dir(self, commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         object.__setattr__(self, "_memory", None)

@@ -13,7 +13,19 @@ Example (seed 002's script, only the import changed)::
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=hvd.Compression.fp16)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+Horovod's submodule paths import too: ``from phalanx.horovod.torch.elastic.sampler import
+ElasticSampler`` (and ``...torch.elastic``, ``...torch.elastic.state``) are
+:mod:`phalanx.horovod.elastic` and its submodules, registered here under Horovod's names
+(``phalanx.horovod.torch`` is a module, not a package: only a registered name resolves below it).
 """
 
+import sys as _sys
+
+from phalanx.horovod.elastic import sampler as _sampler  # noqa: F401 - the submodules, for the names below
+from phalanx.horovod.elastic import state as _state  # noqa: F401
 from phalanx.horovod.torch import *  # noqa: F401,F403
 from phalanx.horovod.torch import __all__  # noqa: F401
+
+for _name in ("elastic", "elastic.sampler", "elastic.state"):
+    _sys.modules.setdefault(f"{__name__}.torch.{_name}", _sys.modules[f"{__name__}.{_name}"])

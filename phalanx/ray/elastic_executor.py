@@ -48,7 +48,7 @@ class ElasticRayExecutor(RayExecutor):
         super().__init__(settings, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker or cpus_per_slot,
                          gpus_per_worker=gpus_per_worker or gpus_per_slot, min_workers=settings.min_np or 1,
                          max_workers=settings.max_np, reset_limit=settings.reset_limit,
-                         elastic_timeout=settings.elastic_timeout)
+                         elastic_timeout=settings.elastic_timeout, override_discovery=override_discovery)
         self.env_vars = dict(env_vars or {})
 
     def start(self, executable_cls=None, executable_args=None, executable_kwargs=None, extra_env_vars=None) -> None:

@@ -12,9 +12,16 @@ The driver plays the part ``phalanx run --min-np/--max-np`` plays: it runs the l
     fewer than min_workers for elastic_timeout ─ the job stops; run() raises naming the cause
     every member returned ─ run() returns their results in rank order; no actor is left
 
-Slots come from the cluster: the job's running actors, plus the free CPUs (or its own actors
-still waiting to be placed), capped at ``max_workers``. Every actor counts as one host
-("ray"): ``local_rank`` is the rank, so GPU jobs are not supported in this mode yet.
+Slots come from the cluster: the job's running actors, plus the free resources (CPUs, and GPUs
+with ``use_gpu``; or its own actors still waiting to be placed), capped at ``max_workers`` — or,
+with ``override_discovery=False``, from ``settings.discovery`` (e.g. :mod:`phalanx.horovod.ray.elastic`'s TestDiscovery).
+Every actor counts as one host ("ray"): ``local_rank`` is the rank.
+
+GPUs (``use_gpu``): each actor asks Ray for ``gpus_per_worker`` GPUs (``num_gpus``); before the
+function runs it sees its node's GPUs with its own at index ``local_rank``
+(CUDA_VISIBLE_DEVICES, :func:`~phalanx.ray.worker.elastic_visible_devices`), so Horovod's
+``torch.cuda.set_device(hvd.local_rank())`` lands on the GPU Ray gave it, and phalanx computes there
+(PHALANX_DEVICE). A re-form changes ranks, not devices: the actor keeps its GPU.
 
 Example::
 
@@ -154,10 +161,11 @@ class ElasticJob:
         if self._first is not None:  # the first generation: the size asked for (extra actors wait for room)
             first, self._first = self._first, None
             return {HOST: first}
+        if ex.discovery() is not None:  # the discovery's slots include the job's own actors
+            return {HOST: min(ex.max_workers or UNBOUNDED, ex.discovered_slots())}
         live = [h for h in self.handles if h.returncode is None]
         placed = sum(1 for h in live if h.placed())
-        free = int(ray.available_resources().get("CPU", 0.0) / ex.spec.cpus_per_worker + 1e-9)
-        return {HOST: min(ex.max_workers or UNBOUNDED, placed + max(len(live) - placed, free))}
+        return {HOST: min(ex.max_workers or UNBOUNDED, placed + max(len(live) - placed, ex.free_slots()))}
 
     def start_worker(self, wid: str, host: str, env: dict[str, str]) -> ActorProcess:
         """The supervisor's starter: one actor, set up and running the function, without waiting."""
@@ -165,11 +173,14 @@ class ElasticJob:
         sent = {k: v for k, v in env.items() if k.startswith(_SENT) or k in _PER_RANK or k in ex.extra_env}
         sent["PHALANX_LAUNCHER"] = "ray"
         name = f"phalanx-{self.job}-{wid}"
-        actor = ray.remote(BaseWorker).options(num_cpus=ex.spec.cpus_per_worker, name=name, max_restarts=0,
-                                               max_concurrency=1).remote()
+        gpus = ex.spec.gpus_per_worker if ex.spec.use_gpu else 0
+        actor = ray.remote(BaseWorker).options(num_cpus=ex.spec.cpus_per_worker, num_gpus=gpus, name=name,
+                                               max_restarts=0, max_concurrency=1).remote()
         info = actor.node_info.remote()
         setup = actor.setup.remote(sent, self.key, int(env.get("RANK", -1)), max(1, int(ex.spec.cpus_per_worker)),
                                    self._nice)
+        if ex.spec.use_gpu:  # before the function: CUDA reads CUDA_VISIBLE_DEVICES once, at its first use
+            actor.use_own_gpus.remote(int(env.get("LOCAL_RANK", 0)))
         with self._niceness_lock:
             self._niceness.append(setup)
         if self.queue is not None:

@@ -82,6 +82,9 @@ class Settings:
     max_np: int | None = None
     reset_limit: int | None = None
     elastic_timeout: float = 600
+    # elastic: where the slots come from instead of Ray's free resources (with override_discovery=False),
+    # e.g. phalanx.horovod.ray.elastic.TestDiscovery; anything with find_available_hosts_and_slots()
+    discovery: Any = None
 
 
 _dedup_warned = False
@@ -168,6 +171,11 @@ class RayExecutor:
         self.startup_s: float | None = None
         self.world_sizes: list[tuple[float, int]] = []  # elastic: (time, size) of each generation, when published
         self.extra_env: dict[str, str] = {}
+        self.override_discovery = override_discovery
+        if self.elastic and not override_discovery and settings.discovery is not None \
+                and not callable(getattr(settings.discovery, "find_available_hosts_and_slots", None)):
+            raise ValueError(f"RayExecutor: settings.discovery ({settings.discovery!r}) has no "
+                             "find_available_hosts_and_slots(); use phalanx.horovod.ray.elastic's RayHostDiscovery or TestDiscovery")
 
     def _check_elastic(self, num_workers, num_hosts, use_gpu, min_workers, max_workers, reset_limit, cooldown_range,
                        elastic_timeout) -> int:
@@ -175,9 +183,6 @@ class RayExecutor:
         if num_hosts is not None:
             raise ValueError("RayExecutor: num_hosts is for a fixed-size job; an elastic job (min_workers/max_workers) "
                              "places one actor per worker wherever Ray has room: drop num_hosts")
-        if use_gpu:
-            raise NotImplementedError("RayExecutor: use_gpu with min_workers/max_workers is not supported yet; "
-                                      "run a GPU job with num_workers (fixed size)")
         min_workers = 1 if min_workers is None else min_workers
         for name, value in (("min_workers", min_workers), ("max_workers", max_workers)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -204,8 +209,21 @@ class RayExecutor:
         """Elastic: how many workers the first generation has (num_workers, else what fits now, within bounds)."""
         if self.requested_workers is not None:
             return self.requested_workers
-        free = int(ray.available_resources().get("CPU", 0.0) / self.spec.cpus_per_worker + 1e-9)
+        free = self.free_slots() if self.discovery() is None else self.discovered_slots()
         return max(self.min_workers, min(self.max_workers or free, free))
+
+    def free_slots(self) -> int:
+        """How many more workers Ray has free resources for now (CPUs, and GPUs with use_gpu)."""
+        free = ray.available_resources()
+        return min(int(free.get(k, 0.0) / v + 1e-9) for k, v in self.spec.worker_resources().items())
+
+    def discovery(self):
+        """The discovery object that sizes an elastic job (settings.discovery with override_discovery=False), or None."""
+        return None if self.override_discovery else self.settings.discovery
+
+    def discovered_slots(self) -> int:
+        """All the slots the discovery object reports (the job's own workers included)."""
+        return sum(self.discovery().find_available_hosts_and_slots().values())
 
     @property
     def num_workers(self) -> int:
@@ -256,14 +274,16 @@ class RayExecutor:
         log.info("RayExecutor: %d workers up in %.2fs", len(self.workers), self.startup_s)
 
     def _wait_for_room(self) -> None:
-        """Elastic: until the cluster has CPUs for min_workers (bounded by placement_group_timeout_s)."""
-        need = self.min_workers * self.spec.cpus_per_worker
+        """Elastic: until the cluster has room (CPUs, and GPUs with use_gpu) for min_workers (bounded by
+        placement_group_timeout_s)."""
         deadline = time.monotonic() + self.settings.placement_group_timeout_s
-        while ray.available_resources().get("CPU", 0.0) + 1e-9 < need:
+        while self.free_slots() < self.min_workers:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"RayExecutor: the cluster has no room for min_workers={self.min_workers} x "
-                                   f"cpus_per_worker={self.spec.cpus_per_worker:g} within placement_group_timeout_s="
-                                   f"{self.settings.placement_group_timeout_s:g}; available: {ray.available_resources()}")
+                raise TimeoutError(f"RayExecutor: the cluster has no room for min_workers={self.min_workers} workers of "
+                                   f"{self.spec.worker_resources()} within placement_group_timeout_s="
+                                   f"{self.settings.placement_group_timeout_s:g}; available: {ray.available_resources()}"
+                                   + ("; use_gpu needs GPUs in the cluster (ray.init(num_gpus=N) / ray start --num-gpus)"
+                                      if self.spec.use_gpu else ""))
             time.sleep(0.2)
 
     def _environments(self, infos: list[dict], extra: dict) -> list[dict[str, str]]:

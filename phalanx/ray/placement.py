@@ -156,3 +156,4 @@ def rank_environments(infos: list[dict], *, master_addr: str, master_port: int, 
         env.update(extra or {})
         envs.append({k: str(v) for k, v in env.items()})
     return envs
+

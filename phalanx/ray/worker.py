@@ -30,7 +30,7 @@ from phalanx.log import get_logger
 from phalanx.ray import ray_logger
 from phalanx.settings import ElasticSettings
 
-__all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY", "warn_if_ranks_niced"]
+__all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY", "warn_if_ranks_niced", "elastic_visible_devices"]
 
 log = get_logger(__name__)
 
@@ -144,6 +144,28 @@ def _interface_address(names) -> tuple[str, str] | None:
     return None
 
 
+def elastic_visible_devices(own: list[str], node_gpus: int, local_rank: int) -> tuple[str, int]:
+    """An elastic actor's CUDA_VISIBLE_DEVICES and the index of its own first GPU in it.
+
+    The actor sees every GPU of its node (as horovod.ray's elastic executor shows ``0..local_size-1``,
+    so peers can use CUDA IPC), ordered so that the first GPU Ray gave it (``own``, Ray's ids on the
+    node) sits at index ``local_rank`` when the node has that many: a script's
+    ``torch.cuda.set_device(hvd.local_rank())`` then computes on the GPU Ray reserved for it, not on
+    a neighbour's.
+
+    Example::
+
+        elastic_visible_devices(["2"], 4, 1)   # ("0,2,1,3", 1)
+    """
+    if not own:
+        raise ValueError("elastic_visible_devices: Ray gave this actor no GPU (use_gpu needs num_gpus >= 1 "
+                         "per worker, and GPUs in the cluster)")
+    others = [str(g) for g in range(max(node_gpus, 0)) if str(g) not in own]
+    at = min(local_rank, len(others))
+    order = others[:at] + list(own) + others[at:]
+    return ",".join(order), at
+
+
 class BaseWorker:
     """One rank. ``executable`` is the object made by ``start(executable_cls=…)`` (else None)."""
 
@@ -161,6 +183,21 @@ class BaseWorker:
         gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "hostname": socket.gethostname(), "gpu_ids": gpu_ids, "pid": os.getpid()}
+
+    def use_own_gpus(self, local_rank: int) -> str:
+        """Elastic with use_gpu: this node's GPUs, with the ones Ray gave this actor at ``local_rank``
+        (CUDA_VISIBLE_DEVICES), and compute on it (PHALANX_DEVICE) when CUDA is there. Returns the list."""
+        import ray
+        import torch
+
+        own = [str(g) for g in ray.get_gpu_ids()]
+        node = ray.get_runtime_context().get_node_id()
+        count = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["NodeID"] == node), len(own))
+        visible, index = elastic_visible_devices(own, count, local_rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        if torch.cuda.is_available():  # (a CPU build with Ray's logical GPUs, as in the tests: CPU)
+            os.environ["PHALANX_DEVICE"] = f"cuda:{index}"
+        return visible
 
     def nic_address(self, nics) -> tuple[str, str] | None:
         return _interface_address(list(nics))

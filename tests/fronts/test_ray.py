@@ -378,8 +378,103 @@ def test_rank_environments_host_major_with_gpus():
     ({"min_workers": 1, "num_hosts": 1}, "drop num_hosts"),
     ({"max_workers": 0}, "max_workers must be a positive integer"),
     ({"min_workers": 1, "elastic_timeout": 0}, "elastic_timeout must be positive"),
-    ({"min_workers": 1, "use_gpu": True}, "use_gpu with min_workers"),
 ])
 def test_bad_arguments_say_what_to_fix(kwargs, message):
     with pytest.raises((ValueError, NotImplementedError), match=message):
         RayExecutor(RayExecutor.create_settings(timeout_s=10), **kwargs)
+
+
+# -- issue 39: Horovod's elastic Ray examples, use_gpu on an elastic job, horovod.*.elastic import paths -----------
+
+JOBS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "horovod_torch")
+
+
+def test_horovods_elastic_import_paths():
+    from phalanx.horovod.torch.elastic import TorchState, run
+    from phalanx.horovod.torch.elastic.sampler import ElasticSampler
+    from phalanx.horovod.torch.elastic.state import ObjectState
+
+    from phalanx.horovod.ray import ray_logger as hvd_ray_logger
+    from phalanx.horovod.ray.elastic import ElasticRayExecutor, RayHostDiscovery, TestDiscovery
+
+    assert ElasticSampler is hvd.elastic.ElasticSampler and TorchState is hvd.elastic.TorchState
+    assert run is hvd.elastic.run and ObjectState is hvd.elastic.ObjectState and hvd_ray_logger is ray_logger
+    assert ElasticRayExecutor is __import__("phalanx.ray", fromlist=["x"]).ElasticRayExecutor
+    assert issubclass(TestDiscovery, RayHostDiscovery)
+
+
+def test_elastic_visible_devices_put_rays_gpu_at_the_local_rank():
+    from phalanx.ray.worker import elastic_visible_devices
+
+    assert elastic_visible_devices(["2"], 4, 1) == ("0,2,1,3", 1)  # set_device(local_rank=1) -> Ray's GPU 2
+    assert elastic_visible_devices(["0"], 2, 1) == ("1,0", 1)
+    assert elastic_visible_devices(["3"], 4, 0) == ("3,0,1,2", 0)
+    assert elastic_visible_devices(["1", "2"], 4, 5) == ("0,3,1,2", 2)  # more local ranks than GPUs: after the others
+    with pytest.raises(ValueError, match="Ray gave this actor no GPU"):
+        elastic_visible_devices([], 2, 0)
+
+
+def test_test_discovery_sets_a_host_aside_and_brings_it_back(monkeypatch):
+    from phalanx.horovod.ray import elastic as discovery
+
+    nodes = [{"Alive": True, "NodeManagerAddress": f"10.0.0.{i}", "Resources": {"CPU": 4.0, "GPU": 1.0}}
+             for i in range(3)] + [{"Alive": False, "NodeManagerAddress": "10.0.0.9", "Resources": {"CPU": 8.0}}]
+    monkeypatch.setattr(discovery.ray, "nodes", lambda: nodes)
+    assert discovery.RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots() == \
+        {"10.0.0.0": 2, "10.0.0.1": 2, "10.0.0.2": 2}
+    assert sum(discovery.RayHostDiscovery(use_gpu=True).find_available_hosts_and_slots().values()) == 3
+    now = [0.0]
+    monkeypatch.setattr(discovery.time, "monotonic", lambda: now[0])
+    test = discovery.TestDiscovery(min_hosts=2, max_hosts=3, change_frequency_s=10, verbose=False)
+    sizes = []
+    for step in range(4):  # 3 hosts = max_hosts: one set aside; then 2 = min_hosts: it comes back; ...
+        now[0] = 10.0 * step
+        sizes.append(len(test.find_available_hosts_and_slots()))
+    assert sizes == [3, 2, 3, 2], sizes
+    with pytest.raises(ValueError, match="graceful"):
+        discovery.TestDiscovery(1, 2, 5, _graceful=False)
+
+
+def test_elastic_use_gpu_without_gpus_in_the_cluster_says_so(local_ray):
+    from phalanx.horovod.ray import ElasticRayExecutor
+
+    settings = ElasticRayExecutor.create_settings(min_np=1, max_np=2)
+    settings.placement_group_timeout_s = 1
+    executor = ElasticRayExecutor(settings, use_gpu=True, cpus_per_slot=1)
+    assert executor.spec.worker_resources() == {"CPU": 1.0, "GPU": 1.0}
+    with pytest.raises(TimeoutError, match="no room for min_workers=1 .*use_gpu needs GPUs in the cluster"):
+        executor.start()
+    settings.discovery = object()
+    with pytest.raises(ValueError, match="has no find_available_hosts_and_slots"):
+        ElasticRayExecutor(settings, override_discovery=False)
+
+
+def test_horovods_pytorch_ray_elastic_example_with_only_the_import_changed(tmp_path):
+    """Horovod's examples/ray/pytorch_ray_elastic.py: ElasticRayExecutor(settings, use_gpu=True, cpus_per_slot=2)
+    on a local cluster of 4 CPUs and 2 (Ray's logical) GPUs: two workers, one GPU reserved for each; the
+    CPU build of torch trains on the CPU. A tiny local MNIST, one epoch of one step per worker."""
+    import importlib.util
+
+    sys.path.insert(0, JOBS)
+    try:
+        from mnist_data import write_mnist
+    finally:
+        sys.path.remove(JOBS)
+    data = write_mnist(str(tmp_path / "data"), n_train=64, n_test=32)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(JOBS)))
+    path = [repo, os.environ.get("PYTHONPATH", "")]
+    if importlib.util.find_spec("torchvision") is None:
+        path.insert(0, os.path.join(JOBS, "standin"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore",
+           "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, os.path.join(JOBS, "run_ray_example.py"),
+                           os.path.join(JOBS, "pytorch_ray_elastic.py"), "--epochs", "1", "--batch-size", "32",
+                           "--test-batch-size", "32", "--data-dir", data],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "elastic job of 2 workers" in out, out[-5000:]
+    for rank in (0, 1):
+        assert f"[{rank}]: Train Epoch: 1 [0/32 (0%)]" in out, out[-5000:]
+    assert "[0]: Test set: Average loss:" in out, out[-5000:]

@@ -7,13 +7,14 @@ import contextlib
 import psutil
 
 
-def start_local_ray(ray_module, tries: int = 3) -> None:
-    """ray.init(num_cpus=2); Ray gives its raylet a fixed 30 s to register, which a loaded machine can miss."""
+def start_local_ray(ray_module, tries: int = 3, num_cpus: int = 2, num_gpus: int | None = None) -> None:
+    """ray.init(num_cpus=2) (``num_gpus``: Ray's logical GPUs, none needed on the machine); Ray gives its
+    raylet a fixed 30 s to register, which a loaded machine can miss."""
     me = psutil.Process()
     for attempt in range(tries):
         before = {c.pid for c in me.children(recursive=True)}
         try:
-            ray_module.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+            ray_module.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
             return
         except Exception:
             ray_module.shutdown()

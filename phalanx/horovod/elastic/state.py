@@ -1,62 +1,26 @@
-"""``hvd.elastic``: Horovod's elastic API (run, TorchState, ElasticSampler) on :mod:`phalanx.elastic`.
+"""``hvd.elastic.TorchState`` and ``ObjectState`` (Horovod's ``horovod.torch.elastic.state``), with the
+host-change messages a state reads: ``from phalanx.horovod.torch.elastic.state import TorchState``.
 
-Horovod keeps the last commit in the memory of the surviving workers and
-re-forms its ring in-process; so does phalanx under ``phalanx run --min-np/--max-np``
-(or ``--host-discovery-script``). Under ``--max-restarts`` alone TorchElastic's agent
-restarts the whole group instead, so a commit is also a snapshot the restarted group
-loads. What a Horovod script sees is the same loop::
+See :mod:`phalanx.horovod.elastic` for the model.
 
-    Horovod:  sync → train … worker lost → restore (memory) → reset → on_reset() → sync → train …
-    phalanx:  restore → sync → train … worker lost → survivors re-form in-process →
-              restore (memory) → on_reset() → sync → train …   (or: group restart → snapshot)
+Example::
 
-As in Horovod, a host change the launcher announces (discovery added or removed a host) reaches
-``state._host_messages`` within about a second, as ``(timestamp, HostUpdateResult)``, and makes
-the next ``commit()`` (or ``check_host_updates()``) raise on every rank; the workers then re-form
-when the new workers are ready. That interrupt is ``HostsUpdatedInterrupt`` (with Horovod's
-``skip_sync``; also a ``phalanx.elastic.MembershipChanged``), so ``except
-hvd.elastic.HostsUpdatedInterrupt`` catches it. Differences, all documented in docs/horovod.md:
-``save()`` also asks for changes and writes the snapshot, a ``HostsUpdatedInterrupt`` raised by a
-user only rolls back and re-syncs, and the sampler drops the tail of an epoch that does not split
-evenly instead of padding it with repeated samples.
-
-Example (Horovod's elastic recipe, only the import changed)::
-
-    import phalanx.horovod.torch as hvd
-    hvd.init()
-    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
+    state = TorchState(model, optimizer, epoch=0)
     state.register_reset_callbacks([lambda: set_lr(base_lr * hvd.size())])
-
-    @hvd.elastic.run
-    def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            for batch_idx, (x, y) in enumerate(loader):
-                ...
-                state.sampler.record_batch(batch_idx, 32)
-                if batch_idx % 10 == 0:
-                    state.commit()
-            state.sampler.set_epoch(state.epoch + 1)
-
-    train(state)
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import queue
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import elastic as _elastic
-from phalanx.comm.horovod_ops.ops import HorovodInternalError
-from phalanx.elastic import HostsUpdatedInterrupt, inprocess, restart_count
+from phalanx.elastic import inprocess, restart_count
 
-__all__ = ["run", "TorchState", "ObjectState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError",
-           "HostUpdateResult", "restart_count"]
+__all__ = ["TorchState", "ObjectState", "HostUpdateResult", "HostMessages"]
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -199,40 +163,3 @@ class ObjectState(TorchState):
             if fn is not None and not callable(fn):
                 raise TypeError(f"ObjectState({name}=...) takes a function, got {fn!r}")
         super().__init__(None, None, **kwargs)
-
-
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate ``func(state, ...)`` so it resumes from the last commit after a reset (Horovod's
-    ``hvd.elastic.run``); delegates to :func:`phalanx.elastic.run`."""
-    inner = _elastic.run(func)
-
-    @functools.wraps(func)
-    def wrapper(state, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(state, TorchState):
-            return inner(state, *args, **kwargs)
-        state._run_begins()
-        try:
-            return inner(state, *args, **kwargs)
-        finally:
-            state._run_ends()
-
-    return wrapper
-
-
-class ElasticSampler(_elastic.ElasticSampler):
-    """Horovod's ``ElasticSampler(dataset, shuffle=True, seed=0)``: shards the unprocessed rest of
-    the epoch over the current ranks and re-shards it after a reset.
-
-    ``record_batch(batch_idx, batch_size)`` counts one step of ``batch_size`` samples on every
-    rank; call ``set_epoch`` at the end of each epoch. Unlike Horovod, an epoch whose rest does
-    not split evenly drops its last few samples instead of repeating some.
-    """
-
-    def __init__(self, dataset, shuffle: bool = True, seed: int = 0) -> None:
-        if not hasattr(dataset, "__len__"):
-            raise TypeError(f"ElasticSampler needs a dataset with a length, got {type(dataset).__name__}")
-        self.dataset = dataset
-        super().__init__(len(dataset), shuffle=shuffle, seed=seed)
-
-    def record_batch(self, batch_idx: int, batch_size: int) -> None:  # type: ignore[override]
-        super().record_batch(batch_size)
