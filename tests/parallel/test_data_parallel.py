@@ -416,6 +416,30 @@ def _distributed_optimizer_family():
     out["skipped"] = skipped
     out["scale"] = scaler.get_scale()
     out["params"] = [p.detach().clone() for p in model.parameters()]
+    # torch's LR schedulers take phalanx's wrappers (they are torch.optim.Optimizers to torch), and the
+    # learning rate they set is the one the wrapped optimizer steps with: vs one process with the same schedule
+    for wrap in ("distributed", "zero1", "zero3"):
+        ref, model = _mlp(), _mlp()
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+        sched_ref = torch.optim.lr_scheduler.StepLR(opt_ref, step_size=2, gamma=0.5)
+        inner = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        if wrap == "distributed":
+            opt = DistributedOptimizer(inner, model.named_parameters())
+        else:
+            model, opt = px.zero(model, inner, stage=int(wrap[-1]))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for step in range(6):
+            x, y = _batch(step, n * B, (8,))
+            for o, m, xs, ys in ((opt_ref, ref, x, y), (opt, model, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B])):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(xs), ys).backward()
+                o.step()
+            sched_ref.step()
+            sched.step()
+        with torch.no_grad():
+            full = dict(model.state_dict())
+        out[f"sched_{wrap}"] = (max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+                                opt.param_groups[0]["lr"], sched.get_last_lr())
     return out
 
 
@@ -432,6 +456,9 @@ def test_distributed_optimizer_equivalence_and_amp():
         assert out["scale"] == results[0]["scale"] == 2.0**7
         for a, b in zip(out["params"], results[0]["params"]):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
+        for wrap in ("distributed", "zero1", "zero3"):
+            diff, lr, last = out[f"sched_{wrap}"]
+            assert diff < TOL and lr == pytest.approx(0.025) and last == [pytest.approx(0.025)], (r, wrap, diff, lr, last)
 
 
 def _join_uneven():

@@ -6,11 +6,14 @@ whatever they were given; a wrapper that owns a torch optimizer answers with the
 
 from __future__ import annotations
 
+from phalanx.optim.face import OptimizerFace
+
 __all__ = ["WrapsOptimizer"]
 
 
-class WrapsOptimizer:
-    """Mixin: ``param_groups``, ``state`` and ``defaults`` are those of ``self.optimizer``."""
+class WrapsOptimizer(OptimizerFace):
+    """``param_groups``, ``state`` and ``defaults`` are those of ``self.optimizer``; a
+    ``torch.optim.Optimizer`` to torch (LR schedulers take it: :mod:`phalanx.optim.face`)."""
 
     @property
     def param_groups(self):

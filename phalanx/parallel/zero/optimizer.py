@@ -40,6 +40,7 @@ from phalanx import runtime
 from phalanx.comm.compression.codecs import get_compressor
 from phalanx.log import get_logger
 from phalanx.optim.adam8bit import Adam8bit, check_state_bits
+from phalanx.optim.face import OptimizerFace
 from phalanx.parallel import composition
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks
@@ -67,8 +68,10 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
         raise ValueError(f"zero(stage={stage!r}): stage must be 1, 2 or 3")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero(model=…): expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"zero(optimizer=…): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerFace):
+        raise TypeError(f"zero(optimizer=…): expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                        + (" (a phalanx wrapper: pass the torch optimizer it wraps; zero does the data-parallel"
+                           " reduction itself)" if isinstance(optimizer, OptimizerFace) else ""))
     if optimizer.state:
         raise ValueError("zero(optimizer=…): the optimizer has already stepped; wrap it before the first step")
     if mixed_precision not in _DTYPES:
@@ -143,7 +146,7 @@ def _cast(dtype):
     return cast
 
 
-class ZeroOptimizer(ShardedCheckpoint):
+class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
     """The inner optimizer, rebuilt over this rank's flat fp32 shard of each parameter group.
 
     Checkpoints: ``sharded_state_dict`` / ``load_sharded_state_dict`` (any world size) and
