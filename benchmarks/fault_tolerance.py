@@ -506,7 +506,7 @@ def main() -> None:
     p.add_argument("--steady-steps", type=int, default=120, help="steps of the fault-free runs")
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s), all runners")
-    p.add_argument("--bound", type=float, default=60.0, help="seconds to wait for a recovery")
+    p.add_argument("--bound", type=float, default=45.0, help="seconds to wait for a recovery")
     p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR (new)")
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     a = p.parse_args()
