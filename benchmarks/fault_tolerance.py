@@ -344,6 +344,13 @@ class Job:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.1, deadline - time.time()))
         codes = [p.poll() for p in self.procs]
+        import psutil
+        for p in self.procs:   # torchrun starts its workers in sessions of their own: end those by pid
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        c.send_signal(signal.SIGCONT)
+                        c.kill()
         for p in self.procs:   # whatever is left (a frozen worker, the lighthouse): its own session only
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
