@@ -56,7 +56,7 @@ from phalanx.elastic.interrupts import (
 from phalanx.log import get_logger
 from phalanx.settings import ElasticSettings, RuntimeSettings, var
 
-__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "is_collective_error", "host_updates",
+__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "is_collective_error", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -184,18 +184,26 @@ def change_at_commit(notices: bool = False) -> HostsUpdatedInterrupt | None:
     one); one small allreduce MAX carries the answer to every rank (an allreduce, not a broadcast:
     every rank takes part, so a peer that died since the last step makes it fail on every rank at once).
     """
+    return commit_round(notices)[0]
+
+
+def commit_round(notices: bool = False, vote: int = 0) -> tuple[HostsUpdatedInterrupt | None, int | None]:
+    """:func:`change_at_commit`, and in the same allreduce MAX this rank's preemption ``vote`` (the
+    signal it got, 0 for none): ``(interrupt or None, the largest vote)``, so a commit costs one
+    collective, not two. Outside in-process elastic: ``(None, None)`` and no collective (vote apart).
+    """
     if not active():
-        return None
+        return None, None
     from phalanx import runtime
 
     ctx = _context()
     size = runtime.size() if runtime.is_initialized() else 1
-    flag = torch.zeros(1, dtype=torch.int64)
+    flag = torch.tensor([0, vote], dtype=torch.int64)
     if size == 1 or runtime.rank() == 0:
         flag[0] = _pending_kind(ctx, notices)
     if size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return launcher_interrupt(int(flag[0])) if flag[0] else None
+    return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
 
 
 def _pending_kind(ctx: _Ctx, notices: bool) -> int:

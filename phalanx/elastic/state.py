@@ -99,13 +99,22 @@ class TorchState:
     kept); ``restore()`` returns False when there is nothing to restore. A second
     state with other pieces, alive in the same process with the same directory, commits to
     ``<commit_dir>-state-<hash of its piece names>``, so each keeps its own snapshots.
+    ``snapshot_every``: under in-process elastic (``phalanx run --min-np/--max-np``), write the
+    snapshot at every N-th commit only (default 1: every commit). The survivors of a lost worker
+    restore from memory, so a commit every step costs a state copy, not a file; the snapshot is
+    for a group restart (every worker lost, a re-form that fails), which then resumes up to N-1
+    commits earlier. A preemption's commit is always written.
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *,
-                 commit_dir: str | None = None, keep: int = 2, topology=None, **extras: Any) -> None:
+                 commit_dir: str | None = None, keep: int = 2, topology=None, snapshot_every: int = 1,
+                 **extras: Any) -> None:
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"TorchState(snapshot_every={snapshot_every!r}): give a whole number of commits >= 1 "
+                             "(1: a snapshot at every commit)")
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
         object.__setattr__(self, "commit_dir", _own_commit_dir(self, commit_dir or default_commit_dir()))
@@ -113,6 +122,7 @@ class TorchState:
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         object.__setattr__(self, "_memory", None)
         object.__setattr__(self, "_commit_count", 0)
+        object.__setattr__(self, "_snapshot_every", snapshot_every)
         object.__setattr__(self, "restored_from", None)
         object.__setattr__(self, "_world", None)  # world size of the state held (None: not synced yet)
         object.__setattr__(self, "_world_hooks", [])
@@ -160,16 +170,21 @@ class TorchState:
         if self._world is None:  # committed without a sync(): record the size this state belongs to
             object.__setattr__(self, "_world", _size(self._topology))
         self.remember()
-        from phalanx.elastic import inprocess
+        from phalanx.elastic import inprocess, preempt
 
         # in-process elastic: workers join or leave at this commit. Asked before the snapshot is
-        # written: the question is one gloo broadcast, which fails at once when a peer died since
-        # the last step, where the snapshot's cross-rank waits would only time out.
-        changed = inprocess.change_at_commit(notices=self._host_notices)  # a HostsUpdatedInterrupt, or None
-        path = self._manager.save(self._commit_count, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
-        from phalanx.elastic import preempt
+        # written: the question is one small allreduce, which fails at once when a peer died since
+        # the last step, where the snapshot's cross-rank waits would only time out. It carries the
+        # preemption vote too (a HostsUpdatedInterrupt or None, and the largest vote).
+        changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote())
 
-        preempt.at_commit(path, self.commit_dir)  # under elastic.run: a preemption signal -> save done, exit 85
+        def save() -> str:
+            return self._manager.save(self._commit_count, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
+
+        # in-process elastic restores from memory: the file is for a group restart, every snapshot_every-th
+        due = not inprocess.active() or self._commit_count % self._snapshot_every == 0
+        # under elastic.run: a preemption signal -> this commit saved (now, if it was not due), exit 85
+        preempt.at_commit(save() if due else save, self.commit_dir, reduced)
         if changed is not None:
             raise changed
 

@@ -207,7 +207,8 @@ PREEMPT_JOB = textwrap.dedent('''
         OUT, MODE, TOTAL = sys.argv[1], sys.argv[2], int(sys.argv[3])
         px.init()
         model, opt, x, y = make()
-        state = elastic.TorchState(model, opt, step=0)
+        # a file every 3rd commit: the preemption's commit (the 4th) is written because it is one
+        state = elastic.TorchState(model, opt, step=0, snapshot_every=3)
 
         @elastic.run
         def train(state):

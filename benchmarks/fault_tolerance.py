@@ -1,0 +1,625 @@
+"""Fault tolerance side by side: phalanx elastic vs torchft vs torchrun --max-restarts + DCP, same job, same faults.
+
+Run:  flock /tmp/phalanx-bench.lock python benchmarks/fault_tolerance.py            (default: ~10-15 min)
+      ... --np 2 --faults kill --runners phalanx,torchft --repeats 3                (a subset, more repeats)
+      ... --keep DIR                                                                 (keep every run's logs)
+
+The job: a 2-layer transformer encoder (d 64, 4 heads, sequence 16, ~70k parameters), fixed data
+(256 samples drawn from seed 1), SGD with momentum. Step s takes the global batch rows
+[s*G, s*G+G) mod 256 (G = 48) and splits it over the workers there are (worker r of n takes its
+r-th slice), gradients averaged: whatever the world size, every step is the same full-batch step,
+so the final parameters of any run can be compared with one single-process reference of the same
+number of steps (max abs difference; a lost or twice-applied step shows as a large one).
+
+Runners (each with its own defaults; the collective timeout is --timeout for all three):
+  phalanx   `phalanx run -np N --min-np 1 --max-np N --max-restarts 100` (in-process elastic),
+            phalanx.elastic TorchState + run, px.DataParallel, state.commit() every --commit-every steps.
+            Added worker: -np N-1 and a --host-discovery-script whose slots go from N-1 to N.
+  torchft   one replica group of one process per worker, each under its own `torchrun --max-restarts 100`
+            (torchft's README), the `torchft_lighthouse` it ships (--min_replicas 1), Manager(ProcessGroupGloo,
+            min_replica_size=1, use_async_quorum=False) + torchft DistributedDataParallel + OptimizerWrapper;
+            the state comes from a live peer (its HTTP checkpoint transport). Added worker: a new replica group.
+  torchrun  `torchrun --nproc-per-node N --max-restarts 100`, torch DDP, a DCP checkpoint
+            (torch.distributed.checkpoint.save of get_state_dict) every --ckpt-every steps, loaded at start.
+            Added worker: two agents on a c10d rendezvous (--nnodes 1:2, last_call_timeout 1 s): N-1
+            processes, then an agent of 1 joins, and every worker restarts from the checkpoint.
+  ddp       plain torch DDP under torchrun, no checkpoints: the fault-free baseline of the step time.
+  phalanx-file  (steady state only) phalanx with TorchState(snapshot_every=1): the commit's file every step.
+  torchft-ar    torchft without its DDP wrapper: the Manager's own allreduce of one flat gradient (the
+            wrapper's survivor fails here, see the torchft rows).
+
+Faults, into the worker of the highest rank, once the job has done --fault-at steps at its full size:
+kill (SIGKILL), stop (SIGSTOP: frozen), raise (a marker file makes it raise RuntimeError at its next
+step), add (a worker added). Measured per run, from one log of completed steps (every worker, with
+time, step, world size and a membership key: phalanx (restart, generation), torchft (pid set and
+participants), torchrun restart count):
+  next step s   fault -> the first step completed after the fault by a later membership (add: the
+                first step completed after the fault at all: do the members keep training?)
+  stall s       the longest gap between two completed steps from the fault to back at full size
+  full size s   fault -> the first step completed at the full size again (add: with the newcomer)
+  steps redone  the highest step reached before the recovery minus the step the recovery resumed at
+  max |dp|      final parameters vs the single-process reference of the same number of steps
+                (the fault-free run's figure is the floor: float reassociation across the world sizes)
+Steady state: the median step time of each runner's fault-free run over the plain DDP run of the
+same repeat (paired: each repeat runs all four back to back, in an order reversed every other repeat).
+
+Repeats: --repeats R runs every (runner, np, fault) R times; the table gives the median and min-max
+over the repeats, and a 95% distribution-free interval of the median where R >= 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+WORKER = textwrap.dedent('''
+    import json, os, sys, time
+    from datetime import timedelta
+    import torch
+    from torch import nn
+
+    OUT, MODE, A = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    N, G = 256, A["batch"]
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(N, 16, 64, generator=gen)
+    Y = torch.randint(0, 10, (N,), generator=gen)
+
+    def make():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Flatten(),
+                             nn.Linear(64 * 16, 10))
+
+    def batch(step, r, n):
+        idx = torch.arange(step * G, step * G + G) % N
+        part = idx[r * G // n:(r + 1) * G // n]
+        return X[part], Y[part]
+
+    def optimizer(m):
+        return torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)
+
+    def stop_at():
+        try:
+            with open(OUT + "/stop") as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):
+            return A["steps"]
+
+    def log(what, **kw):
+        with open(OUT + "/log.jsonl", "a") as f:
+            f.write(json.dumps({"what": what, "t": time.time(), "pid": os.getpid(), **kw}) + "\\n")
+
+    def check_raise(step):
+        if os.path.exists(f"{OUT}/raise.{os.getpid()}"):
+            os.unlink(f"{OUT}/raise.{os.getpid()}")
+            raise RuntimeError(f"fault_tolerance: injected failure in pid {os.getpid()} at step {step}")
+
+    def save(params):
+        torch.save([p.detach().clone() for p in params], f"{OUT}/params.{os.getpid()}.pt")
+
+    if MODE.startswith("phalanx"):
+        import phalanx as px
+        from phalanx import elastic as el
+        from phalanx.elastic import inprocess
+
+        px.init()
+        net = make()
+        opt = optimizer(net)
+        model = px.DataParallel(net)
+        state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"])
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        log("start", rank=px.rank(), size=px.size())
+
+        @el.run
+        def train(state):
+            while state.step < stop_at():
+                check_raise(state.step)
+                x, y = batch(state.step, px.rank(), px.size())
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                state.step += 1
+                log("step", step=state.step, rank=px.rank(), size=px.size(), key=[restart, inprocess.generation()])
+                if state.step % A["commit_every"] == 0:
+                    state.commit()
+
+        train(state)
+        if px.rank() == 0:
+            save(net.parameters())
+            log("end", step=state.step)
+
+    elif MODE.startswith("torchft"):
+        from torchft import DistributedDataParallel, Manager
+        from torchft.optim import OptimizerWrapper
+        from torchft.process_group import ProcessGroupGloo
+
+        replica = int(os.environ["FT_REPLICA"])
+        net = make()
+        inner = optimizer(net)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=A["timeout"])),
+            min_replica_size=1,
+            load_state_dict=lambda sd: (net.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
+            state_dict=lambda: {"model": net.state_dict(), "optim": inner.state_dict()},
+            replica_id=f"replica{replica}",
+            timeout=timedelta(seconds=A["timeout"]),
+            quorum_timeout=timedelta(seconds=A["timeout"] + 30),
+            use_async_quorum=False,
+        )
+        if A["ft_ddp"]:   # torchft's DistributedDataParallel (its README's train_ddp.py)
+            model = DistributedDataParallel(manager, net)
+        else:             # the manager's own allreduce of one flat gradient (errors end in should_commit)
+            model = net
+
+            def average():
+                grads = [p.grad for p in net.parameters()]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                manager.allreduce(flat).wait()
+                for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(v)
+        opt = OptimizerWrapper(manager, inner)
+        log("start", rank=replica, size=None)
+        while manager.current_step() < stop_at():
+            step = manager.current_step()
+            check_raise(step)
+            opt.zero_grad()  # the quorum (and, for a newcomer or a laggard, the recovery from a peer)
+            step = manager.current_step()
+            r, n = manager.participating_rank(), manager.num_participants()
+            x, y = batch(step, r if r is not None else 0, max(n, 1))
+            nn.functional.cross_entropy(model(x), y).backward()
+            if not A["ft_ddp"]:
+                average()
+            opt.step()  # should_commit: applied only if every participant's step succeeded
+            if manager.current_step() > step and r is not None:
+                log("step", step=manager.current_step(), rank=r, size=n, key=[getattr(manager, "_quorum_id", n)])
+        if manager.participating_rank() in (0, None):
+            save(net.parameters())
+            log("end", step=manager.current_step())
+        manager.shutdown(wait=False)
+
+    else:  # torchrun (+ DCP) and plain ddp
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=A["timeout"]))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        model = DDP(make())
+        opt = optimizer(model)
+        step, ckpt = 0, OUT + "/dcp"
+        done = sorted((int(d) for d in os.listdir(ckpt) if os.path.exists(f"{ckpt}/{d}/done")) if os.path.isdir(ckpt) else [])
+        if MODE == "torchrun" and done:
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=f"{ckpt}/{done[-1]}")
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            step = done[-1]
+        log("start", rank=rank, size=size, step=step)
+        while step < stop_at():
+            check_raise(step)
+            x, y = batch(step, rank, size)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            step += 1
+            log("step", step=step, rank=rank, size=size, key=[restart])
+            if MODE == "torchrun" and step % A["ckpt_every"] == 0:
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{ckpt}/{step}")
+                dist.barrier()
+                if rank == 0:
+                    open(f"{ckpt}/{step}/done", "w").close()
+        if rank == 0:
+            save(model.module.parameters())
+            log("end", step=step)
+        dist.destroy_process_group()
+''')
+
+RUNNERS = ("phalanx", "torchft", "torchft-ar", "torchrun")
+FAULTS = ("kill", "stop", "raise", "add")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows(out: str) -> list[dict]:
+    try:
+        with open(os.path.join(out, "log.jsonl")) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    got = []
+    for line in lines:
+        with contextlib.suppress(ValueError):  # a line being written
+            got.append(json.loads(line))
+    return got
+
+
+class Job:
+    """The processes of one run (each in its own session, so whatever is left is killed by group id)."""
+
+    def __init__(self, out: str, runner: str, np: int, a, initial: int) -> None:
+        self.out, self.runner, self.np, self.a = out, runner, np, a
+        self.procs: list[subprocess.Popen] = []
+        self.script = os.path.join(out, "worker.py")
+        with open(self.script, "w") as f:
+            f.write(WORKER)
+        self.args = json.dumps({"batch": a.batch, "steps": a.max_steps, "timeout": a.timeout,
+                                "commit_every": a.commit_every, "ckpt_every": a.ckpt_every,
+                                "snapshot_every": 1 if runner == "phalanx-file" else a.snapshot_every,
+                                "ft_ddp": runner == "torchft"})
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.log = open(os.path.join(out, "output.log"), "w")
+        if runner.startswith("phalanx"):
+            cmd = [sys.executable, "-m", "phalanx", "run", "-np", str(initial), "--min-np", "1", "--max-np", str(np),
+                   "--max-restarts", "100", "--timeout", str(int(a.timeout))]
+            if initial < np:  # a worker is added: discovery's slots go from np-1 to np
+                with open(os.path.join(out, "slots"), "w") as f:
+                    f.write(str(initial))
+                hosts = os.path.join(out, "hosts.sh")
+                with open(hosts, "w") as f:
+                    f.write(f"#!/bin/sh\necho localhost:$(cat {out}/slots)\n")
+                os.chmod(hosts, 0o755)
+                cmd += ["--host-discovery-script", hosts]
+            self.start(cmd + [sys.executable, self.script, out, runner, self.args])
+        elif runner in ("torchft", "torchft-ar"):
+            lport = free_port()
+            self.env["TORCHFT_LIGHTHOUSE"] = f"http://localhost:{lport}"
+            self.start(["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
+                        "--join_timeout_ms", "10000", "--bind", f"[::]:{lport}"])
+            for i in range(initial):
+                self.add_replica(i)
+        elif runner in ("torchrun", "ddp"):
+            if initial < np:   # two agents on one c10d rendezvous: np-1 processes now, one more later
+                self.rdzv = free_port()
+                self.start(self.agent(initial, nnodes="1:2"))
+            else:
+                self.start(["torchrun", "--nproc-per-node", str(np), "--max-restarts", "100",
+                            "--master-port", str(free_port()), "--monitor-interval", "0.1",
+                            self.script, out, runner, self.args])
+
+    def agent(self, nproc: int, nnodes: str) -> list[str]:
+        return ["torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", "100",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv}", "--rdzv-id", "ft",
+                "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.1",
+                self.script, self.out, self.runner, self.args]
+
+    def start(self, cmd: list[str], env: dict | None = None) -> None:
+        self.procs.append(subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env or self.env,
+                                           start_new_session=True, cwd=self.out))
+
+    def add_replica(self, i: int) -> None:
+        self.start(["torchrun", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "100",
+                    "--master-port", str(free_port()), "--monitor-interval", "0.1",
+                    self.script, self.out, self.runner, self.args], env={**self.env, "FT_REPLICA": str(i)})
+
+    def add_worker(self) -> None:
+        if self.runner == "phalanx":
+            with open(os.path.join(self.out, "slots.tmp"), "w") as f:
+                f.write(str(self.np))
+            os.replace(os.path.join(self.out, "slots.tmp"), os.path.join(self.out, "slots"))
+        elif self.runner.startswith("torchft"):
+            self.add_replica(self.np - 1)
+        else:
+            self.start(self.agent(1, nnodes="1:2"))
+
+    def victim(self) -> int | None:
+        """The pid of the live worker of the highest rank (from the workers' start rows)."""
+        import psutil
+        mine = set()
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                mine |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        starts = [r for r in rows(self.out) if r["what"] == "start" and r["pid"] in mine]
+        steps = {r["pid"]: r["rank"] for r in rows(self.out) if r["what"] == "step"}
+        live = [(steps.get(r["pid"], r["rank"]), r["pid"]) for r in starts]
+        return max(live)[1] if live else None
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs if p.args[0] != "torchft_lighthouse")
+
+    def end(self, wait: float) -> list[int | None]:
+        deadline = time.time() + wait
+        for p in self.procs:
+            if p.args[0] == "torchft_lighthouse":
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.time()))
+        codes = [p.poll() for p in self.procs]
+        import psutil
+        for p in self.procs:   # torchrun starts its workers in sessions of their own: end those by pid
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        c.send_signal(signal.SIGCONT)
+                        c.kill()
+        for p in self.procs:   # whatever is left (a frozen worker, the lighthouse): its own session only
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGCONT)
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.log.close()
+        return codes
+
+
+def steps_of(out: str) -> list[dict]:
+    return [r for r in rows(out) if r["what"] == "step"]
+
+
+def key(r: dict) -> tuple:
+    return tuple(r.get("key") or ())
+
+
+def one_run(runner: str, np: int, fault: str | None, a, out: str) -> dict:
+    """Run the job; inject ``fault`` once it has done --fault-at steps at its starting size; end it
+    --tail steps after it is back at the full size (or --bound s after the fault)."""
+    os.makedirs(out)
+    initial = np - 1 if fault == "add" else np
+    job = Job(out, runner, np, a, initial)
+    info: dict = {"runner": runner, "np": np, "fault": fault}
+    try:
+        t_start = time.time()
+        while True:   # ready: --fault-at steps done at the starting size (bounded)
+            done = [r for r in steps_of(out) if r["size"] == initial]
+            if (fault and done and done[-1]["step"] >= a.fault_at) or (not fault and steps_of(out)) \
+                    or not job.running() or time.time() > t_start + a.bound + 60:
+                break
+            time.sleep(0.05)
+        if fault and job.running() and done and done[-1]["step"] >= a.fault_at:
+            before = steps_of(out)
+            info["key0"] = key(before[-1])
+            t0 = time.time()
+            if fault == "add":
+                job.add_worker()
+            else:
+                pid = job.victim()
+                info["victim"] = pid
+                if fault == "raise":
+                    open(os.path.join(out, f"raise.{pid}"), "w").close()
+                else:
+                    os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            info["t0"] = t0
+            while time.time() < t0 + a.bound and job.running():   # back at the full size
+                if any(r["t"] > t0 and r["size"] == np and (fault == "add" or key(r) != info["key0"])
+                       for r in steps_of(out)):
+                    break
+                time.sleep(0.05)
+        if fault:
+            last = max((r["step"] for r in steps_of(out)), default=0)
+            with open(os.path.join(out, "stop.tmp"), "w") as f:
+                f.write(str(last + a.tail))
+            os.replace(os.path.join(out, "stop.tmp"), os.path.join(out, "stop"))
+        info["codes"] = job.end(a.bound + 60)
+    finally:
+        if job.procs and any(p.poll() is None for p in job.procs):
+            job.end(0)
+    info["rows"] = rows(out)
+    return info
+
+
+def analyse(info: dict, np: int) -> dict:
+    steps = [r for r in info["rows"] if r["what"] == "step"]
+    end = next((r for r in info["rows"] if r["what"] == "end"), None)
+    res = {"end_step": end["step"] if end else None}
+    if "t0" not in info:
+        return res
+    t0, k0, fault = info["t0"], tuple(info["key0"]), info["fault"]
+    later = [r for r in steps if r["t"] > t0 and (fault == "add" or key(r) != k0)]
+    if not later:
+        return res
+    first = later[0]
+    res["next_step_s"] = first["t"] - t0
+    full = [r for r in later if r["size"] == np]
+    res["full_size_s"] = full[0]["t"] - t0 if full else None
+    reached = max((r["step"] for r in steps if r["t"] < first["t"]), default=0)
+    res["steps_redone"] = max(0, reached - (first["step"] - 1))
+    until = full[0]["t"] if full else first["t"]
+    win = [t for t in sorted({r["t"] for r in steps} | {t0}) if t0 <= t <= until]
+    res["stall_s"] = max((b - a_ for a_, b in zip(win, win[1:])), default=None)
+    return res
+
+
+def step_time(info: dict, skip: int) -> float | None:
+    """Mean time per step (rank 0's log) after ``skip`` warm-up steps: every step's cost, the
+    checkpoint or commit steps included."""
+    steps = [r for r in info["rows"] if r["what"] == "step" and r["rank"] == 0 and r["step"] > skip]
+    if len(steps) < 2:
+        return None
+    return (steps[-1]["t"] - steps[0]["t"]) / (steps[-1]["step"] - steps[0]["step"])
+
+
+def reference(batch: int, wanted: set[int]) -> dict[int, list]:
+    """Single-process params after each wanted number of full-batch steps (the same math as every runner)."""
+    ns: dict = {}
+    src = WORKER.split("\nif MODE")[0].replace("OUT, MODE, A = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])",
+                                                f"A = {{'batch': {batch}}}")
+    exec(src, ns)  # the worker's own make(), data and optimizer
+    import torch
+    net, out = ns["make"](), {}
+    opt = ns["optimizer"](net)
+    for s in range(max(wanted, default=0)):
+        x, y = ns["batch"](s, 0, 1)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        if s + 1 in wanted:
+            out[s + 1] = [p.detach().clone() for p in net.parameters()]
+    return out
+
+
+def final_params(out: str):
+    import torch
+    files = sorted(f for f in os.listdir(out) if f.startswith("params."))
+    return torch.load(os.path.join(out, files[-1])) if files else None
+
+
+def median_ci(values: list[float], level: float = 0.95):
+    xs, n = sorted(values), len(values)
+    tail, k = (1 - level) / 2, 0
+    while k < n // 2:
+        p = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+        if p > tail:
+            break
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k >= 1 else None
+
+
+def summary(vals: list) -> str:
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "-"
+    m = statistics.median(vals)
+    ci = median_ci(vals)
+    if len(vals) == 1:
+        return f"{m:.2f}"
+    rng = f" [{min(vals):.2f}-{max(vals):.2f}]"
+    return f"{m:.2f}{rng}" + (f" ci {ci[0]:.2f}-{ci[1]:.2f}" if ci else "")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--np", default="2,4", help="world sizes, comma-separated (default 2,4)")
+    p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batch", type=int, default=48, help="global batch (split over the workers)")
+    p.add_argument("--commit-every", type=int, default=1, help="phalanx: state.commit() every N steps")
+    p.add_argument("--snapshot-every", type=int, default=10,
+                   help="phalanx: TorchState(snapshot_every=N): the commit's file every N commits (memory: each)")
+    p.add_argument("--torchft-ddp-np", default="2",
+                   help="world sizes at which the torchft runner (its DistributedDataParallel) runs (default 2)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="torchrun: a DCP checkpoint every N steps")
+    p.add_argument("--fault-at", type=int, default=15, help="inject after this many steps at the starting size")
+    p.add_argument("--tail", type=int, default=10, help="steps to run after the recovery")
+    p.add_argument("--steady-steps", type=int, default=120, help="steps of the fault-free runs")
+    p.add_argument("--max-steps", type=int, default=100000)
+    p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s), all runners")
+    p.add_argument("--bound", type=float, default=45.0, help="seconds to wait for a recovery")
+    p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR (new)")
+    p.add_argument("--json", metavar="FILE", help="also write the results here")
+    a = p.parse_args()
+    sizes = [int(n) for n in a.np.split(",")]
+    ddp_np = [int(n) for n in a.torchft_ddp_np.split(",") if n]
+    runners = [r for r in a.runners.split(",") if r]
+    faults = [f for f in a.faults.split(",") if f]
+    if any(r not in RUNNERS for r in runners) or any(f not in FAULTS for f in faults):
+        p.error(f"--runners of {','.join(RUNNERS)}; --faults of {','.join(FAULTS)}")
+    if any(n < 2 or a.batch % n or a.batch % (n - 1) for n in sizes):
+        p.error("--np: each at least 2, and --batch divisible by it and by it minus one")
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        sys.exit("benchmarks/fault_tolerance.py needs psutil (pip install psutil)")
+    if "torchft" in runners and shutil.which("torchft_lighthouse") is None:
+        sys.exit("torchft runner: no torchft_lighthouse on PATH (pip install torchft); or --runners phalanx,torchrun")
+
+    root = a.keep or tempfile.mkdtemp(prefix="ft-bench-")
+    os.makedirs(root, exist_ok=True)
+    results: list[dict] = []
+    t_all = time.time()
+    saved = {"steady_steps": a.steady_steps}
+    a.max_steps, saved_max = a.steady_steps, a.max_steps
+    steady = [*runners, *(["phalanx-file"] if "phalanx" in runners else [])]
+    for rep in range(a.repeats):   # steady state: fault-free runs, paired with plain DDP
+        for n in sizes:
+            order = ["ddp", *steady] if rep % 2 == 0 else [*reversed(steady), "ddp"]
+            for r in order:
+                if r == "torchft" and n not in ddp_np:
+                    continue
+                info = one_run(r, n, None, a, os.path.join(root, f"ff-{r}-{n}-{rep}"))
+                results.append({**{k: v for k, v in info.items() if k != "rows"}, "repeat": rep,
+                                "step_s": step_time(info, 20), "end_step": a.steady_steps,
+                                "out": os.path.join(root, f"ff-{r}-{n}-{rep}")})
+                print(f"fault-free {r} np {n}: step {results[-1]['step_s']}", flush=True)
+    a.max_steps = saved_max
+    for rep in range(a.repeats):
+        for n in sizes:
+            for f in faults:
+                for r in runners if rep % 2 == 0 else list(reversed(runners)):
+                    if r == "torchft" and n not in ddp_np:
+                        continue
+                    out = os.path.join(root, f"{r}-{n}-{f}-{rep}")
+                    info = one_run(r, n, f, a, out)
+                    res = analyse(info, n)
+                    results.append({**{k: v for k, v in info.items() if k not in ("rows", "key0")}, **res,
+                                    "repeat": rep, "out": out})
+                    print(f"{f} {r} np {n}: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
+                          for k, v in res.items()}), flush=True)
+    # final parameters vs the single-process reference of the same number of steps
+    ref = reference(a.batch, {r["end_step"] for r in results if r.get("end_step")})
+    for r in results:
+        got = final_params(r["out"])
+        want = ref.get(r.get("end_step"))
+        if got is not None and want is not None:
+            r["max_abs_diff"] = max(float((x - y).abs().max()) for x, y in zip(got, want))
+        r["error"] = None
+        if r.get("next_step_s") is None and r["fault"]:
+            with open(os.path.join(r["out"], "output.log"), errors="replace") as fh:
+                err = [ln for ln in fh.read().splitlines() if "Error" in ln or "error" in ln]
+            r["error"] = err[-1][:300] if err else "no recovery and no error line"
+    wall = time.time() - t_all
+
+    print(f"\nfault tolerance: {a.repeats} repeat(s), np {a.np}, phalanx commit every {a.commit_every}, "
+          f"snapshot every {a.snapshot_every}, DCP every {a.ckpt_every}, timeout {a.timeout:.0f}s, {wall / 60:.1f} min; median [min-max] over repeats")
+    print(f"{'np':>2} {'fault':<5} {'runner':<8} {'next step s':>16} {'stall s':>16} {'full size s':>16} "
+          f"{'redone':>10} {'max|dp|':>9}  error")
+    for n in sizes:
+        for f in faults:
+            for r in runners:
+                rs = [x for x in results if x["runner"] == r and x["np"] == n and x["fault"] == f]
+                diffs = [x.get("max_abs_diff") for x in rs if x.get("max_abs_diff") is not None]
+                errs = {x["error"] for x in rs if x.get("error")}
+                print(f"{n:>2} {f:<5} {r:<8} {summary([x.get('next_step_s') for x in rs]):>16} "
+                      f"{summary([x.get('stall_s') for x in rs]):>16} {summary([x.get('full_size_s') for x in rs]):>16} "
+                      f"{summary([x.get('steps_redone') for x in rs]):>10} "
+                      f"{(f'{max(diffs):.1e}' if diffs else '-'):>9}  {'; '.join(sorted(errs))}")
+    print(f"\nsteady state (fault-free, {a.steady_steps} steps): step time / plain DDP's, paired per repeat")
+    for n in sizes:
+        for r in steady:
+            ratios, diffs = [], []
+            for rep in range(a.repeats):
+                mine = [x for x in results if x["fault"] is None and x["runner"] == r and x["np"] == n
+                        and x["repeat"] == rep]
+                base = [x for x in results if x["fault"] is None and x["runner"] == "ddp" and x["np"] == n
+                        and x["repeat"] == rep]
+                if mine and base and mine[0]["step_s"] and base[0]["step_s"]:
+                    ratios.append(mine[0]["step_s"] / base[0]["step_s"])
+                diffs += [x["max_abs_diff"] for x in mine if x.get("max_abs_diff") is not None]
+            ddp = [x["step_s"] for x in results if x["fault"] is None and x["runner"] == "ddp" and x["np"] == n
+                   and x["step_s"]]
+            print(f"np {n} {r:<8} {summary(ratios)} (ddp step {statistics.median(ddp) * 1e3 if ddp else 0:.1f} ms; "
+                  f"fault-free max|dp| {max(diffs) if diffs else float('nan'):.1e})")
+    doc = {"bench": "fault_tolerance", "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
+           "snapshot_every": a.snapshot_every,
+           "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,
+           "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "out"}
+                    for r in results]}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(json.dumps(doc))
+    if not a.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""TorchState(snapshot_every=N) under in-process elastic: a commit every step keeps the state in memory
+and writes its file every N-th commit only. Survivors of a SIGKILL resume from the last commit in memory
+(one that wrote no file); a group restart resumes from the last file; both end equal to the one-process
+run of the same steps. Real ranks through `phalanx run --min-np/--max-np`."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import elastic_job
+import pytest
+import torch
+
+from phalanx import elastic
+
+pytestmark = pytest.mark.cluster
+
+TOTAL, G, N_DATA, KILL_AT, EVERY = 16, 8, 64, 8, 3
+
+WORKER = textwrap.dedent(f"""
+    import os, signal, sys, time
+    import torch
+    import phalanx as px
+    from phalanx import elastic
+    from phalanx.elastic import inprocess
+
+    TOTAL, G, N_DATA, KILL_AT, EVERY = {TOTAL}, {G}, {N_DATA}, {KILL_AT}, {EVERY}
+
+""") + elastic_job.HELPERS + textwrap.dedent("""
+
+    def main(out):
+        px.init()
+        x, y = data()
+        model, opt = make()
+        state = elastic.TorchState(model, opt, sampler=elastic.ElasticSampler(N_DATA, seed=1), step=0,
+                                   commit_dir=os.path.join(out, "commits"), keep=100, snapshot_every=EVERY)
+
+        def event(what):
+            with open(os.path.join(out, "events.txt"), "a") as f:
+                f.write(f"{what} step={state.step} rank={px.rank()} size={px.size()} pid={os.getpid()} "
+                        f"gen={inprocess.generation()} restart={elastic.restart_count()}\\n")
+
+        @elastic.run
+        def train(state):
+            event("start")
+            while state.step < TOTAL:
+                step(model, opt, state.sampler, x, y, px.size())
+                state.step += 1
+                first = not os.path.exists(os.path.join(out, "killed"))   # (a group restart counts from 0 again)
+                if first and state.step == KILL_AT and px.rank() == 1:
+                    open(os.path.join(out, "killed"), "w").close()
+                    event("kill")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                state.commit()   # every step
+
+        train(state)
+        event("end")
+        if px.rank() == 0:
+            torch.save([p.detach() for p in model.parameters()], os.path.join(out, "final.pt"))
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+""")
+
+
+def _events(path):
+    return [{"what": line.split()[0], **{k: int(v) for k, v in (x.split("=") for x in line.split()[1:])}}
+            for line in path.read_text().splitlines()]
+
+
+def _run(tmp_path, flags, env=None):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", *flags, "--timeout", "60",
+           sys.executable, str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    report = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, report
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for got, want in zip(final, elastic_job.reference(WORKER, TOTAL, N_DATA)[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    return _events(tmp_path / "events.txt"), report
+
+
+def test_survivor_resumes_from_a_commit_in_memory_that_wrote_no_file(tmp_path):
+    ev, report = _run(tmp_path, ["--min-np", "1", "--max-np", "2", "--max-restarts", "0"])
+    kill = [e for e in ev if e["what"] == "kill"]
+    after = [e for e in ev if e["what"] == "start" and e["gen"] == 1]
+    assert len(kill) == 1 and len(after) == 1 and after[0]["size"] == 1, report
+    # the last commit before the kill (the step before, or the killed step's own on the survivor, which
+    # keeps it in memory before the commit's collective finds the peer gone): neither wrote a file
+    assert after[0]["step"] in (KILL_AT - 1, KILL_AT) and after[0]["step"] % EVERY != 0, (after, report)
+    assert after[0]["restart"] == 0, report   # the same process: no group restart
+    files = sorted(os.listdir(tmp_path / "commits"))
+    assert files and all(int(f.split("-")[1]) % EVERY == 0 for f in files), files
+
+
+def test_group_restart_resumes_from_the_last_snapshot(tmp_path):
+    # --min-np 2 and a 1 s re-form wait: the survivor gives up and the whole group restarts from the
+    # newest file, the commit of step 6 (commit 6: every EVERY-th commit is written)
+    env = {"PHALANX_ELASTIC_REFORM_TIMEOUT": "1"}
+    ev, report = _run(tmp_path, ["--min-np", "2", "--max-restarts", "1"], env)
+    assert "recovery path: group restart on TorchElastic" in report, report
+    restarted = [e for e in ev if e["what"] == "start"][2:]
+    assert len(restarted) == 2 and not {e["pid"] for e in restarted} & {e["pid"] for e in ev[:2]}, (ev, report)
+    assert {e["step"] for e in restarted} == {(KILL_AT - 1) // EVERY * EVERY}, (restarted, report)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
+def test_snapshot_every_must_be_a_whole_number_of_commits(bad):
+    with pytest.raises(ValueError, match=r"TorchState\(snapshot_every=.*\): give a whole number of commits >= 1"):
+        elastic.TorchState(torch.nn.Linear(1, 1), snapshot_every=bad)
