@@ -116,11 +116,25 @@ def _live_devices(tree: Any) -> dict[str, torch.device]:
     return {p: (n.tensor if isinstance(n, Shard) else n).device for p, n in live.items()}
 
 
+def _same_piece(rec: dict, want: Shard) -> bool:
+    """Whether saved record ``rec`` is exactly the piece the Shard ``want`` asks for (no resharding)."""
+    return (rec.get("offsets") == list(want.offsets) and rec.get("global_shape") == list(want.global_shape)
+            and rec["shape"] == list(want.tensor.shape) and rec["dtype"] == str(want.tensor.dtype).replace("torch.", ""))
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    # the storage really holds the tensor (ZeRO-3 frees parameter storage between uses)
+    return (t.device.type == "cpu" and t.is_contiguous()
+            and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
+
+
 def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, torch.Tensor]]:
     """file -> {name in file -> the live CPU tensor at the same tree path, same shape and dtype}.
 
     Module state dicts hold the parameters' own storage, so their bytes can be read
-    from the file straight into the model: one pass, no intermediate copy.
+    from the file straight into the model: one pass, no intermediate copy. A Shard the
+    loader holds at the same offsets as a saved piece (same world size, same split) is
+    read straight into its tensor too.
     """
     live: dict[str, torch.Tensor | None] = {}
 
@@ -136,13 +150,17 @@ def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, to
                 walk(v, path + (i,))
 
     walk(tree, ())
+    shards = _template_shards(tree)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for rec in records.values():
+        if "offsets" in rec:
+            want = shards.get(rec["path"])
+            if want is not None and _same_piece(rec, want) and _in_place(want.tensor):
+                out.setdefault(rec["file"], {})[rec["name"]] = want.tensor
+            continue
         t = live.get(rec["path"])
-        if (t is not None and "offsets" not in rec and t.device.type == "cpu" and t.is_contiguous()
-                and list(t.shape) == rec["shape"] and str(t.dtype).replace("torch.", "") == rec["dtype"]
-                # the storage really holds the tensor (ZeRO-3 frees parameter storage between uses)
-                and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()):
+        if (t is not None and list(t.shape) == rec["shape"]
+                and str(t.dtype).replace("torch.", "") == rec["dtype"] and _in_place(t)):
             out.setdefault(rec["file"], {})[rec["name"]] = t
     return out
 
@@ -185,7 +203,9 @@ def read_state(path: str, state: dict, *, topology=None) -> dict:
                                             "which its manifest entry does not list")
         pstr = path_str(path_)
         want = template.get(pstr)
-        if want is not None:  # the loader wants its own piece: reshard from every overlapping file
+        if want is not None and _same_piece(rec, want):  # saved as wanted: one file, no copy
+            return Shard(reader.tensor(rec), want.global_shape, want.offsets)
+        if want is not None:  # the loader wants another piece: reshard from every overlapping file
             t = reader.assemble(pstr, tuple(want.tensor.shape), want.offsets, want.tensor.dtype)
             return Shard(t, want.global_shape, want.offsets)
         if "__shard__" in node:  # saved split, wanted whole: gather the full tensor

@@ -111,7 +111,7 @@ def _write_rank(path: str, job: Job, store, nonce: str, skeleton, tensors, recor
                   for f, named in theirs.items()}
         for fname, named in mine.items():
             fpath = os.path.join(path, fname)
-            digest = io.write_tensors(fpath, named, fmt=_fmt(fname), fsync=fsync)
+            digest = io.write_tensors(fpath, named, fmt=_fmt(fname), fsync=fsync, dir_sync=False)
             files[fname] = {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}
             if job.world > 1:
                 content = digest if _fmt(fname) == "safetensors" else io.content_checksum(named, "torch")
@@ -121,7 +121,9 @@ def _write_rank(path: str, job: Job, store, nonce: str, skeleton, tensors, recor
     mfile = meta_file(job.rank)
     mdigest = io.write_json(os.path.join(path, mfile), {
         "nonce": nonce, "rank": job.rank, "world_size": job.world, "records": records, "skeleton": skeleton,
-        "meta": meta}, fsync=fsync)
+        "meta": meta}, fsync=fsync, dir_sync=False)
+    if fsync:  # one directory fsync for this rank's renames, before it reports them (the manifest comes after)
+        io.sync_dir(path)
     entry = {"meta_file": mfile, "meta_checksum": mdigest, "tensors": records, "files": files}
     if job.world == 1:
         _write_manifest(path, nonce, 1, meta, [entry], fsync)
@@ -173,7 +175,7 @@ def _check_shared(path: str, job: Job, store, nonce: str, tensors, records, thei
     fmt = io.tensor_format(named)
     fname = f"rank{job.rank:05d}.diverged.{'pt' if fmt == 'torch' else 'safetensors'}"
     fpath = os.path.join(path, fname)
-    digest = io.write_tensors(fpath, named, fmt=fmt, fsync=fsync)
+    digest = io.write_tensors(fpath, named, fmt=fmt, fsync=fsync, dir_sync=False)
     for p, tid in diverged.items():
         records[tid] = {**records[tid], "file": fname, "name": p}
     return {fname: {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}}
