@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -26,20 +27,31 @@ from phalanx.checkpoint._tree import Shard, copy_overlap, decode, path_str
 from phalanx.checkpoint.manifest import read_manifest
 from phalanx.checkpoint.pieces import is_gathered, is_stateful, job_of, to_tree
 
-__all__ = ["Reader", "read_state", "apply_state", "read_meta"]
+__all__ = ["Reader", "SharedFileError", "read_state", "apply_state", "read_meta", "shared_files", "checker_of"]
+
+
+class SharedFileError(io.CorruptCheckpointError):
+    """A file that every loading rank reads failed the check this rank ran for all of them."""
 
 
 class Reader:
-    """Reads (and checksums) each file of one checkpoint at most once."""
+    """Reads (and checksums) each file of one checkpoint at most once.
 
-    def __init__(self, path: str, manifest: dict, into: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    ``unchecked``: files this rank reads without hashing them, because another rank
+    checks them for everyone (see :func:`read_state`).
+    """
+
+    def __init__(self, path: str, manifest: dict, into: dict[str, dict[str, torch.Tensor]] | None = None,
+                 unchecked: frozenset[str] = frozenset()) -> None:
         self.path, self.manifest, self.cache, self.into = path, manifest, {}, into or {}
+        self.unchecked = unchecked
 
     def file(self, name: str) -> dict[str, torch.Tensor]:
-        """Every tensor of file ``name`` (verified), by its name in the file."""
+        """Every tensor of file ``name`` (verified, unless another rank verifies it), by its name in the file."""
         if name not in self.cache:
             info = self.manifest["files"][name]
-            self.cache[name] = io.read_tensors(os.path.join(self.path, name), checksum=info["checksum"],
+            self.cache[name] = io.read_tensors(os.path.join(self.path, name),
+                                               checksum=None if name in self.unchecked else info["checksum"],
                                                into=self.into.get(name))
         return self.cache[name]
 
@@ -165,13 +177,34 @@ def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, to
     return out
 
 
-def read_state(path: str, state: dict, *, topology=None) -> dict:
+def shared_files(manifest: dict) -> list[str]:
+    """Files every saved rank's view names for a whole tensor: every loading rank reads them all.
+
+    Replicated state (the data-parallel model and optimizer) sits in such files, and at
+    N ranks each of them would otherwise be hashed N times over the same bytes.
+    """
+    views = [{rec["file"] for rec in e["tensors"].values() if "offsets" not in rec} for e in manifest["ranks"]]
+    return sorted(set.intersection(*views)) if views else []
+
+
+def checker_of(name: str, world: int) -> int:
+    """The loading rank that verifies shared file ``name`` for all (spread by name, the same on every rank)."""
+    return zlib.crc32(name.encode()) % world
+
+
+def read_state(path: str, state: dict, *, topology=None, share_checks: bool = False) -> dict:
     """Read this rank's view of checkpoint ``path`` into a tree shaped like ``state`` (not applied yet).
 
     Plain tensors whose place in ``state`` holds a CPU tensor of the same shape and
     dtype (model parameters and buffers) are read straight into it; everything else
     is applied by :func:`apply_state`. Every file is verified against the manifest;
     anything malformed raises :class:`~phalanx.checkpoint.io.CorruptCheckpointError`.
+
+    ``share_checks`` (every rank calls this; the caller then agrees on the outcome, as
+    ``load`` and ``load_latest`` do with an allgather of the errors): a file every rank
+    reads (:func:`shared_files`) is hashed by one rank only, :func:`checker_of` it, which
+    reads it even if its own view does not need it; a mismatch there raises
+    :class:`SharedFileError`, which the agreement turns into an error on every rank.
     """
     job = job_of(topology)
     manifest = read_manifest(path)
@@ -180,7 +213,15 @@ def read_state(path: str, state: dict, *, topology=None) -> dict:
     records = manifest["ranks"][src]["tensors"]
     info = read_meta(path, manifest, src)
     tree = to_tree(state)
-    reader = Reader(path, manifest, into=_destinations(tree, records))
+    shared = shared_files(manifest) if share_checks and job.world > 1 else []
+    mine = [f for f in shared if checker_of(f, job.world) == job.rank]
+    reader = Reader(path, manifest, into=_destinations(tree, records),
+                    unchecked=frozenset(shared) - frozenset(mine))
+    for name in mine:  # first: its bytes go in place below without a second read
+        try:
+            reader.file(name)
+        except io.CorruptCheckpointError as err:
+            raise SharedFileError(str(err)) from err
     template = _template_shards(tree)
     # A value goes back to the device its live tensor is on (a CUDA Shard or tensor in the state
     # came back on the CPU, and the first step mixed devices); an optimizer's ``step`` stays on the
