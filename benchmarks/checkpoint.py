@@ -337,8 +337,13 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
     ap.add_argument("--json", default=None, help="also write the matrix rows to this file")
     ap.add_argument("--recovery-worker", default=None, help=argparse.SUPPRESS)
+    # the older commands in benchmarks/LOG.md: --replicated --np N (one cell group of the matrix now)
+    ap.add_argument("--replicated", action="store_true", help="= --kind replicated")
+    ap.add_argument("--np", type=int, default=None, help="= --nps N")
     args = ap.parse_args()
-    args.nps = [int(x) for x in args.nps.split(",")]
+    if args.replicated:
+        args.kind = "replicated"
+    args.nps = [args.np] if args.np else [int(x) for x in args.nps.split(",")]
     if args.recovery_worker:
         return _recovery_worker(args.recovery_worker)
     if args.repeats:
