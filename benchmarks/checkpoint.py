@@ -1,20 +1,20 @@
 """Checkpoint speed vs torch.distributed.checkpoint (DCP), and recovery time after a worker kill.
 
-Run:  python benchmarks/checkpoint.py [--mb 64] [--repeats 3] [--np 2] [--recovery-repeats 2]
-      python benchmarks/checkpoint.py --replicated --np 4 [--mb 64] [--repeats 3]
+Run:  python benchmarks/checkpoint.py [--mb 64] [--repeats 7] [--nps 2,4] [--kind both] [--json out.json]
+      python benchmarks/checkpoint.py --repeats 0 --recovery-repeats 3      (part 2 only)
 
-Part 0 (``--replicated``, only this part): a data-parallel training state, the same on every
-rank (a model of --mb MiB of fp32 parameters + its Adam state, 3x --mb in all) plus each rank's
-own RNG state, saved by phalanx and by DCP (fsync on both sides), interleaved: bytes on disk
-per save (everything under the checkpoint directory) and sync save time (median, slowest rank).
-Both write replicated tensors once; before phalanx wrote every rank's full copy.
+Part 1, the matrix (one run): the training state of a model of --mb MiB fp32 + its Adam state
+(3x --mb MiB), held two ways: replicated (every rank holds all of it, data parallel; phalanx also
+saves each rank's RNG state) and sharded (each rank holds 1/np of every tensor: phalanx Shards,
+DCP tensors under per-rank names), at each world size of --nps. Per cell group, --repeats paired
+repeats: phalanx and DCP back to back (who goes first alternates), each doing a sync save, a load
+into fresh objects (DCP: dcp.load into state dicts, then load_state_dict, its documented flow;
+values checked equal), and an async save (time the caller is blocked; time until the checkpoint
+is durable on every rank). fsync on both sides, local disk. Time = slowest rank per repeat; the
+verdict uses the paired ratio phalanx/DCP per repeat: its median and a distribution-free 95%
+confidence interval of the median (as benchmarks/dp_vs_ddp.py), "<= 1 (met)" only when the whole
+interval is at or below 1.00. Bytes on disk per save for both.
 
-Part 1 (np ranks, each holding --mb MiB of distinct fp32 tensors, written to a local disk
-directory with fsync on both sides) interleaves phalanx and DCP each repeat and reports medians:
-  * sync save MiB/s       phalanx.checkpoint.save           vs dcp.save
-  * load MiB/s            phalanx.checkpoint.load           vs dcp.load
-  * blocked by async save phalanx save(async_=True) return  vs dcp.async_save return
-    (the time the training loop is stopped; the write finishes in the background)
 Part 2: a 4-worker training job whose rank 1 SIGKILLs itself at step 12 (commit every 5 steps);
 recovery = time from the kill to the next completed step, by both paths, interleaved per repeat:
   * group restart: `phalanx run -np 4 --max-restarts 1` (TorchElastic stops every worker and starts
@@ -35,6 +35,8 @@ import time
 _BOOT = time.time()  # when this process started running Python (recovery breakdown); before torch
 
 import argparse
+import json
+import math
 import os
 import shutil
 import statistics
@@ -48,114 +50,193 @@ import phalanx as px
 import phalanx.checkpoint as ckpt
 
 
-def _state(mb: int, rank: int) -> dict:
-    n = mb * (1 << 20) // 4 // 16
-    g = torch.Generator().manual_seed(rank)
-    # distinct keys per rank: DCP would otherwise de-duplicate them as replicated
-    return {f"r{rank}.layer{i}": torch.randn(n, generator=g) for i in range(16)}
-
-
-def _bench_rank(mb: int, repeats: int, root: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-
-    r = px.rank()
-    state = _state(mb, r)
-    out = {k: [] for k in ("px_save", "dcp_save", "px_load", "dcp_load", "px_block", "dcp_block",
-                           "px_async_total", "dcp_async_total")}
-
-    def timed(fn):
-        px.barrier()
-        t0 = time.perf_counter()
-        fn()
-        px.barrier()
-        return time.perf_counter() - t0
-
-    for i in range(repeats):
-        for who in (("px", "dcp") if i % 2 == 0 else ("dcp", "px")):  # interleave; alternate who goes first
-            path = os.path.join(root, f"{who}-sync-{i}")
-            if who == "px":
-                out["px_save"].append(timed(lambda p=path: ckpt.save(p, state)))
-                target = {k: torch.empty_like(v) for k, v in state.items()}
-                out["px_load"].append(timed(lambda p=path, t=target: ckpt.load(p, t)))
-            else:
-                out["dcp_save"].append(timed(lambda p=path: dcp.save(state, checkpoint_id=p)))
-                target = {k: torch.empty_like(v) for k, v in state.items()}
-                out["dcp_load"].append(timed(lambda p=path, t=target: dcp.load(t, checkpoint_id=p)))
-            assert all(torch.equal(target[k], state[k]) for k in state)
-            apath = os.path.join(root, f"{who}-async-{i}")
-            px.barrier()
-            t0 = time.perf_counter()
-            if who == "px":
-                ckpt.save(apath, state, async_=True)
-                out["px_block"].append(time.perf_counter() - t0)
-                ckpt.wait()
-                out["px_async_total"].append(time.perf_counter() - t0)
-            else:
-                fut = dcp.async_save(state, checkpoint_id=apath)
-                out["dcp_block"].append(time.perf_counter() - t0)
-                fut.result()
-                out["dcp_async_total"].append(time.perf_counter() - t0)
-            px.barrier()
-            if r == 0:
-                for p in (path, apath):
-                    shutil.rmtree(p, ignore_errors=True)
-    return out
-
-
-# ---------------------------------------------------------------- part 0: replicated data-parallel state
+def _median_ci(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free CI of the median (k-th smallest / largest; benchmarks/dp_vs_ddp.py's rule)."""
+    xs, n = sorted(values), len(values)
+    tail, k, below = (1 - level) / 2, 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
 
 
 def _disk_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def _replicated_rank(mb: int, repeats: int, root: str) -> dict:
-    import torch.distributed.checkpoint as dcp
+def _states(kind: str, mb: int):
+    """(phalanx state, DCP state, fresh-target factory for each) for one rank.
 
+    ``replicated``: a model of ``mb`` MiB fp32 + its Adam state, the same on every rank (data
+    parallel), + the rank's RNG state on the phalanx side. ``sharded``: the same model + Adam
+    split over the ranks, each rank holding 1/np of every tensor (ZeRO-3 / FSDP style), as
+    phalanx Shards and as DCP tensors under per-rank names (DCP's cheapest sharded form: no
+    DTensor metadata to plan).
+    """
+    r, world = px.rank(), px.size()
     n = mb * (1 << 20) // 4 // 16
-    torch.manual_seed(0)  # the same model on every rank, as data parallelism keeps it
+    torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(n // 64, 64, bias=False) for _ in range(16)])
     opt = torch.optim.Adam(model.parameters())
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    px_state = {"model": model, "optim": opt, "rng": ckpt.RNGState()}
-    # DCP wants flat tensors by name (no per-rank RNG: DCP would dedupe it as replicated)
-    dcp_state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    out = {"px_save": [], "dcp_save": [], "px_bytes": [], "dcp_bytes": []}
-    for i in range(repeats):
-        for who in (("px", "dcp") if i % 2 == 0 else ("dcp", "px")):
-            path = os.path.join(root, f"{who}-rep-{i}")
-            px.barrier()
-            t0 = time.perf_counter()
-            if who == "px":
-                ckpt.save(path, px_state)
-            else:
-                dcp.save(dcp_state, checkpoint_id=path)
-            px.barrier()
-            out[f"{who}_save"].append(time.perf_counter() - t0)
-            out[f"{who}_bytes"].append(_disk_bytes(path) if px.rank() == 0 else 0)
-            px.barrier()
-            if px.rank() == 0:
-                shutil.rmtree(path, ignore_errors=True)
+    if kind == "replicated":
+        def fresh():
+            torch.manual_seed(1)
+            m = torch.nn.Sequential(*[torch.nn.Linear(n // 64, 64, bias=False) for _ in range(16)])
+            o = torch.optim.Adam(m.parameters())
+            for p in m.parameters():
+                p.grad = torch.zeros_like(p)
+            o.step()
+            return m, o
+
+        def px_target():
+            m, o = fresh()
+            return {"model": m, "optim": o, "rng": ckpt.RNGState()}, lambda: _flat(m, o)
+
+        def dcp_target():
+            m, o = fresh()
+            sd = {"model": m.state_dict(), "optim": o.state_dict()}
+
+            def apply():  # DCP's documented flow for a plain module: load into state dicts, then apply
+                m.load_state_dict(sd["model"])
+                o.load_state_dict(sd["optim"])
+            return sd, apply, lambda: _flat(m, o)
+
+        px_state = {"model": model, "optim": opt, "rng": ckpt.RNGState()}
+        dcp_state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        return px_state, dcp_state, px_target, dcp_target, _flat(model, opt)
+    flat = _flat(model, opt)
+    mine = {}
+    for name, t in flat.items():
+        rows = t.shape[0]
+        lo, hi = rows * r // world, rows * (r + 1) // world
+        mine[name] = (t[lo:hi].clone(), tuple(t.shape), lo)
+    px_state = {"state": {k: ckpt.Shard(t, g, (lo,) + (0,) * (len(g) - 1)) for k, (t, g, lo) in mine.items()}}
+    dcp_state = {f"{k}.r{r}": t for k, (t, _, _) in mine.items()}
+
+    def px_target():
+        tgt = {"state": {k: ckpt.Shard(torch.empty_like(t), g, (lo,) + (0,) * (len(g) - 1))
+                         for k, (t, g, lo) in mine.items()}}
+        return tgt, lambda: {k: s.tensor for k, s in tgt["state"].items()}
+
+    def dcp_target():
+        tgt = {k: torch.empty_like(t) for k, t in dcp_state.items()}
+        return tgt, lambda: None, lambda: {k.rsplit(".r", 1)[0]: v for k, v in tgt.items()}
+
+    return px_state, dcp_state, px_target, dcp_target, {k: t for k, (t, _, _) in mine.items()}
+
+
+def _flat(model, opt) -> dict:
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if k != "step":
+                out[f"optim.{pid}.{k}"] = v
     return out
 
 
-def _replicated_part(args) -> None:
-    root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
-    try:
-        results = px.run(_replicated_rank, np=args.np, args=(args.mb, args.repeats, root), timeout=1800)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    save = {w: statistics.median(max(r[f"{w}_save"][i] for r in results) for i in range(args.repeats))
-            for w in ("px", "dcp")}
-    disk = {w: statistics.median(results[0][f"{w}_bytes"]) / 2**20 for w in ("px", "dcp")}
-    print(f"torch {torch.__version__}; {args.np} ranks, replicated data-parallel state: model {args.mb} MiB fp32 "
-          f"+ Adam ({3 * args.mb} MiB per rank) + per-rank RNG; median of {args.repeats} interleaved repeats")
-    print(f"{'metric':32s} {'phalanx':>10s} {'DCP':>10s} {'phalanx/DCP':>12s}")
-    for name, a, b in (("bytes on disk per save (MiB)", disk["px"], disk["dcp"]),
-                       ("sync save (ms)", 1e3 * save["px"], 1e3 * save["dcp"])):
-        print(f"{name:32s} {a:10.1f} {b:10.1f} {a / b:12.2f}")
+def _matrix_rank(kind: str, mb: int, repeats: int, root: str) -> dict:
+    """One cell group on every rank: per repeat, phalanx and DCP back to back (who goes first
+    alternates), each: sync save, load (+ apply), async save (blocked time, time until durable on
+    every rank). Times are per rank; the caller takes the slowest rank of each repeat."""
+    import torch.distributed.checkpoint as dcp
+
+    r = px.rank()
+    px_state, dcp_state, px_target, dcp_target, expect = _states(kind, mb)
+    keys = ("save", "load", "block", "durable", "bytes")
+    out = {f"{w}_{k}": [] for w in ("px", "dcp") for k in keys}
+
+    def timed(fn) -> float:
+        px.barrier()
+        t0 = time.perf_counter()
+        fn()
+        px.barrier()
+        return time.perf_counter() - t0
+
+    def check(got: dict) -> None:
+        bad = [k for k in expect if not torch.equal(got[k], expect[k])]
+        assert not bad, f"{kind}: loaded values differ at {bad[:3]}"
+
+    for i in range(repeats):
+        for who in (("px", "dcp") if i % 2 == 0 else ("dcp", "px")):
+            path, apath = os.path.join(root, f"{who}-sync-{i}"), os.path.join(root, f"{who}-async-{i}")
+            if who == "px":
+                out["px_save"].append(timed(lambda p=path: ckpt.save(p, px_state)))
+                tgt, flat = px_target()
+                out["px_load"].append(timed(lambda p=path, t=tgt: ckpt.load(p, t)))
+            else:
+                out["dcp_save"].append(timed(lambda p=path: dcp.save(dcp_state, checkpoint_id=p)))
+                tgt, apply, flat = dcp_target()
+                out["dcp_load"].append(timed(lambda p=path, t=tgt, a=apply: (dcp.load(t, checkpoint_id=p), a())))
+            check(flat())
+            out[f"{who}_bytes"].append(_disk_bytes(path) if r == 0 else 0)
+            px.barrier()
+            t0 = time.perf_counter()
+            if who == "px":
+                ckpt.save(apath, px_state, async_=True)
+                out["px_block"].append(time.perf_counter() - t0)
+                ckpt.wait()  # ends with a barrier: the manifest exists
+            else:
+                fut = dcp.async_save(dcp_state, checkpoint_id=apath)
+                out["dcp_block"].append(time.perf_counter() - t0)
+                fut.result()
+                px.barrier()  # the coordinator wrote .metadata
+            out[f"{who}_durable"].append(time.perf_counter() - t0)
+            px.barrier()
+            if r == 0:
+                for p in (path, apath):
+                    shutil.rmtree(p, ignore_errors=True)
+            px.barrier()
+    return out
+
+
+CELLS = (("sync save", "save"), ("load", "load"), ("async save: blocked", "block"),
+         ("async save: until durable", "durable"))
+
+
+def _matrix(args) -> list[dict]:
+    """Every cell of (replicated, sharded) x ranks x (sync save, load, async blocked, async durable)."""
+    rows = []
+    kinds = [k for k in ("replicated", "sharded") if args.kind in (k, "both")]
+    for kind in kinds:
+        for world in args.nps:
+            root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
+            try:
+                results = px.run(_matrix_rank, np=world, args=(kind, args.mb, args.repeats, root), timeout=3600)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            mib = {w: statistics.median(results[0][f"{w}_bytes"]) / 2**20 for w in ("px", "dcp")}
+            for label, key in CELLS:
+                # a save is as slow as its slowest rank: the max over ranks per repeat, then paired ratios
+                t = {w: [max(res[f"{w}_{key}"][i] for res in results) for i in range(args.repeats)]
+                     for w in ("px", "dcp")}
+                ratio = [a / b for a, b in zip(t["px"], t["dcp"])]
+                ci = _median_ci(ratio)
+                verdict = ("too few repeats" if ci is None else "<= 1 (met)" if ci[1] <= 1.0
+                           else "> 1 (NOT met)" if ci[0] > 1.0 else "unresolved")
+                rows.append({"kind": kind, "np": world, "cell": label, "px_ms": 1e3 * statistics.median(t["px"]),
+                             "dcp_ms": 1e3 * statistics.median(t["dcp"]), "ratio": statistics.median(ratio),
+                             "ci": ci, "verdict": verdict, "px_mib": mib["px"], "dcp_mib": mib["dcp"],
+                             "ratios": [round(x, 3) for x in ratio]})
+    return rows
+
+
+def _print_matrix(args, rows: list[dict]) -> None:
+    print(f"torch {torch.__version__}; model {args.mb} MiB fp32 + Adam = {3 * args.mb} MiB of state; "
+          f"replicated: all of it on every rank; sharded: 1/np of every tensor per rank. {args.repeats} paired "
+          f"interleaved repeats (phalanx and DCP alternate who goes first); time = slowest rank; ratio = "
+          f"phalanx/DCP per repeat (lower is better), its median and 95% CI of the median; checksum "
+          f"{ckpt.io.checksum_algorithm()}")
+    print(f"{'state':10s} {'np':>2s} {'cell':26s} {'phalanx ms':>10s} {'DCP ms':>8s} {'px/DCP':>7s} "
+          f"{'95% CI':>13s}  {'verdict':15s} {'MiB px/DCP':>14s}")
+    for row in rows:
+        ci = f"{row['ci'][0]:.2f}-{row['ci'][1]:.2f}" if row["ci"] else "-"
+        print(f"{row['kind']:10s} {row['np']:2d} {row['cell']:26s} {row['px_ms']:10.1f} {row['dcp_ms']:8.1f} "
+              f"{row['ratio']:7.2f} {ci:>13s}  {row['verdict']:15s} {row['px_mib']:6.1f}/{row['dcp_mib']:.1f}")
 
 
 # ---------------------------------------------------------------- recovery worker (runs under phalanx run)
@@ -246,45 +327,31 @@ def _recovery_once(path: str = "restart") -> tuple[float, int, dict]:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _io_part(args) -> None:
-    root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
-    try:
-        results = px.run(_bench_rank, np=args.np, args=(args.mb, args.repeats, root), timeout=1800)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    # a step is as slow as its slowest rank: take the max over ranks per repeat, then the median
-    med = {k: statistics.median(max(r[k][i] for r in results) for i in range(args.repeats)) for k in results[0]}
-    total_mib = args.mb * args.np
-    rows = [
-        ("sync save (MiB/s)", total_mib / med["px_save"], total_mib / med["dcp_save"]),
-        ("load (MiB/s)", total_mib / med["px_load"], total_mib / med["dcp_load"]),
-        ("blocked by async save (ms)", 1e3 * med["px_block"], 1e3 * med["dcp_block"]),
-        ("async save until on disk (ms)", 1e3 * med["px_async_total"], 1e3 * med["dcp_async_total"]),
-    ]
-    print(f"torch {torch.__version__}; {args.np} ranks x {args.mb} MiB fp32; median of {args.repeats} "
-          f"interleaved repeats; format {ckpt.io.tensor_format()}")
-    print(f"{'metric':32s} {'phalanx':>10s} {'DCP':>10s} {'phalanx/DCP':>12s}")
-    for name, a, b in rows:
-        print(f"{name:32s} {a:10.1f} {b:10.1f} {a / b:12.2f}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=64, help="MiB of state per rank")
-    ap.add_argument("--repeats", type=int, default=3, help="part 1 repeats (0: skip part 1)")
-    ap.add_argument("--np", type=int, default=2)
-    ap.add_argument("--recovery-repeats", type=int, default=2)
+    ap.add_argument("--mb", type=int, default=64, help="MiB of fp32 model (state = model + Adam = 3x)")
+    ap.add_argument("--repeats", type=int, default=7, help="paired repeats per cell group (0: skip the matrix)")
+    ap.add_argument("--nps", default="2,4", help="world sizes of the matrix, comma-separated")
+    ap.add_argument("--kind", default="both", choices=("replicated", "sharded", "both"))
+    ap.add_argument("--recovery-repeats", type=int, default=0)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
+    ap.add_argument("--json", default=None, help="also write the matrix rows to this file")
     ap.add_argument("--recovery-worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--replicated", action="store_true", help="only part 0: replicated state, bytes on disk")
+    # the older commands in benchmarks/LOG.md: --replicated --np N (one cell group of the matrix now)
+    ap.add_argument("--replicated", action="store_true", help="= --kind replicated")
+    ap.add_argument("--np", type=int, default=None, help="= --nps N")
     args = ap.parse_args()
+    if args.replicated:
+        args.kind = "replicated"
+    args.nps = [args.np] if args.np else [int(x) for x in args.nps.split(",")]
     if args.recovery_worker:
         return _recovery_worker(args.recovery_worker)
-    if args.replicated:
-        return _replicated_part(args)
-
     if args.repeats:
-        _io_part(args)
+        rows = _matrix(args)
+        _print_matrix(args, rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     if args.recovery_repeats:
         runs = {"restart": [], "inprocess": []}
         for _ in range(args.recovery_repeats):  # interleaved: both paths see the same machine state

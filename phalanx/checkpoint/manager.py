@@ -61,7 +61,7 @@ def load_latest(root: str, state: dict, *, topology=None) -> str | None:
     errors = []
     for path in candidates:
         try:
-            tree, err = read_state(path, state, topology=topology), None
+            tree, err = read_state(path, state, topology=topology, share_checks=True), None
         except (io.CorruptCheckpointError, OSError, KeyError, ValueError) as e:
             tree, err = None, f"rank {job.rank}: {e}"
         errs = allgather_object(err) if job.world > 1 else [err]

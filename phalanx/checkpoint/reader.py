@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any
 
 import torch
@@ -26,20 +27,31 @@ from phalanx.checkpoint._tree import Shard, copy_overlap, decode, path_str
 from phalanx.checkpoint.manifest import read_manifest
 from phalanx.checkpoint.pieces import is_gathered, is_stateful, job_of, to_tree
 
-__all__ = ["Reader", "read_state", "apply_state", "read_meta"]
+__all__ = ["Reader", "SharedFileError", "read_state", "apply_state", "read_meta", "shared_files", "checker_of"]
+
+
+class SharedFileError(io.CorruptCheckpointError):
+    """A file that every loading rank reads failed the check this rank ran for all of them."""
 
 
 class Reader:
-    """Reads (and checksums) each file of one checkpoint at most once."""
+    """Reads (and checksums) each file of one checkpoint at most once.
 
-    def __init__(self, path: str, manifest: dict, into: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    ``unchecked``: files this rank reads without hashing them, because another rank
+    checks them for everyone (see :func:`read_state`).
+    """
+
+    def __init__(self, path: str, manifest: dict, into: dict[str, dict[str, torch.Tensor]] | None = None,
+                 unchecked: frozenset[str] = frozenset()) -> None:
         self.path, self.manifest, self.cache, self.into = path, manifest, {}, into or {}
+        self.unchecked = unchecked
 
     def file(self, name: str) -> dict[str, torch.Tensor]:
-        """Every tensor of file ``name`` (verified), by its name in the file."""
+        """Every tensor of file ``name`` (verified, unless another rank verifies it), by its name in the file."""
         if name not in self.cache:
             info = self.manifest["files"][name]
-            self.cache[name] = io.read_tensors(os.path.join(self.path, name), checksum=info["checksum"],
+            self.cache[name] = io.read_tensors(os.path.join(self.path, name),
+                                               checksum=None if name in self.unchecked else info["checksum"],
                                                into=self.into.get(name))
         return self.cache[name]
 
@@ -116,11 +128,25 @@ def _live_devices(tree: Any) -> dict[str, torch.device]:
     return {p: (n.tensor if isinstance(n, Shard) else n).device for p, n in live.items()}
 
 
+def _same_piece(rec: dict, want: Shard) -> bool:
+    """Whether saved record ``rec`` is exactly the piece the Shard ``want`` asks for (no resharding)."""
+    return (rec.get("offsets") == list(want.offsets) and rec.get("global_shape") == list(want.global_shape)
+            and rec["shape"] == list(want.tensor.shape) and rec["dtype"] == str(want.tensor.dtype).replace("torch.", ""))
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    # the storage really holds the tensor (ZeRO-3 frees parameter storage between uses)
+    return (t.device.type == "cpu" and t.is_contiguous()
+            and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size())
+
+
 def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, torch.Tensor]]:
     """file -> {name in file -> the live CPU tensor at the same tree path, same shape and dtype}.
 
     Module state dicts hold the parameters' own storage, so their bytes can be read
-    from the file straight into the model: one pass, no intermediate copy.
+    from the file straight into the model: one pass, no intermediate copy. A Shard the
+    loader holds at the same offsets as a saved piece (same world size, same split) is
+    read straight into its tensor too.
     """
     live: dict[str, torch.Tensor | None] = {}
 
@@ -136,24 +162,49 @@ def _destinations(tree: Any, records: dict[str, dict]) -> dict[str, dict[str, to
                 walk(v, path + (i,))
 
     walk(tree, ())
+    shards = _template_shards(tree)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for rec in records.values():
+        if "offsets" in rec:
+            want = shards.get(rec["path"])
+            if want is not None and _same_piece(rec, want) and _in_place(want.tensor):
+                out.setdefault(rec["file"], {})[rec["name"]] = want.tensor
+            continue
         t = live.get(rec["path"])
-        if (t is not None and "offsets" not in rec and t.device.type == "cpu" and t.is_contiguous()
-                and list(t.shape) == rec["shape"] and str(t.dtype).replace("torch.", "") == rec["dtype"]
-                # the storage really holds the tensor (ZeRO-3 frees parameter storage between uses)
-                and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()):
+        if (t is not None and list(t.shape) == rec["shape"]
+                and str(t.dtype).replace("torch.", "") == rec["dtype"] and _in_place(t)):
             out.setdefault(rec["file"], {})[rec["name"]] = t
     return out
 
 
-def read_state(path: str, state: dict, *, topology=None) -> dict:
+def shared_files(manifest: dict) -> list[str]:
+    """Files every saved rank's view names for a whole tensor: every loading rank reads them all.
+
+    Replicated state (the data-parallel model and optimizer) sits in such files, and at
+    N ranks each of them would otherwise be hashed N times over the same bytes.
+    """
+    views = [{rec["file"] for rec in e["tensors"].values() if "offsets" not in rec} for e in manifest["ranks"]]
+    return sorted(set.intersection(*views)) if views else []
+
+
+def checker_of(name: str, world: int) -> int:
+    """The loading rank that verifies shared file ``name`` for all (spread by name, the same on every rank)."""
+    return zlib.crc32(name.encode()) % world
+
+
+def read_state(path: str, state: dict, *, topology=None, share_checks: bool = False) -> dict:
     """Read this rank's view of checkpoint ``path`` into a tree shaped like ``state`` (not applied yet).
 
     Plain tensors whose place in ``state`` holds a CPU tensor of the same shape and
     dtype (model parameters and buffers) are read straight into it; everything else
     is applied by :func:`apply_state`. Every file is verified against the manifest;
     anything malformed raises :class:`~phalanx.checkpoint.io.CorruptCheckpointError`.
+
+    ``share_checks`` (every rank calls this; the caller then agrees on the outcome, as
+    ``load`` and ``load_latest`` do with an allgather of the errors): a file every rank
+    reads (:func:`shared_files`) is hashed by one rank only, :func:`checker_of` it, which
+    reads it even if its own view does not need it; a mismatch there raises
+    :class:`SharedFileError`, which the agreement turns into an error on every rank.
     """
     job = job_of(topology)
     manifest = read_manifest(path)
@@ -162,7 +213,15 @@ def read_state(path: str, state: dict, *, topology=None) -> dict:
     records = manifest["ranks"][src]["tensors"]
     info = read_meta(path, manifest, src)
     tree = to_tree(state)
-    reader = Reader(path, manifest, into=_destinations(tree, records))
+    shared = shared_files(manifest) if share_checks and job.world > 1 else []
+    mine = [f for f in shared if checker_of(f, job.world) == job.rank]
+    reader = Reader(path, manifest, into=_destinations(tree, records),
+                    unchecked=frozenset(shared) - frozenset(mine))
+    for name in mine:  # first: its bytes go in place below without a second read
+        try:
+            reader.file(name)
+        except io.CorruptCheckpointError as err:
+            raise SharedFileError(str(err)) from err
     template = _template_shards(tree)
     # A value goes back to the device its live tensor is on (a CUDA Shard or tensor in the state
     # came back on the CPU, and the first step mixed devices); an optimizer's ``step`` stays on the
@@ -185,7 +244,9 @@ def read_state(path: str, state: dict, *, topology=None) -> dict:
                                             "which its manifest entry does not list")
         pstr = path_str(path_)
         want = template.get(pstr)
-        if want is not None:  # the loader wants its own piece: reshard from every overlapping file
+        if want is not None and _same_piece(rec, want):  # saved as wanted: one file, no copy
+            return Shard(reader.tensor(rec), want.global_shape, want.offsets)
+        if want is not None:  # the loader wants another piece: reshard from every overlapping file
             t = reader.assemble(pstr, tuple(want.tensor.shape), want.offsets, want.tensor.dtype)
             return Shard(t, want.global_shape, want.offsets)
         if "__shard__" in node:  # saved split, wanted whole: gather the full tensor

@@ -57,8 +57,8 @@ from phalanx.checkpoint.async_save import default_writer
 from phalanx.checkpoint.manifest import MANIFEST, VERSION, meta_file, read_manifest
 from phalanx.checkpoint.pieces import Job, RNGState, job_of, to_tree
 from phalanx.checkpoint.plan import describe, make_plans
-from phalanx.checkpoint.reader import apply_state, read_state
-from phalanx.comm.collectives import barrier, broadcast_object
+from phalanx.checkpoint.reader import SharedFileError, apply_state, read_state
+from phalanx.comm.collectives import allgather_object, barrier, broadcast_object
 from phalanx.log import get_logger
 from phalanx.settings import CheckpointSettings
 
@@ -111,7 +111,7 @@ def _write_rank(path: str, job: Job, store, nonce: str, skeleton, tensors, recor
                   for f, named in theirs.items()}
         for fname, named in mine.items():
             fpath = os.path.join(path, fname)
-            digest = io.write_tensors(fpath, named, fmt=_fmt(fname), fsync=fsync)
+            digest = io.write_tensors(fpath, named, fmt=_fmt(fname), fsync=fsync, dir_sync=False)
             files[fname] = {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}
             if job.world > 1:
                 content = digest if _fmt(fname) == "safetensors" else io.content_checksum(named, "torch")
@@ -121,7 +121,9 @@ def _write_rank(path: str, job: Job, store, nonce: str, skeleton, tensors, recor
     mfile = meta_file(job.rank)
     mdigest = io.write_json(os.path.join(path, mfile), {
         "nonce": nonce, "rank": job.rank, "world_size": job.world, "records": records, "skeleton": skeleton,
-        "meta": meta}, fsync=fsync)
+        "meta": meta}, fsync=fsync, dir_sync=False)
+    if fsync:  # one directory fsync for this rank's renames, before it reports them (the manifest comes after)
+        io.sync_dir(path)
     entry = {"meta_file": mfile, "meta_checksum": mdigest, "tensors": records, "files": files}
     if job.world == 1:
         _write_manifest(path, nonce, 1, meta, [entry], fsync)
@@ -173,7 +175,7 @@ def _check_shared(path: str, job: Job, store, nonce: str, tensors, records, thei
     fmt = io.tensor_format(named)
     fname = f"rank{job.rank:05d}.diverged.{'pt' if fmt == 'torch' else 'safetensors'}"
     fpath = os.path.join(path, fname)
-    digest = io.write_tensors(fpath, named, fmt=fmt, fsync=fsync)
+    digest = io.write_tensors(fpath, named, fmt=fmt, fsync=fsync, dir_sync=False)
     for p, tid in diverged.items():
         records[tid] = {**records[tid], "file": fname, "name": p}
     return {fname: {"checksum": digest, "writer": job.rank, "bytes": os.path.getsize(fpath)}}
@@ -276,9 +278,25 @@ def load(path: str, state: dict, *, topology=None) -> dict:
     Plain values (``state["step"]``) are replaced in the dict. Every file read is
     checked against the manifest's checksum; a mismatch or a malformed manifest raises
     :class:`~phalanx.checkpoint.io.CorruptCheckpointError`. Runs no code from the files.
+    A file every rank reads (replicated state) is checked by one of them, and the ranks
+    agree before anything is applied: a mismatch raises on every rank.
     Reads checkpoints of every version (``t0…tN`` tensor names included).
     """
     wait(topology=topology)
-    tree = read_state(path, state, topology=topology)
+    if job_of(topology).world == 1:
+        tree = read_state(path, state, topology=topology)
+    else:
+        # a file every rank reads is hashed by one of them (read_state's share_checks); they agree here
+        try:
+            tree, err = read_state(path, state, topology=topology, share_checks=True), None
+        except Exception as e:  # every rank reaches the agreement, whatever happened
+            tree, err = None, e
+        bad = allgather_object(str(err) if isinstance(err, SharedFileError) else None)
+        if err is not None:
+            raise err
+        bad = [b for b in bad if b is not None]
+        if bad:
+            raise io.CorruptCheckpointError(f"checkpoint {path}: a file every rank reads failed its check on "
+                                            f"the rank that checked it: {bad[0]}")
     apply_state(state, tree)
     return tree

@@ -222,8 +222,9 @@ class DataParallelSettings(Area):
 class CheckpointSettings(Area):
     """Checkpoint files and resuming."""
 
-    checksum: str = setting("crc32", "PHALANX_CHECKPOINT_CHECKSUM", _one_of("crc32", "sha256"),
-                            "checksum of checkpoint files")
+    checksum: str | None = setting(None, "PHALANX_CHECKPOINT_CHECKSUM", _one_of("xxh3", "crc32", "sha256"),
+                                   "checksum of checkpoint files; unset: xxh3 where the xxhash package is "
+                                   "installed, else crc32")
     format: str | None = setting(None, "PHALANX_CHECKPOINT_FORMAT", _one_of("safetensors", "torch"),
                                  "force a file format; unset: safetensors where the dtypes allow")
     resume_from: str | None = setting(None, "PHALANX_RESUME_FROM", _text,

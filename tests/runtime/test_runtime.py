@@ -212,7 +212,7 @@ _BAD_SETTINGS = [
     ("PHALANX_TIMEOUT", "soon", "a number > 0"),
     ("PHALANX_TIMEOUT", "-5", "a number > 0"),
     ("PHALANX_ALGORITHM", "rign", "auto | ring | hierarchical | flat"),
-    ("PHALANX_CHECKPOINT_CHECKSUM", "md5", "crc32 | sha256"),
+    ("PHALANX_CHECKPOINT_CHECKSUM", "md5", "xxh3 | crc32 | sha256"),
     ("PHALANX_CHECKPOINT_FORMAT", "pickle", "safetensors | torch"),
     ("PHALANX_COMPILE_CODECS", "maybe", "1/0, true/false"),
 ]

@@ -97,7 +97,8 @@ def test_roundtrip_every_piece_bit_exact(tmp_path):
     assert results == [{"sync": True, "async": True}] * 2
     manifest = json.loads((tmp_path / "sync" / ckpt.MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["meta"] == {"step": 17}
-    assert len(manifest["ranks"]) == 2 and all(f["checksum"].startswith("crc32:") for f in manifest["files"].values())
+    algo = ckpt.io.checksum_algorithm()  # xxh3 where the xxhash package is installed, else crc32
+    assert len(manifest["ranks"]) == 2 and all(f["checksum"].startswith(algo + ":") for f in manifest["files"].values())
     records = manifest["ranks"][1]["tensors"].values()
     shard = [rec for rec in records if rec["path"] == "shard"]
     assert shard == [{"path": "shard", "shape": [5], "dtype": "float32", "global_shape": [10], "offsets": [5],
@@ -157,7 +158,7 @@ def test_crash_between_shard_writes_and_corrupt_shard_fall_back(tmp_path):
     for r, out in enumerate(res):
         assert out["latest"].endswith("step-000000001") and out["step"] == 1  # every rank agrees
         assert torch.equal(out["w"], torch.full((4,), r + 1.0))
-    assert "crc32 checksum" in res[1]["direct"] and "corrupt" in res[1]["direct"]
+    assert f"{ckpt.io.checksum_algorithm()} checksum" in res[1]["direct"] and "corrupt" in res[1]["direct"]
     assert res[0]["direct"] == "ok"  # rank 0 reads only its own intact file
     # a truncated file is caught the same way
     shard.write_bytes(bytes(data[:100]))
@@ -184,7 +185,7 @@ def test_files_are_standard_safetensors_and_complex_falls_back(tmp_path):
         assert torch.equal(loaded["s"][k], v) and loaded["s"][k].dtype == v.dtype
 
 
-@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+@pytest.mark.parametrize("algo", ["xxh3", "crc32", "sha256"])
 def test_every_kind_of_damage_is_detected_and_reads_go_straight_into_place(tmp_path, monkeypatch, algo):
     from phalanx.checkpoint import io
 
@@ -215,6 +216,31 @@ def test_every_kind_of_damage_is_detected_and_reads_go_straight_into_place(tmp_p
     monkeypatch.setenv("PHALANX_CHECKPOINT_CHECKSUM", "md4")
     with pytest.raises(ValueError, match="PHALANX_CHECKPOINT_CHECKSUM='md4'"):
         io.write_tensors(path, src)
+
+
+def test_checksum_default_is_fast_and_every_algorithm_still_loads(tmp_path, monkeypatch):
+    from phalanx.checkpoint import io
+
+    pytest.importorskip("xxhash")
+    monkeypatch.delenv("PHALANX_CHECKPOINT_CHECKSUM", raising=False)
+    assert io.checksum_algorithm() == "xxh3"
+    state = {"w": torch.randn(64, 33), "step": 3}
+    for algo in ("crc32", "sha256"):  # checkpoints written before the default changed
+        monkeypatch.setenv("PHALANX_CHECKPOINT_CHECKSUM", algo)
+        ckpt.save(str(tmp_path / algo), state)
+    monkeypatch.delenv("PHALANX_CHECKPOINT_CHECKSUM")
+    ckpt.save(str(tmp_path / "xxh3"), state)
+    for algo in ("crc32", "sha256", "xxh3"):
+        files = ckpt.read_manifest(str(tmp_path / algo))["files"]
+        assert all(f["checksum"].startswith(algo + ":") for f in files.values()), files
+        out = {"w": torch.zeros(64, 33), "step": 0}
+        ckpt.load(str(tmp_path / algo), out)
+        assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+    # without the xxhash package: writes fall back to crc32, and an xxh3 checkpoint says what to install
+    monkeypatch.setattr(io, "_xxhash", None)
+    assert io.checksum_algorithm() == "crc32"
+    with pytest.raises(RuntimeError, match="need the xxhash package: pip install xxhash"):
+        ckpt.load(str(tmp_path / "xxh3"), {"w": torch.zeros(64, 33), "step": 0})
 
 
 def test_async_error_surfaces_on_next_call_and_keep_last_k(tmp_path, monkeypatch):

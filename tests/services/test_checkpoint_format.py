@@ -69,6 +69,14 @@ def _load_other_world(root):
             (lo, hi), state["step"], len(opt.state_dict()["state"]))
 
 
+def _load_reports(root):
+    try:
+        _load_other_world(root)
+    except ckpt.CorruptCheckpointError as err:
+        return str(err)
+    return "ok"
+
+
 def test_replicated_state_is_written_once_under_real_names_and_loads_anywhere(tmp_path):
     root = str(tmp_path / "ck")
     saved = distributed(_save_replicated, np=2, args=(root,))
@@ -117,6 +125,18 @@ def test_replicated_state_is_written_once_under_real_names_and_loads_anywhere(tm
     out = str(tmp_path / "shard.safetensors")
     assert ckpt.export(root, out, piece="shard") == {"shard": [8]}
     assert torch.equal(st.load_file(out)["shard"], torch.arange(8.0))
+    # a file every rank reads is hashed by one rank only: damage in it still fails the load on every rank
+    from phalanx.checkpoint import reader
+
+    shared = reader.shared_files(ckpt.read_manifest(root))
+    assert "model.safetensors" in shared and not any(f.startswith("rank") for f in shared), shared
+    checker = reader.checker_of("model.safetensors", 2)
+    data = bytearray(open(model_file, "rb").read())
+    data[-5] ^= 0x10
+    open(model_file, "wb").write(bytes(data))
+    reports = distributed(_load_reports, np=2, args=(root,))
+    assert "checksum" in reports[checker] and "does not match" in reports[checker], reports
+    assert "failed its check on the rank that checked it" in reports[1 - checker], reports
 
 
 def test_plan_balances_bytes_written_and_keeps_the_model_whole():
