@@ -320,7 +320,9 @@ def run(fn: Callable, tensor: torch.Tensor, *args):
     for t in (tensor, *args):
         if isinstance(t, torch.Tensor) and t.dim() == 2:
             torch._dynamo.mark_static(t, 1)
-    key = (fn, tuple(a if isinstance(a, bool) else None for a in args if a is None or isinstance(a, bool)))
+    # the flags, and for each tensor argument whether it is None (a tail, an addend)
+    key = (fn, tuple(a if isinstance(a, bool) else a is None for a in args
+                     if a is None or isinstance(a, (bool, torch.Tensor))))
     compiled = _compiled.get(key, fn)
     if compiled is fn:
         with _lock:
