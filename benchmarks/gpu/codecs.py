@@ -31,7 +31,10 @@ N(0, 1e-3^2) so that the threshold codec's default cut 1e-3 keeps about a third 
   was allocated before it (payload, output and temporaries; the error-feedback residual already
   exists then). Error feedback accumulates what was not sent, so the threshold codec keeps more
   entries call after call on this stream of i.i.d. gradients: ``payload_bytes`` is its first
-  call's, ``payload_bytes_last`` its last timed call's.
+  call's, ``payload_bytes_last`` its last timed call's. ``ef_steps_vs_unfused`` (codecs with error
+  feedback): 3 steps of error feedback against adding into the residual first and compressing
+  that, on the same device: per step the largest difference of the decoded values and of the
+  residuals over max |g| (0 where the add fused into the compress gives the same bits).
 
 ``none`` does no work (the payload is the gradient itself): its row is the call overhead.
 Iterations adapt to the codec's speed (a codec slower than expected is timed with fewer calls,
@@ -228,7 +231,38 @@ def bench_codec(name: str, variant: str, grad: torch.Tensor, copy_s: float | Non
         row["agrees_with_cpu"] = diff <= AGREE_TOL
     except Exception as err:  # noqa: BLE001 - the timing above still stands
         row["vs_cpu_error"] = _err_text(err)[0]
+    if ef and variant != "reduce_many":
+        try:
+            row["ef_steps_vs_unfused"] = _ef_steps_vs_unfused(name, grad)
+        except Exception as err:  # noqa: BLE001
+            row["ef_steps_error"] = _err_text(err)[0]
     return row
+
+
+def _ef_steps_vs_unfused(name: str, grad: torch.Tensor) -> list:
+    """Error feedback over 3 steps (from the second on, a codec that ``takes_addend`` adds the
+    gradient inside its compress) against the unfused path on the same device (``res += g``, then
+    ``compress_ef(res)``), on the first 2^20 + 77 values (a partial last chunk): per step, the
+    largest difference of the decoded values and of the residuals, over max |g|."""
+    from phalanx.comm.compression.abilities import codec_of
+    from phalanx.comm.compression.error_feedback import ErrorFeedback, compress_residual
+
+    m = min(grad.numel(), CPU_CHECK_NUMEL + 77)
+    fused = _make(name, "ef")
+    if not isinstance(fused, ErrorFeedback):  # PowerSGD keeps its own residuals
+        return None
+    _, inner = codec_of(fused)
+    res, out = None, []
+    for step in range(3):
+        g = _as_input(name, grad[:m] * (1 + step))
+        p1, c1 = fused.compress(g, name="g")
+        res = g.reshape(-1).float().clone() if res is None else res.add_(g.reshape(-1))
+        p2, c2 = compress_residual(inner, res)
+        scale = float(g.abs().max().clamp_min(1e-30))
+        d = (fused.decompress(p1, c1).float() - inner.decompress(p2, c2).float()).abs().max()
+        r = (fused.memory.residuals["g"].reshape(-1) - res).abs().max()
+        out.append([float(d) / scale, float(r) / scale])
+    return out
 
 
 def main() -> None:

@@ -12,8 +12,12 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.comm.compression import kernels
+from phalanx.comm.compression.abilities import ChunkedCodec
 from phalanx.comm.compression.allreduce import allreduce_compressed
 from phalanx.comm.compression.codecs import get_compressor
+from phalanx.comm.compression.error_feedback import ErrorFeedback
+from phalanx.comm.compression.onebit import SignCompressor
 from phalanx.comm.compression.paths import wire
 from phalanx.testing import distributed
 
@@ -43,6 +47,56 @@ def _sim_two_phase(inner, xs):
         s = sum(inner.decompress(*inner.compress(c)).float() for c in chunks) / n
         result.append(inner.decompress(*inner.compress(s)).float())
     return torch.cat(result)
+
+
+class _NoAddend(ChunkedCodec):
+    """A codec without ``AddendResidual``: error feedback adds the gradient into its residual first
+    (the unfused path), everything else as the wrapped codec does."""
+
+    summable = False
+
+    def __init__(self, inner) -> None:
+        self.inner, self.chunk, self.name = inner, inner.chunk, inner.name
+
+    def compress(self, t):
+        return self.inner.compress(t)
+
+    def decompress(self, payload, ctx):
+        return self.inner.decompress(payload, ctx)
+
+    def compress_ef(self, x):
+        return self.inner.compress_ef(x)
+
+    def decompress_add(self, *args, **kw):
+        return self.inner.decompress_add(*args, **kw)
+
+    def payload_nbytes(self, numel):
+        return self.inner.payload_nbytes(numel)
+
+
+def _fused_ef_checks(x) -> list:
+    """Error feedback's add inside the compress (the CUDA path, run eagerly under
+    ``kernels.everywhere()``) on both algorithms, 3 steps: the same result and residuals (the
+    server's of two-phase too), bit for bit, as adding into the residual first. 1003 values:
+    partial last chunks, and at 4 ranks two-phase chunks shorter than one codec chunk."""
+    from phalanx.comm.compression.quantize import QuantizeCompressor
+
+    same = []
+    makers = {"int8": lambda: QuantizeCompressor(bits=8), "2bit": lambda: QuantizeCompressor(bits=2),
+              "sign": lambda: SignCompressor(chunk=64)}
+    with kernels.everywhere():
+        for cname, make in makers.items():
+            for algo in ("allgather", "two_phase"):
+                fused, plain = ErrorFeedback(make()), ErrorFeedback(_NoAddend(make()))
+                for step in range(3):
+                    g = x * (1 + step) + 0.1 * step
+                    kw = {"name": "f", "algorithm": algo, "piece_numel": 256 if algo == "allgather" else None}
+                    a = allreduce_compressed(g, fused, **kw)
+                    b = allreduce_compressed(g, plain, **kw)
+                    ra, rb = fused.state_dict()["residuals"], plain.state_dict()["residuals"]
+                    ok = torch.equal(a, b) and ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+                    same.append((cname, algo, step, ok))
+    return same
 
 
 def _collectives_body():
@@ -139,6 +193,7 @@ def _collectives_body():
             same.append((cname, step, torch.equal(res, ref)))
     out["parts"] = same
     out["sum"] = (allreduce_compressed(x, get_compressor("int8", error_feedback=False), average=False) - n * exact).abs().max().item()
+    out["fused_ef"] = _fused_ef_checks(x)
     return out
 
 
@@ -171,6 +226,7 @@ def test_compressed_allreduce_matches_simulation(np):
         assert all(out["powersgd_out"]), out["powersgd_out"]
         assert all(ok for *_, ok in out["parts"]), out["parts"]
         assert out["sum"] < 0.1
+        assert all(ok for *_, ok in out["fused_ef"]), [f for f in out["fused_ef"] if not f[-1]]
     for key in results[0]:  # every rank ends with the same tensors
         if isinstance(key, tuple) and key[0] == "result":
             for other in results[1:]:

@@ -399,3 +399,59 @@ def test_powersgd_reduce_keeps_its_residual():
     torch.testing.assert_close(c.memory.residuals["g"], x - first)
     second, _ = c.reduce(x, name="g")
     torch.testing.assert_close(c.memory.residuals["g"], 2 * x - first - second)
+
+
+@pytest.mark.parametrize("make", [lambda: QuantizeCompressor(bits=8), lambda: QuantizeCompressor(bits=4),
+                                  lambda: QuantizeCompressor(bits=2), lambda: SignCompressor(),
+                                  lambda: SignCompressor(two_level=False)], ids=["int8", "int4", "2bit", "sign", "sign1"])
+def test_error_feedback_add_fused_into_the_compress(make):
+    """Error feedback hands its gradient to the fused compress as an addend (``res + g`` formed
+    inside the one compiled call on CUDA; run eagerly here under ``kernels.everywhere()``): over
+    4 steps, the payload and the residual bit for bit those of adding into the residual first and
+    compressing that (``compress_ef``), and the first payload that of the CPU codec; a partial last
+    chunk, whole chunks, fewer values than a chunk, and an empty tensor. Off the fused path
+    (CPU) the codec says it takes no addend and error feedback adds first."""
+    from phalanx.comm.compression import kernels
+    from phalanx.comm.compression.error_feedback import takes_addend
+
+    gen = torch.Generator().manual_seed(5)
+    for n in (12 * 256 + 77, 8 * 256, 77, 0):
+        c = make()
+        assert isinstance(c, ab.AddendResidual) and not takes_addend(c, torch.zeros(n))
+        fused, cpu = ErrorFeedback(make()), ErrorFeedback(make())
+        calls = []
+        plain_add = fused.inner.compress_ef_add
+        fused.inner.compress_ef_add = lambda x, g, calls=calls, plain_add=plain_add: calls.append(1) or plain_add(x, g)
+        res = None
+        for step in range(4):
+            g = torch.randn(n, generator=gen) * (1 + step)
+            if n > 600:
+                g[256:512] = 0
+                g[600:610] = torch.randn(10, generator=gen) * 1e-39
+            cpu_payload, _ = cpu.compress(g, name="b")
+            with kernels.everywhere():
+                assert takes_addend(c, g)
+                payload, ctx = fused.compress(g, name="b")
+                if res is None:
+                    res = g.clone()
+                else:
+                    res.add_(g)
+                ref_payload, _ = c.compress_ef(res)  # the unfused path: accumulate, then compress
+            assert torch.equal(payload, ref_payload), (c, n, step)
+            assert torch.equal(fused.memory.residuals["b"], res), (c, n, step)
+            assert ctx == (n, torch.float32, (n,))
+            if step == 0:  # later steps: the CPU codec's residual is within 1e-6, so a code may round apart
+                assert torch.equal(payload, cpu_payload), (c, n)
+                torch.testing.assert_close(fused.memory.residuals["b"], cpu.memory.residuals["b"], rtol=0, atol=1e-6)
+        assert len(calls) == 3, (c, n, len(calls))  # every step after the first (which copies g)
+    # a bf16 gradient: promoted inside the fused add as by the add it replaces
+    g = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    fused, ref = ErrorFeedback(QuantizeCompressor()), QuantizeCompressor()
+    with kernels.everywhere():
+        fused.compress(g, name="h")
+        p2, _ = fused.compress(g, name="h")
+        r = g.float()
+        ref.compress_ef(r)
+        r.add_(g)
+        q2, _ = ref.compress_ef(r)
+    assert torch.equal(p2, q2) and torch.equal(fused.memory.residuals["h"], r)

@@ -11,6 +11,7 @@ class; the data-only :class:`ChunkedCodec` is inherited explicitly)::
     ChunkedCodec      chunk: int                    payload laid out per chunk: compress in pieces
     FixedSizePayload  payload_nbytes(numel)         sizes known without asking the other ranks
     FusedResidual     compress_ef(x)                compress and leave the residual in x
+    AddendResidual    takes_addend / compress_ef_add compress_ef(x + g), the add inside the compress
     FusedDecode       decompress_add(p, ctx, out)   out (+)= alpha * decompress(p)
     ResidualFeedback  inner, enabled, accumulate    error feedback around a codec
     Stateful          state_dict / load_state_dict  residuals, warm starts, counts
@@ -38,6 +39,7 @@ __all__ = [
     "ChunkedCodec",
     "FixedSizePayload",
     "FusedResidual",
+    "AddendResidual",
     "FusedDecode",
     "ResidualFeedback",
     "Stateful",
@@ -125,6 +127,22 @@ class FusedResidual(_Ability):
     def compress_ef(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
 
 
+class AddendResidual(_Ability):
+    """``compress_ef_add(x, g)``: :meth:`FusedResidual.compress_ef` of ``x + g``, leaving the new
+    residual in ``x``, with the add formed inside the compress where ``takes_addend(x)`` says so
+    (the compiled kernels, on CUDA: error feedback's ``res += g`` then needs no pass of its own);
+    elsewhere it adds first (the same bits). Error feedback hands its gradient to such a codec
+    instead of adding it into the residual itself (:func:`~phalanx.comm.compression.error_feedback.compress_residual`)."""
+
+    _methods = ("takes_addend", "compress_ef_add")
+
+    @abc.abstractmethod
+    def takes_addend(self, x: torch.Tensor) -> bool: ...
+
+    @abc.abstractmethod
+    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+
+
 class FusedDecode(_Ability):
     """``decompress_add(payload, ctx, out, alpha, add=True)``: ``out += alpha * decompress(payload)``
     (``add=False``: ``out = ...``), ``out`` flat fp32, without a full-size temporary."""
@@ -139,9 +157,11 @@ class FusedDecode(_Ability):
 class ResidualFeedback(_Ability):
     """Error feedback around a codec: ``inner`` is the codec, ``enabled`` whether residuals are
     kept; ``accumulate(key, t)`` returns the residual buffer with ``t`` added (the corrected
-    tensor, compressed in place), ``accumulate_parts(key, parts, numel)`` the same piece by piece."""
+    tensor, compressed in place), ``accumulate_parts(key, parts, numel)`` the same piece by piece,
+    ``prepare(key, t)`` the buffer and whether ``t`` is still to be added (by an
+    :class:`AddendResidual` codec, inside its compress)."""
 
-    _methods = ("accumulate", "accumulate_parts")
+    _methods = ("accumulate", "accumulate_parts", "prepare")
     inner: Any
     enabled: bool
 
@@ -150,6 +170,9 @@ class ResidualFeedback(_Ability):
 
     @abc.abstractmethod
     def accumulate_parts(self, key: str, parts, numel: int): ...
+
+    @abc.abstractmethod
+    def prepare(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]: ...
 
 
 class Stateful(_Ability):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from phalanx.comm.compression.abilities import (
+    AddendResidual,
     FusedResidual,
     Resettable,
     ResidualFeedback,
@@ -38,20 +39,35 @@ from phalanx.comm.compression.abilities import (
     Warmup,
 )
 
-__all__ = ["ResidualMemory", "ErrorFeedback", "compress_residual"]
+__all__ = ["ResidualMemory", "ErrorFeedback", "compress_residual", "takes_addend"]
 
 
-def compress_residual(inner: Any, x: torch.Tensor):
-    """Compress the flat fp32 ``x`` with ``inner`` and leave the residual ``x - decompress(payload)`` in ``x``.
+def compress_residual(inner: Any, x: torch.Tensor, addend: torch.Tensor | None = None):
+    """Compress the flat fp32 ``x`` (``x + addend``) with ``inner`` and leave the residual
+    ``x - decompress(payload)`` in ``x``.
 
-    Uses the codec's fused ``compress_ef`` when it is a :class:`~phalanx.comm.compression.codecs.FusedResidual`
-    (int8, sign, top-k: no decompress, no temporaries), else compresses, decompresses and subtracts.
+    With an ``addend`` (error feedback's gradient, not yet in the residual ``x``) a codec that is an
+    :class:`~phalanx.comm.compression.abilities.AddendResidual` adds it inside its compress (one
+    pass on CUDA); for any other the add comes first, as its own pass. Uses the codec's fused
+    ``compress_ef`` when it is a :class:`~phalanx.comm.compression.abilities.FusedResidual` (int8,
+    sign, top-k: no decompress, no temporaries), else compresses, decompresses and subtracts.
     """
+    if addend is not None:
+        if isinstance(inner, AddendResidual):
+            return inner.compress_ef_add(x, addend)
+        x.add_(addend.reshape(x.shape))
     if isinstance(inner, FusedResidual):
         return inner.compress_ef(x)
     payload, ctx = inner.compress(x)
     x.sub_(inner.decompress(payload, ctx).reshape(x.shape).to(x.dtype))
     return payload, ctx
+
+
+def takes_addend(inner: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``inner`` adds error feedback's gradient inside its compress for ``tensor``: then the
+    caller keeps the residual buffer as it is (:meth:`ErrorFeedback.prepare`) and hands the gradient
+    to :func:`compress_residual` as the addend; else it accumulates first (:meth:`ErrorFeedback.accumulate`)."""
+    return isinstance(inner, AddendResidual) and inner.takes_addend(tensor)
 
 
 def _plain_ctx(ctx) -> bool:
@@ -76,12 +92,19 @@ class ResidualMemory:
         """The fp32 residual buffer of ``key`` with ``tensor`` added in place (fused error feedback:
         the caller compresses it and leaves what was not sent in the same buffer). A missing (or
         differently shaped) residual starts as a copy of ``tensor`` in fp32."""
+        res, pending = self.prepare(key, tensor)
+        if pending:
+            res.add_(tensor.detach())
+        return res
+
+    def prepare(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``(buffer, pending)``: the fp32 residual buffer of ``key``, and whether ``tensor`` is still
+        to be added to it (False when the buffer was just made as a copy of ``tensor``)."""
         res = self.residuals.get(key)
         if res is None or res.shape != tensor.shape or res.dtype != torch.float32 or res.device != tensor.device:
             res = self.residuals[key] = tensor.detach().float().clone(memory_format=torch.contiguous_format)
-        else:
-            res.add_(tensor.detach())
-        return res
+            return res, False
+        return res, True
 
     def update(self, key: str, corrected: torch.Tensor, approx: torch.Tensor) -> None:
         """Remember what compression dropped: ``corrected - approx``."""
@@ -157,6 +180,11 @@ class ErrorFeedback(Warmup, ResidualFeedback, Stateful, Resettable):
         """
         return self.memory.accumulate(key, tensor)
 
+    def prepare(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``(buffer, pending)``: the residual buffer of ``key`` and whether ``tensor`` is still to be
+        added to it, for a codec that adds it inside its compress (:func:`takes_addend`)."""
+        return self.memory.prepare(key, tensor)
+
     def accumulate_parts(self, key: str, parts, numel: int):
         """:meth:`accumulate` of the concatenation of ``parts`` (flattened), without building it,
         one piece at a time: returns ``(buffer, add)``; ``add(start, stop)`` adds the parts'
@@ -187,8 +215,13 @@ class ErrorFeedback(Warmup, ResidualFeedback, Stateful, Resettable):
     def compress(self, tensor: torch.Tensor, name: str = "default"):
         if not self.enabled:
             return self.inner.compress(tensor)
-        res = self.accumulate(name, tensor)
-        payload, ctx = compress_residual(self.inner, res.view(-1) if isinstance(self.inner, FusedResidual) else res)
+        if takes_addend(self.inner, tensor):  # res += g inside the compress (the compiled kernels)
+            res, pending = self.prepare(name, tensor)
+            payload, ctx = compress_residual(self.inner, res.view(-1),
+                                             tensor.detach().reshape(-1) if pending else None)
+        else:
+            res = self.accumulate(name, tensor)
+            payload, ctx = compress_residual(self.inner, res.view(-1) if isinstance(self.inner, FusedResidual) else res)
         return payload, ((ctx[0], tensor.dtype, tuple(tensor.shape)) if _plain_ctx(ctx) else ctx)
 
     def decompress(self, payload, ctx) -> torch.Tensor:

@@ -6,10 +6,15 @@ took 4.8x, sign's 16x the time of a plain device copy of the gradient on an H100
 (benchmarks/gpu/codecs.py). On that machine's host one call of a compiled function costs about
 as long as a device copy of 100 MB, so each compress and each decode here is a single call
 (``*_encode`` / ``*_decode``): it takes the gradient's whole chunks as a 2-D view, ``(rows,
-chunk)``, and a zero-padded row of a partial last chunk (:func:`split_rows`), and does the
-per-row reduction, the element-wise tail and the error-feedback residual in place. They are
-compiled by ``torch.compile`` for CUDA tensors the first time they run, with the number of rows
-dynamic and the row width static (see :func:`run`). The decoders take the payload's bytes as ``uint8`` and the scales as a
+chunk)``, and the partial last chunk as a flat view (:func:`split_rows`), pads that to a row
+itself (padded on the host, with ``F.pad`` before the call and its residual copied back after,
+the tail cost an H100's host hundreds of microseconds a round trip), and does the per-row
+reduction, the element-wise tail and the error-feedback residual in place. The encoders also
+take error feedback's gradient as an addend: ``res + g`` is formed inside the call, so the
+residual's ``res += g`` needs no pass of its own over the gradient (105 us of 312 on an H100,
+run 6). They are compiled by ``torch.compile`` for CUDA tensors the first time they run, with
+the number of rows (and the tail's length) dynamic and the row width static (see :func:`run`);
+the padded tail row's width is that static width. The decoders take the payload's bytes as ``uint8`` and the scales as a
 tensor of their own: the compile of a decoder that read a float32 view of the payload's bytes
 failed on an H100 ("when making fake tensor call"), and so did one that shifted by a symbolic
 bit count. On the CPU they run eagerly: the codecs' CPU paths are tuned for it, and compiling
@@ -53,17 +58,40 @@ _everywhere = False
 
 def split_rows(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The flat ``x`` as kernel inputs: ``(body, tail, rest)``: its whole chunks as a
-    ``(n // chunk, chunk)`` view, a partial last chunk of ``rest`` values as a zero-padded
-    ``(1, chunk)`` copy (None when there is none). A kernel's residual in the copy goes back
-    with ``x[n - rest:].copy_(tail[0, :rest])``."""
+    ``(n // chunk, chunk)`` view, and a partial last chunk of ``rest`` values as a flat view
+    (None when there is none). The kernels pad the tail to a row themselves, inside the
+    compiled call (no host-side padding), and write its residual back into the view."""
     full, rest = divmod(x.numel(), chunk)
     body = x[: full * chunk].view(full, chunk)
-    return body, (pad_row(x[full * chunk :], chunk) if rest else None), rest
+    return body, (x[full * chunk :] if rest else None), rest
 
 
 def pad_row(flat: torch.Tensor, width: int) -> torch.Tensor:
-    """``flat`` zero-padded to one row of ``width``."""
+    """``flat`` zero-padded to one row of ``width`` (inside the kernels: its length may be
+    symbolic, ``width`` is static, so the padded row's width is known to the compiler)."""
     return F.pad(flat, (0, width - flat.numel())).view(1, width)
+
+
+def _encode_rows(rows_fn: Callable, body: torch.Tensor, tail: torch.Tensor | None, residual: bool,
+                 add_body: torch.Tensor | None, add_tail: torch.Tensor | None):
+    """``(rows_fn(body rows, count), rows_fn(tail row, rest) or None)``: the values encoded are
+    ``body (+ add_body)`` and the flat ``tail (+ add_tail)`` zero-padded to a row; ``rows_fn``
+    leaves the residual in the rows it is given, which goes back into ``body`` and ``tail``.
+
+    With an addend this is error feedback's ``res += g`` and the compress in one pass: the sum
+    is formed in registers and only the new residual is written (one read of each, one write)."""
+    xb = body if add_body is None else body + add_body
+    rb = rows_fn(xb, xb.numel())
+    if residual and xb is not body:
+        body.copy_(xb)
+    if tail is None:
+        return rb, None
+    rest = tail.numel()
+    xt = pad_row(tail if add_tail is None else tail + add_tail, body.shape[1])
+    rt = rows_fn(xt, rest)
+    if residual:
+        tail.copy_(xt.view(-1)[:rest])
+    return rb, rt
 
 
 # ------------------------------------------------------------------ the per-row arithmetic
@@ -144,71 +172,77 @@ def _store(out_body: torch.Tensor, out_tail: torch.Tensor | None, body: torch.Te
 
 
 # ------------------------------------------------------- one compiled call per compress / decode
-def int8_encode(body: torch.Tensor, tail: torch.Tensor | None, levels: int, residual: bool):
-    """int8 codes of the rows of ``body`` and ``tail`` (``round(x * L / amax)`` per row) and every
-    row's scale ``amax / L``: ``(body codes, tail codes, scales)``; with ``residual`` the rows become
-    ``x - code * scale`` in place. A row whose ``L / amax`` is not finite (amax 0, or below ~1e-37)
+def int8_encode(body: torch.Tensor, tail: torch.Tensor | None, levels: int, residual: bool,
+                add_body: torch.Tensor | None = None, add_tail: torch.Tensor | None = None):
+    """int8 codes of the rows of ``body`` and the flat partial ``tail`` (``round(x * L / amax)``
+    per row, the tail zero-padded to a row) and every row's scale ``amax / L``: ``(body codes,
+    tail codes, scales)``; with ``residual`` they become ``x - code * scale`` in place. With
+    ``add_body`` / ``add_tail`` (error feedback's gradient, ``residual`` on) ``x`` is their sum
+    with ``body`` / ``tail``. A row whose ``L / amax`` is not finite (amax 0, or below ~1e-37)
     sends zeros and keeps its values."""
-    qb, sb = _int8_rows(body, levels, residual)
-    if tail is None:
+    (qb, sb), t = _encode_rows(lambda x, count: _int8_rows(x, levels, residual), body, tail, residual,
+                               add_body, add_tail)
+    if t is None:
         return qb, None, sb.view(-1)
-    qt, st = _int8_rows(tail, levels, residual)
-    return qb, qt, torch.cat([sb, st]).view(-1)
+    return qb, t[0], torch.cat([sb, t[1]]).view(-1)
 
 
 def int8_decode(body: torch.Tensor, tail: torch.Tensor | None, scales: torch.Tensor, out_body: torch.Tensor,
                 out_tail: torch.Tensor | None, alpha: float, add: bool) -> None:
     """``out`` ``=`` (or ``+=``) ``code * (scale * alpha)`` for int8 codes stored as bytes (uint8),
-    rows of ``body`` then the padded ``tail`` row; ``scales`` one per row, as a column."""
+    rows of ``body`` then the flat partial ``tail`` (zero-padded to a row here); ``scales`` one per
+    row, as a column."""
     scales = scales * alpha  # folded in first, as the eager loop does
     full = body.shape[0]
-    vt = None if tail is None else _int8_values(tail, scales[full:])
+    vt = None if tail is None else _int8_values(pad_row(tail, body.shape[1]), scales[full:])
     _store(out_body, out_tail, _int8_values(body, scales[:full]), vt, 1.0, add)
 
 
-def packed_encode(body: torch.Tensor, tail: torch.Tensor | None, levels: int, bits: int, rest: int,
-                  residual: bool):
+def packed_encode(body: torch.Tensor, tail: torch.Tensor | None, levels: int, bits: int, residual: bool, add_body: torch.Tensor | None = None, add_tail: torch.Tensor | None = None):
     """4- or 2-bit codes of the rows, ``code = clamp(round(x * L / amax), -L, L) + L``, packed
-    ``8 // bits`` to a byte, low bits first, the padding past the tail's ``rest`` values packed as
+    ``8 // bits`` to a byte, low bits first, the padding past the tail's values packed as
     0 (as ``quantize.pack_bits`` does), and every row's scale ``amax / L``: ``(body bytes, tail
-    bytes, scales)``; with ``residual`` the rows become ``x - (code - L) * scale``."""
-    pb, sb = _packed_rows(body, levels, bits, body.numel(), residual)
-    if tail is None:
+    bytes, scales)``; with ``residual`` the rows become ``x - (code - L) * scale``; the addends as
+    in :func:`int8_encode`."""
+    (pb, sb), t = _encode_rows(lambda x, count: _packed_rows(x, levels, bits, count, residual), body, tail,
+                               residual, add_body, add_tail)
+    if t is None:
         return pb, None, sb.view(-1)
-    pt, st = _packed_rows(tail, levels, bits, rest, residual)
-    return pb, pt, torch.cat([sb, st]).view(-1)
+    return pb, t[0], torch.cat([sb, t[1]]).view(-1)
 
 
 def packed_decode(body: torch.Tensor, tail: torch.Tensor | None, scales: torch.Tensor, out_body: torch.Tensor,
                   out_tail: torch.Tensor | None, alpha: float, add: bool) -> None:
     """Inverse of :func:`packed_encode`: ``out`` ``=`` (or ``+=``) ``alpha * (code - L) * scale``."""
     full, width = body.shape[0], out_body.shape[1]
-    vt = None if tail is None else _packed_values(tail, scales[full:], width)
+    vt = None if tail is None else _packed_values(pad_row(tail, body.shape[1]), scales[full:], width)
     _store(out_body, out_tail, _packed_values(body, scales[:full], width), vt, alpha, add)
 
 
-def sign_encode(body: torch.Tensor, tail: torch.Tensor | None, two_level: bool, rest: int, residual: bool):
+def sign_encode(body: torch.Tensor, tail: torch.Tensor | None, two_level: bool, residual: bool,
+                add_body: torch.Tensor | None = None, add_tail: torch.Tensor | None = None):
     """1-bit codes of rows whose length is a multiple of 32: ``(body words, tail words, up, down)``.
 
     Bit i is 1 where x_i's sign bit is clear ("up"), packed 32 to an int32 word, low bit first (8
-    to a byte in little-endian memory; the padding past the tail's ``rest`` values gets 0); ``up`` /
+    to a byte in little-endian memory; the padding past the tail's values gets 0); ``up`` /
     ``down`` are each row's two magnitudes (one, the mean |x|, without ``two_level``), as
     :class:`phalanx.comm.compression.onebit.SignCompressor` computes them, the padding not counted.
-    With ``residual`` the rows become ``x + down - bit * (up + down)`` in place.
+    With ``residual`` the rows become ``x + down - bit * (up + down)`` in place; the addends as in
+    :func:`int8_encode`.
     """
-    wb, ub, db = _sign_rows(body, two_level, body.numel(), residual)
-    if tail is None:
+    (wb, ub, db), t = _encode_rows(lambda x, count: _sign_rows(x, two_level, count, residual), body, tail,
+                                   residual, add_body, add_tail)
+    if t is None:
         return wb, None, ub, db
-    wt, ut, dt = _sign_rows(tail, two_level, rest, residual)
-    return wb, wt, torch.cat([ub, ut]), torch.cat([db, dt])
+    return wb, t[0], torch.cat([ub, t[1]]), torch.cat([db, t[2]])
 
 
 def sign_decode(body: torch.Tensor, tail: torch.Tensor | None, span: torch.Tensor, low: torch.Tensor,
                 out_body: torch.Tensor, out_tail: torch.Tensor | None, add: bool) -> None:
     """``out`` ``=`` (or ``+=``) ``low + bit * span`` per row, for the sign bits packed in the bytes
-    of ``body`` and the padded ``tail`` row (``span`` and ``low`` columns, one per row)."""
+    of ``body`` and the flat partial ``tail`` (``span`` and ``low`` columns, one per row)."""
     full, width = body.shape[0], out_body.shape[1]
-    vt = None if tail is None else _sign_values(tail, span[full:], low[full:], width)
+    vt = None if tail is None else _sign_values(pad_row(tail, body.shape[1]), span[full:], low[full:], width)
     _store(out_body, out_tail, _sign_values(body, span[:full], low[:full], width), vt, 1.0, add)
 
 
@@ -286,7 +320,9 @@ def run(fn: Callable, tensor: torch.Tensor, *args):
     for t in (tensor, *args):
         if isinstance(t, torch.Tensor) and t.dim() == 2:
             torch._dynamo.mark_static(t, 1)
-    key = (fn, tuple(a if isinstance(a, bool) else None for a in args if a is None or isinstance(a, bool)))
+    # the flags, and for each tensor argument whether it is None (a tail, an addend)
+    key = (fn, tuple(a if isinstance(a, bool) else a is None for a in args
+                     if a is None or isinstance(a, (bool, torch.Tensor))))
     compiled = _compiled.get(key, fn)
     if compiled is fn:
         with _lock:

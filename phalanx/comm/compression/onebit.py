@@ -38,6 +38,7 @@ import torch
 
 from phalanx.comm.compression import kernels
 from phalanx.comm.compression.abilities import (
+    AddendResidual,
     ChunkedCodec,
     FixedSizePayload,
     FusedDecode,
@@ -54,7 +55,7 @@ from phalanx.comm.compression.quantize import (
 __all__ = ["SignCompressor"]
 
 
-class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode):
+class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, AddendResidual, FusedDecode):
     """Sign, bit-packed, with per-chunk reconstruction values (a clear sign bit is sent as "up":
     every ``x >= 0`` except ``-0.0``, which counts as down)."""
 
@@ -81,6 +82,22 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         """Compress the flat fp32 ``x`` and leave the residual ``x - decompress(payload)`` in it."""
         return self._encode(x, residual=True), (x.numel(), x.dtype, tuple(x.shape))
 
+    def takes_addend(self, x: torch.Tensor) -> bool:
+        """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA)."""
+        return self._words() and kernels.wanted(x)
+
+    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor):
+        """:meth:`compress_ef` of ``x + addend`` (flat, fp32 ``x``), the sum formed inside the
+        compress: ``x`` is read once and written once, with the new residual."""
+        if not self.takes_addend(x):
+            x.add_(addend)
+            return self.compress_ef(x)
+        return self._encode(x, residual=True, addend=addend), (x.numel(), x.dtype, tuple(x.shape))
+
+    def _words(self) -> bool:
+        """Chunks of whole 32-bit words, in little-endian memory: the word-packing (and fused) paths."""
+        return self.chunk % 32 == 0 and sys.byteorder == "little"
+
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
         n, dtype, shape = ctx
         out = torch.empty(n, dtype=torch.float32, device=payload.device)
@@ -97,8 +114,9 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
             out.append((per_chunk(x[full * chunk :], chunk), full * chunk, n))
         return out
 
-    def _encode(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
-        """Payload of flat fp32 ``x``; with ``residual``, ``x`` becomes ``x - decode(payload)``.
+    def _encode(self, x: torch.Tensor, residual: bool, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """Payload of flat fp32 ``x``; with ``residual``, ``x`` becomes ``x - decode(payload)``
+        (``addend``: of ``x + addend``, on the fused path only).
 
         The bit comes straight from the float's bit pattern (``u = (int32 >> 31) + 1``: 1
         where the sign bit is clear, "up"), and that one tensor gives everything: the count
@@ -109,16 +127,17 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         n, chunk = x.numel(), self.chunk
         chunks = math.ceil(n / chunk)
         nbits = math.ceil(n / 8)
-        words = chunk % 32 == 0 and sys.byteorder == "little"
+        words = self._words()
         if words and kernels.wanted(x):  # one compiled call on CUDA (comm/compression/kernels.py)
             body, tail, rest = kernels.split_rows(x, chunk)
-            wb, wt, up, down = kernels.run(kernels.sign_encode, body, tail, self.two_level, rest, residual)
+            adds = () if addend is None else kernels.split_rows(addend, chunk)[:2]
+            wb, wt, up, down = kernels.run(kernels.sign_encode, body, tail, self.two_level, residual, *adds)
             scales = [to_bytes(up)] + ([to_bytes(down)] if self.two_level else [])
             if tail is None:
                 return torch.cat([to_bytes(wb)] + scales)
-            if residual:
-                x[n - rest :].copy_(tail[0, :rest])
             return torch.cat([to_bytes(wb), to_bytes(wt)[: math.ceil(rest / 8)]] + scales)
+        if addend is not None:
+            x.add_(addend)
         payload = torch.empty(nbits + 4 * chunks * (2 if self.two_level else 1), dtype=torch.uint8,
                               device=x.device)
         up_all = torch.empty(chunks, dtype=torch.float32, device=x.device)
@@ -177,10 +196,10 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode)
         span = (up + down).mul_(alpha).view(-1, 1)  # up - (-down): the step from down to up
         low = (down * -alpha).view(-1, 1)  # what a cleared bit decodes to
         full = n // chunk
-        words = chunk % 32 == 0 and sys.byteorder == "little"
+        words = self._words()
         if words and kernels.wanted(payload):  # one compiled call on CUDA (comm/compression/kernels.py)
             row_bytes, rest = chunk // 8, n - full * chunk
-            tail = kernels.pad_row(payload[full * row_bytes : nbits], row_bytes) if rest else None
+            tail = payload[full * row_bytes : nbits] if rest else None  # padded to a row in the kernel
             kernels.run(kernels.sign_decode, payload[: full * row_bytes].view(full, row_bytes), tail, span, low,
                         out[: full * chunk].view(full, chunk), out[full * chunk :] if rest else None, add)
             return out

@@ -30,7 +30,7 @@ from phalanx.comm.compression.abilities import (
     ResidualFeedback,
     codec_of,
 )
-from phalanx.comm.compression.error_feedback import compress_residual
+from phalanx.comm.compression.error_feedback import compress_residual, takes_addend
 
 __all__ = ["WireCounter", "wire", "PIECE_NUMEL", "pieces", "decode_into", "choose_algorithm", "ring_bytes",
            "finished", "summable_path", "allgather_path", "two_phase_path"]
@@ -70,12 +70,28 @@ def ring_bytes(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n
 
 
-def _compress(codec, feedback: ResidualFeedback | None, src: torch.Tensor):
+def _compress(codec, feedback: ResidualFeedback | None, src: torch.Tensor, addend: torch.Tensor | None = None):
     """Compress ``src`` with ``codec``; with error feedback ``src`` is a slice of the residual
-    buffer, which then keeps what was not sent."""
+    buffer, which then keeps what was not sent (``addend``: the gradient still to be added to it)."""
     if feedback is not None:
-        return compress_residual(codec, src)
+        return compress_residual(codec, src, addend)
     return codec.compress(src)
+
+
+def _source(codec, feedback: ResidualFeedback | None, key: str, flat: torch.Tensor):
+    """``(src, addend)``: what to compress: ``flat`` itself without error feedback; else the
+    residual buffer of ``key``, with ``flat`` added (addend None) or, for a codec that adds inside
+    its compress (``takes_addend``), still to be added (the addend ``flat``)."""
+    if feedback is None:
+        return flat, None
+    if takes_addend(codec, flat):
+        res, pending = feedback.prepare(key, flat)
+        return res, (flat if pending else None)
+    return feedback.accumulate(key, flat), None
+
+
+def _part(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if t is None else t[a:b]
 
 
 def decode_into(codec, payload, ctx, out: torch.Tensor, alpha: float, add: bool) -> None:
@@ -192,17 +208,17 @@ def allgather_path(flat, tensor, compressor, group, n, name, average, async_op, 
     (error feedback on): added into the residual buffer straight from the given tensors, one
     piece at a time, so the first piece leaves after its own share of the add."""
     feedback, codec = codec_of(compressor)
-    add_piece = None
+    add_piece = addend = None
     if parts is not None:  # the caller checked: error feedback is on
         src, add_piece = feedback.accumulate_parts(name, parts, flat.numel())
     else:
-        src = feedback.accumulate(name, flat) if feedback is not None else flat
+        src, addend = _source(codec, feedback, name, flat)
     fixed = isinstance(codec, FixedSizePayload)
     launched, sent = [], 0
     for a, b in pieces(codec, flat.numel(), piece_numel):
         if add_piece is not None:
             add_piece(a, b)
-        payload, ctx = _compress(codec, feedback, src[a:b])
+        payload, ctx = _compress(codec, feedback, src[a:b], _part(addend, a, b))
         known = [payload.numel()] * n if fixed else None
         work, buf, counts, width = _gather_bytes(payload, group, n, known)
         sent += (n - 1) * width
@@ -233,8 +249,9 @@ def two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, 
     feedback, codec = codec_of(compressor)
     me = dist.get_rank(group)
     sizes = _chunk_sizes(flat.numel(), n)
-    src = feedback.accumulate(name, flat) if feedback is not None else flat
-    payloads = [_compress(codec, feedback, chunk)[0] for chunk in torch.split(src, sizes)]
+    src, addend = _source(codec, feedback, name, flat)
+    bounds = [(sum(sizes[:j]), sum(sizes[: j + 1])) for j in range(n)]
+    payloads = [_compress(codec, feedback, src[a:b], _part(addend, a, b))[0] for a, b in bounds]
     in_splits = [p.numel() for p in payloads]
     send = torch.cat(payloads)
     fixed = isinstance(codec, FixedSizePayload)
@@ -257,8 +274,8 @@ def two_phase_path(flat, tensor, compressor, group, n, name, average, async_op, 
         for r, part in enumerate(torch.split(buf, out_splits)):
             decode_into(codec, part, ctx_me, mine, 1.0 / n if average else 1.0, add=r > 0)
         key = name + "/server"
-        src_me = feedback.accumulate(key, mine) if feedback is not None else mine
-        q, _ = _compress(codec, feedback, src_me)
+        src_me, addend_me = _source(codec, feedback, key, mine)
+        q, _ = _compress(codec, feedback, src_me, addend_me)
         known = [codec.payload_nbytes(s) for s in sizes] if fixed else None
         work2, out, counts, width = _gather_bytes(q, group, n, known)
         work2.wait()

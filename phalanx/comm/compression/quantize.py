@@ -36,6 +36,7 @@ import torch
 
 from phalanx.comm.compression import kernels
 from phalanx.comm.compression.abilities import (
+    AddendResidual,
     ChunkedCodec,
     FixedSizePayload,
     FusedDecode,
@@ -100,7 +101,7 @@ def per_chunk(values: torch.Tensor, chunk: int) -> torch.Tensor:
     return out.view(-1, chunk)
 
 
-class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDecode):
+class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, AddendResidual, FusedDecode):
     """Per-chunk scaled integer quantisation to ``bits`` in {8, 4, 2}."""
 
     summable = False
@@ -160,18 +161,17 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         """The compiled kernels (on CUDA): rounding to nearest, whole bytes a chunk."""
         return kernels.wanted(t) and not self.stochastic and (self.chunk * self.bits) % 8 == 0
 
-    def _fused_encode(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
-        """The payload of flat fp32 ``x`` from one compiled call (and ``x`` left holding the
-        residual with ``residual``): codes, then scales, as the eager forms lay them out."""
+    def _fused_encode(self, x: torch.Tensor, residual: bool, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """The payload of flat fp32 ``x`` (``x + addend``) from one compiled call (and ``x`` left
+        holding the residual with ``residual``): codes, then scales, as the eager forms lay them out."""
         body, tail, rest = kernels.split_rows(x, self.chunk)
+        adds = () if addend is None else kernels.split_rows(addend, self.chunk)[:2]
         if self.bits == 8:
-            cb, ct, scales = kernels.run(kernels.int8_encode, body, tail, self.levels, residual)
+            cb, ct, scales = kernels.run(kernels.int8_encode, body, tail, self.levels, residual, *adds)
         else:
-            cb, ct, scales = kernels.run(kernels.packed_encode, body, tail, self.levels, self.bits, rest, residual)
+            cb, ct, scales = kernels.run(kernels.packed_encode, body, tail, self.levels, self.bits, residual, *adds)
         if tail is None:
             return torch.cat([to_bytes(cb), to_bytes(scales)])
-        if residual:
-            x[x.numel() - rest :].copy_(tail[0, :rest])
         return torch.cat([to_bytes(cb), to_bytes(ct)[: math.ceil(rest * self.bits / 8)], to_bytes(scales)])
 
     def _fused_decode(self, payload: torch.Tensor, n: int, out: torch.Tensor, alpha: float, add: bool):
@@ -181,11 +181,23 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, FusedDec
         code_bytes = math.ceil(n * self.bits / 8)
         # the scales as a tensor of their own (not a float32 view of the payload's bytes)
         scales = from_bytes(payload[code_bytes:], torch.float32, full + (rest > 0)).clone().view(-1, 1)
-        tail = kernels.pad_row(payload[full * row_bytes : code_bytes], row_bytes) if rest else None
+        tail = payload[full * row_bytes : code_bytes] if rest else None  # padded to a row in the kernel
         kernels.run(kernels.int8_decode if self.bits == 8 else kernels.packed_decode,
                     payload[: full * row_bytes].view(full, row_bytes), tail, scales,
                     out[: full * chunk].view(full, chunk), out[full * chunk :] if rest else None, alpha, add)
         return out
+
+    def takes_addend(self, x: torch.Tensor) -> bool:
+        """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA)."""
+        return self._fused(x)
+
+    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor):
+        """:meth:`compress_ef` of ``x + addend`` (flat, fp32 ``x``), the sum formed inside the
+        compress: ``x`` is read once and written once, with the new residual."""
+        if not self.takes_addend(x):
+            x.add_(addend)
+            return self.compress_ef(x)
+        return self._fused_encode(x, residual=True, addend=addend), (x.numel(), x.dtype, tuple(x.shape))
 
     # ------------------------------------------------------------ fused int8 forms
     def compress_ef(self, x: torch.Tensor):
