@@ -42,7 +42,7 @@ from phalanx.comm.compression.allreduce import allreduce_compressed
 from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
 from phalanx.keras.tensors import over_torch
 
-__all__ = ["allreduce_list", "reduce_gradients", "DEFAULT_BUCKET_MB"]
+__all__ = ["allreduce_list", "reduce_gradients", "reduce_with_local_variables", "DEFAULT_BUCKET_MB"]
 
 DEFAULT_BUCKET_MB = 25.0
 """Bucket size, as DDP's and Horovod's fusion buffer defaults (25 MiB; Horovod 64 MiB)."""
@@ -164,3 +164,22 @@ def reduce_gradients(grads, *, average: bool = True, compression=None, bucket_mb
     if when is None:
         return over_torch(on_torch, grads)
     return over_torch(on_torch, grads + [when])[:-1]
+
+
+def reduce_with_local_variables(grads, variables, *, local, scale_local, op, compression, predivide, bucket_mb, name):
+    """Reduce ``grads`` over the ranks, except those of variables in ``local`` (``var.ref()`` s): these stay,
+    divided by the number of ranks when ``scale_local`` (Horovod's ``scale_local_gradients``)."""
+    is_local = [v.ref() in local for v in variables]
+    shared = [None if mine else g for g, mine in zip(grads, is_local)]
+    reduced = reduce_gradients(shared, average=collectives.ReduceOp(op) is collectives.ReduceOp.AVERAGE, compression=compression,
+                               predivide=predivide, name=name, **({"bucket_mb": bucket_mb} if bucket_mb else {}))
+    size = float(runtime.size())
+    out = []
+    for g, r, mine in zip(grads, reduced, is_local):
+        if not mine:
+            out.append(r)
+        elif g is not None and scale_local:
+            out.append(g / size)
+        else:
+            out.append(g)
+    return out

@@ -27,11 +27,10 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from phalanx import runtime
 from phalanx.comm.collectives import Average, ReduceOp
-from phalanx.keras.fused import reduce_gradients
+from phalanx.keras.fused import reduce_with_local_variables
 
-__all__ = ["TFKerasDistributedOptimizer", "distributed_tf_keras_optimizer", "reduce_with_local_variables"]
+__all__ = ["TFKerasDistributedOptimizer", "distributed_tf_keras_optimizer"]
 
 
 def distributed_tf_keras_optimizer(optimizer, *args, **kwargs):
@@ -42,25 +41,6 @@ def distributed_tf_keras_optimizer(optimizer, *args, **kwargs):
 
         return TFKerasLegacyDistributedOptimizer(optimizer, *args, **kwargs)
     return TFKerasDistributedOptimizer(optimizer, *args, **kwargs)
-
-
-def reduce_with_local_variables(grads, variables, *, local, scale_local, op, compression, predivide, bucket_mb, name):
-    """Reduce ``grads`` over the ranks, except those of variables in ``local`` (``var.ref()`` s): these stay,
-    divided by the number of ranks when ``scale_local`` (Horovod's ``scale_local_gradients``)."""
-    is_local = [v.ref() in local for v in variables]
-    shared = [None if mine else g for g, mine in zip(grads, is_local)]
-    reduced = reduce_gradients(shared, average=ReduceOp(op) is ReduceOp.AVERAGE, compression=compression,
-                               predivide=predivide, name=name, **({"bucket_mb": bucket_mb} if bucket_mb else {}))
-    size = float(runtime.size())
-    out = []
-    for g, r, mine in zip(grads, reduced, is_local):
-        if not mine:
-            out.append(r)
-        elif g is not None and scale_local:
-            out.append(g / size)
-        else:
-            out.append(g)
-    return out
 
 
 class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import tf_keras
 
 from phalanx.comm.collectives import Average, ReduceOp
-from phalanx.keras.legacy import reduce_with_local_variables
+from phalanx.keras.fused import reduce_with_local_variables
 
 __all__ = ["TFKerasLegacyDistributedOptimizer"]
 
