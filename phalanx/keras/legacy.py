@@ -29,6 +29,7 @@ import tf_keras
 
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.keras.fused import reduce_with_local_variables
+from phalanx.keras.legacy_check import ForwardsSchedule
 
 __all__ = ["TFKerasDistributedOptimizer", "distributed_tf_keras_optimizer"]
 
@@ -43,7 +44,7 @@ def distributed_tf_keras_optimizer(optimizer, *args, **kwargs):
     return TFKerasDistributedOptimizer(optimizer, *args, **kwargs)
 
 
-class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
+class TFKerasDistributedOptimizer(ForwardsSchedule, tf_keras.optimizers.Optimizer):
     """A tf-keras optimizer averaging gradients over every rank, then applying ``optimizer``'s update.
 
     Arguments as :class:`phalanx.keras.DistributedOptimizer`; ``local_variables`` (Horovod's
@@ -71,22 +72,6 @@ class TFKerasDistributedOptimizer(tf_keras.optimizers.Optimizer):
         self.local_variables.add(var.ref())
 
     # ---------------------------------------------------------------- delegation
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
     @property
     def lr(self):
         return self.inner_optimizer.lr

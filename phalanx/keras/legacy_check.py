@@ -39,3 +39,25 @@ def local_weights(local_layers, who: str) -> list:
     if bad:
         raise ValueError(f"{who}: local_layers must be Keras layers, got {bad}")
     return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+class ForwardsSchedule:
+    """Mixin of the tf-keras distributed optimizers (the current one and the legacy OptimizerV2 one):
+    ``iterations`` and ``learning_rate`` are those of the optimizer they wrap (``inner_optimizer``),
+    so that callbacks and schedules that read or set them act on the optimizer that steps."""
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self.inner_optimizer.learning_rate = value

@@ -26,11 +26,12 @@ import tf_keras
 
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.keras.fused import reduce_with_local_variables
+from phalanx.keras.legacy_check import ForwardsSchedule
 
 __all__ = ["TFKerasLegacyDistributedOptimizer"]
 
 
-class TFKerasLegacyDistributedOptimizer(tf_keras.optimizers.legacy.Optimizer):
+class TFKerasLegacyDistributedOptimizer(ForwardsSchedule, tf_keras.optimizers.legacy.Optimizer):
     """A tf-keras OptimizerV2 averaging gradients over every rank, then applying ``optimizer``'s update."""
 
     def __init__(self, optimizer, name=None, compression=None, op=Average, backward_passes_per_step=1,
@@ -70,22 +71,6 @@ class TFKerasLegacyDistributedOptimizer(tf_keras.optimizers.legacy.Optimizer):
             experimental_aggregate_gradients=experimental_aggregate_gradients)
 
     # ---------------------------------------------------------------- delegation
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, value):
-        self.inner_optimizer.learning_rate = value
-
     @property
     def weights(self):
         return self.inner_optimizer.weights
