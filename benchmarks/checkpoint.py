@@ -36,7 +36,6 @@ _BOOT = time.time()  # when this process started running Python (recovery breakd
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -48,18 +47,6 @@ import torch
 
 import phalanx as px
 import phalanx.checkpoint as ckpt
-
-
-def _median_ci(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """Distribution-free CI of the median (k-th smallest / largest; benchmarks/dp_vs_ddp.py's rule)."""
-    xs, n = sorted(values), len(values)
-    tail, k, below = (1 - level) / 2, 0, 0.0
-    while k < n // 2:
-        below += math.comb(n, k) / 2**n
-        if below > tail:
-            break
-        k += 1
-    return (xs[k - 1], xs[n - k]) if k else None
 
 
 def _disk_bytes(path: str) -> int:
@@ -200,6 +187,8 @@ CELLS = (("sync save", "save"), ("load", "load"), ("async save: blocked", "block
 
 def _matrix(args) -> list[dict]:
     """Every cell of (replicated, sharded) x ranks x (sync save, load, async blocked, async durable)."""
+    from dp_vs_ddp import median_ci  # this script's folder is on sys.path when it runs
+
     rows = []
     kinds = [k for k in ("replicated", "sharded") if args.kind in (k, "both")]
     for kind in kinds:
@@ -215,7 +204,7 @@ def _matrix(args) -> list[dict]:
                 t = {w: [max(res[f"{w}_{key}"][i] for res in results) for i in range(args.repeats)]
                      for w in ("px", "dcp")}
                 ratio = [a / b for a, b in zip(t["px"], t["dcp"])]
-                ci = _median_ci(ratio)
+                ci = median_ci(ratio)
                 verdict = ("too few repeats" if ci is None else "<= 1 (met)" if ci[1] <= 1.0
                            else "> 1 (NOT met)" if ci[0] > 1.0 else "unresolved")
                 rows.append({"kind": kind, "np": world, "cell": label, "px_ms": 1e3 * statistics.median(t["px"]),

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -63,6 +62,9 @@ import sys
 import tempfile
 import textwrap
 import time
+
+from chaos import rows  # the job log reader (this script's folder is sys.path[0])
+from dp_vs_ddp import median_ci
 
 WORKER = textwrap.dedent('''
     import json, os, sys, time
@@ -238,19 +240,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rows(out: str) -> list[dict]:
-    try:
-        with open(os.path.join(out, "log.jsonl")) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    got = []
-    for line in lines:
-        with contextlib.suppress(ValueError):  # a line being written
-            got.append(json.loads(line))
-    return got
 
 
 class Job:
@@ -470,17 +459,6 @@ def final_params(out: str):
     import torch
     files = sorted(f for f in os.listdir(out) if f.startswith("params."))
     return torch.load(os.path.join(out, files[-1])) if files else None
-
-
-def median_ci(values: list[float], level: float = 0.95):
-    xs, n = sorted(values), len(values)
-    tail, k = (1 - level) / 2, 0
-    while k < n // 2:
-        p = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-        if p > tail:
-            break
-        k += 1
-    return (xs[k - 1], xs[n - k]) if k >= 1 else None
 
 
 def summary(vals: list) -> str:
