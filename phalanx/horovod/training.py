@@ -98,15 +98,6 @@ class OutsideSetOptimizer(WrapsOptimizer):
     def step(self, closure=None):
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
 
 def _named(optimizer, named_parameters) -> list:
     """Horovod's names: ``named_parameters`` as given (tuples of name and parameter), or

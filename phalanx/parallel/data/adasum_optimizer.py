@@ -54,16 +54,7 @@ class AdasumOptimizer(WrapsOptimizer):
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self.names = [names.get(id(p), f"param.{i}") for i, p in enumerate(self.params)]
 
-    # delegation: param_groups, state, defaults (WrapsOptimizer) -------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
+    # delegation: param_groups, state, defaults, zero_grad (WrapsOptimizer) ---------
     def synchronize(self) -> None:
         """Nothing to wait for: the deltas are combined inside ``step()`` (as in Horovod)."""
 

@@ -12,7 +12,8 @@ __all__ = ["WrapsOptimizer"]
 
 
 class WrapsOptimizer(OptimizerFace):
-    """``param_groups``, ``state`` and ``defaults`` are those of ``self.optimizer``; a
+    """``param_groups``, ``state`` and ``defaults`` are those of ``self.optimizer``, and so are
+    ``zero_grad``, ``state_dict`` and ``load_state_dict`` unless a wrapper adds its own state; a
     ``torch.optim.Optimizer`` to torch (LR schedulers take it: :mod:`phalanx.optim.face`)."""
 
     @property
@@ -26,3 +27,12 @@ class WrapsOptimizer(OptimizerFace):
     @property
     def defaults(self):
         return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -137,12 +137,9 @@ class DistributedOptimizer(WrapsOptimizer):
         fallback = world > 1 and self.join_ready and not self._engine.join_flag
         self._engine.on_first_grad = self._announce if fallback else None
 
-    # delegation: param_groups, state, defaults (WrapsOptimizer) -------------------
+    # delegation: param_groups, state, defaults, zero_grad (WrapsOptimizer) ---------
     def add_param_group(self, group: dict) -> None:
         raise NotImplementedError("DistributedOptimizer: build a new one after adding param groups")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
     def bytes_sent(self) -> int:
