@@ -6,6 +6,7 @@ tensor its own coefficients), inside a process set, ``DistributedOptimizer(op=hv
 
 import pytest
 import torch
+from rank_outcomes import per_rank, record
 
 import phalanx.horovod.torch as hvd
 from phalanx.testing import distributed
@@ -44,27 +45,21 @@ def _batch(r):
     return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
 
 
-def _safe(out, key, fn):
-    try:
-        out[key] = fn()
-    except Exception as e:  # noqa: BLE001 - reported by that key's test
-        out[key] = f"{type(e).__name__}: {e}"
-
 
 def _adasum():
     r = hvd.rank()
     out = {}
-    _safe(out, "allreduce", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum))
-    _safe(out, "allreduce_f64_2d", lambda: hvd.allreduce(_vec(r, 12, 1).double().reshape(3, 4), op=hvd.Adasum))
-    _safe(out, "tiny", lambda: hvd.allreduce(_vec(r, 3, 2), op=hvd.Adasum))  # fewer elements than ranks
-    _safe(out, "prescale", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum, prescale_factor=2.0,
+    record(out, "allreduce", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum))
+    record(out, "allreduce_f64_2d", lambda: hvd.allreduce(_vec(r, 12, 1).double().reshape(3, 4), op=hvd.Adasum))
+    record(out, "tiny", lambda: hvd.allreduce(_vec(r, 3, 2), op=hvd.Adasum))  # fewer elements than ranks
+    record(out, "prescale", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum, prescale_factor=2.0,
                                                  postscale_factor=0.25))
-    _safe(out, "grouped", lambda: hvd.grouped_allreduce([_vec(r, 5, 3), _vec(r, 7, 4)], op=hvd.Adasum))
+    record(out, "grouped", lambda: hvd.grouped_allreduce([_vec(r, 5, 3), _vec(r, 7, 4)], op=hvd.Adasum))
     pair = hvd.add_process_set([1, 3])
     trio = hvd.add_process_set([0, 1, 2])
-    _safe(out, "in_set", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum, process_set=pair) if pair.included()
+    record(out, "in_set", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum, process_set=pair) if pair.included()
           else None)
-    _safe(out, "three_ranks", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum, process_set=trio) if trio.included()
+    record(out, "three_ranks", lambda: hvd.allreduce(_vec(r), op=hvd.Adasum, process_set=trio) if trio.included()
           else None)
 
     def optimizer():
@@ -77,8 +72,8 @@ def _adasum():
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    _safe(out, "optimizer", optimizer)
-    _safe(out, "optimizer_in_set", lambda: hvd.DistributedOptimizer(
+    record(out, "optimizer", optimizer)
+    record(out, "optimizer_in_set", lambda: hvd.DistributedOptimizer(
         torch.optim.SGD(_model().parameters(), lr=0.1), op=hvd.Adasum, process_set=pair))
     hvd.barrier()
     return out
@@ -89,11 +84,6 @@ def results():
     return distributed(_adasum, np=4, timeout=300)
 
 
-def _ok(results, key):
-    for r, o in enumerate(results):
-        assert not (isinstance(o[key], str) and ":" in o[key]), f"rank {r}: {o[key]}"
-    return [o[key] for o in results]
-
 
 @pytest.mark.parametrize("key,make", [
     ("allreduce", lambda r: _vec(r)),
@@ -102,13 +92,13 @@ def _ok(results, key):
 ])
 def test_allreduce_adasum_is_the_pairwise_tree(results, key, make):
     want = _tree([make(r).reshape(-1) for r in range(4)])
-    for got in _ok(results, key):
+    for got in per_rank(results, key):
         torch.testing.assert_close(got.reshape(-1).double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_prescale_and_postscale_wrap_the_adasum(results):
     want = _tree([2.0 * _vec(r) for r in range(4)]) * 0.25
-    for got in _ok(results, "prescale"):
+    for got in per_rank(results, "prescale"):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -116,13 +106,13 @@ def test_grouped_allreduce_gives_each_tensor_its_own_coefficients(results):
     want = [_tree([_vec(r, 5, 3) for r in range(4)]), _tree([_vec(r, 7, 4) for r in range(4)])]
     fused = _tree([torch.cat([_vec(r, 5, 3), _vec(r, 7, 4)]) for r in range(4)])
     assert not torch.allclose(torch.cat(want), fused, atol=1e-3)  # the check can tell the two apart
-    for got in _ok(results, "grouped"):
+    for got in per_rank(results, "grouped"):
         for g, w in zip(got, want):
             torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
 
 
 def test_adasum_inside_a_process_set(results):
-    got = _ok(results, "in_set")
+    got = per_rank(results, "in_set")
     want = _combine(_vec(1), _vec(3))
     assert got[0] is None and got[2] is None
     for r in (1, 3):
@@ -154,7 +144,7 @@ def test_distributed_optimizer_adasum_combines_the_steps_deltas(results):
                 with torch.no_grad():
                     list(m.parameters())[k].copy_(start + delta.float().view_as(start))
     want = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
-    for got in _ok(results, "optimizer"):
+    for got in per_rank(results, "optimizer"):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

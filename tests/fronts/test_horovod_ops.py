@@ -8,18 +8,13 @@ import warnings
 
 import pytest
 import torch
+from rank_outcomes import per_rank, record
 
 import phalanx.horovod.torch as hvd
 from phalanx.testing import distributed
 
 pytestmark = pytest.mark.ranks
 
-
-def _safe(out, key, fn):
-    try:
-        out[key] = fn()
-    except Exception as e:  # noqa: BLE001 - the test of this key reports it
-        out[key] = f"{type(e).__name__}: {e}"
 
 
 def _model():
@@ -31,23 +26,23 @@ def _options():
     r = hvd.rank()
     out = {}
     x = torch.tensor([1.0, 2.0, 3.0, 4.0]) * (r + 1)
-    _safe(out, "grouped_reducescatter_scaled", lambda: hvd.grouped_reducescatter(
+    record(out, "grouped_reducescatter_scaled", lambda: hvd.grouped_reducescatter(
         [x, x * 10], op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0))
-    _safe(out, "reducescatter_prescale_average", lambda: hvd.reducescatter(x, prescale_factor=2.0))
-    _safe(out, "alltoall_received_splits", lambda: hvd.alltoall(torch.arange(3.0) + 10 * r, splits=[1, 2])[1])
-    _safe(out, "reducescatter_scalar", lambda: hvd.reducescatter(torch.tensor(1.0)))
-    _safe(out, "int_scaled_allreduce", lambda: hvd.allreduce(torch.tensor([3, 5], dtype=torch.int32) * (r + 1),
+    record(out, "reducescatter_prescale_average", lambda: hvd.reducescatter(x, prescale_factor=2.0))
+    record(out, "alltoall_received_splits", lambda: hvd.alltoall(torch.arange(3.0) + 10 * r, splits=[1, 2])[1])
+    record(out, "reducescatter_scalar", lambda: hvd.reducescatter(torch.tensor(1.0)))
+    record(out, "int_scaled_allreduce", lambda: hvd.allreduce(torch.tensor([3, 5], dtype=torch.int32) * (r + 1),
                                                              op=hvd.Sum, prescale_factor=2, postscale_factor=0.5))
-    _safe(out, "int_scaled_reducescatter", lambda: hvd.reducescatter(
+    record(out, "int_scaled_reducescatter", lambda: hvd.reducescatter(
         torch.tensor([4, 6, 8, 10]) * (r + 1), op=hvd.Sum, prescale_factor=1.5))
-    _safe(out, "int_float_factor_truncates", lambda: hvd.allreduce(torch.tensor([3 + r, -3 + r]), op=hvd.Sum,
+    record(out, "int_float_factor_truncates", lambda: hvd.allreduce(torch.tensor([3 + r, -3 + r]), op=hvd.Sum,
                                                                    postscale_factor=0.5))
 
     def sparse_callable():
         handle = hvd.sparse_allreduce_async(torch.sparse_coo_tensor([[r]], torch.ones(1, 2) * (r + 1), (3, 2)),
                                             name="emb", op=hvd.Sum)
         return callable(handle), handle().to_dense()
-    _safe(out, "sparse_callable", sparse_callable)
+    record(out, "sparse_callable", sparse_callable)
 
     def every_async_handle():
         t = torch.ones(3) * (r + 1)
@@ -60,20 +55,20 @@ def _options():
         polls = [isinstance(hvd.poll(h), bool) for h in pending]
         results = [hvd.synchronize(h) for h in pending]
         return all(polls), all(hvd.poll(h) for h in pending), len([x for x in results if x is not None])
-    _safe(out, "every_async_handle", every_async_handle)
+    record(out, "every_async_handle", every_async_handle)
 
     def adasum():
         a = torch.tensor([1.0, 0.0]) if r == 0 else torch.tensor([0.0, 1.0])  # orthogonal: the sum
         b = torch.tensor([2.0, 2.0])  # equal: the vector itself
         c = torch.tensor([1.0, 1.0]) * (r + 1)  # parallel 1 and 2: 1.5 * [1, 1]
         return [hvd.allreduce(v, op=hvd.Adasum) for v in (a, b, c)]
-    _safe(out, "adasum", adasum)
+    record(out, "adasum", adasum)
     def init_with_process_sets():
         pair = hvd.ProcessSet([0, 1])
         hvd.init(process_sets=[pair])  # already running: registers the set, as Horovod's init does
         return pair.process_set_id is not None, hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=pair).item()
-    _safe(out, "init_with_process_sets", init_with_process_sets)
-    _safe(out, "internal_error_type", lambda: issubclass(hvd.HorovodInternalError, RuntimeError))
+    record(out, "init_with_process_sets", init_with_process_sets)
+    record(out, "internal_error_type", lambda: issubclass(hvd.HorovodInternalError, RuntimeError))
 
     # the optimizer wrapper
     def no_named_parameters():
@@ -82,7 +77,7 @@ def _options():
         model(torch.ones(2, 4) * (r + 1)).sum().backward()
         opt.step()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    _safe(out, "no_named_parameters", no_named_parameters)
+    record(out, "no_named_parameters", no_named_parameters)
 
     def sync_then_step_warns():
         model = _model()
@@ -101,7 +96,7 @@ def _options():
                     opt.step()
                 caught.append([str(m.message) for m in w if "skip_synchronize" in str(m.message)])
         return caught
-    _safe(out, "sync_then_step_warns", sync_then_step_warns)
+    record(out, "sync_then_step_warns", sync_then_step_warns)
 
     def optimizer_state_without_grads():
         model = _model()
@@ -111,7 +106,7 @@ def _options():
         opt.step()
         hvd.broadcast_optimizer_state(opt, root_rank=1)
         return opt.param_groups[0]["lr"], len(opt.state)
-    _safe(out, "optimizer_state_without_grads", optimizer_state_without_grads)
+    record(out, "optimizer_state_without_grads", optimizer_state_without_grads)
 
     def missing_gradients_as_horovod():
         # Horovod's optimizer: a parameter without a gradient contributes zeros and gets the average;
@@ -127,7 +122,7 @@ def _options():
             opt.step()
             grads.append([None if p.grad is None else p.grad.tolist() for p in (trunk, head, idle)])
         return grads
-    _safe(out, "missing_gradients_as_horovod", missing_gradients_as_horovod)
+    record(out, "missing_gradients_as_horovod", missing_gradients_as_horovod)
 
     def broadcast_parameters_forms():
         model = _model()
@@ -141,7 +136,7 @@ def _options():
                 p.fill_(r + 5)
         hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
         return by_state, all(p.eq(5).all().item() for p in model.parameters())
-    _safe(out, "broadcast_parameters_forms", broadcast_parameters_forms)
+    record(out, "broadcast_parameters_forms", broadcast_parameters_forms)
     return out
 
 
@@ -150,26 +145,21 @@ def results():
     return distributed(_options, np=2, timeout=180)
 
 
-def _ok(results, key):
-    for r, o in enumerate(results):
-        assert not (isinstance(o[key], str) and ":" in o[key]), f"rank {r}: {o[key]}"
-    return [o[key] for o in results]
-
 
 def test_grouped_reducescatter_takes_prescale_and_postscale(results):
-    for r, (a, b) in enumerate(_ok(results, "grouped_reducescatter_scaled")):
+    for r, (a, b) in enumerate(per_rank(results, "grouped_reducescatter_scaled")):
         full = torch.tensor([1.0, 2.0, 3.0, 4.0]) * 3 * 0.5 * 3.0  # ranks contribute x and 2x
         torch.testing.assert_close(a, full[2 * r:2 * r + 2])
         torch.testing.assert_close(b, full[2 * r:2 * r + 2] * 10)
 
 
 def test_reducescatter_prescale_gives_the_scaled_average(results):
-    for r, got in enumerate(_ok(results, "reducescatter_prescale_average")):
+    for r, got in enumerate(per_rank(results, "reducescatter_prescale_average")):
         torch.testing.assert_close(got, (torch.tensor([1.0, 2.0, 3.0, 4.0]) * 3 * 2.0 / 2)[2 * r:2 * r + 2])
 
 
 def test_alltoall_returns_the_received_splits(results):
-    assert [s.tolist() for s in _ok(results, "alltoall_received_splits")] == [[1, 1], [2, 2]]
+    assert [s.tolist() for s in per_rank(results, "alltoall_received_splits")] == [[1, 1], [2, 2]]
 
 
 def test_reducescatter_of_a_scalar_raises_horovods_error(results):
@@ -178,47 +168,47 @@ def test_reducescatter_of_a_scalar_raises_horovods_error(results):
 
 
 def test_integer_prescale_and_postscale(results):
-    for got in _ok(results, "int_scaled_allreduce"):
+    for got in per_rank(results, "int_scaled_allreduce"):
         assert got.dtype == torch.int32 and got.tolist() == [9, 15]  # (2*3 + 2*6) * 0.5
-    for r, got in enumerate(_ok(results, "int_scaled_reducescatter")):
+    for r, got in enumerate(per_rank(results, "int_scaled_reducescatter")):
         assert got.dtype == torch.int64 and got.tolist() == [[18, 27], [36, 45]][r]  # trunc(1.5 x) summed
-    for got in _ok(results, "int_float_factor_truncates"):
+    for got in per_rank(results, "int_float_factor_truncates"):
         assert got.tolist() == [3, -2]  # (7, -5) * 0.5, truncated toward zero
 
 
 def test_sparse_allreduce_async_returns_a_callable(results):
-    for is_callable, dense in _ok(results, "sparse_callable"):
+    for is_callable, dense in per_rank(results, "sparse_callable"):
         assert is_callable and dense.tolist() == [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0]]
 
 
 def test_poll_and_synchronize_on_every_async_handle(results):
-    for polled_bool, done_after, n_results in _ok(results, "every_async_handle"):
+    for polled_bool, done_after, n_results in per_rank(results, "every_async_handle"):
         assert polled_bool and done_after and n_results == 12
 
 
 def test_adasum_on_cpu(results):
-    for orthogonal, equal, parallel in _ok(results, "adasum"):
+    for orthogonal, equal, parallel in per_rank(results, "adasum"):
         assert orthogonal.tolist() == [1.0, 1.0] and equal.tolist() == [2.0, 2.0]
         torch.testing.assert_close(parallel, torch.tensor([1.5, 1.5]))
 
 
 def test_init_registers_process_sets(results):
-    assert _ok(results, "init_with_process_sets") == [(True, 2.0), (True, 2.0)]
+    assert per_rank(results, "init_with_process_sets") == [(True, 2.0), (True, 2.0)]
 
 
 def test_horovod_internal_error_is_exported(results):
-    assert _ok(results, "internal_error_type") == [True, True]
+    assert per_rank(results, "internal_error_type") == [True, True]
     assert hvd.elastic.HorovodInternalError is hvd.HorovodInternalError
 
 
 def test_distributed_optimizer_gives_missing_gradients_the_average_as_horovod(results):
-    for steps in _ok(results, "missing_gradients_as_horovod"):
+    for steps in per_rank(results, "missing_gradients_as_horovod"):
         for trunk, head, idle in steps:
             assert trunk == [1.5, 1.5] and head == [2.0, 2.0] and idle == [0.0, 0.0], (trunk, head, idle)
 
 
 def test_distributed_optimizer_without_named_parameters(results):
-    got = _ok(results, "no_named_parameters")
+    got = per_rank(results, "no_named_parameters")
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     (model(torch.ones(2, 4)).sum() + model(torch.ones(2, 4) * 2).sum()).div(2).backward()
@@ -229,13 +219,13 @@ def test_distributed_optimizer_without_named_parameters(results):
 
 
 def test_synchronize_then_step_warns_unless_skip_synchronize(results):
-    for without_skip, with_skip in _ok(results, "sync_then_step_warns"):
+    for without_skip, with_skip in per_rank(results, "sync_then_step_warns"):
         assert len(without_skip) == 1 and with_skip == []
 
 
 def test_broadcast_optimizer_state_when_some_parameters_have_no_gradient(results):
-    assert _ok(results, "optimizer_state_without_grads") == [(0.2, 4), (0.2, 4)]
+    assert per_rank(results, "optimizer_state_without_grads") == [(0.2, 4), (0.2, 4)]
 
 
 def test_broadcast_parameters_takes_state_dict_and_named_parameters(results):
-    assert _ok(results, "broadcast_parameters_forms") == [(True, True), (True, True)]
+    assert per_rank(results, "broadcast_parameters_forms") == [(True, True), (True, True)]

@@ -10,18 +10,13 @@ check; each check is its own test, numeric ones against a one-process reference.
 
 import pytest
 import torch
+from rank_outcomes import per_rank, record
 
 import phalanx.horovod.torch as hvd
 from phalanx.testing import distributed
 
 pytestmark = pytest.mark.ranks
 
-
-def _safe(out, key, fn):
-    try:
-        out[key] = fn()
-    except Exception as e:  # noqa: BLE001 - the test of this key reports it
-        out[key] = f"{type(e).__name__}: {e}"
 
 
 def _x(r):
@@ -66,7 +61,7 @@ def _join(r):
     out["async"] = hvd.synchronize(hvd.allreduce_async(_x(r), name="async.avg", op=hvd.Sum))
     for key, fn in (("allgather", lambda: hvd.allgather(_x(r))),
                     ("broadcast", lambda: hvd.broadcast(_x(r), root_rank=1, name="b"))):
-        _safe(out, key, fn)
+        record(out, key, fn)
     out["last"] = hvd.join()
     return out
 
@@ -145,7 +140,7 @@ CHECKS = {"int_average": _int_average, "duplicate": _duplicate_at_submission, "a
 def _group():
     r, out = hvd.rank(), {}
     for key, fn in CHECKS.items():
-        _safe(out, key, lambda fn=fn: fn(r))
+        record(out, key, lambda fn=fn: fn(r))
     out["after"] = hvd.allreduce(_x(r), op=hvd.Sum, name="after")  # the ranks still agree
     return out
 
@@ -155,14 +150,9 @@ def results():
     return distributed(_group, np=2, timeout=180)
 
 
-def _ok(results, key):
-    for r, o in enumerate(results):
-        assert not (isinstance(o[key], str) and ":" in o[key]), f"rank {r}: {o[key]}"
-    return [o[key] for o in results]
-
 
 def test_duplicate_name_raises_at_submission_and_async_never_blocks(results):
-    for r, (raised, total) in enumerate(_ok(results, "duplicate")):
+    for r, (raised, total) in enumerate(per_rank(results, "duplicate")):
         message, polled = raised
         assert "'dup'" in message and "already in flight" in message, (r, message)
         assert polled is False, (r, polled)  # submitted, not started: poll answers without waiting
@@ -170,7 +160,7 @@ def test_duplicate_name_raises_at_submission_and_async_never_blocks(results):
 
 
 def test_named_collectives_match_by_name_in_any_order(results):
-    for got in _ok(results, "any_order"):
+    for got in per_rank(results, "any_order"):
         torch.testing.assert_close(got["a"], _x(0) + _x(1))
         torch.testing.assert_close(got["b"], torch.arange(4.0) * 3)
 
@@ -186,7 +176,7 @@ def test_a_name_submitted_on_one_rank_only_raises_on_every_rank(results):
 
 
 def test_join_answers_allreduce_with_zeros_and_refuses_allgather_and_broadcast(results):
-    joined, training = _ok(results, "join")
+    joined, training = per_rank(results, "join")
     torch.testing.assert_close(training["average"], _x(1) / 2)
     torch.testing.assert_close(training["async"], _x(1))
     for key in ("allgather", "broadcast"):
@@ -195,9 +185,9 @@ def test_join_answers_allreduce_with_zeros_and_refuses_allgather_and_broadcast(r
 
 
 def test_optimizer_outside_its_process_set_steps_alone(results):
-    kinds = [kind for kind, _ in _ok(results, "outside_set")]
+    kinds = [kind for kind, _ in per_rank(results, "outside_set")]
     assert kinds == ["HorovodOptimizer", "OutsideSetOptimizer"]
-    for r, (_, weight) in enumerate(_ok(results, "outside_set")):
+    for r, (_, weight) in enumerate(per_rank(results, "outside_set")):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 1)
         ref = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -207,7 +197,7 @@ def test_optimizer_outside_its_process_set_steps_alone(results):
 
 
 def test_optimizer_without_named_parameters_names_them_as_horovod(results):
-    (names0, params0), (names1, params1) = _ok(results, "without_names")
+    (names0, params0), (names1, params1) = per_rank(results, "without_names")
     assert names0 == names1 == ["allreduce.noname.0.0", "allreduce.noname.0.1",
                                 "allreduce.noname.1.0", "allreduce.noname.1.1"]
     model = _two_layers()
@@ -223,7 +213,7 @@ def test_optimizer_without_named_parameters_names_them_as_horovod(results):
 
 
 def test_broadcast_optimizer_state_before_any_gradient(results):
-    for frozen_grad, free_grad, lr, free in _ok(results, "state_before_grad"):
+    for frozen_grad, free_grad, lr, free in per_rank(results, "state_before_grad"):
         assert frozen_grad is None  # requires_grad=False: left alone, as Horovod
         torch.testing.assert_close(free_grad, torch.zeros(4))
         assert lr == pytest.approx(0.1)  # rank 0's hyperparameters
@@ -241,12 +231,12 @@ def test_sparse_adam_over_sparse_and_densified_gradients(results):
             grads.append(emb.weight.grad)
         emb.weight.grad = ((grads[0] + grads[1]) / 2).coalesce()
         opt.step()
-    for r, got in enumerate(_ok(results, "sparse_adam")):
+    for r, got in enumerate(per_rank(results, "sparse_adam")):
         for sparse_as_dense in (False, True):
             torch.testing.assert_close(got[sparse_as_dense], emb.weight.detach(),
                                        msg=lambda m, s=sparse_as_dense, r=r: f"rank {r} sparse_as_dense={s}: {m}")
 
 
 def test_integer_average_truncates_toward_zero_as_horovods_suite(results):
-    for got in _ok(results, "int_average"):
+    for got in per_rank(results, "int_average"):
         assert got.dtype == torch.int64 and got.tolist() == [-2, 3]  # (-5, 7) / 2; floor would give -3

@@ -7,6 +7,7 @@ what the op gives over that set alone. ``root_rank`` is a global rank.
 
 import pytest
 import torch
+from rank_outcomes import per_rank, record
 
 import phalanx.horovod.torch as hvd
 from phalanx.testing import distributed
@@ -30,12 +31,6 @@ def _batch(r):
     return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
 
 
-def _safe(out, key, fn):
-    try:
-        out[key] = fn()
-    except Exception as e:  # noqa: BLE001 - reported by that key's test
-        out[key] = f"{type(e).__name__}: {e}"
-
 
 def _process_sets():
     r = hvd.rank()
@@ -43,17 +38,17 @@ def _process_sets():
     mine = evens if r % 2 == 0 else odds
     root = mine.ranks[1]
     out = {"ids": (evens.process_set_id, odds.process_set_id, mine.size(), mine.rank())}
-    _safe(out, "allreduce", lambda: hvd.allreduce(_x(r), op=hvd.Sum, process_set=mine))
-    _safe(out, "allreduce_async", lambda: hvd.synchronize(hvd.allreduce_async(_x(r), process_set=mine)))
-    _safe(out, "grouped_allreduce", lambda: hvd.grouped_allreduce([_x(r), _x(r)[:1]], op=hvd.Sum,
+    record(out, "allreduce", lambda: hvd.allreduce(_x(r), op=hvd.Sum, process_set=mine))
+    record(out, "allreduce_async", lambda: hvd.synchronize(hvd.allreduce_async(_x(r), process_set=mine)))
+    record(out, "grouped_allreduce", lambda: hvd.grouped_allreduce([_x(r), _x(r)[:1]], op=hvd.Sum,
                                                                   process_set=mine))
-    _safe(out, "allgather", lambda: hvd.allgather(torch.full((r + 1,), float(r)), process_set=mine))
-    _safe(out, "broadcast", lambda: hvd.broadcast(_x(r), root_rank=root, process_set=mine))
-    _safe(out, "alltoall", lambda: hvd.alltoall(torch.tensor([10.0 * r, 10.0 * r + 1]), process_set=mine))
-    _safe(out, "reducescatter", lambda: hvd.reducescatter(torch.ones(4) * (r + 1), op=hvd.Sum, process_set=mine))
-    _safe(out, "objects", lambda: (hvd.broadcast_object(f"r{r}", root_rank=root, process_set=mine),
+    record(out, "allgather", lambda: hvd.allgather(torch.full((r + 1,), float(r)), process_set=mine))
+    record(out, "broadcast", lambda: hvd.broadcast(_x(r), root_rank=root, process_set=mine))
+    record(out, "alltoall", lambda: hvd.alltoall(torch.tensor([10.0 * r, 10.0 * r + 1]), process_set=mine))
+    record(out, "reducescatter", lambda: hvd.reducescatter(torch.ones(4) * (r + 1), op=hvd.Sum, process_set=mine))
+    record(out, "objects", lambda: (hvd.broadcast_object(f"r{r}", root_rank=root, process_set=mine),
                                    hvd.allgather_object(r, process_set=mine)))
-    _safe(out, "barrier", lambda: hvd.barrier(process_set=mine))
+    record(out, "barrier", lambda: hvd.barrier(process_set=mine))
 
     def optimizer():
         model = _model()
@@ -65,7 +60,7 @@ def _process_sets():
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    _safe(out, "optimizer", optimizer)
+    record(out, "optimizer", optimizer)
 
     def sync_batchnorm():
         bn = hvd.SyncBatchNorm(3, process_set=mine)
@@ -73,7 +68,7 @@ def _process_sets():
         y = bn(x)
         (y * torch.arange(3.0)).sum().backward()
         return y.detach(), x.grad
-    _safe(out, "sync_batchnorm", sync_batchnorm)
+    record(out, "sync_batchnorm", sync_batchnorm)
 
     def dynamic():
         trio = hvd.add_process_set(hvd.ProcessSet([0, 1, 2]))
@@ -87,7 +82,7 @@ def _process_sets():
         again = hvd.add_process_set([0, 3])
         got2 = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=again).item() if again.included() else None
         return got, removed, after, got2, hvd.remove_process_set(hvd.global_process_set)
-    _safe(out, "dynamic", dynamic)
+    record(out, "dynamic", dynamic)
 
     def overlapping():
         # rank 3 is not in the first set: with member-only group creation it named [0, 3]
@@ -98,7 +93,7 @@ def _process_sets():
         for s in sets:
             hvd.remove_process_set(s)
         return got
-    _safe(out, "overlapping", overlapping)
+    record(out, "overlapping", overlapping)
     hvd.barrier()  # rank 0 holds the store: it must not leave while others still build a group
     return out
 
@@ -108,11 +103,6 @@ def results():
     return distributed(_process_sets, np=4, timeout=300)
 
 
-def _ok(results, key):
-    for r, o in enumerate(results):
-        assert not (isinstance(o[key], str) and ":" in o[key]), f"rank {r}: {o[key]}"
-    return [o[key] for o in results]
-
 
 def test_sets_have_ids_sizes_and_ranks(results):
     assert [o["ids"] for o in results] == [(1, 2, 2, 0), (1, 2, 2, 0), (1, 2, 2, 1), (1, 2, 2, 1)]
@@ -121,7 +111,7 @@ def test_sets_have_ids_sizes_and_ranks(results):
 @pytest.mark.parametrize("key", ["allreduce", "allreduce_async", "grouped_allreduce", "allgather", "broadcast",
                                  "alltoall", "reducescatter"])
 def test_collective_runs_inside_the_set(results, key):
-    for r, got in enumerate(_ok(results, key)):
+    for r, got in enumerate(per_rank(results, key)):
         a, b = SETS[r]
         me = SETS[r].index(r)
         want = {
@@ -138,14 +128,14 @@ def test_collective_runs_inside_the_set(results, key):
 
 
 def test_object_collectives_and_barrier_inside_the_set(results):
-    for r, got in enumerate(_ok(results, "objects")):
+    for r, got in enumerate(per_rank(results, "objects")):
         a, b = SETS[r]
         assert got == (f"r{b}", [a, b])
-    assert _ok(results, "barrier") == [None] * 4
+    assert per_rank(results, "barrier") == [None] * 4
 
 
 def test_optimizer_averages_inside_its_set(results):
-    got = _ok(results, "optimizer")
+    got = per_rank(results, "optimizer")
     for pair in ([0, 2], [1, 3]):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -159,7 +149,7 @@ def test_optimizer_averages_inside_its_set(results):
 
 
 def test_sync_batchnorm_normalises_over_its_set(results):
-    got = _ok(results, "sync_batchnorm")
+    got = per_rank(results, "sync_batchnorm")
     for pair in ([0, 2], [1, 3]):
         x = torch.cat([_batch(r)[0] for r in pair]).requires_grad_()
         y = torch.nn.functional.batch_norm(x, None, None, training=True)
@@ -170,7 +160,7 @@ def test_sync_batchnorm_normalises_over_its_set(results):
 
 
 def test_sets_are_added_and_removed_at_run_time(results):
-    for r, (got, removed, after, got2, removed_global) in enumerate(_ok(results, "dynamic")):
+    for r, (got, removed, after, got2, removed_global) in enumerate(per_rank(results, "dynamic")):
         assert got == (3.0 if r in (0, 1, 2) else None)
         assert removed is True and removed_global is False
         assert "not registered" in after
@@ -179,4 +169,4 @@ def test_sets_are_added_and_removed_at_run_time(results):
 
 def test_overlapping_sets_added_where_some_ranks_are_not_members(results):
     want = {0: [6.0, 5.0, None], 1: [6.0, None, 9.0], 2: [6.0, None, 9.0], 3: [None, 5.0, 9.0]}
-    assert _ok(results, "overlapping") == [want[r] for r in range(4)]
+    assert per_rank(results, "overlapping") == [want[r] for r in range(4)]
