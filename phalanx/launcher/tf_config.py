@@ -1,4 +1,4 @@
-"""TF_CONFIG for ``tf.distribute`` scripts started by ``phalanx run`` (standard library only).
+"""TF_CONFIG for ``tf.distribute`` scripts started by ``phalanx run`` (standard library and phalanx.settings only).
 
 ``MultiWorkerMirroredStrategy`` finds its peers in the ``TF_CONFIG`` variable::
 

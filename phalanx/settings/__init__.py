@@ -29,8 +29,7 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from phalanx.settings.areas import (
     AREAS,
@@ -59,6 +58,9 @@ from phalanx.settings.checks import (
     positive,
     rejected,
 )
+
+if TYPE_CHECKING:  # only for annotations: reading settings loads no torch (the exec shim reads them)
+    import torch
 
 __all__ = [
     "SettingsError", "Settings", "load", "current", "var", "table",

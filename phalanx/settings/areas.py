@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from phalanx.settings.checks import (
     ALGORITHMS,
@@ -48,6 +46,10 @@ class Var:
     flag: str | None = None
     horovod: tuple[str, Callable[[str, str], Any]] | None = None
     internal: bool = False  # written by the launcher for its workers, not set by users
+
+
+if TYPE_CHECKING:  # torch is imported where a device is parsed, so reading settings loads no torch
+    import torch
 
 
 def setting(default, env: str, parse: Callable[[str, str], Any], doc: str, *, flag: str | None = None,
@@ -107,6 +109,8 @@ def _hvd_on(name: str, raw: str) -> bool:  # Horovod's HOROVOD_AUTOTUNE: 1 / tru
 
 def parse_device(name: str, value) -> torch.device:
     """A device phalanx can run on, on this machine: ``cpu``, ``cuda`` or ``cuda:N`` with N < GPUs."""
+    import torch  # here, not at the top: the launcher's exec shim reads settings without loading torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     accepted = "cpu" + (f" | cuda | cuda:0..{gpus - 1}" if gpus else " (no CUDA device on this machine)")
     try:

@@ -35,6 +35,31 @@ def test_horovod_variables_are_exported():
     assert "[1]: 1 2" in proc.stdout.splitlines()
 
 
+def test_the_exec_shim_reads_settings_without_loading_torch():
+    # every worker starts through phalanx/launcher/_exec.py, which execs the worker's command: loading
+    # torch there (it did, through phalanx.settings, from issue 38 on) cost each worker ~2 s of CPU first
+    import json
+
+    import phalanx.launcher
+
+    code = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import _exec
+        env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+        _exec.worker_env(env)
+        print(json.dumps([json.loads(env["TF_CONFIG"]), env["HOROVOD_RANK"], env["HOROVOD_LOCAL_SIZE"],
+                          sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "phalanx"))]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(phalanx.launcher.__file__)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    config, rank, local_size, modules = json.loads(proc.stdout)
+    assert config == {"cluster": {"worker": ["127.0.0.1:29501", "127.0.0.1:29502"]}, "task": {"type": "worker", "index": 1}}
+    assert (rank, local_size) == ("1", "2")
+    assert modules == ["phalanx", "phalanx.settings", "phalanx.settings.areas", "phalanx.settings.checks"], modules
+
+
 def _descendants_of(pid):
     from phalanx.launcher.local import _children_map
 
