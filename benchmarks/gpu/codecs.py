@@ -22,6 +22,9 @@ N(0, 1e-3^2) so that the threshold codec's default cut 1e-3 keeps about a third 
   ``variant="reduce_many"``: ``PowerSGDCompressor.reduce_many([matrix])`` in a world of one (the
   path DataParallel takes: residual add in place, warm-started factors, ``P Q^T`` written out).
 * variant ``no-ef``: the same codec with ``error_feedback=False`` (the codec alone).
+* variant ``ef-unfused`` (codecs that add error feedback's gradient inside their compress): the
+  same error feedback with that add as its own pass first (``res += g``, then ``compress_ef(res)``),
+  timed in the same run on the same card: the A/B of the fused add.
 * ``ratio_vs_copy`` = copy seconds / round-trip seconds; ``within_goal``: round trip <= 5 x copy.
 * ``payload_bytes`` (what one rank would send), ``rel_err`` = ||decompress(compress(g)) - g|| /
   ||g|| of a fresh codec (its first call: no residual yet), ``max_diff_vs_cpu``: the same round trip
@@ -58,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import check_device, emit, median_ci, parser, sync, timed  # noqa: E402
 
 from phalanx.comm.compression import kernels  # noqa: E402
+from phalanx.comm.compression.abilities import AddendResidual  # noqa: E402
 from phalanx.comm.compression.codecs import available_compressors, get_compressor  # noqa: E402
 
 STEP = "codecs"
@@ -96,6 +100,17 @@ def _make(name: str, variant: str):
 def _roundtrip_fn(codec, variant: str, x: torch.Tensor):
     if variant == "reduce_many":
         return lambda: codec.reduce_many([x], name="g")[0][0]
+    if variant == "ef-unfused":  # the A side of the fused add: res += g as its own pass, then compress_ef(res)
+        from phalanx.comm.compression.abilities import codec_of
+        from phalanx.comm.compression.error_feedback import compress_residual
+
+        _, inner = codec_of(codec)
+
+        def unfused():
+            res = codec.accumulate("unfused", x)
+            return inner.decompress(*compress_residual(inner, res.view(-1)))
+
+        return unfused
     return lambda: codec.decompress(*codec.compress(x))
 
 
@@ -212,7 +227,7 @@ def bench_codec(name: str, variant: str, grad: torch.Tensor, copy_s: float | Non
     fn = _roundtrip_fn(codec, variant, x)
     s, lo, hi = _time(fn, device, iters, rounds)
     row.update(seconds=s, ci_lo=lo, ci_hi=hi, gbps=nbytes / s / 1e9, iters=iters, rounds=rounds)
-    if variant != "reduce_many":
+    if variant not in ("reduce_many", "ef-unfused"):  # the codec's own compress and decompress
         row["compress_s"] = _time(lambda: codec.compress(x), device, iters, rounds)[0]
         payload, ctx = codec.compress(x)
         row["payload_bytes_last"] = _nbytes(payload)
@@ -231,7 +246,7 @@ def bench_codec(name: str, variant: str, grad: torch.Tensor, copy_s: float | Non
         row["agrees_with_cpu"] = diff <= AGREE_TOL
     except Exception as err:  # noqa: BLE001 - the timing above still stands
         row["vs_cpu_error"] = _err_text(err)[0]
-    if ef and variant != "reduce_many":
+    if ef and variant == "default":
         try:
             row["ef_steps_vs_unfused"] = _ef_steps_vs_unfused(name, grad)
         except Exception as err:  # noqa: BLE001
@@ -331,6 +346,8 @@ def main() -> None:
             pass
         if probe is not None and hasattr(probe, "inner"):  # error feedback around a codec
             jobs.append((name, "no-ef"))
+            if isinstance(probe.inner, AddendResidual):
+                jobs.append((name, "ef-unfused"))
         if name == "powersgd":
             jobs.append((name, "reduce_many"))
 
