@@ -127,20 +127,30 @@ class FusedResidual(_Ability):
     def compress_ef(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
 
 
-class AddendResidual(_Ability):
+class AddendResidual(FusedResidual):
     """``compress_ef_add(x, g)``: :meth:`FusedResidual.compress_ef` of ``x + g``, leaving the new
     residual in ``x``, with the add formed inside the compress where ``takes_addend(x)`` says so
     (the compiled kernels, on CUDA: error feedback's ``res += g`` then needs no pass of its own);
     elsewhere it adds first (the same bits). Error feedback hands its gradient to such a codec
-    instead of adding it into the residual itself (:func:`~phalanx.comm.compression.error_feedback.compress_residual`)."""
+    instead of adding it into the residual itself (:func:`~phalanx.comm.compression.error_feedback.compress_residual`).
+    A codec gives ``takes_addend`` and ``encode_ef_add`` (the fused encode); the rest is here."""
 
-    _methods = ("takes_addend", "compress_ef_add")
+    _methods = ("compress_ef", "takes_addend", "encode_ef_add")
 
     @abc.abstractmethod
     def takes_addend(self, x: torch.Tensor) -> bool: ...
 
     @abc.abstractmethod
-    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+    def encode_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """The payload of ``x + addend`` with the new residual left in ``x``; called where ``takes_addend(x)``."""
+
+    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """:meth:`compress_ef` of ``x + addend`` (flat, fp32 ``x``): where the codec fuses it, ``x`` is
+        read once and written once, with the new residual; elsewhere the add is its own pass."""
+        if not self.takes_addend(x):
+            x.add_(addend)
+            return self.compress_ef(x)
+        return self.encode_ef_add(x, addend), (x.numel(), x.dtype, tuple(x.shape))
 
 
 class FusedDecode(_Ability):

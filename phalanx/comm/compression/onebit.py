@@ -42,7 +42,6 @@ from phalanx.comm.compression.abilities import (
     ChunkedCodec,
     FixedSizePayload,
     FusedDecode,
-    FusedResidual,
 )
 from phalanx.comm.compression.quantize import (
     from_bytes,
@@ -55,7 +54,7 @@ from phalanx.comm.compression.quantize import (
 __all__ = ["SignCompressor"]
 
 
-class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, AddendResidual, FusedDecode):
+class SignCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDecode):
     """Sign, bit-packed, with per-chunk reconstruction values (a clear sign bit is sent as "up":
     every ``x >= 0`` except ``-0.0``, which counts as down)."""
 
@@ -86,13 +85,9 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, AddendResidu
         """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA)."""
         return self._words() and kernels.wanted(x)
 
-    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor):
-        """:meth:`compress_ef` of ``x + addend`` (flat, fp32 ``x``), the sum formed inside the
-        compress: ``x`` is read once and written once, with the new residual."""
-        if not self.takes_addend(x):
-            x.add_(addend)
-            return self.compress_ef(x)
-        return self._encode(x, residual=True, addend=addend), (x.numel(), x.dtype, tuple(x.shape))
+    def encode_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """The fused encode of ``x + addend`` (:class:`AddendResidual`)."""
+        return self._encode(x, residual=True, addend=addend)
 
     def _words(self) -> bool:
         """Chunks of whole 32-bit words, in little-endian memory: the word-packing (and fused) paths."""

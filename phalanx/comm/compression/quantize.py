@@ -40,7 +40,6 @@ from phalanx.comm.compression.abilities import (
     ChunkedCodec,
     FixedSizePayload,
     FusedDecode,
-    FusedResidual,
 )
 
 __all__ = ["QuantizeCompressor", "pack_bits", "unpack_bits", "per_chunk", "to_bytes", "from_bytes"]
@@ -101,7 +100,7 @@ def per_chunk(values: torch.Tensor, chunk: int) -> torch.Tensor:
     return out.view(-1, chunk)
 
 
-class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, AddendResidual, FusedDecode):
+class QuantizeCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDecode):
     """Per-chunk scaled integer quantisation to ``bits`` in {8, 4, 2}."""
 
     summable = False
@@ -191,13 +190,9 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, FusedResidual, AddendRe
         """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA)."""
         return self._fused(x)
 
-    def compress_ef_add(self, x: torch.Tensor, addend: torch.Tensor):
-        """:meth:`compress_ef` of ``x + addend`` (flat, fp32 ``x``), the sum formed inside the
-        compress: ``x`` is read once and written once, with the new residual."""
-        if not self.takes_addend(x):
-            x.add_(addend)
-            return self.compress_ef(x)
-        return self._fused_encode(x, residual=True, addend=addend), (x.numel(), x.dtype, tuple(x.shape))
+    def encode_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """The fused encode of ``x + addend`` (:class:`AddendResidual`)."""
+        return self._fused_encode(x, residual=True, addend=addend)
 
     # ------------------------------------------------------------ fused int8 forms
     def compress_ef(self, x: torch.Tensor):
