@@ -83,6 +83,7 @@ ROWS: tuple[Row, ...] = (
 # 8192, FSDP2 (= ZeRO-3). The bf16 rows without torch.compile are the model's to predict; the 70B and 405B rows ran
 # Float8 linears, torch.compile and AsyncTP, which the model does not price (bf16 peak only): documented misses.
 _TT = "torchtitan, arXiv:2410.06511 / benchmarks/llama3_h100_202412_torchtitan.md"
+_TT_2025 = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 70B on 256 H100"
 TORCHTITAN: tuple[Row, ...] = (
     Row("torchtitan-8b-8", _TT + " Table 1 (FSDP)", "llama3-8b", "h100-gt", "tokens", 5762,
         scaling.Job(dp=8, global_batch=16, zero=3, ac="op"), bound=0.45,
@@ -103,6 +104,15 @@ TORCHTITAN: tuple[Row, ...] = (
                     compiled=True, float8=True, regather=False, sequence_parallel=True), bound=0.15,
         note="FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32 in 8 micro-batches (torchtitan's default: as many as "
              "stages), full AC, Float8 + compile; AsyncTP not modelled"),
+    # The same 70B job a half-year later on the same cluster (pytorch/torchtitan
+    # benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, "Vanilla TP" column: FSDP 32 x TP 8, local batch 16, full
+    # AC, torch.compile; llama3_70b.toml at 820504e: mode = "full"), in bf16 and with Float8 tensorwise linears.
+    Row("torchtitan-70b-256-bf16-2025", _TT_2025 + " (bf16, vanilla TP)", "llama3-70b", "h100-gt", "tokens", 597.3,
+        scaling.Job(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, sequence_parallel=True), bound=0.35,
+        note="the Table 4 job without Float8: the model's compute term alone, at the 70B's measured shapes"),
+    Row("torchtitan-70b-256-float8-2025", _TT_2025 + " (Float8 tensorwise, vanilla TP)", "llama3-70b", "h100-gt",
+        "tokens", 809.8, scaling.Job(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
+                                     sequence_parallel=True), bound=0.15),
 )
 ROWS = ROWS + TORCHTITAN
 

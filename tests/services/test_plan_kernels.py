@@ -114,3 +114,14 @@ def test_grand_teton_against_h200_is_the_hardware():
     # the same software term: the absolute miss on H200 within 6 points of the Grand Teton row's (at the middle)
     miss_h200, miss_gt = (published.reproduce(r) / r.figure - 1 for r in (h32, gt8))
     assert miss_h200 > 0.15 and abs(miss_h200 - miss_gt) < 0.06, (miss_h200, miss_gt)
+
+
+def test_float8_gain_on_the_70b_job_is_short_of_the_published():
+    """torchtitan's 70B job on 256 Grand Teton H100s in bf16 and with Float8 (asyncTP_llama3_h100_2025-06_torchtitan.md,
+    vanilla TP: 597.3 and 809.8 tokens/s, 1.356x). The model's Float8 gain there is 1.15x: short by more than 10%,
+    which is why the 70B / 405B Float8 rows land near while the bf16 70B row misses (docs/scaling.md). When the
+    model's gain moves within 10%, this fails: update the docs."""
+    bf16, f8 = published.by_key("torchtitan-70b-256-bf16-2025"), published.by_key("torchtitan-70b-256-float8-2025")
+    want = f8.figure / bf16.figure
+    got = published.reproduce(f8) / published.reproduce(bf16)
+    assert 1.0 < got < 0.9 * want, (got, want)
