@@ -80,8 +80,9 @@ ROWS: tuple[Row, ...] = (
 
 # torchtitan (Liang et al. 2024, arXiv:2410.06511; the same runs in pytorch/torchtitan
 # benchmarks/llama3_h100_202412_torchtitan.md): Grand Teton H100 96GB, 400 Gbit/s per GPU, Llama 3.1, sequence
-# 8192, FSDP2 (= ZeRO-3). The bf16 rows without torch.compile are the model's to predict; the 70B and 405B rows ran
-# Float8 linears, torch.compile and AsyncTP, which the model does not price (bf16 peak only): documented misses.
+# 8192, FSDP2 (= ZeRO-3). Hardware ``h100-gt``: 500 W, HBM2e, its peak "between SXM and NVL" (GT_GEMM_SCALE_ENDS).
+# Each row runs its configuration (selective op / full AC, torch.compile, Float8); AsyncTP is not modelled. The 8B rows
+# and the 2025 bf16 70B row are documented misses (docs/scaling.md: the same miss on standard H200s below).
 _TT = "torchtitan, arXiv:2410.06511 / benchmarks/llama3_h100_202412_torchtitan.md"
 _TT_2025 = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 70B on 256 H100"
 TORCHTITAN: tuple[Row, ...] = (
