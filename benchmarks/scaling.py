@@ -183,6 +183,16 @@ def main() -> None:
     vgg = published.by_key("horovod-vgg16")
     for m in (1.0, 1.5):
         print(f"horovod-vgg16 if VGG-16 ran at {m:.0%} of peak in nominal FLOPs: {published.reproduce(vgg, mfu=m):.3f}")
+    lo, hi = published.GT_GEMM_SCALE_ENDS
+    print(f"\ntorchtitan's Grand Teton H100 (500 W, HBM2e, peak 'between SXM and NVL'): each row at the NVL end "
+          f"(gemm_scale {lo:.3f}), the profile's middle ({hardware.get('h100-gt').gpu.gemm_scale:.3f}), the SXM end ({hi:.0f})")
+    for row in published.TORCHTITAN:
+        at = [published.error(row, published.reproduce(row, gemm_scale=s)) for s in (lo, None, hi)]
+        print(f"  {row.key:<26} " + "  ".join(f"{e * 100:+6.1f}%" for e in at))
+    gt8, h32 = published.by_key("torchtitan-8b-8-float8"), published.by_key("torchtitan-8b-h200-32")
+    ratios = [published.reproduce(gt8, gemm_scale=s) / published.reproduce(h32) for s in (lo, None, hi)]
+    print(f"  Grand Teton / H200, the same 8B job (compile + Float8): published {gt8.figure / h32.figure:.3f}, "
+          f"model {ratios[0]:.3f} / {ratios[1]:.3f} / {ratios[2]:.3f}")
     projections = {}
     for hw_name, gpus in (("h100-ib400", [8, 16, 32, 64, 128, 256, 512, 1024]),
                           ("h100-eth25", [8, 16, 32, 64, 128])):

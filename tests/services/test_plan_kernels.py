@@ -93,3 +93,35 @@ def test_published_speedups_of_compile_and_float8():
     for a, b in (("torchtitan-8b-8", "torchtitan-8b-8-compile"), ("torchtitan-8b-8-compile", "torchtitan-8b-8-float8")):
         want = rows[b].figure / rows[a].figure
         assert pred[b] / pred[a] == pytest.approx(want, rel=0.05), (a, b)
+
+
+def test_grand_teton_against_h200_is_the_hardware():
+    """torchtitan's 8B job (compile + Float8, local batch 2) ran on Grand Teton's 500 W HBM2e H100s (Table 1: 8 GPUs,
+    8,532 tokens/s; Table 3: 128 GPUs, 8,380) and on standard H200s (benchmarks/llama3-8b_h200_202506_trainy-
+    whitefiber.md: 32 GPUs 10,938, 64 GPUs 10,753). The ratio of the two machines, 0.780 / 0.779, is what the
+    hardware profile must give: within the interval torchtitan states (NVL .. SXM peak) and within 5% at its middle.
+    The model misses the absolute rate by the same amount on both machines, so that miss is not the hardware's."""
+    rows = {r.key: r for r in published.ROWS}
+    gt8, h32, h64 = rows["torchtitan-8b-8-float8"], rows["torchtitan-8b-h200-32"], rows["torchtitan-8b-h200-64"]
+    gt128 = dataclasses.replace(gt8, figure=8380, job=dataclasses.replace(gt8.job, dp=128, global_batch=256))
+    h200 = {n: published.reproduce(r) for n, r in ((32, h32), (64, h64))}
+    lo, hi = published.GT_GEMM_SCALE_ENDS
+    for gt, n in ((gt8, 32), (gt128, 64)):
+        want = gt.figure / {32: h32, 64: h64}[n].figure
+        ends = [published.reproduce(gt, gemm_scale=s) / h200[n] for s in (lo, hi)]
+        assert ends[0] < want < ends[1], (gt.figure, n, ends, want)
+        assert published.reproduce(gt) / h200[n] == pytest.approx(want, rel=0.05)
+    # the same software term: the absolute miss on H200 within 6 points of the Grand Teton row's (at the middle)
+    miss_h200, miss_gt = (published.reproduce(r) / r.figure - 1 for r in (h32, gt8))
+    assert miss_h200 > 0.15 and abs(miss_h200 - miss_gt) < 0.06, (miss_h200, miss_gt)
+
+
+def test_float8_gain_on_the_70b_job_is_short_of_the_published():
+    """torchtitan's 70B job on 256 Grand Teton H100s in bf16 and with Float8 (asyncTP_llama3_h100_2025-06_torchtitan.md,
+    vanilla TP: 597.3 and 809.8 tokens/s, 1.356x). The model's Float8 gain there is 1.15x: short by more than 10%,
+    which is why the 70B / 405B Float8 rows land near while the bf16 70B row misses (docs/scaling.md). When the
+    model's gain moves within 10%, this fails: update the docs."""
+    bf16, f8 = published.by_key("torchtitan-70b-256-bf16-2025"), published.by_key("torchtitan-70b-256-float8-2025")
+    want = f8.figure / bf16.figure
+    got = published.reproduce(f8) / published.reproduce(bf16)
+    assert 1.0 < got < 0.9 * want, (got, want)

@@ -92,7 +92,8 @@ def test_allreduce_shares_the_node_network_by_hand():
 def test_published_row_is_reproduced_within_its_stated_bound(row):
     predicted = published.reproduce(row)
     error = abs(published.error(row, predicted))
-    assert error <= row.bound, f"{row.key}: predicted {predicted:.3f}, published {row.figure} (bound {row.bound})"
+    assert error <= row.bound, (f"{row.key} ({row.source}): predicted {predicted:.3f}, published {row.figure} "
+                                f"(bound {row.bound})")
     # a row held to a looser bound than the goal is a documented miss: it must still miss
     goal = published.goal(row)
     assert (error <= goal) == (row.bound <= goal), f"{row.key}: update docs/scaling.md"
