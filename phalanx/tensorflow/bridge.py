@@ -20,7 +20,8 @@ new chain instead of depending on it (a graph that builds a collective, runs it,
 run alone before it) neither depends on nor is depended on, so running it does not run the step.
 Collectives of different chains run in one ``session.run`` are not ordered among themselves: a
 process lock keeps them one at a time in gloo, and the cross-rank check of each call turns ranks
-that picked different ones into a :class:`MismatchError` on every rank.
+that picked different ones into a :class:`MismatchError` on every rank where the calls differ
+(kind, dtype, shape, name); two unnamed calls alike in all of these are not told apart.
 
 A cross-rank mismatch (shapes, dtypes, ops, roots that differ between ranks) comes out as
 :class:`MismatchError`, a ``tf.errors.FailedPreconditionError`` as Horovod's is. Inside a graph

@@ -56,6 +56,7 @@ def main():
             keras_module.Model.fit = _capped(fit, epochs_cap, steps_cap)
             argv = argv[2:]
         sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python EXAMPLE.py` has it
         print(f"RUN {os.path.basename(argv[0])}", flush=True)
         runpy.run_path(argv[0], run_name="__main__")
         print(f"DONE {os.path.basename(argv[0])}", flush=True)
