@@ -1,16 +1,22 @@
 """Run Horovod's TensorFlow 2 examples with a local MNIST stand-in (no download).
 
-``python run_example.py [--fit-cap EPOCHS,STEPS] EXAMPLE.py [ARGS...] [-- [--fit-cap E,S] NEXT.py ...]``:
+``python run_example.py [--fit-cap EPOCHS,STEPS] [--compute-service CONFIG] EXAMPLE.py [ARGS...] [-- NEXT.py ...]``:
 each script in turn, in this process (the test runs several in one job to pay TensorFlow's start
 once). ``mnist.load_data`` (tf-keras's and Keras 3's) returns a small learnable stand-in: 28x28
 uint8 images, each of the 10 classes a fixed random template plus noise. ``--fit-cap`` (a test's
 budget) makes every ``Model.fit`` of that script run at most that many epochs of at most that many
 steps; nothing else in the example changes. Everything else (the script, its arguments) is its own.
+``--compute-service CONFIG`` runs the tf.data compute job Horovod's data-service example needs in
+this job's ranks instead of a second job (a thread each, as ``compute_worker`` would run them, rank
+0 holding the service and writing CONFIG), and prints ``COMPUTE DONE`` once the example has shut
+it down.
 """
 
 import os
 import runpy
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -33,6 +39,34 @@ def _capped(fit, epochs_cap, steps_cap):
     return capped
 
 
+def _compute_side(config_path):
+    """The compute job of Horovod's data-service example, in this rank: a thread running its worker."""
+    import phalanx.tensorflow as hvd
+    from phalanx.tensorflow.data.compute_service import (
+        ComputeService,
+        TfDataServiceConfig,
+        compute_worker_fn,
+        make_secret_key,
+    )
+
+    hvd.init()
+    service = None
+    if hvd.rank() == 0:
+        key = make_secret_key()
+        service = ComputeService(1, hvd.size(), key=key)
+        TfDataServiceConfig(dispatchers=1, workers_per_dispatcher=hvd.size(), dispatcher_side="compute",
+                            addresses=service.addresses(), key=key, timeout=120).write(config_path)
+    config = TfDataServiceConfig.read(config_path, wait_for_file_creation=True)
+
+    def serve():
+        compute_worker_fn(config)
+        print("COMPUTE DONE", flush=True)
+
+    thread = threading.Thread(target=serve, name="compute-worker")
+    thread.start()
+    return thread, service
+
+
 def main():
     import tensorflow as tf
 
@@ -51,15 +85,22 @@ def main():
             scripts[-1].append(word)
     for argv in scripts:
         keras_module.Model.fit = fit
+        compute = None
         if argv[0] == "--fit-cap":
             epochs_cap, steps_cap = (int(x) for x in argv[1].split(","))
             keras_module.Model.fit = _capped(fit, epochs_cap, steps_cap)
             argv = argv[2:]
+        if argv[0] == "--compute-service":
+            compute = _compute_side(argv[1])
+            argv = argv[2:]
         sys.argv = argv
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python EXAMPLE.py` has it
         print(f"RUN {os.path.basename(argv[0])}", flush=True)
+        start = time.monotonic()
         runpy.run_path(argv[0], run_name="__main__")
-        print(f"DONE {os.path.basename(argv[0])}", flush=True)
+        if compute is not None:
+            compute[0].join(timeout=120)
+        print(f"DONE {os.path.basename(argv[0])} in {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
