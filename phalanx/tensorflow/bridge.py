@@ -6,22 +6,19 @@ tensors::
     eager:                 DLPack in (no copy) ── fn ── DLPack out
     tf.function:           one tf.py_function (ordered by TF's automatic control dependencies)
     tf.compat.v1 graph:    one tf.py_function, with a control dependency on the graph's previous
-                           collective while that one has not run yet, so a session.run of several
-                           collectives built together runs them one at a time in program order on
-                           every rank (TF would start them on parallel threads, in an order of its
-                           choosing: two ranks would wait on different collectives, or gloo would
-                           see two at once)
+                           collective, so a session.run of several collectives runs them one at a
+                           time in program order on every rank (TF would start them on parallel
+                           threads, in an order of its choosing: two ranks would wait on different
+                           collectives, or gloo would see two at once)
 
 The chain of a graph. A control dependency is executed, not only ordered: running a collective
-runs every one it depends on. So a collective built after the graph's last one has run starts a
-new chain instead of depending on it (a graph that builds a collective, runs it, builds the next,
-... costs linear time, not quadratic), and ``chained=False`` (variable broadcasts: Horovod's
-``broadcast_global_variables`` / ``BroadcastGlobalVariablesHook``, built after the training step,
-run alone before it) neither depends on nor is depended on, so running it does not run the step.
-Collectives of different chains run in one ``session.run`` are not ordered among themselves: a
-process lock keeps them one at a time in gloo, and the cross-rank check of each call turns ranks
-that picked different ones into a :class:`MismatchError` on every rank where the calls differ
-(kind, dtype, shape, name); two unnamed calls alike in all of these are not told apart.
+runs every one it depends on. ``chained=False`` (variable broadcasts: Horovod's
+``broadcast_global_variables`` / ``BroadcastGlobalVariablesHook``, built after the training step
+and run alone before it) neither depends on the chain nor is depended on, so running it does not
+run the step. Such a broadcast run in one ``session.run`` with other collectives is not ordered
+among them: a process lock keeps them one at a time in gloo, and the cross-rank check of each call
+turns ranks that picked different ones into a :class:`MismatchError` on every rank where the calls
+differ (kind, dtype, shape, name).
 
 A cross-rank mismatch (shapes, dtypes, ops, roots that differ between ranks) comes out as
 :class:`MismatchError`, a ``tf.errors.FailedPreconditionError`` as Horovod's is. Inside a graph
@@ -68,13 +65,12 @@ _graph_lock = threading.Lock()  # one graph collective at a time in this process
 
 
 class _Link:
-    """A graph collective's op and whether it has run (set by its py_function when it runs)."""
+    """A graph collective's op (the chain's last link)."""
 
-    __slots__ = ("op", "ran")
+    __slots__ = ("op",)
 
     def __init__(self):
         self.op = None
-        self.ran = False
 
 
 def to_torch(x) -> torch.Tensor:
@@ -104,7 +100,6 @@ def _host(fn, dtypes, status: bool = False, link: _Link | None = None):
     def run(*xs):
         if link is None:
             return _run(*xs)
-        link.ran = True
         with _graph_lock:
             return _run(*xs)
 
@@ -157,7 +152,7 @@ def call(fn, inputs, outputs, chained: bool = True):
     in_graph = not graph.building_function
     link = _Link() if in_graph else None
     last = _chains.get(graph) if in_graph and chained else None
-    previous = last.op if last is not None and not last.ran else None
+    previous = last.op if last is not None else None
     with tf.control_dependencies([previous] if previous is not None else []):
         *outs, message = tf.py_function(_host(fn, dtypes, status=True, link=link), inputs, Tout=dtypes + [tf.string],
                                         name="phalanx_collective")

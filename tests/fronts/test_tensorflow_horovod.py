@@ -153,12 +153,6 @@ def test_v1_session_runs_several_collectives_in_one_run(tf_ranks):
         assert "broadcast_variables" in out["eager_global_variables"]
 
 
-def test_v1_collectives_built_and_run_one_at_a_time_run_once_each(tf_ranks):
-    for out in tf_ranks:
-        assert out["chain_runs"] == [1.0] * 6, f"collective i's input ran {out['chain_runs']} times (chain reran it)"
-        assert out["chain_results"] == [float(2 * i + 1) for i in range(6)], out["chain_results"]
-
-
 def test_v1_broadcast_hook_runs_alone_after_the_step_is_built(tf_ranks):
     # rank 1's w (2, 2) on both ranks, then one step: the mean over ranks of d/dw mean(x w) = mean of x's
     # column, x = r + 1 everywhere: (1 + 2) / 2 = 1.5 -> 2 - 0.1 * 1.5 = 1.85

@@ -134,19 +134,8 @@ def _graph_mode(tf, hvd, r, out):
 
 
 def _graph_chain(tf, hvd, r, out):
-    """The graph's chain of collectives: built and run one at a time, each runs once (not every one
-    before it too); a variable broadcast built after a step that reads a placeholder runs alone,
-    also through BroadcastGlobalVariablesHook in a MonitoredSession."""
-    graph = tf.Graph()
-    with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
-        counters, results = [], []
-        for i in range(6):
-            c = tf.compat.v1.Variable(0.0, use_resource=True)
-            session.run(c.initializer)
-            counters.append(c)
-            results.append(session.run(hvd.allreduce(c.assign_add(1.0) * float(r + i), op=hvd.Sum)))
-        out["chain_runs"] = [session.run(c).item() for c in counters]  # 1.0 each: every input ran once
-        out["chain_results"] = [float(x) for x in results]
+    """A variable broadcast built after a step that reads a placeholder runs alone (it is outside the
+    graph's chain of collectives), here through BroadcastGlobalVariablesHook in a MonitoredSession."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 2])
