@@ -44,7 +44,7 @@ def job(tmp_path_factory):
                "--fit-cap", "1,2", "--compute-service", "compute.json",
                os.path.join(JOBS, "tensorflow2_mnist_data_service.py"), "compute.json", "--",
                os.path.join(JOBS, "tf_keras_checks.py")]
-    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Each rank's lines carry "[r]: "; a progress bar without a newline can put another rank's line
     # after it on the same physical line, so split at every prefix, not only at line starts.
