@@ -9,7 +9,9 @@ steps; nothing else in the example changes. Everything else (the script, its arg
 ``--compute-service CONFIG`` runs the tf.data compute job Horovod's data-service example needs in
 this job's ranks instead of a second job (a thread each, as ``compute_worker`` would run them, rank
 0 holding the service and writing CONFIG), and prints ``COMPUTE DONE`` once the example has shut
-it down.
+it down. The example's rank 0 shuts the service down as soon as its own training ends; here a
+worker is in the same process as a training rank that may still be reading from it (its stop then
+waits on that reader, which waits on it), so the shutdown takes effect once every rank is done.
 """
 
 import os
@@ -43,6 +45,7 @@ def _compute_side(config_path):
     """The compute job of Horovod's data-service example, in this rank: a thread running its worker."""
     import phalanx.tensorflow as hvd
     from phalanx.tensorflow.data.compute_service import (
+        ComputeClient,
         ComputeService,
         TfDataServiceConfig,
         compute_worker_fn,
@@ -64,7 +67,18 @@ def _compute_side(config_path):
 
     thread = threading.Thread(target=serve, name="compute-worker")
     thread.start()
-    return thread, service
+    asked = []
+    real_shutdown = ComputeClient.shutdown
+    ComputeClient.shutdown = lambda client: asked.append(client)  # deferred until every rank is done (finish)
+
+    def finish():
+        hvd.barrier()
+        ComputeClient.shutdown = real_shutdown
+        for client in asked:
+            client.shutdown()
+        thread.join(timeout=120)
+
+    return finish, service
 
 
 def main():
@@ -99,7 +113,7 @@ def main():
         start = time.monotonic()
         runpy.run_path(argv[0], run_name="__main__")
         if compute is not None:
-            compute[0].join(timeout=120)
+            compute[0]()
         print(f"DONE {os.path.basename(argv[0])} in {time.monotonic() - start:.1f} s", flush=True)
 
 
