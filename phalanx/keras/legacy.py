@@ -24,6 +24,8 @@ Example (Horovod's tensorflow2_keras_mnist.py, only the import changed)::
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import tensorflow as tf
 import tf_keras
 
@@ -124,8 +126,34 @@ class TFKerasDistributedOptimizer(ForwardsSchedule, tf_keras.optimizers.Optimize
             compression=self.compression, predivide=self.gradient_predivide_factor, bucket_mb=self.bucket_mb,
             name=f"{self.name}.grads")
 
+    def _accumulate(self, grads, variables):
+        """Adds this pass's ``grads`` to the running sums; returns the number of passes summed."""
+        self._agg_helper  # noqa: B018 (creates the pass counter)
+        if self._accumulated is None:
+            with tf.init_scope():
+                self._accumulated = [tf.Variable(tf.zeros_like(v), trainable=False, name="accumulated_grad")
+                                     for v in variables]
+        for acc, g in zip(self._accumulated, grads):
+            if g is not None:
+                acc.assign_add(tf.cast(g, acc.dtype))
+        return self._passes.assign_add(1)
+
+    def _reduce_accumulated(self, grads, variables):
+        """The k passes' sums (means with ``average_aggregated_gradients``) reduced; the sums cleared."""
+        k = self.backward_passes_per_step
+        summed = [None if g is None else (acc / k if self.average_aggregated_gradients else acc + 0)
+                  for acc, g in zip(self._accumulated, grads)]
+        reduced = self._reduce(summed, variables)
+        with tf.control_dependencies([g for g in reduced if g is not None]):
+            for acc in self._accumulated:
+                acc.assign(tf.zeros_like(acc))
+            self._passes.assign(0)
+        return reduced
+
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
         grads_and_vars = list(grads_and_vars)
+        if self._from_compute_gradients(grads_and_vars):
+            return self._apply_prepared(grads_and_vars, name)
         grads = [None if g is None else tf.convert_to_tensor(g) for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         k = self.backward_passes_per_step
@@ -133,24 +161,80 @@ class TFKerasDistributedOptimizer(ForwardsSchedule, tf_keras.optimizers.Optimize
             reduced = self._reduce(grads, variables)
             return self.inner_optimizer.apply_gradients(
                 [(g, v) for g, v in zip(reduced, variables) if g is not None], name=name)
-        if self._accumulated is None:
-            with tf.init_scope():
-                self._accumulated = [tf.Variable(tf.zeros_like(v), trainable=False, name="accumulated_grad")
-                                     for v in variables]
-                self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="backward_passes")
-        for acc, g in zip(self._accumulated, grads):
-            if g is not None:
-                acc.assign_add(tf.cast(g, acc.dtype))
-        self._passes.assign_add(1)
+        passes = self._accumulate(grads, variables)
 
         def update():
-            summed = [None if g is None else (acc / k if self.average_aggregated_gradients else acc + 0)
-                      for acc, g in zip(self._accumulated, grads)]
-            reduced = self._reduce(summed, variables)
+            reduced = self._reduce_accumulated(grads, variables)
             self.inner_optimizer.apply_gradients([(g, v) for g, v in zip(reduced, variables) if g is not None])
-            for acc in self._accumulated:
-                acc.assign(tf.zeros_like(acc))
-            self._passes.assign(0)
             return tf.constant(True)
 
-        return tf.cond(tf.equal(self._passes, k), update, lambda: tf.constant(False))
+        return tf.cond(tf.equal(passes, k), update, lambda: tf.constant(False))
+
+    # ------------------------------------------- Horovod's private names (compatibility aliases)
+    @property
+    def _agg_helper(self):
+        """Horovod's ``opt._agg_helper`` (code and tests read ``_agg_helper.counter``): None when
+        ``backward_passes_per_step`` is 1, else an object whose ``counter`` is the int64 variable
+        holding the number of backward passes summed since the last update."""
+        if self.backward_passes_per_step == 1:
+            return None
+        if self.__dict__.get("_passes") is None:
+            with tf.init_scope():
+                self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="backward_passes")
+        return SimpleNamespace(counter=self._passes, backward_passes_per_step=self.backward_passes_per_step)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's ``opt._compute_gradients``: this rank's gradients of ``loss`` (a tensor recorded on
+        ``tape``, or a callable) reduced over the ranks, as ``(gradient, variable)`` pairs.
+
+        With ``backward_passes_per_step=k`` > 1 the pass is summed locally and the k-th pass returns
+        the reduced sums (the others the running sums), and ``apply_gradients`` of the pairs returned
+        here updates on the k-th pass only and counts every pass in ``iterations``, as Horovod's
+        optimizer did (``phalanx``'s own path, ``minimize`` / ``fit``, counts updates).
+        ``grad_loss`` is not supported (Horovod's Keras optimizers ignore it too).
+        """
+        pairs = tf_keras.optimizers.Optimizer.compute_gradients(self, loss, var_list, tape)
+        grads = [None if g is None else tf.convert_to_tensor(g) for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        k = self.backward_passes_per_step
+        if k == 1:
+            out = self._reduce(grads, variables)
+        else:
+            passes = self._accumulate(grads, variables)
+            present = [i for i, g in enumerate(grads) if g is not None]
+
+            def update():
+                reduced = self._reduce_accumulated(grads, variables)
+                return [reduced[i] for i in present]
+
+            def running():
+                return [self._accumulated[i].read_value() for i in present]
+
+            sums = tf.cond(tf.equal(passes, k), update, running)
+            out = [None] * len(grads)
+            for i, g in zip(present, sums):
+                out[i] = g
+        self.__dict__["_prepared"] = out  # (outside tf.Module's attribute tracking)
+        return list(zip(out, variables))
+
+    def _from_compute_gradients(self, grads_and_vars) -> bool:
+        prepared = self.__dict__.pop("_prepared", None)
+        return (prepared is not None and len(prepared) == len(grads_and_vars)
+                and all(p is g for p, (g, _) in zip(prepared, grads_and_vars)))
+
+    def _apply_prepared(self, grads_and_vars, name):
+        """``apply_gradients`` of :meth:`_compute_gradients`'s pairs: already reduced; with k > 1 an
+        update when the pass counter was just reset (the k-th pass), else one more iteration."""
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if self.backward_passes_per_step == 1:
+            return self.inner_optimizer.apply_gradients(pairs, name=name)
+
+        def update():
+            self.inner_optimizer.apply_gradients(pairs)
+            return tf.constant(True)
+
+        def count():
+            self.inner_optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        return tf.cond(tf.equal(self._passes, 0), update, count)

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import keras
 from keras import ops
@@ -242,10 +243,109 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         ops.cond(ops.equal(self._passes, k), update, lambda: None)
 
-    def apply_gradients(self, grads_and_vars):
+    def apply_gradients(self, grads_and_vars, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        prepared = self.__dict__.pop("_prepared", None)
+        if prepared is not None and [id(p) for p in prepared] == [id(g) for g, _ in grads_and_vars]:
+            self._apply_prepared(grads_and_vars)
+            return self.iterations
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables)
         return self.iterations
+
+    # ------------------------------------------- Horovod's private names (compatibility aliases)
+    @property
+    def _agg_helper(self):
+        """Horovod's ``opt._agg_helper``: None when ``backward_passes_per_step`` is 1, else an object
+        whose ``counter`` is the variable holding the passes summed since the last update."""
+        if self.backward_passes_per_step == 1:
+            return None
+        if not self.built:
+            raise ValueError("DistributedOptimizer._agg_helper: the optimizer is built on its first step; "
+                             "read the counter after it (or call optimizer.build(variables) first)")
+        return SimpleNamespace(counter=self._passes, backward_passes_per_step=self.backward_passes_per_step)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's ``opt._compute_gradients`` (TensorFlow backend): this rank's gradients of ``loss`` (a
+        callable, or a tensor recorded on ``tape``) reduced over the ranks, as ``(gradient, variable)`` pairs.
+
+        With ``backward_passes_per_step=k`` > 1 the pass is summed locally; the k-th pass returns the
+        reduced sums (means with ``average_aggregated_gradients``), the others the running sums.
+        ``apply_gradients`` of exactly these pairs applies them without a second reduction, on the k-th
+        pass only, and counts every pass in ``iterations``, as Horovod's optimizer did (phalanx's own
+        path, ``fit`` / ``apply``, reduces in ``apply`` and counts updates). ``grad_loss`` is ignored,
+        as Horovod's Keras optimizers do.
+        """
+        if keras.backend.backend() != "tensorflow":
+            raise ValueError(f"DistributedOptimizer._compute_gradients (Horovod's private name) needs "
+                             f"KERAS_BACKEND=tensorflow, got {keras.backend.backend()!r}; call optimizer.apply(grads)")
+        import tensorflow as tf
+
+        if tape is None:
+            if not callable(loss):
+                raise ValueError("DistributedOptimizer._compute_gradients: pass the tape that recorded a tensor "
+                                 "loss (tape=...), or a callable loss")
+            tape = tf.GradientTape()
+        if callable(loss):
+            with tape:
+                if not callable(var_list):
+                    tape.watch(var_list)
+                loss = loss()
+        variables = list(var_list() if callable(var_list) else var_list)
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        k = self.backward_passes_per_step
+        if k == 1:
+            out = self._reduce(grads, variables)
+        else:
+            index = {id(v): i for i, v in enumerate(self._trainable_variables)}
+            accumulators = [self._accumulated[index[id(v)]] for v in variables]
+            present = [i for i, g in enumerate(grads) if g is not None]
+            for i in present:
+                accumulators[i].assign_add(tf.cast(grads[i], accumulators[i].dtype))
+            self._passes.assign_add(1)
+
+            def update():
+                summed = [accumulators[i].value for i in present]
+                if self.average_aggregated_gradients:
+                    summed = [g / k for g in summed]
+                reduced = self._reduce(summed, [variables[i] for i in present])
+                with tf.control_dependencies(reduced):
+                    for acc in accumulators:
+                        acc.assign(tf.zeros_like(acc.value))
+                    self._passes.assign(0)
+                return [tf.identity(g) for g in reduced]
+
+            sums = tf.cond(tf.equal(self._passes.value, k), update,
+                           lambda: [tf.identity(accumulators[i].value) for i in present])
+            out = [None] * len(grads)
+            for i, g in zip(present, sums):
+                out[i] = g
+        self.__dict__["_prepared"] = out  # outside Keras's attribute tracking; apply_gradients pops it
+        return list(zip(out, variables))
+
+    def _apply_prepared(self, grads_and_vars):
+        """``apply_gradients`` of :meth:`_compute_gradients`'s pairs: already reduced; with k > 1 an update
+        when the pass counter was just reset (the k-th pass), else one more iteration."""
+        import tensorflow as tf
+
+        grads = [g for g, _ in grads_and_vars if g is not None]
+        variables = [v for g, v in grads_and_vars if g is not None]
+        if self.backward_passes_per_step == 1:
+            self.inner_optimizer.apply(grads, variables)
+            return
+
+        def update():
+            self.inner_optimizer.apply(grads, variables)
+            return tf.constant(True)
+
+        def count():
+            self.inner_optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(tf.equal(self._passes.value, 0), update, count)
 
     def _accumulate_without_branches(self, grads, variables, accumulators):
         """JAX: ``backward_passes_per_step`` without ``cond`` (a stateless step cannot assign inside one).

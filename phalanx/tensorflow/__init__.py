@@ -61,6 +61,7 @@ from phalanx.tensorflow import util
 from phalanx.tensorflow.bridge import MismatchError
 from phalanx.tensorflow.compression import Compression
 from phalanx.tensorflow.functions import (
+    BroadcastGlobalVariablesHook,
     allgather_object,
     broadcast_global_variables,
     broadcast_object,
@@ -98,7 +99,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
     "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
     "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op",
-    "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

@@ -11,6 +11,15 @@ tensors::
                            threads, in an order of its choosing: two ranks would wait on different
                            collectives, or gloo would see two at once)
 
+The chain of a graph. A control dependency is executed, not only ordered: running a collective
+runs every one it depends on. ``chained=False`` (variable broadcasts: Horovod's
+``broadcast_global_variables`` / ``BroadcastGlobalVariablesHook``, built after the training step
+and run alone before it) neither depends on the chain nor is depended on, so running it does not
+run the step. Such a broadcast run in one ``session.run`` with other collectives is not ordered
+among them: a process lock keeps them one at a time in gloo, and the cross-rank check of each call
+turns ranks that picked different ones into a :class:`MismatchError` on every rank where the calls
+differ (kind, dtype, shape, name).
+
 A cross-rank mismatch (shapes, dtypes, ops, roots that differ between ranks) comes out as
 :class:`MismatchError`, a ``tf.errors.FailedPreconditionError`` as Horovod's is. Inside a graph
 TensorFlow would re-raise any exception of a ``py_function`` as ``UnknownError``, so there the
@@ -24,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import tensorflow as tf
@@ -50,7 +60,17 @@ class InvalidArgument(tf.errors.InvalidArgumentError, ValueError):
         tf.errors.InvalidArgumentError.__init__(self, None, None, message)
 
 
-_last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> its last collective op
+_chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> its chain's last link
+_graph_lock = threading.Lock()  # one graph collective at a time in this process (TF runs ops on several threads)
+
+
+class _Link:
+    """A graph collective's op (the chain's last link)."""
+
+    __slots__ = ("op",)
+
+    def __init__(self):
+        self.op = None
 
 
 def to_torch(x) -> torch.Tensor:
@@ -74,10 +94,16 @@ def to_tf(t: torch.Tensor, dtype=None):
     return out if dtype is None or out.dtype == dtype else tf.cast(out, dtype)
 
 
-def _host(fn, dtypes, status: bool = False):
+def _host(fn, dtypes, status: bool = False, link: _Link | None = None):
     """The py_function body; with ``status`` it returns a mismatch as a last string output instead."""
 
     def run(*xs):
+        if link is None:
+            return _run(*xs)
+        with _graph_lock:
+            return _run(*xs)
+
+    def _run(*xs):
         try:
             outs = fn([to_torch(x) for x in xs])
         except CollectiveMismatchError as err:
@@ -112,24 +138,30 @@ def _raise_failed_precondition(message):
                                           values=tf.stack([tf.constant(""), message]))
 
 
-def call(fn, inputs, outputs):
+def call(fn, inputs, outputs, chained: bool = True):
     """``fn`` on ``inputs`` (TF tensors); ``outputs``: one ``(dtype, static shape or None)`` per result.
 
-    Returns the results as a list of TF tensors.
+    Returns the results as a list of TF tensors. ``chained=False``: in a v1 graph, outside the
+    graph's chain of collectives (module docstring).
     """
     inputs = [tf.convert_to_tensor(x) for x in inputs]
     dtypes = [tf.as_dtype(d) for d, _ in outputs]
     if tf.executing_eagerly():
         return _host(fn, dtypes)(*inputs)
     graph = tf.compat.v1.get_default_graph()
-    previous = None if graph.building_function else _last_collective.get(graph)
+    in_graph = not graph.building_function
+    link = _Link() if in_graph else None
+    last = _chains.get(graph) if in_graph and chained else None
+    previous = last.op if last is not None else None
     with tf.control_dependencies([previous] if previous is not None else []):
-        *outs, message = tf.py_function(_host(fn, dtypes, status=True), inputs, Tout=dtypes + [tf.string],
+        *outs, message = tf.py_function(_host(fn, dtypes, status=True, link=link), inputs, Tout=dtypes + [tf.string],
                                         name="phalanx_collective")
     with tf.control_dependencies([_raise_failed_precondition(message)]):
         outs = [tf.identity(o) for o in outs]
-    if not graph.building_function:
-        _last_collective[graph] = message.op
+    if in_graph:
+        link.op = message.op
+        if chained:
+            _chains[graph] = link
     for o, (_, shape) in zip(outs, outputs):
         if shape is not None:
             o.set_shape(shape)

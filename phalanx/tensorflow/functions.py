@@ -20,7 +20,7 @@ from phalanx.comm.horovod_ops import ops
 from phalanx.comm.horovod_ops.process_sets import global_process_set, group_of
 from phalanx.tensorflow.bridge import call
 
-__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+__all__ = ["broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "broadcast_object", "broadcast_object_fn",
            "allgather_object"]
 
 
@@ -57,7 +57,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         broadcast_coalesced(copies, int(root_rank), group, "tf.broadcast_variables")
         return copies
 
-    synced = call(fn, values, [(v.dtype, v.shape) for v in values])
+    synced = call(fn, values, [(v.dtype, v.shape) for v in values], chained=False)
     assigns = [v.assign(s) for v, s in zip(variables, synced)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
@@ -71,6 +71,35 @@ def broadcast_global_variables(root_rank):
         raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; use "
                            "hvd.broadcast_variables(model.variables, root_rank) instead")
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1 ``MonitoredTrainingSession`` / Estimator hook: broadcast every global variable from ``root_rank``
+    once the session is created (Horovod's hook; ``device`` places the op).
+
+    The broadcast is built in ``begin()``, after the model and its training step, and runs alone;
+    it is outside the graph's chain of collectives (``bridge.call(chained=False)``), so running it
+    does not run the step's collectives or ask for their inputs.
+
+    Example::
+
+        hooks = [hvd.BroadcastGlobalVariablesHook(0)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as session: ...
+    """
+
+    def __init__(self, root_rank, device=""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.bcast_op = None
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            with tf.device(self.device):
+                self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):

@@ -106,3 +106,14 @@ def test_tf_keras_state_and_partial_optimizer(job):
         got = checks(text)
         assert got["state"] == {"weights": [[[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]], "epoch": 5}, got["state"]
         assert got["partial"]["local_scaled"] < 1e-6, got["partial"]
+
+
+def test_tf_keras_horovods_private_compute_gradients_and_counter(job):
+    # 2 ranks, k = 2: pass 0 sums locally (rank r returns its own r + 1), pass 1 reduces the sums
+    # (mean over ranks of 1 + 2 = 1.5, times 1 + 2 passes = 4.5) and updates, pass 2 sums again.
+    texts, _ = job
+    for r, text in texts.items():
+        got = checks(text)["private_names"]
+        assert got["returned"] == [[r + 1.0] * 2, [4.5, 4.5], [3.0 * (r + 1)] * 2], got
+        assert got["x"] == [[1.0, 2.0], [-3.5, -2.5], [-3.5, -2.5]], got
+        assert got["iterations"] == 3 and got["counter"] == 1, got

@@ -11,6 +11,7 @@ steps; nothing else in the example changes. Everything else (the script, its arg
 import os
 import runpy
 import sys
+import time
 
 import numpy as np
 
@@ -56,9 +57,11 @@ def main():
             keras_module.Model.fit = _capped(fit, epochs_cap, steps_cap)
             argv = argv[2:]
         sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python EXAMPLE.py` has it
         print(f"RUN {os.path.basename(argv[0])}", flush=True)
+        start = time.monotonic()
         runpy.run_path(argv[0], run_name="__main__")
-        print(f"DONE {os.path.basename(argv[0])}", flush=True)
+        print(f"DONE {os.path.basename(argv[0])} in {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ example scripts, in the same processes). Each check prints one line ``CHECK <nam
 * ``callbacks``: after a fit with the broadcast, metric-average and warm-up callbacks, whether
   the ranks' weights agree, the averaged loss and the learning rate of each batch;
 * ``state``: KerasState's sync then restore on a tf-keras model;
-* ``partial``: PartialDistributedOptimizer keeps the local layer's gradient (divided by size).
+* ``partial``: PartialDistributedOptimizer keeps the local layer's gradient (divided by size);
+* ``private_names``: Horovod's ``opt._compute_gradients`` + ``apply_gradients`` with k = 2 over 3
+  passes (the variable after each pass, ``iterations``, ``_agg_helper.counter``).
 """
 
 import json
@@ -115,6 +117,21 @@ def partial():
     return {"local_scaled": local}
 
 
+def private_names():
+    """Rank r's gradient on pass p is (r + 1)(p + 1) per element; SGD with rate 1, k = 2."""
+    x = tf.Variable([1.0, 2.0])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    seen, returned = [], []
+    for p in range(3):
+        scale = float((hvd.rank() + 1) * (p + 1))
+        pairs = opt._compute_gradients(lambda s=scale: tf.reduce_sum(x * s), [x])
+        returned.append(pairs[0][0].numpy().tolist())
+        opt.apply_gradients(pairs)
+        seen.append(x.numpy().tolist())
+    return {"x": seen, "returned": returned, "iterations": int(opt.iterations.numpy()),
+            "counter": int(opt._agg_helper.counter.numpy())}
+
+
 def main():
     hvd.init()
     for kind in ("sgd", "adam"):
@@ -129,6 +146,7 @@ def main():
     check("callbacks", callbacks())
     check("state", state())
     check("partial", partial())
+    check("private_names", private_names())
 
 
 if __name__ == "__main__":
