@@ -1,8 +1,11 @@
-"""Combinations on a 2 x 2 grid of real ranks, HF Llama, against one process: ZeRO-3 over the dp
-pairs composed with Megatron tensor parallel over the tp pairs (tied embedding and head), with
-per-block recomputation, in fp32 and 8-bit Adam state, and the run's checkpoint (gathered over both
-axes) loaded at world size 1, tp 1, giving the same next-step loss; ZeRO-1, 2 and 3 over the dp pairs
-composed with a pipeline cut by module path over the pp pairs, each stage recomputed.
+"""Combinations on a 2 x 2 grid of real ranks against one process: ZeRO-3 over the dp pairs composed
+with Megatron tensor parallel over the tp pairs (HF Llama tied, fp32 and 8-bit Adam state; torchtitan's
+Llama), each block recomputed, the run's checkpoint (gathered over both axes) loaded at world 1;
+ZeRO-1, 2 and 3 over the dp pairs with a pipeline cut by module path over the pp pairs (HF Llama;
+torchtitan ZeRO-3); ``parallelize()`` taking an HF model in one call (GPT-2 tied, dp 2 x tp 2, ZeRO-3,
+recomputed; HF Llama, pp 2 x tp 2); checkpoints across layouts: trained at tp 2 and loaded at world 1,
+under ZeRO-3 at dp 2 and (untied) as a 2-stage pipeline, the same next-step loss; ZeRO-3 saved at
+world 4 and continued at world 2 (parameters and moments), the same next two losses.
 
 One spawned group of 4 ranks runs every check (module fixture); each check is its own test below.
 """

@@ -98,3 +98,33 @@ def test_recomputation_keeps_one_input_per_block():
     rows, seq, width = 4, 8, 32
     assert per_block[True] == rows * seq * width * 4, per_block
     assert per_block[False] > 10 * per_block[True], per_block
+
+
+@pytest.mark.unit
+def test_parallelize_refuses_what_a_cut_by_module_path_cannot_do_in_one_line():
+    from phalanx.parallel.grid import RankGrid
+    from phalanx.parallel.parallelize import parallelize
+
+    llama = hf_model("llama", tie=False, layers=4)
+    with pytest.raises(ValueError, match=r"schedule='interleaved_1f1b' keeps several chunks per stage, which "
+                                         r"needs an nn.Sequential; LlamaForCausalLM is cut by module path"):
+        parallelize(llama, RankGrid(pp=2, world_size=2, rank=0), loss_fn=None, schedule="interleaved_1f1b")
+    with pytest.raises(ValueError, match=r"ep=2 on LlamaForCausalLM \(not an nn.Sequential\) is not supported"):
+        parallelize(llama, RankGrid(ep=2, world_size=2, rank=0), loss_fn=None)
+    with pytest.raises(TypeError, match="tp_plan= must be a dict of module path -> style, got list"):
+        parallelize(llama, RankGrid(tp=2, world_size=2, rank=0), loss_fn=None, tp_plan=["q_proj"])
+
+
+@pytest.mark.unit
+def test_recompute_blocks_keeps_names_and_recomputes_once_per_block():
+    """Wrapped twice is wrapped once; the state dict's keys do not change; backward runs each block again."""
+    from phalanx.parallel.pipeline import recompute_blocks
+
+    m = hf_model("llama", layers=2)
+    keys = list(m.state_dict())
+    calls = []
+    m.model.layers[0].input_layernorm.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    recompute_blocks(recompute_blocks(m))
+    assert list(m.state_dict()) == keys
+    lm_loss(m, *batch(0)).backward()
+    assert len(calls) == 2, calls
