@@ -122,6 +122,7 @@ def parallelize(
     sync_init: bool = True,
     data_parallel: str = "auto",
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    zero_options: dict | None = None,
 ) -> ParallelModel:
     """Cut ``model`` (an ``nn.Sequential`` of blocks, or an HF / torchtitan causal LM cut by module
     path; same weights on every rank) over ``mesh``.
@@ -137,7 +138,8 @@ def parallelize(
     overlap); ``"zero1"`` / ``"zero2"`` / ``"zero3"`` shard optimizer state /
     + gradients / + parameters over the dp group with :func:`phalanx.parallel.zero.zero`
     and need ``optimizer`` (a function from parameters to a torch optimizer).
-    With ``optimizer`` given, ``pm.optimizer`` is the optimizer to step.
+    With ``optimizer`` given, ``pm.optimizer`` is the optimizer to step. ``zero_options``: more
+    arguments for :func:`phalanx.parallel.zero.zero` (``mixed_precision="bf16"``, ``state_bits=8``, …).
     An interleaved schedule (several chunks per stage) averages gradients with
     the plain all-reduce under ``"auto"``: the bucketed engine reduces in the
     step's last backward, which touches only one chunk; ZeRO is refused there.
@@ -148,6 +150,9 @@ def parallelize(
     if zero_stage and optimizer is None:
         raise ValueError(f"data_parallel={data_parallel!r} shards the optimizer, so it must build it: "
                          "pass optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
+    if zero_options and not zero_stage:
+        raise ValueError(f"zero_options={zero_options!r} are for ZeRO: pass data_parallel='zero1'|'zero2'|'zero3' "
+                         f"(got {data_parallel!r})")
     if optimizer is not None and not callable(optimizer):
         raise TypeError("optimizer= must be a function from parameters to an optimizer, "
                         "e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)")
@@ -164,7 +169,8 @@ def parallelize(
     if by_path:
         return _parallelize_by_path(model, mesh, loss_fn=loss_fn, tp_plan=tp_plan, num_microbatches=num_microbatches,
                                     schedule=schedule, partition_method=partition_method, checkpoint=checkpoint,
-                                    sync_init=sync_init, data_parallel=data_parallel, optimizer=optimizer)
+                                    sync_init=sync_init, data_parallel=data_parallel, optimizer=optimizer,
+                                    zero_options=zero_options)
     chunks = getattr(get_schedule(schedule), "chunks", 1)
     if chunks > 1 and zero_stage and mesh.dp > 1:
         raise ValueError(f"data_parallel={data_parallel!r} with an interleaved schedule ({chunks} chunks per stage) "
@@ -203,10 +209,12 @@ def parallelize(
 
     # 4. Data parallel or ZeRO over the ranks holding the same (stage, TP shard). Last,
     #    because it must see exactly the parameters this rank keeps after steps 2 and 3.
-    return _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, experts, sync_init)
+    return _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, experts, sync_init,
+                      zero_options)
 
 
-def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, experts, sync_init):
+def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, experts, sync_init,
+               zero_options=None):
     """Step 4: ZeRO, or the optimizer and DataParallel (or the plain per-step fallback), over dp."""
     zero_stage = int(data_parallel[-1]) if data_parallel.startswith("zero") else 0
     if zero_stage and mesh.dp > 1:
@@ -216,7 +224,8 @@ def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, 
         # itself; each micro-batch is one backward pass, so a step is m passes (stage 1 then
         # reduces once per step, in the last micro-batch's backward).
         _, pm.optimizer = zero(stage_module, optimizer(stage_module.parameters()), stage=zero_stage,
-                               group=mesh.dp_group, backward_passes_per_step=pm.num_microbatches)
+                               group=mesh.dp_group, backward_passes_per_step=pm.num_microbatches,
+                               **(zero_options or {}))
         pm._grads_reduced = True
         return pm
     if optimizer is not None:
@@ -256,7 +265,8 @@ def _refuse_by_path(model: nn.Module, mesh: RankGrid, schedule, tp_plan) -> None
 
 
 def _parallelize_by_path(model: nn.Module, mesh: RankGrid, *, loss_fn, tp_plan, num_microbatches, schedule,
-                         partition_method, checkpoint, sync_init, data_parallel, optimizer) -> ParallelModel:
+                         partition_method, checkpoint, sync_init, data_parallel, optimizer,
+                         zero_options) -> ParallelModel:
     """:func:`parallelize` for a model that is not an ``nn.Sequential`` (HF, torchtitan): the same four
     steps, with the family's Megatron plan (:func:`phalanx.parallel.plans.apply_tp_plan`) when
     ``tp_plan`` is None, the pipeline cut by module path (:func:`split_by_path`) and, with
@@ -277,4 +287,4 @@ def _parallelize_by_path(model: nn.Module, mesh: RankGrid, *, loss_fn, tp_plan, 
     stage = PipelineStage(stage_module, s, mesh.pp, ranks=mesh.pp_ranks, group=mesh.pp_group,
                           grad_group=mesh.pp_grad_group, loss_fn=loss_fn if s == mesh.pp - 1 else None)
     pm = ParallelModel(stage_module, stage, mesh, num_microbatches, schedule, plan.bounds)
-    return _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, 1, set(), sync_init)
+    return _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, 1, set(), sync_init, zero_options)

@@ -111,6 +111,8 @@ def test_parallelize_refuses_what_a_cut_by_module_path_cannot_do_in_one_line():
         parallelize(llama, RankGrid(pp=2, world_size=2, rank=0), loss_fn=None, schedule="interleaved_1f1b")
     with pytest.raises(ValueError, match=r"ep=2 on LlamaForCausalLM \(not an nn.Sequential\) is not supported"):
         parallelize(llama, RankGrid(ep=2, world_size=2, rank=0), loss_fn=None)
+    with pytest.raises(ValueError, match=r"zero_options=\{'state_bits': 8\} are for ZeRO: pass data_parallel="):
+        parallelize(llama, RankGrid(dp=2, world_size=2, rank=0), loss_fn=None, zero_options={"state_bits": 8})
     with pytest.raises(TypeError, match="tp_plan= must be a dict of module path -> style, got list"):
         parallelize(llama, RankGrid(tp=2, world_size=2, rank=0), loss_fn=None, tp_plan=["q_proj"])
 
