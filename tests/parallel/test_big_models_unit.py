@@ -130,3 +130,14 @@ def test_recompute_blocks_keeps_names_and_recomputes_once_per_block():
     assert list(m.state_dict()) == keys
     lm_loss(m, *batch(0)).backward()
     assert len(calls) == 2, calls
+
+
+@pytest.mark.unit
+def test_gather_tp_state_dict_of_a_freed_parameter_is_one_line():
+    """A module inside a ZeRO-3 root holds freed parameters (gloo's all_gather of them crashed the rank)."""
+    from phalanx.parallel.tensor import gather_tp_state_dict
+
+    lin = torch.nn.Linear(4, 4)
+    lin.weight.data.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="weight has no storage here .* pass the module px.zero wrapped"):
+        gather_tp_state_dict(lin, None)
