@@ -17,7 +17,7 @@ rank (the pipeline gets the same global batch), AdamW, bf16 compute. Systems:
   zero_options={"mixed_precision": "bf16", "state_bits": 8})``: Megatron's plan over tp pairs (each pair
   the rows of both its ranks), ZeRO-3 over the dp ranks, every decoder layer recomputed, 8-bit state.
 * ``phalanx-pp``: the model cut by module path into np stages (parameter-balanced), 1F1B over 2np
-  micro-batches, recomputation per stage, bf16 weights, 8-bit Adam state.
+  micro-batches (np with an odd --batch), recomputation per stage, bf16 weights, 8-bit Adam state.
 * ``fsdp2``: torch's ``fully_shard`` per decoder layer and on the root, bf16 parameters and fp32
   gradient reduction (``MixedPrecisionPolicy``), the same activation checkpointing, AdamW fp32.
 * ``deepspeed``: ``deepspeed.initialize`` with ZeRO stage 3, bf16, torch's AdamW, the same checkpointing;
@@ -110,7 +110,7 @@ def _wrap(system, m, batch, np_):
         stage_model = split_by_path(m, partition(m, np_, method="parameters").boundaries(m), px.rank())
         pipe = PipelineStage(stage_model, px.rank(), np_, loss_fn=_ce, checkpoint=True)
         opt = Adam8bit(stage_model.parameters(), lr=1e-4, decoupled_weight_decay=True, weight_decay=0.01)
-        m_micro = 2 * np_
+        m_micro = 2 * np_ if batch % 2 == 0 else np_  # micro-batches must split the global batch (batch·np rows)
 
         def step(x, y):
             xs = [torch.empty_like(x) for _ in range(np_)]
