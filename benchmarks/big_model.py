@@ -2,7 +2,7 @@
 
 Run:  flock /tmp/phalanx-bench.lock python benchmarks/big_model.py [--device cpu|cuda] [--np 4]
           [--budget-mib 1024] [--sizes 256x4,384x6,512x8] [--seq 128] [--batch 2] [--steps 2]
-          [--systems phalanx,phalanx-32bit,phalanx-pp,fsdp2,deepspeed]
+          [--systems phalanx,phalanx-32bit,phalanx-tp,phalanx-pp,fsdp2,deepspeed]
       On the CPU each rank sets glibc's mmap threshold to 64 KiB (mallopt) so RSS follows live bytes.
 
 Model: Hugging Face ``LlamaForCausalLM`` from a config with random weights, ``HxL`` = hidden size
@@ -13,8 +13,11 @@ rank (the pipeline gets the same global batch), AdamW, bf16 compute. Systems:
 * ``phalanx``: ``px.zero(stage=3, mixed_precision="bf16", state_bits=8)`` and HF's activation
   checkpointing per decoder layer (non-reentrant), the configuration issue 40 builds.
 * ``phalanx-32bit``: the same with fp32 Adam state (what the 8-bit state saves).
+* ``phalanx-tp``: ``parallelize(model, RankGrid(dp=np/2, tp=2), data_parallel="zero3", checkpoint=True,
+  zero_options={"mixed_precision": "bf16", "state_bits": 8})``: Megatron's plan over tp pairs (each pair
+  the rows of both its ranks), ZeRO-3 over the dp ranks, every decoder layer recomputed, 8-bit state.
 * ``phalanx-pp``: the model cut by module path into np stages (parameter-balanced), 1F1B over 2np
-  micro-batches, recomputation per stage, bf16 weights, 8-bit Adam state.
+  micro-batches (np with an odd --batch), recomputation per stage, bf16 weights, 8-bit Adam state.
 * ``fsdp2``: torch's ``fully_shard`` per decoder layer and on the root, bf16 parameters and fp32
   gradient reduction (``MixedPrecisionPolicy``), the same activation checkpointing, AdamW fp32.
 * ``deepspeed``: ``deepspeed.initialize`` with ZeRO stage 3, bf16, torch's AdamW, the same checkpointing;
@@ -39,7 +42,7 @@ import torch
 
 import phalanx as px
 
-SYSTEMS = ["phalanx", "phalanx-32bit", "phalanx-pp", "fsdp2", "deepspeed"]
+SYSTEMS = ["phalanx", "phalanx-32bit", "phalanx-tp", "phalanx-pp", "fsdp2", "deepspeed"]
 
 
 def _rss() -> int:
@@ -107,7 +110,7 @@ def _wrap(system, m, batch, np_):
         stage_model = split_by_path(m, partition(m, np_, method="parameters").boundaries(m), px.rank())
         pipe = PipelineStage(stage_model, px.rank(), np_, loss_fn=_ce, checkpoint=True)
         opt = Adam8bit(stage_model.parameters(), lr=1e-4, decoupled_weight_decay=True, weight_decay=0.01)
-        m_micro = 2 * np_
+        m_micro = 2 * np_ if batch % 2 == 0 else np_  # micro-batches must split the global batch (batch·np rows)
 
         def step(x, y):
             xs = [torch.empty_like(x) for _ in range(np_)]
@@ -119,6 +122,28 @@ def _wrap(system, m, batch, np_):
                              num_microbatches=m_micro)
             opt.step()
             return float(pipe.share_loss(loss))
+
+        return step
+    if system == "phalanx-tp":
+        from phalanx.parallel.grid import RankGrid
+        from phalanx.parallel.parallelize import parallelize
+        from phalanx.parallel.tensor import vocab_parallel_cross_entropy
+
+        mesh = RankGrid(dp=np_ // 2, tp=2)
+        pm = parallelize(m, mesh, data_parallel="zero3", checkpoint=True,
+                         loss_fn=lambda out, y: vocab_parallel_cross_entropy(out.float(), y, mesh.tp_group),
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+                         zero_options={"mixed_precision": "bf16", "state_bits": 8})
+
+        def step(x, y):
+            xs = [torch.empty_like(x) for _ in range(2)]
+            ys = [torch.empty_like(y) for _ in range(2)]
+            dist.all_gather(xs, x, group=mesh.tp_group)  # a tp pair takes both ranks' rows together
+            dist.all_gather(ys, y, group=mesh.tp_group)
+            pm.optimizer.zero_grad()
+            loss = pm.step(torch.cat(xs), torch.cat(ys))
+            pm.optimizer.step()
+            return loss.item()
 
         return step
     if system == "fsdp2":

@@ -109,7 +109,7 @@ class ParallelModel(nn.Module):
 
 
 def parallelize(
-    model: nn.Sequential,
+    model: nn.Module,
     mesh: RankGrid,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -122,8 +122,15 @@ def parallelize(
     sync_init: bool = True,
     data_parallel: str = "auto",
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    zero_options: dict | None = None,
 ) -> ParallelModel:
-    """Cut ``model`` (an ``nn.Sequential`` of blocks, same weights on every rank) over ``mesh``.
+    """Cut ``model`` (an ``nn.Sequential`` of blocks, or an HF / torchtitan causal LM cut by module
+    path; same weights on every rank) over ``mesh``.
+
+    For a model that is not an ``nn.Sequential``, ``tp_plan=None`` takes the family's Megatron plan
+    (:func:`phalanx.parallel.plans.tp_plan`), the loss must be ``vocab_parallel_cross_entropy`` over
+    ``mesh.tp_group`` when tp > 1 (the logits stay cut by vocabulary), and ``checkpoint=True``
+    recomputes each block in backward.
 
     ``data_parallel`` picks what runs on the dp axis: ``"auto"`` uses
     ``phalanx.parallel.data.DataParallel`` when it is installed; ``"allreduce"``
@@ -131,7 +138,8 @@ def parallelize(
     overlap); ``"zero1"`` / ``"zero2"`` / ``"zero3"`` shard optimizer state /
     + gradients / + parameters over the dp group with :func:`phalanx.parallel.zero.zero`
     and need ``optimizer`` (a function from parameters to a torch optimizer).
-    With ``optimizer`` given, ``pm.optimizer`` is the optimizer to step.
+    With ``optimizer`` given, ``pm.optimizer`` is the optimizer to step. ``zero_options``: more
+    arguments for :func:`phalanx.parallel.zero.zero` (``mixed_precision="bf16"``, ``state_bits=8``, …).
     An interleaved schedule (several chunks per stage) averages gradients with
     the plain all-reduce under ``"auto"``: the bucketed engine reduces in the
     step's last backward, which touches only one chunk; ZeRO is refused there.
@@ -142,18 +150,27 @@ def parallelize(
     if zero_stage and optimizer is None:
         raise ValueError(f"data_parallel={data_parallel!r} shards the optimizer, so it must build it: "
                          "pass optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
+    if zero_options and not zero_stage:
+        raise ValueError(f"zero_options={zero_options!r} are for ZeRO: pass data_parallel='zero1'|'zero2'|'zero3' "
+                         f"(got {data_parallel!r})")
     if optimizer is not None and not callable(optimizer):
         raise TypeError("optimizer= must be a function from parameters to an optimizer, "
                         "e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)")
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"parallelize needs an nn.Sequential of blocks, got {type(model).__name__}")
-    if mesh.tp > 1 and not tp_plan:
+    by_path = not isinstance(model, nn.Sequential)
+    if by_path:
+        _refuse_by_path(model, mesh, schedule, tp_plan)
+    elif mesh.tp > 1 and not tp_plan:
         raise ValueError(f"mesh has tp={mesh.tp} but tp_plan is empty: pass tp_plan={{name: 'colwise'|'rowwise'|'vocab'}}")
     if mesh.ep > 1 and zero_stage:
         raise ValueError(f"data_parallel={data_parallel!r} with ep={mesh.ep} is not supported by parallelize: the "
                          "experts and the other weights reduce over different groups; use data_parallel='allreduce', "
                          "or phalanx.parallel.expert.expert_parallel for ZeRO on a dp × ep mesh")
     d, s, t = mesh.coord
+    if by_path:
+        return _parallelize_by_path(model, mesh, loss_fn=loss_fn, tp_plan=tp_plan, num_microbatches=num_microbatches,
+                                    schedule=schedule, partition_method=partition_method, checkpoint=checkpoint,
+                                    sync_init=sync_init, data_parallel=data_parallel, optimizer=optimizer,
+                                    zero_options=zero_options)
     chunks = getattr(get_schedule(schedule), "chunks", 1)
     if chunks > 1 and zero_stage and mesh.dp > 1:
         raise ValueError(f"data_parallel={data_parallel!r} with an interleaved schedule ({chunks} chunks per stage) "
@@ -192,6 +209,14 @@ def parallelize(
 
     # 4. Data parallel or ZeRO over the ranks holding the same (stage, TP shard). Last,
     #    because it must see exactly the parameters this rank keeps after steps 2 and 3.
+    return _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, experts, sync_init,
+                      zero_options)
+
+
+def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, experts, sync_init,
+               zero_options=None):
+    """Step 4: ZeRO, or the optimizer and DataParallel (or the plain per-step fallback), over dp."""
+    zero_stage = int(data_parallel[-1]) if data_parallel.startswith("zero") else 0
     if zero_stage and mesh.dp > 1:
         from phalanx.parallel.zero import zero
 
@@ -199,7 +224,8 @@ def parallelize(
         # itself; each micro-batch is one backward pass, so a step is m passes (stage 1 then
         # reduces once per step, in the last micro-batch's backward).
         _, pm.optimizer = zero(stage_module, optimizer(stage_module.parameters()), stage=zero_stage,
-                               group=mesh.dp_group, backward_passes_per_step=num_microbatches)
+                               group=mesh.dp_group, backward_passes_per_step=pm.num_microbatches,
+                               **(zero_options or {}))
         pm._grads_reduced = True
         return pm
     if optimizer is not None:
@@ -223,3 +249,42 @@ def parallelize(
                 ranks, group = (mesh.dp_ranks, mesh.dp_group) if id(p) in experts else (mesh.dense_ranks, mesh.dense_group)
                 broadcast(p.data, root_rank=ranks[0], group=group, inplace=True, name="dp.init")
     return pm
+
+
+def _refuse_by_path(model: nn.Module, mesh: RankGrid, schedule, tp_plan) -> None:
+    """What parallelize does not do to a model cut by module path, each in one line."""
+    name = type(model).__name__
+    if mesh.ep > 1:
+        raise ValueError(f"parallelize: ep={mesh.ep} on {name} (not an nn.Sequential) is not supported; "
+                         "use phalanx.parallel.expert.expert_parallel, or pass an nn.Sequential of blocks")
+    if getattr(get_schedule(schedule), "chunks", 1) > 1:
+        raise ValueError(f"parallelize: schedule={schedule!r} keeps several chunks per stage, which needs an "
+                         f"nn.Sequential; {name} is cut by module path into one stage per rank: use '1f1b' or 'gpipe'")
+    if tp_plan is not None and not isinstance(tp_plan, dict):
+        raise TypeError(f"tp_plan= must be a dict of module path -> style, got {type(tp_plan).__name__}")
+
+
+def _parallelize_by_path(model: nn.Module, mesh: RankGrid, *, loss_fn, tp_plan, num_microbatches, schedule,
+                         partition_method, checkpoint, sync_init, data_parallel, optimizer,
+                         zero_options) -> ParallelModel:
+    """:func:`parallelize` for a model that is not an ``nn.Sequential`` (HF, torchtitan): the same four
+    steps, with the family's Megatron plan (:func:`phalanx.parallel.plans.apply_tp_plan`) when
+    ``tp_plan`` is None, the pipeline cut by module path (:func:`split_by_path`) and, with
+    ``checkpoint=True``, every block recomputed (:func:`recompute_blocks`, so that ZeRO-3 gathers a
+    block's parameters again for its recompute). ``pm.module`` is the stage (a ``StageOfModel``);
+    ``pm.module.model`` the model itself, under its own parameter names."""
+    from phalanx.parallel.pipeline import recompute_blocks, split_by_path
+    from phalanx.parallel.plans import apply_tp_plan
+
+    s = mesh.coord[1]
+    plan = partition(model, mesh.pp, method=partition_method)
+    boundaries = list(broadcast_object(plan.boundaries(model), root_rank=0))
+    if mesh.tp > 1:
+        apply_tp_plan(model, mesh.tp_group, tp_plan)
+    if checkpoint:
+        recompute_blocks(model)
+    stage_module = split_by_path(model, boundaries, s)
+    stage = PipelineStage(stage_module, s, mesh.pp, ranks=mesh.pp_ranks, group=mesh.pp_group,
+                          grad_group=mesh.pp_grad_group, loss_fn=loss_fn if s == mesh.pp - 1 else None)
+    pm = ParallelModel(stage_module, stage, mesh, num_microbatches, schedule, plan.bounds)
+    return _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, 1, set(), sync_init, zero_options)

@@ -293,6 +293,9 @@ def gather_tp_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         dim = getattr(p, "tp_dim", None)
         value = values[name].detach()
+        if value.numel() and value.untyped_storage().nbytes() < value.numel() * value.element_size():
+            raise ValueError(f"gather_tp_state_dict: {name} has no storage here (ZeRO-3 frees parameters between "
+                             f"uses): pass the module px.zero wrapped, whose state_dict() gathers them")
         if dim is None or _size(group) == 1:
             out[name] = value.clone()
             continue

@@ -6,6 +6,11 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, SEQ = 64, 8
+STEPS = 5
+# GPT-2's attention has a key bias, whose gradient is zero (softmax ignores a shift along the keys):
+# Adam divides that rounding noise by its own tiny second moment, so it drifts ~1e-4 between any
+# two summation orders. It is compared loosely, every other tensor tightly.
+KEY_BIAS = "c_attn.bias"
 
 
 def hf_model(kind: str, tie: bool = True, layers: int = 2):
@@ -114,7 +119,8 @@ def batch(step: int, rows: int = 4):
 
 
 def logits(model, x):
-    out = model(x) if type(model).__name__ == "Llama3Model" else model(input_ids=x)
+    titan = type(getattr(model, "module", model)).__name__ == "Llama3Model"  # DataParallel holds it in .module
+    out = model(x) if titan else model(input_ids=x)
     return out.logits if hasattr(out, "logits") else out
 
 
@@ -131,3 +137,53 @@ def have(kind: str) -> bool:
     """transformers / torchtitan installed (found, not imported: torchtitan is imported in the ranks,
     through :func:`_import_titan`, which stands a stub in for triton where it is absent)."""
     return importlib.util.find_spec("torchtitan" if kind == "titan" else "transformers") is not None
+
+
+def recompute(model, kind: str):
+    """Every block recomputed in backward: HF's own switch, torchtitan through phalanx's ``recompute_blocks``."""
+    if kind == "titan":
+        from phalanx.parallel.pipeline import recompute_blocks
+
+        return recompute_blocks(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+FIRST_NORM = {"gpt2": "transformer.h.0.ln_1", "llama": "model.layers.0.input_layernorm", "titan": "layers.0.attention_norm"}
+
+
+def count_block_forwards(model, kind: str) -> list:
+    """A list that grows by one each time block 0 runs its forward (twice a step when recomputed)."""
+    calls = []
+    model.get_submodule(FIRST_NORM[kind]).register_forward_pre_hook(lambda mod, args: calls.append(1))
+    return calls
+
+
+def my_rows(t):
+    import phalanx as px
+
+    return t.chunk(px.size())[px.rank()]
+
+
+def train(model, opt, steps, rows=4, sharded=True):
+    """One Adam step per batch in ``steps``; ``sharded``: this rank's rows of it. The local losses."""
+    losses = []
+    for s in steps:
+        x, y = batch(s, rows)
+        if sharded:
+            x, y = my_rows(x), my_rows(y)
+        opt.zero_grad()
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def global_mean(losses, group=None):
+    """The mean over ranks of each step's loss (the full batch's loss: equal parts)."""
+    import torch.distributed as dist
+
+    t = torch.stack(losses)
+    dist.all_reduce(t, group=group)
+    return (t / dist.get_world_size(group)).tolist()

@@ -1,8 +1,11 @@
-"""Combinations on a 2 x 2 grid of real ranks, HF Llama, against one process: ZeRO-3 over the dp
-pairs composed with Megatron tensor parallel over the tp pairs (tied embedding and head), with
-per-block recomputation, in fp32 and 8-bit Adam state, and the run's checkpoint (gathered over both
-axes) loaded at world size 1, tp 1, giving the same next-step loss; ZeRO-1, 2 and 3 over the dp pairs
-composed with a pipeline cut by module path over the pp pairs, each stage recomputed.
+"""Combinations on a 2 x 2 grid of real ranks against one process: ZeRO-3 over the dp pairs composed
+with Megatron tensor parallel over the tp pairs (HF Llama tied, fp32 and 8-bit Adam state; torchtitan's
+Llama), each block recomputed, the run's checkpoint (gathered over both axes) loaded at world 1;
+ZeRO-1, 2 and 3 over the dp pairs with a pipeline cut by module path over the pp pairs (HF Llama;
+torchtitan ZeRO-3); ``parallelize()`` taking an HF model in one call (GPT-2 tied, dp 2 x tp 2, ZeRO-3,
+recomputed; HF Llama, pp 2 x tp 2); checkpoints across layouts: trained at tp 2 and loaded at world 1,
+under ZeRO-3 at dp 2 and (untied) as a 2-stage pipeline, the same next-step loss; ZeRO-3 saved at
+world 4 and continued at world 2 (parameters and moments), the same next two losses.
 
 One spawned group of 4 ranks runs every check (module fixture); each check is its own test below.
 """
@@ -13,10 +16,23 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hf_models import batch, hf_model, lm_loss, logits, max_diff
+from hf_models import (
+    KEY_BIAS,
+    batch,
+    count_block_forwards,
+    global_mean,
+    have,
+    lm_loss,
+    logits,
+    make,
+    max_diff,
+    recompute,
+    train,
+)
 
 import phalanx as px
 from phalanx.parallel.grid import RankGrid
+from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.pipeline import PipelineStage, partition, split_by_path
 from phalanx.parallel.plans import apply_tp_plan
 from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
@@ -38,10 +54,10 @@ def _groups():
     return r // 2, dp[r % 2], tp[r // 2]
 
 
-def _zero3_tp(state_bits: int):
+def _zero3_tp(state_bits: int, kind: str = "llama"):
     """ZeRO-3 (dp 2) x TP (tp 2) + recomputation: 3 steps of Adam on the dp half of the batch."""
     d, dp_group, tp_group = _groups()
-    m = hf_model("llama")
+    m = make(kind)
     ref = copy.deepcopy(m)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     ref_losses = []
@@ -52,8 +68,9 @@ def _zero3_tp(state_bits: int):
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recompute(m, kind)
     apply_tp_plan(m, tp_group)
+    calls = count_block_forwards(m, kind)
     model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=3, group=dp_group, state_bits=state_bits)
     losses = []
     for s in range(STEPS):
@@ -70,12 +87,12 @@ def _zero3_tp(state_bits: int):
     # the checkpoint at another layout: world 1, tp 1, the plain model
     x, y = batch(STEPS)
     nxt = vocab_parallel_cross_entropy(logits(model, x), y, tp_group).item()
-    plain = hf_model("llama")
+    plain = make(kind)
     plain.load_state_dict(full, strict=False)
-    tied = plain.lm_head.weight is plain.get_input_embeddings().weight
+    tied = kind != "titan" and plain.lm_head.weight is plain.get_input_embeddings().weight
     rsd = {k: v for k, v in ref.state_dict().items() if k in full}  # the tied head is the embedding
     return {"losses": losses, "ref": ref_losses, "diff": max_diff(full, rsd),
-            "next": nxt, "reloaded_world1": lm_loss(plain, x, y).item(), "tied": tied,
+            "next": nxt, "reloaded_world1": lm_loss(plain, x, y).item(), "tied": tied, "block_forwards": len(calls),
             "keys_missing": sorted(set(ref.state_dict()) - set(full) - {"lm_head.weight"})}
 
 
@@ -83,12 +100,12 @@ def _ce(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def _zero_pp(stage: int):
+def _zero_pp(stage: int, kind: str = "llama"):
     """ZeRO-``stage`` (dp 2) x a pipeline cut by module path (pp 2, 1F1B over 2 micro-batches, each
     stage recomputed in backward): 3 steps of Adam against one process, this stage's tensors."""
     mesh = RankGrid(dp=2, pp=2)
     d, s, _ = mesh.coord
-    m = hf_model("llama", tie=False, layers=4)
+    m = make(kind, tie=False, layers=4)
     ref = copy.deepcopy(m)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for step in range(STEPS):
@@ -112,10 +129,128 @@ def _zero_pp(stage: int):
     return {"diff": max_diff(sd, {k: rsd[k] for k in sd}), "keys": len(sd)}
 
 
+def _conv_keys(model):
+    """HF GPT-2's Conv1D weights ([in, out]; tensor parallel stores them as linear layers, [out, in])."""
+    return {f"{n}.weight" for n, mod in model.named_modules() if type(mod).__name__ == "Conv1D"}
+
+
+def _ref_losses(kind, tie, layers, steps=STEPS):
+    ref = make(kind, tie=tie, layers=layers)
+    losses = train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(steps), sharded=False)
+    return [float(v) for v in losses], ref
+
+
+def _parallelize(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint):
+    """parallelize() on the HF model in one call, against one process: each step's loss and the
+    parameters (gathered over tp; under pp this stage's)."""
+    ref_losses, ref = _ref_losses(kind, tie, layers)
+    mesh = RankGrid(dp=dp, pp=pp, tp=tp)
+    d = mesh.coord[0]
+
+    def loss_fn(out, y):
+        return vocab_parallel_cross_entropy(out, y, mesh.tp_group)
+
+    pm = parallelize(make(kind, tie=tie, layers=layers), mesh, loss_fn=loss_fn, num_microbatches=2,
+                     data_parallel=data_parallel, checkpoint=checkpoint,
+                     optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
+    calls = count_block_forwards(pm.module.model, kind) if mesh.coord[1] == 0 else []
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        pm.optimizer.zero_grad()
+        losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
+        pm.optimizer.step()
+    model = pm.module.model
+    # on the stage module, ZeRO-3's root: it gathers its shards for state_dict() there
+    full, rsd, conv = gather_tp_state_dict(pm.module, mesh.tp_group), ref.state_dict(), _conv_keys(ref)
+    full = {k.removeprefix("model."): (v.t() if k.removeprefix("model.") in conv else v) for k, v in full.items()}
+    own = [k for k, _ in model.named_parameters()]  # other stages' modules hold none
+    return {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
+            "block_forwards": len(calls), "keys": len(own),
+            "tied": tie and model.lm_head.weight is model.get_input_embeddings().weight}
+
+
+def _tp_then_other_layouts(kind, tie, layers):
+    """Trained 3 steps at tp 2 (each tp pair the whole batch); its gathered checkpoint loaded at
+    world 1, under ZeRO-3 over the dp pairs (world 2) and, untied, as a pipeline of 2 stages over
+    the pp pairs: each gives the same next-step loss as the tp-2 run."""
+    mesh = RankGrid(dp=2, tp=2)
+    m = apply_tp_plan(make(kind, tie=tie, layers=layers), mesh.tp_group)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for step in range(STEPS):  # tp: every rank of a pair the whole batch
+        x, y = batch(step)
+        opt.zero_grad()
+        vocab_parallel_cross_entropy(logits(m, x), y, mesh.tp_group).backward()
+        opt.step()
+    conv = _conv_keys(make(kind, tie=tie, layers=layers))
+    full = {k: (v.t() if k in conv else v) for k, v in gather_tp_state_dict(m, mesh.tp_group).items()}
+    x, y = batch(STEPS)
+    out = {"tp2": vocab_parallel_cross_entropy(logits(m, x), y, mesh.tp_group).item()}
+    plain = make(kind, tie=tie, layers=layers)
+    plain.load_state_dict(full, strict=False)
+    out["world1"] = lm_loss(plain, x, y).item()
+    z = make(kind, tie=tie, layers=layers)
+    z.load_state_dict(full, strict=False)
+    z, _ = zero(z, torch.optim.Adam(z.parameters(), lr=1e-2), stage=3, group=mesh.dp_group)
+    d = mesh.coord[0]
+    out["zero3 dp2"] = global_mean([lm_loss(z, x.chunk(2)[d], y.chunk(2)[d]).detach()], mesh.dp_group)[0]
+    if not tie:
+        pp = RankGrid(dp=2, pp=2)
+        whole = make(kind, tie=tie, layers=layers)
+        whole.load_state_dict(full, strict=False)
+        s = pp.coord[1]
+        piece = split_by_path(whole, partition(whole, 2, method="parameters").boundaries(whole), s)
+        pipe = PipelineStage(piece, s, 2, ranks=pp.pp_ranks, group=pp.pp_group, grad_group=pp.pp_grad_group,
+                             loss_fn=_ce)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
+        out["pp2"] = float(pipe.share_loss(loss))
+    return out
+
+
+def _zero3_four_to_two(kind):
+    """ZeRO-3 state (parameters and Adam's moments) saved at world 4, loaded at world 2 (each pair of
+    ranks its own run): the next two steps' losses equal the world-4 run's."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    m = make(kind)
+    model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=3)
+    train(model, opt, range(STEPS))
+    full = model.state_dict()
+    shards = [None] * px.size()
+    dist.all_gather_object(shards, opt.sharded_state_dict())
+    world4 = global_mean(train(model, opt, range(STEPS, STEPS + 2)))
+    pair = pairs[px.rank() // 2]
+    m2 = make(kind)
+    model2, opt2 = zero(m2, torch.optim.Adam(m2.parameters(), lr=1e-2), stage=3, group=pair)
+    model2.load_state_dict(full)
+    opt2.load_sharded_state_dict(shards)
+    losses = []
+    for step in range(STEPS, STEPS + 2):
+        x, y = batch(step)
+        x, y = x.chunk(2)[px.rank() % 2], y.chunk(2)[px.rank() % 2]
+        opt2.zero_grad()
+        loss = lm_loss(model2, x, y)
+        loss.backward()
+        opt2.step()
+        losses.append(loss.detach())
+    return {"world4": world4, "world2": global_mean(losses, pair)}
+
+
 def _all_checks():
     out = {"zero3 tp fp32": _zero3_tp(32), "zero3 tp 8bit": _zero3_tp(8)}
+    if have("titan"):
+        out["zero3 tp titan"] = _zero3_tp(32, "titan")
+    out["parallelize gpt2 dp2 tp2 zero3"] = _parallelize("gpt2", True, 2, dp=2, pp=1, tp=2, data_parallel="zero3",
+                                                         checkpoint=True)
+    out["parallelize llama pp2 tp2"] = _parallelize("llama", False, 4, dp=1, pp=2, tp=2, data_parallel="auto",
+                                                    checkpoint=False)
+    out["layouts llama"] = _tp_then_other_layouts("llama", False, 4)
+    out["layouts gpt2 tied"] = _tp_then_other_layouts("gpt2", True, 2)
+    for kind in ("llama", "gpt2"):
+        out[f"zero3 4->2 {kind}"] = _zero3_four_to_two(kind)
     for stage in (1, 2, 3):
         out[f"zero{stage} pp"] = _zero_pp(stage)
+    if have("titan"):
+        out["zero3 pp titan"] = _zero_pp(3, "titan")
     return out
 
 
@@ -133,10 +268,11 @@ def test_zero3_with_tensor_parallel_on_2x2_matches_one_process(grid):
         assert r["diff"] < 5e-5, r
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, pytest.param("3 titan", marks=pytest.mark.skipif(
+    not have("titan"), reason="torchtitan is not installed (pip install torchtitan)"))])
 def test_zero_with_pipeline_on_2x2_matches_one_process(stage, grid):
     for res in grid:
-        r = res[f"zero{stage} pp"]
+        r = res[f"zero{stage} pp" if stage != "3 titan" else "zero3 pp titan"]
         assert r["keys"] > 0 and r["diff"] < 5e-5, r
 
 
@@ -157,3 +293,42 @@ def test_eight_bit_state_under_zero3_and_tp_follows_fp32(grid):
         # the two runs' parameters stay within 2 x STEPS x lr (a quantized second moment that
         # underflowed to 0 in a block of ZeRO's flat shard moved one element by 15 before that bound)
         assert r["diff"] <= 2 * STEPS * 1e-2 * 1.001, r["diff"]
+
+
+@pytest.mark.skipif(not have("titan"), reason="torchtitan is not installed (pip install torchtitan)")
+def test_zero3_with_tensor_parallel_on_torchtitan_matches_one_process(grid):
+    for res in grid:
+        r = res["zero3 tp titan"]
+        assert not r["keys_missing"], r
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert r["diff"] < 5e-5, r
+        assert r["block_forwards"] == 2 * STEPS + 1, r  # recomputed: twice a step; once in the next loss
+        assert r["reloaded_world1"] == pytest.approx(r["next"], rel=1e-5), r
+
+
+def test_parallelize_takes_an_hf_model_in_one_call(grid):
+    """GPT-2 (tied) over dp 2 x tp 2 with ZeRO-3 and recomputation; HF Llama over pp 2 x tp 2."""
+    for res in grid:
+        for key, forwards in (("parallelize gpt2 dp2 tp2 zero3", STEPS * 2 * 2), ("parallelize llama pp2 tp2", None)):
+            r = res[key]
+            assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), (key, r)
+            assert r["keys"] > 0 and r["diff"] < 5e-5, (key, r)
+            if forwards is not None:  # 3 steps x 2 micro-batches, each block run twice
+                assert r["block_forwards"] == forwards and r["tied"], (key, r)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2 tied"])
+def test_checkpoint_saved_at_tp2_loads_at_other_layouts(kind, grid):
+    """tp 2 -> world 1, -> ZeRO-3 at dp 2, and (untied) -> pp 2: the same next-step loss."""
+    for res in grid:
+        r = res[f"layouts {kind}"]
+        assert set(r) == {"tp2", "world1", "zero3 dp2"} | ({"pp2"} if kind == "llama" else set()), r
+        for layout, loss in r.items():
+            assert loss == pytest.approx(r["tp2"], rel=1e-5), (layout, r)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_zero3_checkpoint_saved_at_4_continues_at_2(kind, grid):
+    for res in grid:
+        r = res[f"zero3 4->2 {kind}"]
+        assert r["world2"] == pytest.approx(r["world4"], rel=1e-4), r  # same parameters and moments, other sums

@@ -17,6 +17,7 @@ from phalanx.parallel.pipeline.by_path import (
     StageOfModel,
     Zeros,
     find_blocks,
+    recompute_blocks,
     split_by_path,
 )
 from phalanx.parallel.pipeline.partition import (
@@ -44,6 +45,7 @@ from phalanx.parallel.pipeline.stage import PipelineStage, Span, StageLink
 __all__ = [
     "split_by_path",
     "find_blocks",
+    "recompute_blocks",
     "StageOfModel",
     "PassThrough",
     "Zeros",

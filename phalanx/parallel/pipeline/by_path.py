@@ -31,13 +31,15 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "path_costs"]
+__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "path_costs", "recompute_blocks"]
 
 
 class PassThrough(nn.Module):
@@ -68,6 +70,27 @@ def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
                         "of blocks to split; pass an nn.Sequential or a list of blocks")
     name, stack = best
     return name, [f"{name}.{k}" if name else k for k, _ in stack.named_children()]
+
+
+def _recomputed(forward, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def recompute_blocks(model: nn.Module) -> nn.Module:
+    """Each block of ``model``'s stack recomputed in backward (per-block activation checkpointing,
+    Chen et al. 2016, arXiv:1604.06174; non-reentrant ``torch.utils.checkpoint``), in place.
+
+    The block's ``forward`` is wrapped on the instance, so module paths and state-dict keys stay
+    as they were and the block's own hooks (ZeRO-3 gathers its parameters in them) run outside the
+    recomputed region, once in forward and again when backward recomputes it. For a model with no
+    switch of its own (torchtitan); HF models have ``gradient_checkpointing_enable()``.
+    """
+    _, blocks = find_blocks(model)
+    for b in blocks:
+        block = model.get_submodule(b)
+        if not isinstance(block.forward, functools.partial):  # twice is once
+            block.forward = functools.partial(_recomputed, block.forward)
+    return model
 
 
 def _outer_modules(model: nn.Module, stack: str) -> tuple[list[str], list[str]]:
