@@ -13,7 +13,9 @@ number of steps (max abs difference; a lost or twice-applied step shows as a lar
 
 Runners (each with its own defaults; the collective timeout is --timeout for all three):
   phalanx   `phalanx run -np N --min-np 1 --max-np N --max-restarts 100` (in-process elastic),
-            phalanx.elastic TorchState + run, px.DataParallel, state.commit() every --commit-every steps.
+            phalanx.elastic TorchState(recover=--recover) + run, px.DataParallel, state.commit() every
+            --commit-every steps (recover="live": no copy per commit, the vote waited one commit later,
+            rank 0's snapshot every --snapshot-every commits in the background).
             Added worker: -np N-1 and a --host-discovery-script whose slots go from N-1 to N.
   torchft   one replica group of one process per worker, each under its own `torchrun --max-restarts 100`
             (torchft's README), the `torchft_lighthouse` it ships (--min_replicas 1), Manager(ProcessGroupGloo,
@@ -24,7 +26,11 @@ Runners (each with its own defaults; the collective timeout is --timeout for all
             Added worker: two agents on a c10d rendezvous (--nnodes 1:2, last_call_timeout 1 s): N-1
             processes, then an agent of 1 joins, and every worker restarts from the checkpoint.
   ddp       plain torch DDP under torchrun, no checkpoints: the fault-free baseline of the step time.
-  phalanx-file  (steady state only) phalanx with TorchState(snapshot_every=1): the commit's file every step.
+  phalanx-file  (steady state only) phalanx with TorchState(snapshot_every=1, recover="commit"): a copy in
+            memory and the commit's file every step (every rank writes its part).
+  phalanx-copy  (steady state only) phalanx with recover="commit": the commit's copy in memory every step,
+            the file every --snapshot-every commits (the default before recover="live").
+  phalanx-plain (steady state only) px.DataParallel with no commit at all: DataParallel's own cost.
   torchft-ar    torchft without its DDP wrapper: the Manager's own allreduce of one flat gradient (the
             wrapper's survivor fails here, see the torchft rows).
 
@@ -121,7 +127,8 @@ WORKER = textwrap.dedent('''
         net = make()
         opt = optimizer(net)
         model = px.DataParallel(net)
-        state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"])
+        state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"],
+                              recover=A["recover"])
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         log("start", rank=px.rank(), size=px.size())
 
@@ -135,7 +142,7 @@ WORKER = textwrap.dedent('''
                 opt.step()
                 state.step += 1
                 log("step", step=state.step, rank=px.rank(), size=px.size(), key=[restart, inprocess.generation()])
-                if state.step % A["commit_every"] == 0:
+                if A["commit_every"] and state.step % A["commit_every"] == 0:
                     state.commit()
 
         train(state)
@@ -252,8 +259,10 @@ class Job:
         with open(self.script, "w") as f:
             f.write(WORKER)
         self.args = json.dumps({"batch": a.batch, "steps": a.max_steps, "timeout": a.timeout,
-                                "commit_every": a.commit_every, "ckpt_every": a.ckpt_every,
+                                "ckpt_every": a.ckpt_every,
                                 "snapshot_every": 1 if runner == "phalanx-file" else a.snapshot_every,
+                                "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
+                                "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
                                 "ft_ddp": runner == "torchft"})
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
@@ -481,6 +490,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch", type=int, default=48, help="global batch (split over the workers)")
     p.add_argument("--commit-every", type=int, default=1, help="phalanx: state.commit() every N steps")
+    p.add_argument("--recover", default="live", choices=("live", "commit"),
+                   help="phalanx: TorchState(recover=...): survivors go on from the live state (no copy per "
+                        "commit) or roll back to the last commit's copy in memory (default live)")
     p.add_argument("--snapshot-every", type=int, default=10,
                    help="phalanx: TorchState(snapshot_every=N): the commit's file every N commits (memory: each)")
     p.add_argument("--torchft-ddp-np", default="2",
@@ -516,7 +528,7 @@ def main() -> None:
     t_all = time.time()
     saved = {"steady_steps": a.steady_steps}
     a.max_steps, saved_max = a.steady_steps, a.max_steps
-    steady = [*runners, *(["phalanx-file"] if "phalanx" in runners else [])]
+    steady = [*runners, *(["phalanx-plain", "phalanx-copy", "phalanx-file"] if "phalanx" in runners else [])]
     for rep in range(a.repeats):   # steady state: fault-free runs, paired with plain DDP
         for n in sizes:
             order = ["ddp", *steady] if rep % 2 == 0 else [*reversed(steady), "ddp"]
@@ -587,7 +599,7 @@ def main() -> None:
             print(f"np {n} {r:<8} {summary(ratios)} (ddp step {statistics.median(ddp) * 1e3 if ddp else 0:.1f} ms; "
                   f"fault-free max|dp| {max(diffs) if diffs else float('nan'):.1e})")
     doc = {"bench": "fault_tolerance", "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
-           "snapshot_every": a.snapshot_every,
+           "snapshot_every": a.snapshot_every, "recover": a.recover,
            "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,
            "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "out"}
                     for r in results]}

@@ -95,7 +95,11 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
     while True:
         reform = None
         try:
-            return func(state, *args, **kwargs)
+            result = func(state, *args, **kwargs)
+            finish = getattr(state, "finish", None)  # a TorchState's background snapshot in flight
+            if callable(finish):
+                finish()
+            return result
         except inprocess.MembershipChanged as err:  # (HostsUpdatedInterrupt is one)
             if err.reform:  # raised by a commit: the launcher admitted or removed workers; all re-form here
                 reform = "workers joining or leaving at a commit"

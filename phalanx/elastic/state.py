@@ -27,19 +27,24 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import types
 import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from phalanx import runtime
+from phalanx.checkpoint.async_save import CheckpointWriteError
 from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.pieces import is_gathered, is_stateful
+from phalanx.checkpoint.sharded import wait as checkpoint_wait
 from phalanx.comm.collectives import allgather_object, broadcast, broadcast_object
 from phalanx.log import get_logger
 from phalanx.settings import CheckpointSettings, ElasticSettings
 
-__all__ = ["State", "TorchState", "default_commit_dir", "live_topology"]
+__all__ = ["State", "TorchState", "default_commit_dir", "live_topology", "RECOVER"]
+
+RECOVER = ("commit", "live")  # TorchState(recover=...): what the survivors of a lost worker go on from
 
 log = get_logger(__name__)
 
@@ -104,6 +109,19 @@ class TorchState:
     restore from memory, so a commit every step costs a state copy, not a file; the snapshot is
     for a group restart (every worker lost, a re-form that fails), which then resumes up to N-1
     commits earlier. A preemption's commit is always written.
+    ``recover``: what the survivors of a lost worker go on from under in-process elastic.
+    ``"commit"`` (default, Horovod's): the last commit, a copy of the state every ``commit()`` keeps
+    in memory. ``"live"``: the state the new rank 0 holds when the loss is noticed, no copy at all
+    (torchft's model): a step is applied whole or not at all on each rank, because a failed
+    collective raises before ``optimizer.step()`` applies the gradients it was reducing (a rank
+    whose allreduce completed got every rank's part), and ``sync()`` gives every member rank 0's
+    state, so the members agree again and no step is lost or applied twice. A commit then costs
+    one small allreduce, started at the commit and waited for at the next one (the membership
+    vote, acted on one commit later), and every ``snapshot_every``-th commit a snapshot rank 0
+    writes by itself in the background (for a group restart: one file set, no cross-rank wait).
+    It needs a training loop that changes the state only through whole steps between
+    collectives (the usual forward, backward, ``optimizer.step()``, counters), and no sharded
+    piece (ZeRO re-forms by a group restart either way).
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
@@ -111,15 +129,27 @@ class TorchState:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *,
                  commit_dir: str | None = None, keep: int = 2, topology=None, snapshot_every: int = 1,
-                 **extras: Any) -> None:
+                 recover: str = "commit", **extras: Any) -> None:
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"TorchState(snapshot_every={snapshot_every!r}): give a whole number of commits >= 1 "
                              "(1: a snapshot at every commit)")
+        if recover not in RECOVER:
+            raise ValueError(f"TorchState(recover={recover!r}): give 'commit' (roll back to the last commit) or "
+                             "'live' (go on from the new rank 0's state, no copy per commit)")
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
+        if recover == "live" and self.sharded():
+            raise ValueError(f"TorchState(recover='live'): the pieces {', '.join(self.sharded())} are sharded "
+                             "(ZeRO), which only a group restart from a commit recovers; give recover='commit'")
+        object.__setattr__(self, "_live", recover == "live")
+        object.__setattr__(self, "_synced", False)  # (live) this process holds the job's state: sync() ran
         object.__setattr__(self, "commit_dir", _own_commit_dir(self, commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
+        # (live) rank 0's snapshots, written alone: a job of one process, as a restarted group loads any
+        # world size's; one save in flight, in the background (phalanx.checkpoint's writer)
+        alone = types.SimpleNamespace(rank=0, size=1, timeout_s=runtime.DEFAULT_TIMEOUT_S)
+        object.__setattr__(self, "_alone", CheckpointManager(self.commit_dir, keep=keep, topology=alone))
         object.__setattr__(self, "_memory", None)
         object.__setattr__(self, "_commit_count", 0)
         object.__setattr__(self, "_snapshot_every", snapshot_every)
@@ -169,6 +199,9 @@ class TorchState:
         object.__setattr__(self, "_commit_count", self._commit_count + 1)
         if self._world is None:  # committed without a sync(): record the size this state belongs to
             object.__setattr__(self, "_world", _size(self._topology))
+        if self._live:
+            self._commit_live()
+            return
         self.remember()
         from phalanx.elastic import inprocess, preempt
 
@@ -188,6 +221,45 @@ class TorchState:
         if changed is not None:
             raise changed
 
+    def _commit_live(self) -> None:
+        """recover='live': the vote (waited for at the next commit), a background snapshot when due."""
+        from phalanx.elastic import inprocess, preempt
+
+        changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
+        due = not inprocess.active() or self._commit_count % self._snapshot_every == 0
+        if due:
+            self._snapshot_alone(async_=True)
+        preempt.at_commit(lambda: self._snapshot_alone(async_=False), self.commit_dir, reduced)
+        if changed is not None:
+            raise changed
+
+    def _snapshot_alone(self, *, async_: bool) -> str:
+        """(live) Rank 0 writes the state as a job of one process; the others write nothing."""
+        path = self._alone.path(self._commit_count)
+        topology = live_topology(self._topology)
+        if topology is not None and topology.rank != 0:
+            return path
+        try:
+            return self._alone.save(self._commit_count, self.pieces(), async_=async_,
+                                    fsync=not self.commit_dir.startswith("/dev/shm"))
+        except (CheckpointWriteError, FileExistsError, OSError) as err:
+            # a snapshot is the fallback of a group restart: training goes on without this one
+            log.warning("elastic snapshot of commit %d not written (%s: %s)", self._commit_count,
+                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            if not async_:
+                raise
+            return path
+
+    def finish(self) -> None:
+        """Wait for the background snapshot in flight (recover='live'; ``elastic.run`` calls this when
+        the training function returns), so the last one is complete before the process exits."""
+        if not self._live:
+            return
+        try:
+            checkpoint_wait(topology=self._alone.topology)
+        except CheckpointWriteError as err:
+            log.warning("elastic snapshot: %s", err)
+
     def remember(self) -> None:
         """Keep the state as it is now in memory, as the point :meth:`restore` returns to (no snapshot,
         no commit counted); ``commit()`` does this and more."""
@@ -197,7 +269,10 @@ class TorchState:
         object.__setattr__(self, "_memory", snapshot)
 
     def restore(self) -> bool:
-        """Roll back to the last commit: from memory if this process made it, else from the snapshot."""
+        """Roll back to the last commit: from memory if this process made it, else from the snapshot.
+        recover='live': a process that holds the job's state (it synced) keeps it as it is."""
+        if self._live and self._synced:
+            return True
         if self._memory is not None:
             for k, v in self._pieces.items():
                 if is_gathered(v):  # ZeRO: each rank kept its own shard; load from all of them
@@ -215,7 +290,14 @@ class TorchState:
     def _load_latest(self) -> bool:
         """The last snapshot on disk, if any (what a restarted group, or a generation of newcomers, resumes)."""
         live = self.pieces()
-        path = self._manager.load_latest(live)
+        if self._live:  # rank 0 wrote them alone: every process reads them alone, no cross-rank wait
+            try:
+                path = self._alone.load_latest(live)
+            except CheckpointWriteError as err:  # this process's last background snapshot failed
+                log.warning("elastic snapshot: %s", err)
+                path = self._alone.load_latest(live)
+        else:
+            path = self._manager.load_latest(live)
         if path is None:
             return False
         object.__setattr__(self, "_commit_count", live.pop("_commits"))
@@ -233,12 +315,14 @@ class TorchState:
         from rank 0's fresh one: the job goes on from where it was, nothing is lost.
         """
         topology = live_topology(self._topology)
-        held = self._memory is not None or self.restored_from is not None
+        held = self._memory is not None or self.restored_from is not None or (self._live and self._synced)
+        object.__setattr__(self, "_synced", False)
         anyone = any(allgather_object(held)) if topology is not None and topology.size > 1 else held
         if not anyone:  # (every rank asks: a collective)
             if self._load_latest():
                 log.warning("no member held the state: resumed commit %d from %s", self._commit_count, self.restored_from)
         if topology is None or topology.size == 1:
+            object.__setattr__(self, "_synced", True)
             self._reset_samplers()
             self._world_changed(1)
             return
@@ -263,6 +347,7 @@ class TorchState:
         commits, world = broadcast_object((self._commit_count, self._world), root_rank=0)
         object.__setattr__(self, "_commit_count", commits)
         object.__setattr__(self, "_world", world)
+        object.__setattr__(self, "_synced", True)  # (a sync cut short leaves a mix: restore() reads the file)
         self._reset_samplers()
         self._world_changed(topology.size)
 
