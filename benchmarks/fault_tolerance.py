@@ -132,8 +132,30 @@ WORKER = textwrap.dedent('''
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         log("start", rank=px.rank(), size=px.size())
 
+        if MODE == "phalanx-ab":   # windows of the same job: no commit / live commits / copying commits
+            copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
+                                    snapshot_every=A["snapshot_every"], recover="commit")
+            modes = {"none": None, "live": state, "copy": copying}
+
         @el.run
         def train(state):
+            if MODE == "phalanx-ab":
+                names = list(modes)
+                for w in range(A["ab_rounds"] * len(names)):
+                    name = names[(w + w // len(names)) % len(names)]   # the order rotates every round
+                    t = time.perf_counter()
+                    for _ in range(A["ab_window"]):
+                        x, y = batch(state.step, px.rank(), px.size())
+                        opt.zero_grad()
+                        nn.functional.cross_entropy(model(x), y).backward()
+                        opt.step()
+                        state.step += 1
+                        if modes[name] is not None:
+                            modes[name].step = state.step
+                            modes[name].commit()
+                    if px.rank() == 0 and w >= len(names):   # the first round warms up
+                        log("window", mode=name, round=w // len(names), s=time.perf_counter() - t)
+                return
             while state.step < stop_at():
                 check_raise(state.step)
                 x, y = batch(state.step, px.rank(), px.size())
@@ -263,7 +285,7 @@ class Job:
                                 "snapshot_every": 1 if runner == "phalanx-file" else a.snapshot_every,
                                 "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
                                 "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
-                                "ft_ddp": runner == "torchft"})
+                                "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window})
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
         if runner.startswith("phalanx"):
@@ -504,6 +526,10 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s), all runners")
     p.add_argument("--bound", type=float, default=45.0, help="seconds to wait for a recovery")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="phalanx's commit cost inside one job: R rounds of three windows (no commit, live "
+                        "commits, copying commits; order rotating), paired per round (default 0: not run)")
+    p.add_argument("--ab-window", type=int, default=20, help="steps per window of --ab-rounds")
     p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR (new)")
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     a = p.parse_args()
@@ -541,6 +567,20 @@ def main() -> None:
                                 "out": os.path.join(root, f"ff-{r}-{n}-{rep}")})
                 print(f"fault-free {r} np {n}: step {results[-1]['step_s']}", flush=True)
     a.max_steps = saved_max
+    ab = {}
+    if a.ab_rounds:   # the commit's cost against the same job's own steps, window by window
+        for n in sizes:
+            info = one_run("phalanx-ab", n, None, a, os.path.join(root, f"ab-{n}"))
+            wins = [r for r in info["rows"] if r["what"] == "window"]
+            ab[n] = {}
+            for mode in ("live", "copy"):
+                ratios = []
+                for rnd in sorted({r["round"] for r in wins}):
+                    got = {r["mode"]: r["s"] for r in wins if r["round"] == rnd}
+                    if mode in got and "none" in got:
+                        ratios.append(got[mode] / got["none"])
+                ab[n][mode] = ratios
+            print(f"ab np {n}: " + json.dumps({m: summary(v) for m, v in ab[n].items()}), flush=True)
     for rep in range(a.repeats):
         for n in sizes:
             for f in faults:
@@ -598,7 +638,15 @@ def main() -> None:
                    and x["step_s"]]
             print(f"np {n} {r:<8} {summary(ratios)} (ddp step {statistics.median(ddp) * 1e3 if ddp else 0:.1f} ms; "
                   f"fault-free max|dp| {max(diffs) if diffs else float('nan'):.1e})")
-    doc = {"bench": "fault_tolerance", "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
+    if ab:
+        print(f"\ncommit cost inside one job ({a.ab_rounds} rounds of {a.ab_window}-step windows, order rotating): "
+              "window time / the same round's window without commits")
+        for n, by in ab.items():
+            none_ms = [r["s"] / a.ab_window * 1e3 for r in rows(os.path.join(root, f"ab-{n}"))
+                       if r["what"] == "window" and r["mode"] == "none"]
+            print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by['copy'])} "
+                  f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms)")
+    doc = {"bench": "fault_tolerance", "ab": {str(n): by for n, by in ab.items()}, "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
            "snapshot_every": a.snapshot_every, "recover": a.recover,
            "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,
            "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "out"}
