@@ -526,6 +526,10 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s), all runners")
     p.add_argument("--bound", type=float, default=45.0, help="seconds to wait for a recovery")
+    p.add_argument("--steady-repeats", type=int, default=None,
+                   help="repeats of the fault-free runs (default: --repeats)")
+    p.add_argument("--steady-extras", action="store_true",
+                   help="also the fault-free phalanx-plain, phalanx-copy and phalanx-file runs")
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="phalanx's commit cost inside one job: R rounds of three windows (no commit, live "
                         "commits, copying commits; order rotating), paired per round (default 0: not run)")
@@ -554,8 +558,10 @@ def main() -> None:
     t_all = time.time()
     saved = {"steady_steps": a.steady_steps}
     a.max_steps, saved_max = a.steady_steps, a.max_steps
-    steady = [*runners, *(["phalanx-plain", "phalanx-copy", "phalanx-file"] if "phalanx" in runners else [])]
-    for rep in range(a.repeats):   # steady state: fault-free runs, paired with plain DDP
+    steady = [*runners, *(["phalanx-plain", "phalanx-copy", "phalanx-file"]
+                          if "phalanx" in runners and a.steady_extras else [])]
+    steady_repeats = a.repeats if a.steady_repeats is None else a.steady_repeats
+    for rep in range(steady_repeats):   # steady state: fault-free runs, paired with plain DDP
         for n in sizes:
             order = ["ddp", *steady] if rep % 2 == 0 else [*reversed(steady), "ddp"]
             for r in order:
@@ -626,7 +632,7 @@ def main() -> None:
     for n in sizes:
         for r in steady:
             ratios, diffs = [], []
-            for rep in range(a.repeats):
+            for rep in range(steady_repeats):
                 mine = [x for x in results if x["fault"] is None and x["runner"] == r and x["np"] == n
                         and x["repeat"] == rep]
                 base = [x for x in results if x["fault"] is None and x["runner"] == "ddp" and x["np"] == n
