@@ -13,6 +13,10 @@ asks the store (rank 0, one broadcast) whether workers join or leave.
     survivors re-form (or the agent restarts all) -> restore() the commit at step 6
     steps lost = 8 - 6 (at most the commit interval)
 
+``TorchState(recover="live")`` keeps no copy: the survivors go on from the new rank 0's live state
+(a step is applied whole or not at all; torchft's model), the commit's vote is waited one commit
+later, and rank 0 alone writes the snapshot in the background (:mod:`phalanx.elastic.snapshots`).
+
 Example::
 
     state = TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
