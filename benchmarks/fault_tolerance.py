@@ -13,7 +13,9 @@ number of steps (max abs difference; a lost or twice-applied step shows as a lar
 
 Runners (each with its own defaults; the collective timeout is --timeout for all three):
   phalanx   `phalanx run -np N --min-np 1 --max-np N --max-restarts 100` (in-process elastic),
-            phalanx.elastic TorchState + run, px.DataParallel, state.commit() every --commit-every steps.
+            phalanx.elastic TorchState(recover=--recover) + run, px.DataParallel, state.commit() every
+            --commit-every steps (recover="live": no copy per commit, the vote waited one commit later,
+            rank 0's snapshot every --snapshot-every commits in the background).
             Added worker: -np N-1 and a --host-discovery-script whose slots go from N-1 to N.
   torchft   one replica group of one process per worker, each under its own `torchrun --max-restarts 100`
             (torchft's README), the `torchft_lighthouse` it ships (--min_replicas 1), Manager(ProcessGroupGloo,
@@ -24,7 +26,11 @@ Runners (each with its own defaults; the collective timeout is --timeout for all
             Added worker: two agents on a c10d rendezvous (--nnodes 1:2, last_call_timeout 1 s): N-1
             processes, then an agent of 1 joins, and every worker restarts from the checkpoint.
   ddp       plain torch DDP under torchrun, no checkpoints: the fault-free baseline of the step time.
-  phalanx-file  (steady state only) phalanx with TorchState(snapshot_every=1): the commit's file every step.
+  phalanx-file  (steady state only) phalanx with TorchState(snapshot_every=1, recover="commit"): a copy in
+            memory and the commit's file every step (every rank writes its part).
+  phalanx-copy  (steady state only) phalanx with recover="commit": the commit's copy in memory every step,
+            the file every --snapshot-every commits (the default before recover="live").
+  phalanx-plain (steady state only) px.DataParallel with no commit at all: DataParallel's own cost.
   torchft-ar    torchft without its DDP wrapper: the Manager's own allreduce of one flat gradient (the
             wrapper's survivor fails here, see the torchft rows).
 
@@ -121,12 +127,35 @@ WORKER = textwrap.dedent('''
         net = make()
         opt = optimizer(net)
         model = px.DataParallel(net)
-        state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"])
+        state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"],
+                              recover=A["recover"])
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         log("start", rank=px.rank(), size=px.size())
 
+        if MODE == "phalanx-ab":   # windows of the same job: no commit / live commits / copying commits
+            copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
+                                    snapshot_every=A["snapshot_every"], recover="commit")
+            modes = {"none": None, "live": state, "copy": copying}
+
         @el.run
         def train(state):
+            if MODE == "phalanx-ab":
+                names = list(modes)
+                for w in range(A["ab_rounds"] * len(names)):
+                    name = names[(w + w // len(names)) % len(names)]   # the order rotates every round
+                    t = time.perf_counter()
+                    for _ in range(A["ab_window"]):
+                        x, y = batch(state.step, px.rank(), px.size())
+                        opt.zero_grad()
+                        nn.functional.cross_entropy(model(x), y).backward()
+                        opt.step()
+                        state.step += 1
+                        if modes[name] is not None:
+                            modes[name].step = state.step
+                            modes[name].commit()
+                    if px.rank() == 0 and w >= len(names):   # the first round warms up
+                        log("window", mode=name, round=w // len(names), s=time.perf_counter() - t)
+                return
             while state.step < stop_at():
                 check_raise(state.step)
                 x, y = batch(state.step, px.rank(), px.size())
@@ -135,7 +164,7 @@ WORKER = textwrap.dedent('''
                 opt.step()
                 state.step += 1
                 log("step", step=state.step, rank=px.rank(), size=px.size(), key=[restart, inprocess.generation()])
-                if state.step % A["commit_every"] == 0:
+                if A["commit_every"] and state.step % A["commit_every"] == 0:
                     state.commit()
 
         train(state)
@@ -252,9 +281,11 @@ class Job:
         with open(self.script, "w") as f:
             f.write(WORKER)
         self.args = json.dumps({"batch": a.batch, "steps": a.max_steps, "timeout": a.timeout,
-                                "commit_every": a.commit_every, "ckpt_every": a.ckpt_every,
+                                "ckpt_every": a.ckpt_every,
                                 "snapshot_every": 1 if runner == "phalanx-file" else a.snapshot_every,
-                                "ft_ddp": runner == "torchft"})
+                                "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
+                                "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
+                                "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window})
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
         if runner.startswith("phalanx"):
@@ -481,6 +512,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch", type=int, default=48, help="global batch (split over the workers)")
     p.add_argument("--commit-every", type=int, default=1, help="phalanx: state.commit() every N steps")
+    p.add_argument("--recover", default="live", choices=("live", "commit"),
+                   help="phalanx: TorchState(recover=...): survivors go on from the live state (no copy per "
+                        "commit) or roll back to the last commit's copy in memory (default live)")
     p.add_argument("--snapshot-every", type=int, default=10,
                    help="phalanx: TorchState(snapshot_every=N): the commit's file every N commits (memory: each)")
     p.add_argument("--torchft-ddp-np", default="2",
@@ -492,6 +526,14 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout (s), all runners")
     p.add_argument("--bound", type=float, default=45.0, help="seconds to wait for a recovery")
+    p.add_argument("--steady-repeats", type=int, default=None,
+                   help="repeats of the fault-free runs (default: --repeats)")
+    p.add_argument("--steady-extras", action="store_true",
+                   help="also the fault-free phalanx-plain, phalanx-copy and phalanx-file runs")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="phalanx's commit cost inside one job: R rounds of three windows (no commit, live "
+                        "commits, copying commits; order rotating), paired per round (default 0: not run)")
+    p.add_argument("--ab-window", type=int, default=20, help="steps per window of --ab-rounds")
     p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR (new)")
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     a = p.parse_args()
@@ -516,8 +558,10 @@ def main() -> None:
     t_all = time.time()
     saved = {"steady_steps": a.steady_steps}
     a.max_steps, saved_max = a.steady_steps, a.max_steps
-    steady = [*runners, *(["phalanx-file"] if "phalanx" in runners else [])]
-    for rep in range(a.repeats):   # steady state: fault-free runs, paired with plain DDP
+    steady = [*runners, *(["phalanx-plain", "phalanx-copy", "phalanx-file"]
+                          if "phalanx" in runners and a.steady_extras else [])]
+    steady_repeats = a.repeats if a.steady_repeats is None else a.steady_repeats
+    for rep in range(steady_repeats):   # steady state: fault-free runs, paired with plain DDP
         for n in sizes:
             order = ["ddp", *steady] if rep % 2 == 0 else [*reversed(steady), "ddp"]
             for r in order:
@@ -529,6 +573,20 @@ def main() -> None:
                                 "out": os.path.join(root, f"ff-{r}-{n}-{rep}")})
                 print(f"fault-free {r} np {n}: step {results[-1]['step_s']}", flush=True)
     a.max_steps = saved_max
+    ab = {}
+    if a.ab_rounds:   # the commit's cost against the same job's own steps, window by window
+        for n in sizes:
+            info = one_run("phalanx-ab", n, None, a, os.path.join(root, f"ab-{n}"))
+            wins = [r for r in info["rows"] if r["what"] == "window"]
+            ab[n] = {}
+            for mode in ("live", "copy"):
+                ratios = []
+                for rnd in sorted({r["round"] for r in wins}):
+                    got = {r["mode"]: r["s"] for r in wins if r["round"] == rnd}
+                    if mode in got and "none" in got:
+                        ratios.append(got[mode] / got["none"])
+                ab[n][mode] = ratios
+            print(f"ab np {n}: " + json.dumps({m: summary(v) for m, v in ab[n].items()}), flush=True)
     for rep in range(a.repeats):
         for n in sizes:
             for f in faults:
@@ -574,7 +632,7 @@ def main() -> None:
     for n in sizes:
         for r in steady:
             ratios, diffs = [], []
-            for rep in range(a.repeats):
+            for rep in range(steady_repeats):
                 mine = [x for x in results if x["fault"] is None and x["runner"] == r and x["np"] == n
                         and x["repeat"] == rep]
                 base = [x for x in results if x["fault"] is None and x["runner"] == "ddp" and x["np"] == n
@@ -586,8 +644,16 @@ def main() -> None:
                    and x["step_s"]]
             print(f"np {n} {r:<8} {summary(ratios)} (ddp step {statistics.median(ddp) * 1e3 if ddp else 0:.1f} ms; "
                   f"fault-free max|dp| {max(diffs) if diffs else float('nan'):.1e})")
-    doc = {"bench": "fault_tolerance", "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
-           "snapshot_every": a.snapshot_every,
+    if ab:
+        print(f"\ncommit cost inside one job ({a.ab_rounds} rounds of {a.ab_window}-step windows, order rotating): "
+              "window time / the same round's window without commits")
+        for n, by in ab.items():
+            none_ms = [r["s"] / a.ab_window * 1e3 for r in rows(os.path.join(root, f"ab-{n}"))
+                       if r["what"] == "window" and r["mode"] == "none"]
+            print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by['copy'])} "
+                  f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms)")
+    doc = {"bench": "fault_tolerance", "ab": {str(n): by for n, by in ab.items()}, "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
+           "snapshot_every": a.snapshot_every, "recover": a.recover,
            "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,
            "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "out"}
                     for r in results]}

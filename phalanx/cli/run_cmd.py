@@ -235,7 +235,7 @@ def _run_in_process(args: argparse.Namespace, spec: LaunchSpec, command: list[st
                      reset_limit=args.reset_limit,
                      cooldown=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
                      elastic_timeout=args.elastic_timeout, log_dir=spec.log_dir,
-                     stall_timeout=args.stall_timeout)
+                     stall_timeout=args.stall_timeout, heartbeat_timeout=args.heartbeat_timeout)
     return sup.run()
 
 

@@ -45,10 +45,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from phalanx.elastic import lost
+from phalanx.elastic import lost, pending
 from phalanx.elastic.interrupts import (
-    ADDED,
-    REMOVED_ONLY,
     HostsUpdatedInterrupt,
     MembershipChanged,
     launcher_interrupt,
@@ -86,6 +84,8 @@ class _Ctx:
         self.group_sockets: set[str] = set()  # inodes of the current process group's connections
         self.lock = threading.Lock()  # generation and its connections change together (lost.LostWatcher)
         self.watcher: lost.LostWatcher | None = None
+        self.vote: tuple[object, torch.Tensor] | None = None  # a deferred commit vote in flight (work, flag)
+        self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
 
 
 _ctx: _Ctx | None = None
@@ -187,10 +187,16 @@ def change_at_commit(notices: bool = False) -> HostsUpdatedInterrupt | None:
     return commit_round(notices)[0]
 
 
-def commit_round(notices: bool = False, vote: int = 0) -> tuple[HostsUpdatedInterrupt | None, int | None]:
+def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
+                 ) -> tuple[HostsUpdatedInterrupt | None, int | None]:
     """:func:`change_at_commit`, and in the same allreduce MAX this rank's preemption ``vote`` (the
     signal it got, 0 for none): ``(interrupt or None, the largest vote)``, so a commit costs one
     collective, not two. Outside in-process elastic: ``(None, None)`` and no collective (vote apart).
+
+    ``deferred``: nothing on the critical path. Rank 0 reads the launcher's pending change from a
+    thread that polls the store (no store call here), and the allreduce is started now and waited
+    for at the next deferred commit, which acts on its answer: a change or a preemption is acted on
+    one commit later, by every member at the same commit. A re-form drops the vote in flight.
     """
     if not active():
         return None, None
@@ -199,23 +205,34 @@ def commit_round(notices: bool = False, vote: int = 0) -> tuple[HostsUpdatedInte
     ctx = _context()
     size = runtime.size() if runtime.is_initialized() else 1
     flag = torch.tensor([0, vote], dtype=torch.int64)
-    if size == 1 or runtime.rank() == 0:
+    if not deferred:
+        if size == 1 or runtime.rank() == 0:
+            flag[0] = _pending_kind(ctx, notices)
+        if size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
+    if size == 1:  # nobody to agree with: act on it now
         flag[0] = _pending_kind(ctx, notices)
-    if size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
+        return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
+    agreed = 0
+    if ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
+        work, answer = ctx.vote
+        ctx.vote = None
+        work.wait()
+        if answer[0]:
+            return launcher_interrupt(int(answer[0])), int(answer[1])
+        agreed = int(answer[1])
+    if runtime.rank() == 0:
+        if ctx.pending is None:
+            ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
+        flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
+    ctx.vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+    return None, agreed
 
 
 def _pending_kind(ctx: _Ctx, notices: bool) -> int:
     """0: nothing pending; REMOVED_ONLY: the change only drops workers (Horovod's skip_sync); ADDED: else."""
-    kind = 0
-    latest = _latest()
-    if latest > ctx.gen:
-        kind = REMOVED_ONLY if set(members_of(latest)) <= set(members_of(ctx.gen)) else ADDED
-    if notices and _notices() > ctx.notice:
-        updates = {u for _, _, u in host_updates(ctx.notice)}
-        kind = max(kind, REMOVED_ONLY if updates == {1} else ADDED)  # 1: Horovod's HostUpdateResult.removed
-    return kind
+    return pending.pending_on(ctx.store, ctx.gen, ctx.notice, notices)
 
 
 _COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
@@ -291,6 +308,7 @@ def _leave_group() -> None:
     from phalanx import runtime
 
     ctx = _context()
+    ctx.vote = None  # a deferred commit vote of the broken group: never waited for
     shut = _shut_group_sockets(ctx)
     log.info("shut down %d connections of the old group", shut)
 

@@ -13,6 +13,10 @@ asks the store (rank 0, one broadcast) whether workers join or leave.
     survivors re-form (or the agent restarts all) -> restore() the commit at step 6
     steps lost = 8 - 6 (at most the commit interval)
 
+``TorchState(recover="live")`` keeps no copy: the survivors go on from the new rank 0's live state
+(a step is applied whole or not at all; torchft's model), the commit's vote is waited one commit
+later, and rank 0 alone writes the snapshot in the background (:mod:`phalanx.elastic.snapshots`).
+
 Example::
 
     state = TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
@@ -35,11 +39,15 @@ import torch
 from phalanx import runtime
 from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.pieces import is_gathered, is_stateful
+from phalanx.comm.broadcast import broadcast_coalesced
 from phalanx.comm.collectives import allgather_object, broadcast, broadcast_object
+from phalanx.elastic.snapshots import Snapshots
 from phalanx.log import get_logger
 from phalanx.settings import CheckpointSettings, ElasticSettings
 
-__all__ = ["State", "TorchState", "default_commit_dir", "live_topology"]
+__all__ = ["State", "TorchState", "default_commit_dir", "live_topology", "RECOVER"]
+
+RECOVER = ("commit", "live")  # TorchState(recover=...): what the survivors of a lost worker go on from
 
 log = get_logger(__name__)
 
@@ -104,6 +112,19 @@ class TorchState:
     restore from memory, so a commit every step costs a state copy, not a file; the snapshot is
     for a group restart (every worker lost, a re-form that fails), which then resumes up to N-1
     commits earlier. A preemption's commit is always written.
+    ``recover``: what the survivors of a lost worker go on from under in-process elastic.
+    ``"commit"`` (default, Horovod's): the last commit, a copy of the state every ``commit()`` keeps
+    in memory. ``"live"``: the state the new rank 0 holds when the loss is noticed, no copy at all
+    (torchft's model): a step is applied whole or not at all on each rank, because a failed
+    collective raises before ``optimizer.step()`` applies the gradients it was reducing (a rank
+    whose allreduce completed got every rank's part), and ``sync()`` gives every member rank 0's
+    state, so the members agree again and no step is lost or applied twice. A commit then costs
+    one small allreduce, started at the commit and waited for at the next one (the membership
+    vote, acted on one commit later), and every ``snapshot_every``-th commit a snapshot rank 0
+    writes by itself in the background (for a group restart: one file set, no cross-rank wait).
+    It needs a training loop that changes the state only through whole steps between
+    collectives (the usual forward, backward, ``optimizer.step()``, counters), and no sharded
+    piece (ZeRO re-forms by a group restart either way).
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
@@ -111,15 +132,25 @@ class TorchState:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *,
                  commit_dir: str | None = None, keep: int = 2, topology=None, snapshot_every: int = 1,
-                 **extras: Any) -> None:
+                 recover: str = "commit", **extras: Any) -> None:
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"TorchState(snapshot_every={snapshot_every!r}): give a whole number of commits >= 1 "
                              "(1: a snapshot at every commit)")
+        if recover not in RECOVER:
+            raise ValueError(f"TorchState(recover={recover!r}): give 'commit' (roll back to the last commit) or "
+                             "'live' (go on from the new rank 0's state, no copy per commit)")
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
+        if recover == "live" and self.sharded():
+            raise ValueError(f"TorchState(recover='live'): the pieces {', '.join(self.sharded())} are sharded "
+                             "(ZeRO), which only a group restart from a commit recovers; give recover='commit'")
+        object.__setattr__(self, "_live", recover == "live")
+        object.__setattr__(self, "_synced", False)  # (live) this process holds the job's state: sync() ran
         object.__setattr__(self, "commit_dir", _own_commit_dir(self, commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
+        # (live) rank 0's snapshot files, written alone in the background (phalanx.elastic.snapshots)
+        object.__setattr__(self, "_snapshots", Snapshots(self.commit_dir, keep=keep))
         object.__setattr__(self, "_memory", None)
         object.__setattr__(self, "_commit_count", 0)
         object.__setattr__(self, "_snapshot_every", snapshot_every)
@@ -169,6 +200,9 @@ class TorchState:
         object.__setattr__(self, "_commit_count", self._commit_count + 1)
         if self._world is None:  # committed without a sync(): record the size this state belongs to
             object.__setattr__(self, "_world", _size(self._topology))
+        if self._live:
+            self._commit_live()
+            return
         self.remember()
         from phalanx.elastic import inprocess, preempt
 
@@ -188,6 +222,33 @@ class TorchState:
         if changed is not None:
             raise changed
 
+    def _commit_live(self) -> None:
+        """recover='live': the vote (waited for at the next commit), a background snapshot when due."""
+        from phalanx.elastic import inprocess, preempt
+
+        changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
+        due = not inprocess.active() or self._commit_count % self._snapshot_every == 0
+        if due:
+            self._snapshot_alone(async_=True)
+        preempt.at_commit(lambda: self._snapshot_alone(async_=False), self.commit_dir, reduced)
+        if changed is not None:
+            raise changed
+
+    def _snapshot_alone(self, *, async_: bool) -> str:
+        """(live) Rank 0 writes the state to a snapshot file by itself; the others write nothing."""
+        topology = live_topology(self._topology)
+        if topology is not None and topology.rank != 0:
+            return self._snapshots.path(self._commit_count)
+        tree = {k: v.state_dict() if is_stateful(v) else v for k, v in self._pieces.items()}
+        return self._snapshots.write(self._commit_count, {"pieces": tree, "_commits": self._commit_count,
+                                                          "_world": self._world}, background=async_)
+
+    def finish(self) -> None:
+        """Wait for the background snapshot in flight (recover='live'; ``elastic.run`` calls this when
+        the training function returns), so the last one is complete before the process exits."""
+        if self._live:
+            self._snapshots.wait()
+
     def remember(self) -> None:
         """Keep the state as it is now in memory, as the point :meth:`restore` returns to (no snapshot,
         no commit counted); ``commit()`` does this and more."""
@@ -197,7 +258,10 @@ class TorchState:
         object.__setattr__(self, "_memory", snapshot)
 
     def restore(self) -> bool:
-        """Roll back to the last commit: from memory if this process made it, else from the snapshot."""
+        """Roll back to the last commit: from memory if this process made it, else from the snapshot.
+        recover='live': a process that holds the job's state (it synced) keeps it as it is."""
+        if self._live and self._synced:
+            return True
         if self._memory is not None:
             for k, v in self._pieces.items():
                 if is_gathered(v):  # ZeRO: each rank kept its own shard; load from all of them
@@ -214,6 +278,8 @@ class TorchState:
 
     def _load_latest(self) -> bool:
         """The last snapshot on disk, if any (what a restarted group, or a generation of newcomers, resumes)."""
+        if self._live:  # rank 0 wrote them alone: every process reads the newest by itself
+            return self._load_snapshot()
         live = self.pieces()
         path = self._manager.load_latest(live)
         if path is None:
@@ -225,6 +291,28 @@ class TorchState:
         log.info("restored commit %d from %s", self._commit_count, path)
         return True
 
+    def _load_snapshot(self) -> bool:
+        """(live) The newest snapshot file rank 0 wrote, if any."""
+        found = self._snapshots.latest()
+        if found is None:
+            return False
+        number, tree = found
+        for k, v in self._pieces.items():
+            if k not in tree["pieces"]:
+                continue
+            if is_stateful(v):
+                v.load_state_dict(tree["pieces"][k])
+            elif isinstance(v, torch.Tensor):
+                with torch.no_grad():
+                    v.copy_(tree["pieces"][k])
+            else:
+                self._pieces[k] = tree["pieces"][k]
+        object.__setattr__(self, "_commit_count", tree["_commits"])
+        object.__setattr__(self, "_world", tree["_world"])
+        object.__setattr__(self, "restored_from", self._snapshots.path(number))
+        log.info("restored commit %d from %s", self._commit_count, self.restored_from)
+        return True
+
     def sync(self) -> None:
         """Make every rank hold rank 0's state (after a restart or a new worker joined).
 
@@ -233,12 +321,14 @@ class TorchState:
         from rank 0's fresh one: the job goes on from where it was, nothing is lost.
         """
         topology = live_topology(self._topology)
-        held = self._memory is not None or self.restored_from is not None
+        held = self._memory is not None or self.restored_from is not None or (self._live and self._synced)
+        object.__setattr__(self, "_synced", False)
         anyone = any(allgather_object(held)) if topology is not None and topology.size > 1 else held
         if not anyone:  # (every rank asks: a collective)
             if self._load_latest():
                 log.warning("no member held the state: resumed commit %d from %s", self._commit_count, self.restored_from)
         if topology is None or topology.size == 1:
+            object.__setattr__(self, "_synced", True)
             self._reset_samplers()
             self._world_changed(1)
             return
@@ -251,8 +341,8 @@ class TorchState:
             if isinstance(v, torch.nn.Module):
                 if id(v) in owned:
                     continue
-                for t in list(v.parameters()) + list(v.buffers()):
-                    broadcast(t.data, root_rank=0, inplace=True, name=f"sync.{k}")
+                # one flat broadcast per dtype (was one per tensor: ~26 collectives for a 2-layer transformer)
+                broadcast_coalesced(list(v.parameters()) + list(v.buffers()), 0, None, f"sync.{k}")
             elif is_stateful(v):
                 sd = broadcast_object(v.state_dict() if topology.rank == 0 else None, root_rank=0)
                 v.load_state_dict(sd)
@@ -263,6 +353,7 @@ class TorchState:
         commits, world = broadcast_object((self._commit_count, self._world), root_rank=0)
         object.__setattr__(self, "_commit_count", commits)
         object.__setattr__(self, "_world", world)
+        object.__setattr__(self, "_synced", True)  # (a sync cut short leaves a mix: restore() reads the file)
         self._reset_samplers()
         self._world_changed(topology.size)
 

@@ -38,6 +38,9 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-timeout", type=float, default=None, metavar="S",
                    help="kill a rank whose heartbeat stopped, or that every other rank has waited on, for S "
                         "seconds (default: none; the collective --timeout ends the job)")
+    g.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="elastic: a worker whose heartbeat stopped for S seconds (frozen, SIGSTOPped) is lost: "
+                        "killed, and the others re-form in-process (default 3; PHALANX_HEARTBEAT_TIMEOUT)")
     g.add_argument("--reset-limit", type=int, default=None, metavar="N",
                    help="elastic (horovodrun's flag): stop the job when its membership would change an "
                         "N+1-th time (default: no limit)")
@@ -121,4 +124,6 @@ def stall_launch_options(args: argparse.Namespace) -> dict:
         raise ValueError(f"--stall-warning must be positive seconds, got {args.stall_warning:g}")
     if args.stall_timeout is not None and args.stall_timeout <= 0:
         raise ValueError(f"--stall-timeout must be positive seconds, got {args.stall_timeout:g}")
+    if getattr(args, "heartbeat_timeout", None) is not None and args.heartbeat_timeout <= 0:
+        raise ValueError(f"--heartbeat-timeout must be positive seconds, got {args.heartbeat_timeout:g}")
     return {"stall_warning_s": args.stall_warning, "stall_timeout_s": args.stall_timeout}

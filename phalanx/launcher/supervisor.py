@@ -49,6 +49,7 @@ from phalanx.launcher.stall import ElasticStalls, describe_exit, ended_then_abor
 from phalanx.launcher.worker_output import WorkerOutput, stop_processes
 from phalanx.log import get_logger
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
+from phalanx.settings import ElasticSettings
 
 __all__ = ["Supervisor"]
 
@@ -79,7 +80,7 @@ class Supervisor:
                  reset_limit: int | None = None, cooldown: tuple[float, float] | None = None,
                  elastic_timeout: float = 600.0, log_dir: str | None = None,
                  stall_timeout: float | None = None, starter=None, store_addr: str | None = None,
-                 replace_failed: bool = False) -> None:
+                 replace_failed: bool = False, heartbeat_timeout: float | None = None) -> None:
         self.command, self.np = list(command), np
         self.named_hosts = dict(hosts) if hosts else None  # -H / --hostfile: Horovod's host semantics
         offered = sum(self.named_hosts.values()) if self.named_hosts else np
@@ -92,6 +93,8 @@ class Supervisor:
         self.store_addr = store_addr  # where workers reach the store (None: our route to the first remote host)
         self.reset_limit, self.resets = reset_limit, 0
         self.elastic_timeout, self.stall_timeout = elastic_timeout, stall_timeout
+        # a worker silent this long is lost; it beats six times in that span (at most once a second)
+        self.heartbeat_timeout = heartbeat_timeout or ElasticSettings.one("heartbeat_timeout_s")
         self.first_failure: str | None = None
         self._short_since: float | None = None  # since when fewer than --min-np workers can run
         self.env, self.script, self.interval_s = dict(env or {}), script, interval_s
@@ -153,7 +156,7 @@ class Supervisor:
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "true",
                     "MASTER_ADDR": self.addr, "MASTER_PORT": str(self.store.port),
                     inprocess.STORE_ENV: f"{self.addr}:{self.store.port}",
-                    HEARTBEAT_ENV: "1", HEARTBEAT_STORE_ENV: f"{self.addr}:{self.store.port}"})
+                    HEARTBEAT_ENV: f"{min(1.0, self.heartbeat_timeout / 6):g}", HEARTBEAT_STORE_ENV: f"{self.addr}:{self.store.port}"})
         return env
 
     def _start(self, host: str, rank_env: dict[str, int] | None, expected_rank: int = 0) -> _Worker:
@@ -316,7 +319,8 @@ class Supervisor:
         from phalanx.runtime import bound_tcp_store
 
         self.store = bound_tcp_store(self.addr, 0, timeout=datetime.timedelta(seconds=max(60, self.start_timeout)))
-        self.stalls = ElasticStalls(self.store, self.stall_timeout)  # a stalled worker is a lost worker
+        # a stalled worker is a lost worker
+        self.stalls = ElasticStalls(self.store, self.stall_timeout, silent_s=self.heartbeat_timeout)
         self.notices = HostNotices(self.store)  # a host change announced before its generation
         plan, left = [], self.wanted
         for h, slots in self.hosts.items():

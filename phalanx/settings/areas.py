@@ -255,6 +255,10 @@ class ElasticSettings(Area):
                                     "seconds the first group may take to form")
     join_timeout_s: float = setting(600.0, "PHALANX_ELASTIC_JOIN_TIMEOUT", _seconds,
                                     "seconds a joining worker waits for the next commit")
+    heartbeat_timeout_s: float = setting(3.0, "PHALANX_HEARTBEAT_TIMEOUT", _seconds,
+                                         "in-process elastic: a worker whose heartbeat stopped this long (a frozen "
+                                         "or stopped process) is lost: killed, and the others re-form",
+                                         flag="--heartbeat-timeout")
     commit_dir: str | None = setting(None, "PHALANX_ELASTIC_DIR", _text,
                                      "where an elastic state writes its commits; unset: --resume-from, else "
                                      "/dev/shm/phalanx-elastic-<run id>")

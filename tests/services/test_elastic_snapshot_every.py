@@ -1,7 +1,9 @@
 """TorchState(snapshot_every=N) under in-process elastic: a commit every step keeps the state in memory
 and writes its file every N-th commit only. Survivors of a SIGKILL resume from the last commit in memory
 (one that wrote no file); a group restart resumes from the last file; both end equal to the one-process
-run of the same steps. Real ranks through `phalanx run --min-np/--max-np`."""
+run of the same steps. TorchState(recover="live"): no copy per commit; the survivor goes on from its
+live state (no step lost), a replacement joins at a commit with the current state, rank 0's snapshots
+load. Real ranks through `phalanx run --min-np/--max-np`."""
 
 import os
 import subprocess
@@ -26,6 +28,7 @@ WORKER = textwrap.dedent(f"""
     from phalanx.elastic import inprocess
 
     TOTAL, G, N_DATA, KILL_AT, EVERY = {TOTAL}, {G}, {N_DATA}, {KILL_AT}, {EVERY}
+    RECOVER = os.environ.get("TEST_RECOVER", "commit")
 
 """) + elastic_job.HELPERS + textwrap.dedent("""
 
@@ -34,17 +37,23 @@ WORKER = textwrap.dedent(f"""
         x, y = data()
         model, opt = make()
         state = elastic.TorchState(model, opt, sampler=elastic.ElasticSampler(N_DATA, seed=1), step=0,
-                                   commit_dir=os.path.join(out, "commits"), keep=100, snapshot_every=EVERY)
+                                   commit_dir=os.path.join(out, "commits"), keep=100, snapshot_every=EVERY,
+                                   recover=RECOVER)
 
         def event(what):
             with open(os.path.join(out, "events.txt"), "a") as f:
                 f.write(f"{what} step={state.step} rank={px.rank()} size={px.size()} pid={os.getpid()} "
-                        f"gen={inprocess.generation()} restart={elastic.restart_count()}\\n")
+                        f"gen={inprocess.generation()} restart={elastic.restart_count()} "
+                        f"copy={int(state._memory is not None)}\\n")
 
         @elastic.run
         def train(state):
             event("start")
             while state.step < TOTAL:
+                if RECOVER == "live" and px.size() == 1 and state.step >= KILL_AT + 2:
+                    time.sleep(0.05)   # the survivor alone waits (committing) for the replacement to join
+                    state.commit()
+                    continue
                 step(model, opt, state.sampler, x, y, px.size())
                 state.step += 1
                 first = not os.path.exists(os.path.join(out, "killed"))   # (a group restart counts from 0 again)
@@ -97,6 +106,37 @@ def test_survivor_resumes_from_a_commit_in_memory_that_wrote_no_file(tmp_path):
     assert files and all(int(f.split("-")[1]) % EVERY == 0 for f in files), files
 
 
+def test_live_recovery_loses_no_step_and_a_replacement_joins_with_the_current_state(tmp_path):
+    # recover="live": the killed rank dies after its step KILL_AT (its allreduces done), so the survivor
+    # applied that step too: it goes on from KILL_AT itself, with no copy of the state ever made. The
+    # launcher's replacement (--max-restarts 1) joins at a later commit and gets rank 0's state in
+    # sync(); the final parameters equal the one-process run's (a step lost, half applied or applied
+    # twice would not)
+    ev, report = _run(tmp_path, ["--min-np", "1", "--max-np", "2", "--max-restarts", "1"], {"TEST_RECOVER": "live"})
+    starts = [e for e in ev if e["what"] == "start"]
+    kill = [e for e in ev if e["what"] == "kill"]
+    assert len(kill) == 1 and kill[0]["step"] == KILL_AT, report
+    survivor = [e for e in starts if e["gen"] == 1]
+    assert len(survivor) == 1 and survivor[0]["size"] == 1 and survivor[0]["step"] == KILL_AT, (starts, report)
+    assert survivor[0]["restart"] == 0, report   # the same process: no group restart
+    joined = [e for e in starts if e["gen"] >= 2 and e["size"] == 2]
+    assert len(joined) == 2 and joined[0]["step"] == joined[1]["step"] > KILL_AT, (starts, report)
+    newcomer = [e for e in joined if e["pid"] not in {s["pid"] for s in starts[:2]}]
+    assert len(newcomer) == 1, (starts, report)
+    assert all(e["copy"] == 0 for e in ev), (ev, report)   # no commit ever copied the state
+    ends = [e for e in ev if e["what"] == "end"]
+    assert len(ends) == 2 and {e["size"] for e in ends} == {2}, (ev, report)
+    # rank 0 wrote the snapshots alone, every EVERY-th commit, and one loads in a single process
+    files = sorted(f for f in os.listdir(tmp_path / "commits") if f.endswith(".pt"))
+    numbers = [int(f[len("commit-"):-len(".pt")]) for f in files]
+    assert numbers and all(n % EVERY == 0 for n in numbers), files
+    ns = {}
+    exec(compile(WORKER.split("\ndef main")[0], "worker", "exec"), ns)
+    model, opt = ns["make"]()
+    state = elastic.TorchState(model, opt, step=0, commit_dir=str(tmp_path / "commits"), recover="live")
+    assert state.restore() and state.commits == numbers[-1] and 0 < state.step <= TOTAL, files
+
+
 def test_group_restart_resumes_from_the_last_snapshot(tmp_path):
     # --min-np 2 and a 1 s re-form wait: the survivor gives up and the whole group restarts from the
     # newest file, the commit of step 6 (commit 6: every EVERY-th commit is written)
@@ -113,3 +153,9 @@ def test_group_restart_resumes_from_the_last_snapshot(tmp_path):
 def test_snapshot_every_must_be_a_whole_number_of_commits(bad):
     with pytest.raises(ValueError, match=r"TorchState\(snapshot_every=.*\): give a whole number of commits >= 1"):
         elastic.TorchState(torch.nn.Linear(1, 1), snapshot_every=bad)
+
+
+@pytest.mark.unit
+def test_recover_takes_commit_or_live():
+    with pytest.raises(ValueError, match=r"TorchState\(recover='copy'\): give 'commit' .* or 'live'"):
+        elastic.TorchState(torch.nn.Linear(1, 1), recover="copy")

@@ -1,0 +1,91 @@
+"""Rank 0's view of the launcher's pending membership change, read off the training thread.
+
+A commit asks whether the launcher published a newer generation (workers join or leave) or
+posted a host-change notice. Asked on the training thread that is two to four store round trips
+per commit (measured ~0.7 ms median on cpu2, spikes of tens of ms under load); a deferred commit
+(``TorchState(recover="live")``) instead reads the last answer of a thread that asks every
+:data:`POLL_S` with a store client of its own::
+
+    thread (rank 0, every 50 ms): pxe/latest > gen? members of latest vs gen -> REMOVED_ONLY / ADDED
+    commit:  kind = poll.kind(gen, notice, notices)    # a dict lookup; 0 until the thread has read one
+
+Example::
+
+    poll = PendingPoll("127.0.0.1:29400", lambda: ctx.gen).start()
+    poll.kind(gen, notice, notices=False)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from phalanx.elastic.interrupts import ADDED, REMOVED_ONLY
+
+__all__ = ["PendingPoll", "pending_on", "POLL_S"]
+
+POLL_S = 0.05
+
+
+def pending_on(store, gen: int, notice: int, notices: bool) -> int:
+    """The launcher's change pending for a worker of generation ``gen`` that has seen its notices up to
+    ``notice`` (``notices``: count host-change notices too), read through ``store``: 0 none,
+    REMOVED_ONLY (workers only leave), ADDED (workers join)."""
+    kind = 0
+    latest = int(store.get("pxe/latest")) if store.check(["pxe/latest"]) else 0
+    if latest > gen:
+        def members(g: int) -> set[str]:
+            return {m[0] for m in json.loads(store.get(f"pxe/gen/{g}"))["members"]}
+
+        kind = REMOVED_ONLY if members(latest) <= members(gen) else ADDED
+    if notices and int(store.add("pxe/notice", 0)) > notice:
+        updates = {int(json.loads(store.get(f"pxe/notice/{n}"))["update"])
+                   for n in range(notice + 1, int(store.add("pxe/notice", 0)) + 1)}
+        kind = max(kind, REMOVED_ONLY if updates == {1} else ADDED)  # 1: Horovod's HostUpdateResult.removed
+    return kind
+
+
+class PendingPoll:
+    """A daemon thread that reads the launcher's pending change every :data:`POLL_S` with a
+    store client of its own, so a deferred commit on rank 0 asks nothing of the store itself."""
+
+    def __init__(self, address: str, current_gen: Callable[[], int]) -> None:
+        self.address, self.current_gen = address, current_gen
+        self.seen: dict[tuple[int, int, bool], int] = {}  # (generation, notice, notices) -> kind
+        self.asked: set[tuple[int, int, bool]] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="phalanx-elastic-pending", daemon=True)
+
+    def start(self) -> PendingPoll:
+        self.thread.start()
+        atexit.register(self.close)
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+
+    def kind(self, gen: int, notice: int, notices: bool) -> int:
+        """The last answer read for this generation (0 until the thread has read one)."""
+        self.asked.add((gen, notice, notices))
+        return self.seen.get((gen, notice, notices), 0)
+
+    def _loop(self) -> None:
+        host, _, port = self.address.rpartition(":")
+        with contextlib.suppress(Exception):  # the store went away: the job is ending
+            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=10))
+            while not self.stop.wait(POLL_S):
+                for key in list(self.asked):
+                    if key[0] == self.current_gen():
+                        self.seen[key] = pending_on(store, *key)
+                    else:  # a generation this worker left
+                        self.asked.discard(key)
+                        self.seen.pop(key, None)
