@@ -419,17 +419,23 @@ class ElasticStalls:
 
     With ``--stall-timeout S``: a worker silent for S seconds, or behind a collective every other
     member has waited in that long (:meth:`StallDetector.stalled`). Without it, only a worker whose
-    heartbeat has stopped for ``silent_s`` (a stopped or frozen process: its heartbeat thread cannot
-    run) is lost; a slow worker that still beats is left to the collective ``--timeout``.
+    heartbeat has stopped is lost: after ``silent_s`` when its process cannot be running (stopped,
+    a zombie, or not on this host, where its state cannot be read), after ``busy_s`` (at least
+    15 s) when it is here and running or sleeping: a heartbeat thread starved on a loaded host is
+    not a frozen worker. A slow worker that still beats is left to the collective ``--timeout``.
     """
+
+    BUSY_S = 15.0  # the silence a worker this host sees running or sleeping gets (the rule before issue 43)
 
     def __init__(self, store, timeout_s: float | None, silent_s: float = 15.0) -> None:
         self.detector = StallDetector(store, [])
         self.timeout_s, self.silent_s = timeout_s, silent_s
+        self.busy_s = max(silent_s, self.BUSY_S)
 
     def lost(self, wids: Iterable[str]) -> list[Stall]:
         self.detector.ranks = list(wids)
         if self.timeout_s:
             return self.detector.stalled(self.timeout_s)
         self.detector.poll()
-        return [s for s in self.detector.silent_stalls(self.silent_s) if s.rank in self.detector.ranks]
+        return [s for s in self.detector.silent_stalls(self.silent_s) if s.rank in self.detector.ranks
+                and (s.since_s >= self.busy_s or process_state(s.pid) not in ("R", "S", "D", "I"))]

@@ -1,10 +1,14 @@
 """The frozen-worker rule of in-process elastic: a worker whose heartbeat stopped for
-``--heartbeat-timeout`` / ``PHALANX_HEARTBEAT_TIMEOUT`` seconds (default 3) is lost. (With real
-ranks: tests/services/test_elastic_membership.py's frozen worker, SIGSTOPped, is killed and replaced.)"""
+``--heartbeat-timeout`` / ``PHALANX_HEARTBEAT_TIMEOUT`` seconds (default 3) is lost when its process
+cannot be running (stopped, gone); one this host sees running or sleeping only after 15 s (a starved
+heartbeat thread on a loaded host). (With real ranks: tests/services/test_elastic_membership.py's
+frozen worker, SIGSTOPped, is killed and replaced.)"""
 
 import argparse
 import json
 import os
+import signal
+import subprocess
 
 import pytest
 import torch
@@ -27,8 +31,8 @@ def _stalls(silent_s):
     stalls = ElasticStalls(store, None, silent_s=silent_s)
     stalls.detector.clock = clock
 
-    def beat(wid, n):  # pid: this live process
-        store.set(f"phalanx/heartbeat/{wid}", json.dumps({"rank": wid, "pid": os.getpid(), "beat": n}))
+    def beat(wid, n, pid=None):  # pid: this live process unless given
+        store.set(f"phalanx/heartbeat/{wid}", json.dumps({"rank": wid, "pid": pid or os.getpid(), "beat": n}))
 
     return stalls, clock, beat
 
@@ -37,16 +41,25 @@ def test_a_worker_silent_for_the_heartbeat_timeout_is_lost_and_not_before():
     timeout = ElasticSettings.one("heartbeat_timeout_s", {})
     assert timeout == 3.0
     stalls, clock, beat = _stalls(timeout)
-    beat("w0", 1), beat("w1", 1)
-    assert stalls.lost(["w0", "w1"]) == []
-    for n in range(2, 6):  # w0 beats every 0.5 s; w1 stopped after its first beat
-        clock.now += 0.5
-        beat("w0", n)
-        assert stalls.lost(["w0", "w1"]) == [], n
-    clock.now += 1.0   # w1 silent 3.0 s now
-    beat("w0", 6)
-    lost = stalls.lost(["w0", "w1"])
-    assert [s.rank for s in lost] == ["w1"] and "stopped responding" in lost[0].reason, lost
+    frozen = subprocess.Popen(["sleep", "60"])  # w1's process: SIGSTOPped, as a frozen worker's
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        beat("w0", 1), beat("w1", 1, frozen.pid), beat("w2", 1)  # w2: silent too, but its process runs
+        assert stalls.lost(["w0", "w1", "w2"]) == []
+        for n in range(2, 6):  # w0 beats every 0.5 s; w1 and w2 fell silent after their first beat
+            clock.now += 0.5
+            beat("w0", n)
+            assert stalls.lost(["w0", "w1", "w2"]) == [], n
+        clock.now += 1.0   # w1 and w2 silent 3.0 s now: the stopped one is lost, the running one not yet
+        beat("w0", 6)
+        lost = stalls.lost(["w0", "w1", "w2"])
+        assert [s.rank for s in lost] == ["w1"] and "process state T (stopped)" in lost[0].reason, lost
+        clock.now += 12.0  # w2 silent 15 s: a running process that long without a beat is lost too
+        beat("w0", 7)
+        assert sorted(s.rank for s in stalls.lost(["w0", "w1", "w2"])) == ["w1", "w2"]
+    finally:
+        frozen.kill()
+        frozen.wait()
 
 
 def test_the_setting_is_read_from_the_environment_and_checked():

@@ -227,7 +227,8 @@ def test_engines_start_over_at_a_reform_so_old_ranks_and_newcomers_match():
 
 def test_a_frozen_worker_is_a_lost_worker_and_the_survivors_go_on(tmp_path):
     # issue 27: w1 stops (SIGSTOP: a rank stuck in a driver call or a swapped-out host looks so). Its
-    # heartbeat stops with it; after 15 s of silence the supervisor kills it through its own handle, and
+    # heartbeat stops with it; after --heartbeat-timeout (3 s) of silence in process state T the supervisor
+    # kills it through its own handle, and
     # the survivor re-forms in-process as for a kill (before: the collective --timeout, then 50 s of a
     # re-form that could not happen while the frozen process lived, then a group restart).
     proc, rows, report = _run(tmp_path, "px", None, "-np", "2", "--min-np", "1", "--max-np", "2",
