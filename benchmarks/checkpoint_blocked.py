@@ -1,0 +1,88 @@
+"""Where an async checkpoint save's blocked time goes: the phases of ``save(..., async_=True)`` per rank.
+
+Run:  python benchmarks/checkpoint_blocked.py [--kind replicated] [--np 2] [--saves 7] [--mb 64]
+
+The state is benchmarks/checkpoint.py's (a model of --mb MiB fp32 + Adam; replicated: all of it on
+every rank, + the rank's RNG state; sharded: 1/np of every tensor). One warm-up async save (it
+allocates the staging buffers), then --saves async saves, each waited for; for each, the time the
+caller was blocked, split into the phases save() runs before it returns: the pieces' state_dict()
+calls, the snapshot copy into the staging buffers (encode), the save id, the background writer's
+start, and the rest. Prints the median over the saves, per rank (ms). No peer here: DCP's
+async_save is timed beside phalanx's in benchmarks/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import checkpoint as bench  # noqa: E402  (this folder, put on the path above)
+
+import phalanx as px  # noqa: E402
+import phalanx.checkpoint as ckpt  # noqa: E402
+
+PHASES = (("sharded", "to_tree", "state_dict() calls (to_tree)"), ("sharded", "encode", "snapshot copy (encode)"),
+          ("sharded", "_next_save_id", "save id"), ("writer", "submit", "writer thread start (submit)"))
+
+
+def _rank(kind: str, mb: int, saves: int, root: str) -> list[dict]:
+    from phalanx.checkpoint import async_save, sharded
+
+    state = bench._states(kind, mb)[0]
+    acc: dict[str, float] = {}
+    owners = {"sharded": sharded, "writer": async_save.AsyncWriter}
+    for owner, name, label in PHASES:  # time each phase where save() calls it
+        fn = getattr(owners[owner], name)
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_label] = acc.get(_label, 0.0) + time.perf_counter() - t0
+        setattr(owners[owner], name, timed)
+    rows = []
+    for i in range(saves + 1):
+        acc.clear()
+        path = os.path.join(root, f"a{i}")
+        px.barrier()
+        t0 = time.perf_counter()
+        ckpt.save(path, state, async_=True)
+        total = time.perf_counter() - t0
+        ckpt.wait()
+        px.barrier()
+        if px.rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if i:  # i = 0: the warm-up save
+            rows.append({**acc, "other": total - sum(acc.values()), "total blocked": total})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", default="replicated", choices=("replicated", "sharded"))
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=7)
+    ap.add_argument("--mb", type=int, default=64)
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="phalanx-ckpt-blocked-", dir="/tmp")
+    try:
+        res = px.run(_rank, np=args.np, args=(args.kind, args.mb, args.saves, root), timeout=900)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.kind}, {args.np} ranks, {3 * args.mb} MiB of state, {args.saves} async saves after one warm-up; "
+          f"median over the saves, per rank (ms); load average {os.getloadavg()[0]:.1f}")
+    for k in res[0][0]:
+        print(f"  {k:32s} " + "  ".join(f"rank{r} {1e3 * statistics.median(row[k] for row in res[r]):7.1f}"
+                                         for r in range(args.np)))
+
+
+if __name__ == "__main__":
+    main()
