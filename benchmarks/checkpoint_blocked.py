@@ -1,6 +1,7 @@
 """Where an async checkpoint save's blocked time goes: the phases of ``save(..., async_=True)`` per rank.
 
 Run:  python benchmarks/checkpoint_blocked.py [--kind replicated] [--np 2] [--saves 7] [--mb 64]
+      python benchmarks/checkpoint_blocked.py --handoff      (the thread start alone, one process)
 
 The state is benchmarks/checkpoint.py's (a model of --mb MiB fp32 + Adam; replicated: all of it on
 every rank, + the rank's RNG state; sharded: 1/np of every tensor). One warm-up async save (it
@@ -9,6 +10,12 @@ caller was blocked, split into the phases save() runs before it returns: the pie
 calls, the snapshot copy into the staging buffers (encode), the save id, the background writer's
 start, and the rest. Prints the median over the saves, per rank (ms). No peer here: DCP's
 async_save is timed beside phalanx's in benchmarks/checkpoint.py.
+
+--handoff: why starting the background writer cost milliseconds: time ``Thread.start()`` of a
+thread whose body runs Python at once (the caller waits for the GIL the new thread holds),
+against one whose body first waits on an Event the caller sets after ``start()`` (what
+phalanx.checkpoint.async_save does), against a queue put to a thread already running; 30
+interleaved samples each, median and max.
 """
 
 from __future__ import annotations
@@ -65,13 +72,59 @@ def _rank(kind: str, mb: int, saves: int, root: str) -> list[dict]:
     return rows
 
 
+def _handoff(samples: int = 30) -> None:
+    import queue
+    import threading
+
+    def busy() -> None:  # the writer's first 50 ms of Python (planning, JSON) stand-in
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.05:
+            pass
+    res: dict[str, list[float]] = {"start, body runs Python at once": [], "start, body waits for the caller": [],
+                                   "queue put to a running thread": []}
+    jobs: queue.Queue = queue.Queue()
+
+    def serve() -> None:
+        while True:
+            jobs.get()()
+            jobs.task_done()
+    threading.Thread(target=serve, daemon=True).start()
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        th = threading.Thread(target=busy)
+        th.start()
+        res["start, body runs Python at once"].append(time.perf_counter() - t0)
+        th.join()
+        go = threading.Event()
+
+        def body(go=go) -> None:
+            go.wait()
+            busy()
+        t0 = time.perf_counter()
+        th = threading.Thread(target=body)
+        th.start()
+        go.set()
+        res["start, body waits for the caller"].append(time.perf_counter() - t0)
+        th.join()
+        t0 = time.perf_counter()
+        jobs.put(busy)
+        res["queue put to a running thread"].append(time.perf_counter() - t0)
+        jobs.join()
+    print(f"thread start as seen by the caller, {samples} samples each, load average {os.getloadavg()[0]:.1f}:")
+    for k, v in res.items():
+        print(f"  {k:36s} median {1e3 * statistics.median(v):7.3f} ms, max {1e3 * max(v):7.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", default="replicated", choices=("replicated", "sharded"))
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--saves", type=int, default=7)
     ap.add_argument("--mb", type=int, default=64)
+    ap.add_argument("--handoff", action="store_true", help="time the writer thread's start alone")
     args = ap.parse_args()
+    if args.handoff:
+        return _handoff()
     root = tempfile.mkdtemp(prefix="phalanx-ckpt-blocked-", dir="/tmp")
     try:
         res = px.run(_rank, np=args.np, args=(args.kind, args.mb, args.saves, root), timeout=900)
