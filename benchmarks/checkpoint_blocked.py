@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/checkpoint_blocked.py [--kind replicated] [--np 2] [--saves 7] [--mb 64]
       python benchmarks/checkpoint_blocked.py --handoff      (the thread start alone, one process)
+      python benchmarks/checkpoint_blocked.py --copy         (memmove vs Tensor.copy_, one process)
 
 The state is benchmarks/checkpoint.py's (a model of --mb MiB fp32 + Adam; replicated: all of it on
 every rank, + the rank's RNG state; sharded: 1/np of every tensor). One warm-up async save (it
@@ -16,6 +17,11 @@ thread whose body runs Python at once (the caller waits for the GIL the new thre
 against one whose body first waits on an Event the caller sets after ``start()`` (what
 phalanx.checkpoint.async_save does), against a queue put to a thread already running; 30
 interleaved samples each, median and max.
+
+--copy: the snapshot copy's two ways, one process, one torch thread: 48 x 4 MiB fp32 into
+buffers already touched, ``Tensor.copy_`` against ``ctypes.memmove`` (what
+phalanx.checkpoint uses for dense CPU tensors), 21 interleaved repeats, order alternating; the
+median of the per-repeat ratio memmove / copy_.
 """
 
 from __future__ import annotations
@@ -115,6 +121,35 @@ def _handoff(samples: int = 30) -> None:
         print(f"  {k:36s} median {1e3 * statistics.median(v):7.3f} ms, max {1e3 * max(v):7.2f} ms")
 
 
+def _copy_ab(repeats: int = 21) -> None:
+    import ctypes
+
+    import torch
+
+    torch.set_num_threads(1)
+    src = [torch.randn(1 << 20) for _ in range(48)]
+    dst = [torch.empty_like(t) for t in src]
+    for a, b in zip(src, dst):
+        b.copy_(a)
+    ratios, took = [], {"copy_": [], "memmove": []}
+    for i in range(repeats):
+        t: dict[str, float] = {}
+        for how in (("copy_", "memmove") if i % 2 else ("memmove", "copy_")):
+            t0 = time.perf_counter()
+            for a, b in zip(src, dst):
+                if how == "copy_":
+                    b.copy_(a)
+                else:
+                    ctypes.memmove(b.data_ptr(), a.data_ptr(), a.numel() * a.element_size())
+            t[how] = time.perf_counter() - t0
+            took[how].append(t[how])
+        ratios.append(t["memmove"] / t["copy_"])
+    print(f"192 MiB (48 x 4 MiB) into touched buffers, {repeats} interleaved repeats, load average "
+          f"{os.getloadavg()[0]:.1f}: copy_ median {1e3 * statistics.median(took['copy_']):.1f} ms, memmove "
+          f"{1e3 * statistics.median(took['memmove']):.1f} ms; memmove / copy_ per repeat: median "
+          f"{statistics.median(ratios):.3f}, quartiles {[round(q, 3) for q in statistics.quantiles(ratios, n=4)]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", default="replicated", choices=("replicated", "sharded"))
@@ -122,7 +157,10 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=7)
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--handoff", action="store_true", help="time the writer thread's start alone")
+    ap.add_argument("--copy", action="store_true", help="time memmove against Tensor.copy_ alone")
     args = ap.parse_args()
+    if args.copy:
+        return _copy_ab()
     if args.handoff:
         return _handoff()
     root = tempfile.mkdtemp(prefix="phalanx-ckpt-blocked-", dir="/tmp")
