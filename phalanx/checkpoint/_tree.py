@@ -66,10 +66,10 @@ def snapshot_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Copy ``src`` into the staging buffer ``dst`` (same shape and dtype); return ``dst``.
 
     Contiguous CPU tensors are copied with the C library's ``memmove`` (ctypes drops the GIL for
-    the call): glibc's copy uses non-temporal stores for large blocks, which skip the cache
-    line reads a store loop makes, and on the 2-core benchmark machine it took a median 0.89x
-    the time of ``Tensor.copy_`` for 48 x 4 MiB (21 interleaved repeats). Anything else
-    (another device, a strided view, a lazy conjugate) goes through ``copy_``.
+    the call; glibc picks its copy routine for the CPU and the block size): on the 2-core
+    benchmark machine it took a median 0.89x the time of ``Tensor.copy_`` for 48 x 4 MiB (21
+    interleaved repeats; benchmarks/LOG.md ``#ckpt-handoff-copy``). Anything else (another
+    device, a strided view, a lazy conjugate) goes through ``copy_``.
     """
     if _raw_copyable(dst, src):
         n = src.numel() * src.element_size()
