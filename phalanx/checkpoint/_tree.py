@@ -67,8 +67,9 @@ def snapshot_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
     Contiguous CPU tensors are copied with the C library's ``memmove`` (ctypes drops the GIL for
     the call; glibc picks its copy routine for the CPU and the block size): on the 2-core
-    benchmark machine it took a median 0.89x the time of ``Tensor.copy_`` for 48 x 4 MiB (21
-    interleaved repeats; benchmarks/LOG.md ``#ckpt-handoff-copy``). Anything else (another
+    benchmark machine it took a median 0.93x the time of ``Tensor.copy_`` for 48 x 4 MiB (21
+    interleaved repeats, under the bench lock; 0.89x in a run outside it; benchmarks/LOG.md
+    ``#ckpt-handoff-copy``). Anything else (another
     device, a strided view, a lazy conjugate) goes through ``copy_``.
     """
     if _raw_copyable(dst, src):

@@ -54,7 +54,7 @@ class AsyncWriter:
         self._what = what
         # The new thread would run Python right after signalling that it started, holding the GIL
         # the caller needs to return from start(): the caller then waits out the switch interval
-        # (5 ms) or longer under load (a median 6.9-7.2 ms, at worst 88 ms, for a thread starting a
+        # (5 ms) or longer under load (a median 5.3-7.2 ms, at worst 88 ms, for a thread starting a
         # busy body on the shared 2-core machine; 0.2 ms with this hand-off; benchmarks/LOG.md
         # #ckpt-handoff-copy). So the thread first waits, with the GIL released, until the caller
         # is back from start().
