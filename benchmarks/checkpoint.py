@@ -1,19 +1,24 @@
 """Checkpoint speed vs torch.distributed.checkpoint (DCP), and recovery time after a worker kill.
 
-Run:  python benchmarks/checkpoint.py [--mb 64] [--repeats 7] [--nps 2,4] [--kind both] [--json out.json]
+Run:  python benchmarks/checkpoint.py [--mb 64] [--repeats 7] [--async-samples 3] [--nps 2,4] [--kind both]
+                                      [--json out.json]
       python benchmarks/checkpoint.py --repeats 0 --recovery-repeats 3      (part 2 only)
 
 Part 1, the matrix (one run): the training state of a model of --mb MiB fp32 + its Adam state
 (3x --mb MiB), held two ways: replicated (every rank holds all of it, data parallel; phalanx also
 saves each rank's RNG state) and sharded (each rank holds 1/np of every tensor: phalanx Shards,
-DCP tensors under per-rank names), at each world size of --nps. Per cell group, --repeats paired
-repeats: phalanx and DCP back to back (who goes first alternates), each doing a sync save, a load
-into fresh objects (DCP: dcp.load into state dicts, then load_state_dict, its documented flow;
-values checked equal), and an async save (time the caller is blocked; time until the checkpoint
-is durable on every rank). fsync on both sides, local disk. Time = slowest rank per repeat; the
-verdict uses the paired ratio phalanx/DCP per repeat: its median and a distribution-free 95%
-confidence interval of the median (as benchmarks/dp_vs_ddp.py), "<= 1 (met)" only when the whole
-interval is at or below 1.00. Bytes on disk per save for both.
+DCP tensors under per-rank names), at each world size of --nps. Per cell group: a warm-up round
+(both sides allocate their staging memory; its async blocked times are printed apart, not
+counted), then --repeats repeats; in each, every operation is run by phalanx and DCP back to back
+(who goes first alternates per repeat), so a pair sees the same machine state: a sync save, a
+load into fresh objects (DCP: dcp.load into state dicts, then load_state_dict, its documented
+flow; values checked equal), and --async-samples async saves per side, alternating, each waited
+for (time the caller is blocked; time until the checkpoint is durable on every rank; the repeat's
+figure is the median of its samples: the blocked time is short and noisy). fsync on both sides,
+local disk, one directory. Time = slowest rank per repeat; the verdict uses the paired ratio
+phalanx/DCP per repeat: its median and a distribution-free 95% confidence interval of the median
+(as benchmarks/dp_vs_ddp.py), "<= 1 (met)" only when the whole interval is at or below 1.00.
+Bytes on disk per save for both.
 
 Part 2: a 4-worker training job whose rank 1 SIGKILLs itself at step 12 (commit every 5 steps);
 recovery = time from the kill to the next completed step, by both paths, interleaved per repeat:
@@ -126,15 +131,19 @@ def _flat(model, opt) -> dict:
     return out
 
 
-def _matrix_rank(kind: str, mb: int, repeats: int, root: str) -> dict:
-    """One cell group on every rank: per repeat, phalanx and DCP back to back (who goes first
-    alternates), each: sync save, load (+ apply), async save (blocked time, time until durable on
-    every rank). Times are per rank; the caller takes the slowest rank of each repeat."""
+def _matrix_rank(kind: str, mb: int, repeats: int, root: str, async_samples: int = 3) -> dict:
+    """One cell group on every rank. A warm-up round first (both sides allocate their staging
+    memory and fault in their code paths; its async blocked times are kept apart as ``first``),
+    then per repeat, every operation run by phalanx and DCP back to back (who goes first
+    alternates per repeat): sync save, load (+ apply), then ``async_samples`` async saves per
+    side, alternating, each waited for (blocked time, time until durable on every rank); a
+    repeat's async figure is the median of its samples. Times are per rank; the caller takes the
+    slowest rank of each repeat."""
     import torch.distributed.checkpoint as dcp
 
     r = px.rank()
     px_state, dcp_state, px_target, dcp_target, expect = _states(kind, mb)
-    keys = ("save", "load", "block", "durable", "bytes")
+    keys = ("save", "load", "block", "durable", "bytes", "first_block")
     out = {f"{w}_{k}": [] for w in ("px", "dcp") for k in keys}
 
     def timed(fn) -> float:
@@ -148,36 +157,67 @@ def _matrix_rank(kind: str, mb: int, repeats: int, root: str) -> dict:
         bad = [k for k in expect if not torch.equal(got[k], expect[k])]
         assert not bad, f"{kind}: loaded values differ at {bad[:3]}"
 
-    for i in range(repeats):
-        for who in (("px", "dcp") if i % 2 == 0 else ("dcp", "px")):
-            path, apath = os.path.join(root, f"{who}-sync-{i}"), os.path.join(root, f"{who}-async-{i}")
-            if who == "px":
-                out["px_save"].append(timed(lambda p=path: ckpt.save(p, px_state)))
-                tgt, flat = px_target()
-                out["px_load"].append(timed(lambda p=path, t=tgt: ckpt.load(p, t)))
-            else:
-                out["dcp_save"].append(timed(lambda p=path: dcp.save(dcp_state, checkpoint_id=p)))
-                tgt, apply, flat = dcp_target()
-                out["dcp_load"].append(timed(lambda p=path, t=tgt, a=apply: (dcp.load(t, checkpoint_id=p), a())))
-            check(flat())
-            out[f"{who}_bytes"].append(_disk_bytes(path) if r == 0 else 0)
-            px.barrier()
-            t0 = time.perf_counter()
-            if who == "px":
-                ckpt.save(apath, px_state, async_=True)
-                out["px_block"].append(time.perf_counter() - t0)
-                ckpt.wait()  # ends with a barrier: the manifest exists
-            else:
-                fut = dcp.async_save(dcp_state, checkpoint_id=apath)
-                out["dcp_block"].append(time.perf_counter() - t0)
-                fut.result()
-                px.barrier()  # the coordinator wrote .metadata
-            out[f"{who}_durable"].append(time.perf_counter() - t0)
-            px.barrier()
-            if r == 0:
-                for p in (path, apath):
-                    shutil.rmtree(p, ignore_errors=True)
-            px.barrier()
+    def remove(*paths: str) -> None:
+        px.barrier()
+        if r == 0:
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+        px.barrier()
+
+    def save(who: str, path: str) -> float:
+        if who == "px":
+            return timed(lambda: ckpt.save(path, px_state))
+        return timed(lambda: dcp.save(dcp_state, checkpoint_id=path))
+
+    def load(who: str, path: str) -> float:
+        if who == "px":
+            tgt, flat = px_target()
+            took = timed(lambda: ckpt.load(path, tgt))
+        else:
+            tgt, apply, flat = dcp_target()
+            took = timed(lambda: (dcp.load(tgt, checkpoint_id=path), apply()))
+        check(flat())
+        return took
+
+    def async_save(who: str, path: str) -> tuple[float, float]:
+        px.barrier()
+        t0 = time.perf_counter()
+        if who == "px":
+            ckpt.save(path, px_state, async_=True)
+            blocked = time.perf_counter() - t0
+            ckpt.wait()  # ends with a barrier: the manifest exists
+        else:
+            fut = dcp.async_save(dcp_state, checkpoint_id=path)
+            blocked = time.perf_counter() - t0
+            fut.result()
+            px.barrier()  # the coordinator wrote .metadata
+        return blocked, time.perf_counter() - t0
+
+    for i in range(-1, repeats):  # i = -1: the warm-up round, not counted
+        order = ("px", "dcp") if i % 2 == 0 else ("dcp", "px")
+        paths = {who: os.path.join(root, f"{who}-sync-{i}") for who in order}
+        for who in order:
+            took = save(who, paths[who])
+            if i >= 0:
+                out[f"{who}_save"].append(took)
+                out[f"{who}_bytes"].append(_disk_bytes(paths[who]) if r == 0 else 0)
+        for who in order:
+            took = load(who, paths[who])
+            if i >= 0:
+                out[f"{who}_load"].append(took)
+        remove(*paths.values())
+        samples: dict[str, list] = {who: [] for who in order}
+        for s in range(async_samples if i >= 0 else 1):
+            for who in (order if s % 2 == 0 else order[::-1]):
+                apath = os.path.join(root, f"{who}-async-{i}-{s}")
+                samples[who].append(async_save(who, apath))
+                remove(apath)
+        for who in order:
+            if i < 0:
+                out[f"{who}_first_block"].append(samples[who][0][0])
+                continue
+            out[f"{who}_block"].append(statistics.median(b for b, _ in samples[who]))
+            out[f"{who}_durable"].append(statistics.median(d for _, d in samples[who]))
     return out
 
 
@@ -195,10 +235,13 @@ def _matrix(args) -> list[dict]:
         for world in args.nps:
             root = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-", dir="/tmp")
             try:
-                results = px.run(_matrix_rank, np=world, args=(kind, args.mb, args.repeats, root), timeout=3600)
+                results = px.run(_matrix_rank, np=world, args=(kind, args.mb, args.repeats, root, args.async_samples),
+                                 timeout=3600)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             mib = {w: statistics.median(results[0][f"{w}_bytes"]) / 2**20 for w in ("px", "dcp")}
+            # the warm-up round's async save (fresh staging memory on both sides): reported, not counted
+            first = {w: max(res[f"{w}_first_block"][0] for res in results) for w in ("px", "dcp")}
             for label, key in CELLS:
                 # a save is as slow as its slowest rank: the max over ranks per repeat, then paired ratios
                 t = {w: [max(res[f"{w}_{key}"][i] for res in results) for i in range(args.repeats)]
@@ -210,22 +253,30 @@ def _matrix(args) -> list[dict]:
                 rows.append({"kind": kind, "np": world, "cell": label, "px_ms": 1e3 * statistics.median(t["px"]),
                              "dcp_ms": 1e3 * statistics.median(t["dcp"]), "ratio": statistics.median(ratio),
                              "ci": ci, "verdict": verdict, "px_mib": mib["px"], "dcp_mib": mib["dcp"],
-                             "ratios": [round(x, 3) for x in ratio]})
+                             "ratios": [round(x, 3) for x in ratio],
+                             "first_block_ms": {w: round(1e3 * v, 1) for w, v in first.items()}})
     return rows
 
 
-def _print_matrix(args, rows: list[dict]) -> None:
+def _print_matrix(args, rows: list[dict], loads: tuple) -> None:
     print(f"torch {torch.__version__}; model {args.mb} MiB fp32 + Adam = {3 * args.mb} MiB of state; "
-          f"replicated: all of it on every rank; sharded: 1/np of every tensor per rank. {args.repeats} paired "
-          f"interleaved repeats (phalanx and DCP alternate who goes first); time = slowest rank; ratio = "
-          f"phalanx/DCP per repeat (lower is better), its median and 95% CI of the median; checksum "
-          f"{ckpt.io.checksum_algorithm()}")
+          f"replicated: all of it on every rank; sharded: 1/np of every tensor per rank. A warm-up round, then "
+          f"{args.repeats} repeats, each operation run by phalanx and DCP back to back (who goes first "
+          f"alternates); async: median of {args.async_samples} alternating saves per side per repeat; time = "
+          f"slowest rank; ratio = phalanx/DCP per repeat (lower is better), its median and 95% CI of the "
+          f"median; checksum {ckpt.io.checksum_algorithm()}; load average {loads[0]:.1f} at the start, "
+          f"{loads[1]:.1f} at the end")
     print(f"{'state':10s} {'np':>2s} {'cell':26s} {'phalanx ms':>10s} {'DCP ms':>8s} {'px/DCP':>7s} "
           f"{'95% CI':>13s}  {'verdict':15s} {'MiB px/DCP':>14s}")
     for row in rows:
         ci = f"{row['ci'][0]:.2f}-{row['ci'][1]:.2f}" if row["ci"] else "-"
         print(f"{row['kind']:10s} {row['np']:2d} {row['cell']:26s} {row['px_ms']:10.1f} {row['dcp_ms']:8.1f} "
               f"{row['ratio']:7.2f} {ci:>13s}  {row['verdict']:15s} {row['px_mib']:6.1f}/{row['dcp_mib']:.1f}")
+    for row in rows:
+        if row["cell"] == "async save: blocked":
+            f = row["first_block_ms"]
+            print(f"first async save (warm-up, fresh staging memory on both sides), {row['kind']} {row['np']} "
+                  f"ranks: phalanx {f['px']:.1f} ms, DCP {f['dcp']:.1f} ms (not counted above)")
 
 
 # ---------------------------------------------------------------- recovery worker (runs under phalanx run)
@@ -320,6 +371,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=64, help="MiB of fp32 model (state = model + Adam = 3x)")
     ap.add_argument("--repeats", type=int, default=7, help="paired repeats per cell group (0: skip the matrix)")
+    ap.add_argument("--async-samples", type=int, default=3,
+                    help="async saves per side per repeat (alternating); a repeat's figure is their median")
     ap.add_argument("--nps", default="2,4", help="world sizes of the matrix, comma-separated")
     ap.add_argument("--kind", default="both", choices=("replicated", "sharded", "both"))
     ap.add_argument("--recovery-repeats", type=int, default=0)
@@ -336,11 +389,13 @@ def main() -> None:
     if args.recovery_worker:
         return _recovery_worker(args.recovery_worker)
     if args.repeats:
+        before = os.getloadavg()[0]
         rows = _matrix(args)
-        _print_matrix(args, rows)
+        loads = (before, os.getloadavg()[0])
+        _print_matrix(args, rows, loads)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+                json.dump({"args": vars(args), "load_average": loads, "rows": rows}, f, indent=1)
     if args.recovery_repeats:
         runs = {"restart": [], "inprocess": []}
         for _ in range(args.recovery_repeats):  # interleaved: both paths see the same machine state

@@ -52,8 +52,16 @@ class AsyncWriter:
         """Wait for (and re-raise the error of) the previous write, then start ``fn`` in the background."""
         self.wait()
         self._what = what
+        # The new thread would run Python right after signalling that it started, holding the GIL
+        # the caller needs to return from start(): the caller then waits out the switch interval
+        # (5 ms) or longer under load (a median 5.3-7.2 ms, at worst 88 ms, for a thread starting a
+        # busy body on the shared 2-core machine; 0.2 ms with this hand-off; benchmarks/LOG.md
+        # #ckpt-handoff-copy). So the thread first waits, with the GIL released, until the caller
+        # is back from start().
+        go = threading.Event()
 
         def body() -> None:
+            go.wait()
             started = time.perf_counter()
             try:
                 fn()
@@ -64,7 +72,10 @@ class AsyncWriter:
                 self.last_write_s = time.perf_counter() - started
 
         self._thread = threading.Thread(target=body, name=self._name, daemon=False)
-        self._thread.start()
+        try:
+            self._thread.start()
+        finally:  # never leave the thread waiting (an interrupt right after start())
+            go.set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the write in flight is done; raise :class:`CheckpointWriteError` if it failed."""

@@ -24,8 +24,9 @@ its own copy (computed while it writes its own files) and, if they differ, write
 its copy to ``rankNNNNN.diverged.*`` (nothing is lost, and no hashing pass delays the
 plan). Nothing polls the file system. A checkpoint without ``manifest.json`` is incomplete and is never
 loaded, so a crash at any point of a save leaves the previous checkpoint as the newest
-loadable one. Loading checks every file it reads against the manifest's checksum (CRC-32 by
-default, sha256 with ``PHALANX_CHECKPOINT_CHECKSUM=sha256``; see :mod:`phalanx.checkpoint.io`).
+loadable one. Loading checks every file it reads against the manifest's checksum (XXH3-128 by
+default where ``xxhash`` is installed, else CRC-32; ``PHALANX_CHECKPOINT_CHECKSUM`` picks crc32 or
+sha256; see :mod:`phalanx.checkpoint.io`).
 
 Resharding: a tensor split across ranks is saved as a :class:`Shard` (local
 piece + global shape + offsets). A loader at another world size passes a state

@@ -89,12 +89,48 @@ def _roundtrip(root):
         assert torch.equal(torch.rand(3), rng_next[0]) and random.random() == rng_next[1]
         assert np.random.rand() == rng_next[2]
         out[mode] = True
+    out["async reuse"] = _async_reuses_staging(root, pieces[0])
     return out
+
+
+def _async_reuses_staging(root, model):
+    """A second async save of the same state copies into the first one's staging buffers (memmove for
+    dense CPU tensors, copy_ for a strided view and a lazy conjugate): the file holds the values at
+    the second save() call, not the first's, nor what changed after it returned."""
+    r = px.rank()
+    dense, grid = torch.arange(6.0) + r, torch.arange(12.0).reshape(3, 4)
+    state = {"model": model, "dense": dense, "view": grid.t(), "conj": torch.tensor([1 + 2j, 3 - 1j]).conj()}
+    ckpt.save(os.path.join(root, "reuse-1"), state, async_=True)
+    ckpt.wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2.0)
+        dense.add_(10.0)
+        grid.add_(100.0)
+    state["conj"] = torch.tensor([5 + 6j, 7 - 8j]).conj()
+    expect = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "dense": dense.clone(),
+              "view": grid.t().clone(), "conj": state["conj"].resolve_conj()}
+    ckpt.save(os.path.join(root, "reuse-2"), state, async_=True)
+    with torch.no_grad():  # after save() returned: must not reach the file
+        for p in model.parameters():
+            p.add_(1.0)
+        dense.add_(1.0)
+        grid.add_(1.0)
+    ckpt.wait()
+    target = {"model": _pieces(seed=5)[0], "dense": torch.zeros(6), "view": torch.zeros(4, 3),
+              "conj": torch.zeros(2, dtype=torch.complex64)}
+    ckpt.load(os.path.join(root, "reuse-2"), target)
+    sd = target["model"].state_dict()
+    return {"model": all(torch.equal(sd[k], v) for k, v in expect["model"].items()),
+            "dense": torch.equal(target["dense"], expect["dense"]),
+            "view": torch.equal(target["view"], expect["view"]),
+            "conj": torch.equal(target["conj"].resolve_conj(), expect["conj"])}
 
 
 def test_roundtrip_every_piece_bit_exact(tmp_path):
     results = distributed(_roundtrip, np=2, args=(str(tmp_path),))
-    assert results == [{"sync": True, "async": True}] * 2
+    reuse = {"model": True, "dense": True, "view": True, "conj": True}
+    assert results == [{"sync": True, "async": True, "async reuse": reuse}] * 2
     manifest = json.loads((tmp_path / "sync" / ckpt.MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["meta"] == {"step": 17}
     algo = ckpt.io.checksum_algorithm()  # xxh3 where the xxhash package is installed, else crc32
