@@ -54,7 +54,7 @@ from phalanx.elastic.interrupts import (
 from phalanx.log import get_logger
 from phalanx.settings import ElasticSettings, RuntimeSettings, var
 
-__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "is_collective_error", "host_updates",
+__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -233,19 +233,6 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
 def _pending_kind(ctx: _Ctx, notices: bool) -> int:
     """0: nothing pending; REMOVED_ONLY: the change only drops workers (Horovod's skip_sync); ADDED: else."""
     return pending.pending_on(ctx.store, ctx.gen, ctx.notice, notices)
-
-
-_COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
-                     "timeout", "nccl", "peer", "socket", "store", "no answer within")
-
-
-def is_collective_error(err: BaseException) -> bool:
-    """Does ``err`` look like a failed collective (a peer died, the group broke) rather than a bug?"""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(err, dist_error):
-        return True
-    # TimeoutError: a checkpoint's cross-rank wait on the store for a rank that is gone
-    return isinstance(err, (RuntimeError, TimeoutError)) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
 
 
 def keep_current_connections() -> int:

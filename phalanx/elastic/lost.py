@@ -40,12 +40,27 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["announce", "LostWatcher", "socket_fds", "group_sockets", "keep", "shut", "POLL_S", "GRACE_S"]
+__all__ = ["announce", "is_collective_error", "LostWatcher", "socket_fds", "group_sockets", "keep", "shut", "POLL_S", "GRACE_S"]
 
 POLL_S = 0.1  # one store round trip per worker per poll
 # Most losses gloo reports by itself at once; the connections are shut only under a collective still
 # blocked this long after the loss was seen (shutting them under gloo's feet is not free either).
 GRACE_S = 1.0
+
+
+_COLLECTIVE_WORDS = ("gloo", "connection closed", "connection reset", "broken pipe", "timed out",
+                     "timeout", "nccl", "peer", "socket", "store", "no answer within")
+
+
+def is_collective_error(err: BaseException) -> bool:
+    """Does ``err`` look like a failed collective (a peer died, the group broke) rather than a bug?"""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    # TimeoutError: a checkpoint's cross-rank wait on the store for a rank that is gone
+    return isinstance(err, (RuntimeError, TimeoutError)) and any(w in str(err).lower() for w in _COLLECTIVE_WORDS)
 
 
 def announce(store, wid: str) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx import runtime
-from phalanx.elastic import inprocess, preempt
+from phalanx.elastic import inprocess, lost, preempt
 from phalanx.elastic.interrupts import HostsUpdatedInterrupt
 from phalanx.elastic.state import State
 from phalanx.log import get_logger
@@ -109,7 +109,7 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
                 state.restore()
                 state.sync()
         except Exception as err:
-            if not (inprocess.active() and inprocess.is_collective_error(err)):
+            if not (inprocess.active() and lost.is_collective_error(err)):
                 if inprocess.active():
                     # In-process: this worker is lost. Cut its connections now, so the others
                     # fail at once and re-form while this process prints and exits.
