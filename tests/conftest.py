@@ -26,20 +26,20 @@ if importlib.util.find_spec("sklearn") is not None:
     os.environ.setdefault("PHALANX_SPAWN_PRELOAD", "sklearn.datasets")
 
 # Seconds per module on this 2-core machine (`python -m pytest -q --durations=0`, summed per module,
-# 2026-11-27, the whole suite 1375 s); modules not listed take under 10 s. Only the order depends on it: longest first
+# 2026-11-27 06:10, 2 test processes, the whole suite 1147 s); modules not listed take under 11 s. Only the order depends on it: longest first
 # (LPT), so a long module does not start last and keep one process running alone at the end.
 MODULE_SECONDS = {
-    "test_horovod_elastic_flow": 267, "test_elastic_membership": 203, "test_keras": 168,
-    "test_elastic_inprocess": 134, "test_cli": 133, "test_ray": 120, "test_launcher": 92, "test_elastic": 91,
-    "test_gpu_dry_run": 86, "test_tune": 84, "test_slurm_elastic": 83, "test_preempt_slurm": 77,
-    "test_multihost": 76, "test_trainer": 72, "test_stall": 70, "test_tensorflow_horovod_examples": 68,
-    "test_slurm_docs": 68, "test_elastic_zero": 55, "test_ps": 53, "test_horovod": 48, "test_profiler": 41,
-    "test_tensorflow": 34, "test_runtime": 34, "test_preempt_restart": 33, "test_elastic_snapshot_every": 33,
-    "test_slurm": 30, "test_preempt_elastic": 29, "test_preempt": 29, "test_elastic_random": 29,
-    "test_horovod_errors": 25, "test_mpirun": 23, "test_compressed_collectives": 22, "test_data_parallel_args": 21,
-    "test_autotune": 20, "test_big_models": 18, "test_big_models_grid": 15, "test_horovod_example": 14,
-    "test_checkpoint_format": 13, "test_checkpoint": 13, "test_ps_protocol": 12, "test_zero": 12,
-    "test_tensorflow_horovod": 11, "test_parallelize": 11,
+    "test_horovod_elastic_flow": 168, "test_keras": 156, "test_elastic_membership": 153,
+    "test_elastic_inprocess": 126, "test_cli": 98, "test_tensorflow_horovod_examples": 87, "test_launcher": 87,
+    "test_ray": 86, "test_preempt_slurm": 78, "test_tune": 77, "test_gpu_dry_run": 75, "test_trainer": 70,
+    "test_multihost": 58, "test_horovod": 50, "test_stall": 50, "test_elastic_snapshot_every": 48,
+    "test_elastic": 45, "test_slurm_docs": 44, "test_elastic_zero": 41, "test_slurm_elastic": 38, "test_runtime": 36,
+    "test_tensorflow": 33, "test_elastic_random": 31, "test_ps": 31, "test_horovod_errors": 27,
+    "test_preempt_restart": 27, "test_preempt_elastic": 25, "test_big_models": 25, "test_big_models_grid": 24,
+    "test_compressed_collectives": 22, "test_mpirun": 22, "test_preempt": 22, "test_slurm": 22,
+    "test_tensorflow_horovod": 21, "test_profiler": 20, "test_data_parallel_args": 20, "test_autotune": 17,
+    "test_horovod_example": 15, "test_checkpoint_format": 14, "test_checkpoint": 13, "test_parallelize": 13,
+    "test_expert": 12, "test_zero": 12, "test_ps_protocol": 12, "test_data_parallel": 12,
 }
 
 
