@@ -46,7 +46,7 @@ from typing import Any
 from phalanx import runtime
 from phalanx.elastic import inprocess, lost, preempt
 from phalanx.elastic.interrupts import HostsUpdatedInterrupt
-from phalanx.elastic.state import State
+from phalanx.elastic.state import State, TorchState
 from phalanx.log import get_logger
 
 __all__ = ["run", "HostsUpdatedInterrupt", "restart_count"]
@@ -97,9 +97,8 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
         reform = None
         try:
             result = func(state, *args, **kwargs)
-            finish = getattr(state, "finish", None)  # a TorchState's background snapshot in flight
-            if callable(finish):
-                finish()
+            if isinstance(state, TorchState):
+                state.finish()  # its background snapshot in flight (recover="live"), complete before the exit
             return result
         except inprocess.MembershipChanged as err:  # (HostsUpdatedInterrupt is one)
             if err.reform:  # raised by a commit: the launcher admitted or removed workers; all re-form here
