@@ -266,15 +266,20 @@ class TorchState:
             for k, v in self._pieces.items():
                 if is_gathered(v):  # ZeRO: each rank kept its own shard; load from all of them
                     v.load_sharded_state_dict(_all_ranks(copy.deepcopy(self._memory[k]), self._topology))
-                elif is_stateful(v):
-                    v.load_state_dict(copy.deepcopy(self._memory[k]))
-                elif isinstance(v, torch.Tensor):
-                    with torch.no_grad():
-                        v.copy_(self._memory[k])
-                else:
-                    self._pieces[k] = copy.deepcopy(self._memory[k])
+                else:  # (a copy: the memory stays the point to return to)
+                    self._put(k, v, self._memory[k] if isinstance(v, torch.Tensor) else copy.deepcopy(self._memory[k]))
             return True
         return self._load_latest()
+
+    def _put(self, key: str, piece: Any, value: Any) -> None:
+        """Piece ``key`` made ``value``: loaded into a stateful piece, copied into a tensor, else replaced."""
+        if is_stateful(piece):
+            piece.load_state_dict(value)
+        elif isinstance(piece, torch.Tensor):
+            with torch.no_grad():
+                piece.copy_(value)
+        else:
+            self._pieces[key] = value
 
     def _load_latest(self) -> bool:
         """The last snapshot on disk, if any (what a restarted group, or a generation of newcomers, resumes)."""
@@ -297,16 +302,9 @@ class TorchState:
         if found is None:
             return False
         number, tree = found
-        for k, v in self._pieces.items():
-            if k not in tree["pieces"]:
-                continue
-            if is_stateful(v):
-                v.load_state_dict(tree["pieces"][k])
-            elif isinstance(v, torch.Tensor):
-                with torch.no_grad():
-                    v.copy_(tree["pieces"][k])
-            else:
-                self._pieces[k] = tree["pieces"][k]
+        for k, v in list(self._pieces.items()):
+            if k in tree["pieces"]:
+                self._put(k, v, tree["pieces"][k])
         object.__setattr__(self, "_commit_count", tree["_commits"])
         object.__setattr__(self, "_world", tree["_world"])
         object.__setattr__(self, "restored_from", self._snapshots.path(number))
