@@ -31,7 +31,7 @@ import tf_keras
 
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.keras.fused import reduce_with_local_variables
-from phalanx.keras.legacy_check import ForwardsSchedule
+from phalanx.keras.legacy_check import ForwardsSchedule, same_gradients
 
 __all__ = ["TFKerasDistributedOptimizer", "distributed_tf_keras_optimizer"]
 
@@ -152,7 +152,7 @@ class TFKerasDistributedOptimizer(ForwardsSchedule, tf_keras.optimizers.Optimize
 
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs):
         grads_and_vars = list(grads_and_vars)
-        if self._from_compute_gradients(grads_and_vars):
+        if same_gradients(self.__dict__.pop("_prepared", None), grads_and_vars):
             return self._apply_prepared(grads_and_vars, name)
         grads = [None if g is None else tf.convert_to_tensor(g) for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
@@ -216,11 +216,6 @@ class TFKerasDistributedOptimizer(ForwardsSchedule, tf_keras.optimizers.Optimize
                 out[i] = g
         self.__dict__["_prepared"] = out  # (outside tf.Module's attribute tracking)
         return list(zip(out, variables))
-
-    def _from_compute_gradients(self, grads_and_vars) -> bool:
-        prepared = self.__dict__.pop("_prepared", None)
-        return (prepared is not None and len(prepared) == len(grads_and_vars)
-                and all(p is g for p, (g, _) in zip(prepared, grads_and_vars)))
 
     def _apply_prepared(self, grads_and_vars, name):
         """``apply_gradients`` of :meth:`_compute_gradients`'s pairs: already reduced; with k > 1 an

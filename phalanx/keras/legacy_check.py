@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["is_tf_keras_optimizer", "is_tf_keras_model", "local_weights"]
+__all__ = ["is_tf_keras_optimizer", "is_tf_keras_model", "local_weights", "ForwardsSchedule", "same_gradients"]
 
 
 def is_tf_keras_optimizer(optimizer) -> bool:
@@ -39,6 +39,14 @@ def local_weights(local_layers, who: str) -> list:
     if bad:
         raise ValueError(f"{who}: local_layers must be Keras layers, got {bad}")
     return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+def same_gradients(prepared: list | None, grads_and_vars: list) -> bool:
+    """Whether ``grads_and_vars`` carry exactly the gradients ``prepared`` (the objects themselves):
+    the pairs a distributed optimizer's ``_compute_gradients`` (Horovod's private name) returned,
+    reduced already, so ``apply_gradients`` applies them without reducing them again."""
+    return (prepared is not None and len(prepared) == len(grads_and_vars)
+            and all(p is g for p, (g, _) in zip(prepared, grads_and_vars)))
 
 
 class ForwardsSchedule:

@@ -45,6 +45,7 @@ import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, reduce_gradients
+from phalanx.keras.legacy_check import same_gradients
 from phalanx.keras.torch_backward import BackwardOverlap
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -245,8 +246,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def apply_gradients(self, grads_and_vars, **kwargs):
         grads_and_vars = list(grads_and_vars)
-        prepared = self.__dict__.pop("_prepared", None)
-        if prepared is not None and [id(p) for p in prepared] == [id(g) for g, _ in grads_and_vars]:
+        if same_gradients(self.__dict__.pop("_prepared", None), grads_and_vars):
             self._apply_prepared(grads_and_vars)
             return self.iterations
         grads, variables = zip(*grads_and_vars)
