@@ -69,21 +69,10 @@ def _states(kind: str, mb: int):
     """
     r, world = px.rank(), px.size()
     n = mb * (1 << 20) // 4 // 16
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(n // 64, 64, bias=False) for _ in range(16)])
-    opt = torch.optim.Adam(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
+    model, opt = _model_and_adam(n, seed=0, grad=1.0)
     if kind == "replicated":
-        def fresh():
-            torch.manual_seed(1)
-            m = torch.nn.Sequential(*[torch.nn.Linear(n // 64, 64, bias=False) for _ in range(16)])
-            o = torch.optim.Adam(m.parameters())
-            for p in m.parameters():
-                p.grad = torch.zeros_like(p)
-            o.step()
-            return m, o
+        def fresh():  # other values everywhere: a load that writes nothing shows
+            return _model_and_adam(n, seed=1, grad=0.0)
 
         def px_target():
             m, o = fresh()
@@ -120,6 +109,17 @@ def _states(kind: str, mb: int):
         return tgt, lambda: None, lambda: {k.rsplit(".r", 1)[0]: v for k, v in tgt.items()}
 
     return px_state, dcp_state, px_target, dcp_target, {k: t for k, (t, _, _) in mine.items()}
+
+
+def _model_and_adam(n: int, seed: int, grad: float):
+    """16 bias-free Linear(n/64 -> 64) layers (n values in all) and Adam after one step on a gradient of ``grad``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(n // 64, 64, bias=False) for _ in range(16)])
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.full_like(p, grad)
+    opt.step()
+    return model, opt
 
 
 def _flat(model, opt) -> dict:
