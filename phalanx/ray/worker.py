@@ -17,6 +17,7 @@ Example (what the executor does; users do not call these methods)::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -285,6 +286,10 @@ class BaseWorker:
             except Exception:  # noqa: BLE001 - the exception itself would not pickle
                 kept = None
             raise WorkerFailure(self.rank, text, kept, time.time()) from None
+        finally:  # the actor may be killed next: what the function printed must reach Ray's log file first
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
 
     def teardown(self) -> None:
         """Leave the phalanx job (if the function joined one) and forget the secret."""

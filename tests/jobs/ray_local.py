@@ -14,7 +14,10 @@ def start_local_ray(ray_module, tries: int = 3, num_cpus: int = 2, num_gpus: int
     for attempt in range(tries):
         before = {c.pid for c in me.children(recursive=True)}
         try:
-            ray_module.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True)
+            # address="local": a cluster of its own, never the latest one another test started on this machine
+            # (ray.init() with no address joins that one, and its workers' output then goes to that driver)
+            ray_module.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                            log_to_driver=True)
             return
         except Exception:
             ray_module.shutdown()
