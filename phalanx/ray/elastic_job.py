@@ -50,6 +50,7 @@ from phalanx.elastic import inprocess
 from phalanx.launcher import secret as job_secret
 from phalanx.launcher.supervisor import Supervisor
 from phalanx.log import get_logger
+from phalanx.ray.output import Arrivals, await_lines
 from phalanx.ray.worker import (
     EXIT_KEY,
     BaseWorker,
@@ -207,6 +208,7 @@ class ElasticJob:
             run_id=self.job, reset_limit=ex.reset_limit, cooldown=ex.cooldown_range,
             elastic_timeout=ex.elastic_timeout, starter=self.start_worker, store_addr=ray.util.get_node_ip_address())
         watcher = threading.Thread(target=self._watch, name="phalanx-ray-elastic", daemon=True)
+        arrivals = Arrivals().open()
         watcher.start()
         try:
             code = sup.run()
@@ -214,6 +216,9 @@ class ElasticJob:
             self._done.set()
             watcher.join(5)
             self._drain()
+            # what the finished ranks printed reaches the driver before their actors go (and the caller exits)
+            await_lines(arrivals, [h.actor for h in self.handles if h.returned])
+            arrivals.close()
             self._stop_all()
         if code == 130:
             raise KeyboardInterrupt("RayExecutor (elastic): interrupted; every actor of the job was stopped")

@@ -47,6 +47,7 @@ from phalanx.launcher import secret as job_secret
 from phalanx.launcher.spawn import RankError
 from phalanx.log import get_logger
 from phalanx.ray.elastic_job import ElasticJob
+from phalanx.ray.output import Arrivals, await_lines
 from phalanx.ray.placement import (
     STRATEGIES,
     WorkerSpec,
@@ -168,6 +169,7 @@ class RayExecutor:
         self.worker_names: list[str] = []
         self._group = None
         self._queue = None
+        self._arrivals = Arrivals()  # the lines the driver has received from each rank
         self.startup_s: float | None = None
         self.world_sizes: list[tuple[float, int]] = []  # elastic: (time, size) of each generation, when published
         self.extra_env: dict[str, str] = {}
@@ -248,6 +250,7 @@ class RayExecutor:
             self._wait_for_room()
             self.startup_s = time.perf_counter() - began
             return
+        self._arrivals.open()
         placed = place_workers(self.spec, job=uuid.uuid4().hex[:8])
         self._group, self.worker_names = placed.group, placed.names
         self.workers = placed.workers
@@ -361,6 +364,7 @@ class RayExecutor:
             except Exception:  # noqa: BLE001 - already removed
                 pass
             self._group = None
+        self._arrivals.close()
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_started(self, what: str) -> None:
@@ -438,6 +442,7 @@ class RayExecutor:
             f = failures[root]
             raise RankError(f"rank {root} failed{extra}; every actor of the job was stopped:\n{f.text}", root,
                             f.exception)
+        await_lines(self._arrivals, self.workers)  # what the ranks printed, before the caller's script can exit
         return [results[r] for r in range(len(refs))]
 
     def __enter__(self) -> RayExecutor:

@@ -29,6 +29,7 @@ from typing import Any
 from phalanx.launcher import secret as job_secret
 from phalanx.log import get_logger
 from phalanx.ray import ray_logger
+from phalanx.ray.output import LineCount
 from phalanx.settings import ElasticSettings
 
 __all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY", "warn_if_ranks_niced", "elastic_visible_devices"]
@@ -63,12 +64,14 @@ class WorkerFailure(Exception):
 class _RankPrefixed(io.TextIOBase):
     """A text stream that starts every line with ``[rank]: `` (the prefix ``phalanx run`` prints).
 
-    ``prefix``: a string, or a function giving it (an elastic worker's rank changes at a re-form)."""
+    ``prefix``: a string, or a function giving it (an elastic worker's rank changes at a re-form).
+    ``count``: where the complete lines written are counted (the driver waits for them to arrive)."""
 
-    def __init__(self, stream, prefix: str) -> None:
-        self._stream, self._prefix, self._at_line_start = stream, prefix, True
+    def __init__(self, stream, prefix: str, count: LineCount) -> None:
+        self._stream, self._prefix, self._at_line_start, self._count = stream, prefix, True, count
 
     def write(self, text: str) -> int:
+        self._count.add(text)
         out = []
         for piece in text.splitlines(keepends=True):
             if self._at_line_start:
@@ -175,6 +178,7 @@ class BaseWorker:
     def __init__(self) -> None:
         self.rank = -1
         self._secret_fd: int | None = None
+        self._written = LineCount()
 
     # -- where am I ---------------------------------------------------------------------------
     def node_info(self) -> dict[str, Any]:
@@ -233,8 +237,8 @@ class BaseWorker:
             _record_exits(ElasticSettings.one("store"), ElasticSettings.one("worker_id"))
         if not isinstance(sys.stdout, _RankPrefixed):
             prefix = _elastic_prefix if elastic else f"[{rank}]: "
-            sys.stdout = _RankPrefixed(sys.stdout, prefix)
-            sys.stderr = _RankPrefixed(sys.stderr, prefix)
+            sys.stdout = _RankPrefixed(sys.stdout, prefix, self._written)
+            sys.stderr = _RankPrefixed(sys.stderr, prefix, self._written)
         return niceness
 
     def _keep_secret(self, key: bytes) -> str:
@@ -249,6 +253,10 @@ class BaseWorker:
         self._secret_fd = os.open(path, os.O_RDONLY)
         os.unlink(path)
         return f"/proc/self/fd/{self._secret_fd}"
+
+    def lines_written(self) -> tuple[int, int]:
+        """(this process's pid, the lines its rank has printed so far): what the driver waits to see."""
+        return os.getpid(), self._written.lines
 
     def update_env_vars(self, env_vars: dict[str, Any]) -> None:
         """Set environment variables in this actor (horovod.ray's method of the same name)."""

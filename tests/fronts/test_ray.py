@@ -188,7 +188,15 @@ def test_stateful_execute_example_bitwise_equal(local_ray, reference):
     assert all(isinstance(res, dict) for res in result)
     flats = executor.execute(lambda worker: worker.flat())
     chief = executor.execute_single(lambda worker: worker.flat())
+    # every line the ranks print reaches the driver before execute() returns (a script may exit at once)
+    from phalanx.ray.output import Arrivals
+
+    with Arrivals() as arrivals:
+        assert arrivals.forwarding, "the driver should be forwarding the actors' output (log_to_driver)"
+        pids = executor.execute(lambda worker: (print("\n".join(f"line {i}" for i in range(40))), os.getpid())[1])
+        got = {pid: arrivals.lines_from(pid) for pid in pids}
     executor.shutdown()
+    assert got == {pid: 40 for pid in pids}, f"lines each rank printed that had reached the driver: {got}"
     assert torch.equal(flats[0], flats[1]), "replicas differ on Ray"
     assert torch.equal(chief, flats[0])
     assert torch.equal(flats[0], reference[1]), "Ray and phalanx.run trained different weights"
