@@ -105,6 +105,7 @@ class Supervisor:
         self.workers: list[_Worker] = []
         self.members: list[_Worker] = []  # of the latest published generation, in rank order
         self.gen = -1
+        self.sizes: list[tuple[float, int]] = []  # (time, size) of each generation published, in order
         self.hosts: dict[str, int] = {}
         self.wanted = np
         self._lock = threading.Lock()
@@ -235,6 +236,7 @@ class Supervisor:
         body = json.dumps({"members": [[w.wid, w.host] for w in members], "notice": notice})
         self.store.set(f"pxe/gen/{self.gen}", body)
         self.store.set("pxe/latest", str(self.gen))
+        self.sizes.append((time.time(), len(members)))
         for w in members:
             w.admitted = True
         if self.gen > 0:

@@ -215,6 +215,7 @@ class ElasticJob:
         finally:
             self._done.set()
             watcher.join(5)
+            self._record_sizes()
             self._drain()
             # what the finished ranks printed reaches the driver before their actors go (and the caller exits)
             await_lines(arrivals, [h.actor for h in self.handles if h.returned])
@@ -230,17 +231,18 @@ class ElasticJob:
 
     def _watch(self) -> None:
         """Record each generation's size when published; hand rank 0's logs to the callbacks."""
-        seen = -1
         while not self._done.wait(0.02):
-            gen = getattr(self.supervisor, "gen", -1)
-            if gen > seen and getattr(self.supervisor, "store", None) is not None:
-                for g in range(seen + 1, gen + 1):
-                    members = json.loads(self.supervisor.store.get(f"pxe/gen/{g}"))["members"]
-                    self.world_sizes.append((time.time(), len(members)))
-                seen = gen
+            self._record_sizes()
             self._drain()
             self._check_room()
             self._check_niceness()
+
+    def _record_sizes(self) -> None:
+        # from the supervisor's memory, not its store: a TCPStore client's get holds the client while
+        # it waits for the key, so the supervisor's own set of that key (right after it counts the
+        # generation) queued behind it: both stalled until the store's timeout, then this thread died
+        published = self.supervisor.sizes
+        self.world_sizes.extend(published[len(self.world_sizes):])
 
     def _check_niceness(self) -> None:
         """Warn once, as RayExecutor does, when an actor set up at a niceness above the driver's."""

@@ -228,14 +228,6 @@ def test_worker_exception_names_rank_and_leaves_no_actor(local_ray):
             break
         time.sleep(0.25)
     assert not set(names) & set(_live_actor_names("phalanx-")), "actors left behind"
-    try:  # the state API needs the dashboard; the named-actor check above does not
-        from ray.util.state import list_actors
-
-        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name in names]
-        assert not alive
-    except Exception as exc:  # noqa: BLE001
-        if "ServerUnavailable" not in type(exc).__name__:
-            raise
     with pytest.raises(RuntimeError, match="call start"):
         executor.run(failing_job)
 
@@ -300,13 +292,6 @@ def test_elastic_killed_actor_survived_in_process_and_replaced(local_ray):
     assert logged[-1] == {"step": 8, "size": 2}
     names = list(executor.worker_names)
     assert len(names) == 3 and not set(names) & set(_live_actor_names("phalanx-")), "actors left behind"
-    try:  # the state API needs the dashboard (not started here); the named-actor check above does not
-        from ray.util.state import list_actors
-
-        assert not [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name in names]
-    except Exception as exc:  # noqa: BLE001
-        if "ServerUnavailable" not in type(exc).__name__:
-            raise
     with pytest.raises(RuntimeError, match="run\\(fn\\) only"):
         executor.execute(lambda worker: None)
     executor.shutdown()
