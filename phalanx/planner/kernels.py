@@ -69,12 +69,13 @@ FP8_CAST_BYTES = 6
 """per element cast by tensorwise Float8 (compiled): amax read 2, cast read 2, write e4m3/e5m2 in both layouts 1+1"""
 AC_MODES = ("none", "op", "full")
 ATTENTION_BACKENDS = ("cudnn", "flash2")
-"""the causal attention kernel a row's software ran: "cudnn" (the measured table: torch 2.11's SDPA on an H100, whose
-604 TFLOP/s forward at s 8192 is cuDNN's class, not FlashAttention-2's 333; and Transformer Engine's choice on Hopper
-when both apply, NVIDIA/NeMo#9188's docs: Megatron-LM's and MLPerf's rows) or "flash2" (PyTorch's flash backend, FlashAttention-2 (Dao 2023,
-arXiv:2307.08691): what torchtitan's H100 / H200 runs of Dec 2024 and June 2025 dispatched to; torch 2.6's SDPA did not
-pick cuDNN on an H100 (pytorch/pytorch#142132, nightly 2.6.0.dev20241204: 329 TFLOP/s against cuDNN's 631), and
-torchtitan at e7c0cae pins [FLASH, EFFICIENT, MATH] everywhere but on B200 (torchtitan/models/attention.py))"""
+"""the causal attention kernel a row's software ran. "cudnn": the measured table's (torch 2.11's SDPA on an H100, whose
+604 TFLOP/s forward at s 8192 is cuDNN's class, not FlashAttention-2's 333), and Transformer Engine's choice on Hopper
+when both apply (NVIDIA/NeMo#9188's docs): Megatron-LM's and MLPerf's rows. "flash2": PyTorch's flash backend,
+FlashAttention-2 (Dao 2023, arXiv:2307.08691), what torchtitan's H100 / H200 runs of Dec 2024 and June 2025 dispatched
+to: torch 2.6's SDPA did not pick cuDNN on an H100 (pytorch/pytorch#142132, nightly 2.6.0.dev20241204: 329 TFLOP/s
+against cuDNN's 631), and torchtitan at e7c0cae pins [FLASH, EFFICIENT, MATH] everywhere but on B200
+(torchtitan/models/attention.py)"""
 FLASH2_H100_TFLOPS = {512: (191, 214), 1024: (260, 260), 2048: (298, 291), 4096: (319, 310), 8192: (333, 318),
                       16384: (335, 322)}
 """FlashAttention-2 on an H100 80GB SXM5, head dim 128, BF16, TFLOP/s by sequence length: (forward with the causal
@@ -185,7 +186,8 @@ class Kernels:
     def optimizer_time(self, local_params: float, hbm_scale: float = 1.0, implementation: str = "fused") -> float:
         """The optimizer step over ``local_params`` parameters (:data:`OPTIMIZER_BYTES_PER_PARAM`)."""
         if implementation not in OPTIMIZER_BYTES_PER_PARAM:
-            raise ValueError(f"optimizer {implementation!r} unknown; choose one of {', '.join(OPTIMIZER_BYTES_PER_PARAM)}")
+            choices = ", ".join(OPTIMIZER_BYTES_PER_PARAM)
+            raise ValueError(f"optimizer {implementation!r} unknown; choose one of {choices}")
         return OPTIMIZER_BYTES_PER_PARAM[implementation] * local_params / self.copy_bw / hbm_scale
 
 

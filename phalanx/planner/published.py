@@ -81,9 +81,10 @@ ROWS: tuple[Row, ...] = (
 # torchtitan (Liang et al. 2024, arXiv:2410.06511; the same runs in pytorch/torchtitan
 # benchmarks/llama3_h100_202412_torchtitan.md): Grand Teton H100 96GB, 400 Gbit/s per GPU, Llama 3.1, sequence
 # 8192, FSDP2 (= ZeRO-3). Hardware ``h100-gt``: 500 W, HBM2e, its peak "between SXM and NVL" (GT_GEMM_SCALE_ENDS).
-# Each row runs its configuration (selective op / full AC, torch.compile, Float8) and its software (_titan: FlashAttention-2,
-# FSDP2's fp32 reduce and copies, foreach AdamW); AsyncTP is not modelled. The 8B rows and the 2025 bf16 70B row are
-# documented misses, +17% to +23% (docs/scaling.md: the same unpriced ~15% of the step on H200s and in Megatron-LM's 7.1B).
+# Each row runs its configuration (selective op / full AC, torch.compile, Float8) and its software (_titan:
+# FlashAttention-2, FSDP2's fp32 reduce and copies, foreach AdamW); AsyncTP is not modelled. The 8B rows and the 2025
+# bf16 70B row are documented misses, +17% to +23% (docs/scaling.md: the same ~15% of the step is unpriced on H200s
+# and in Megatron-LM's 7.1B row).
 def _titan(**kw) -> scaling.Job:
     """A torchtitan job, as its code at the benchmark's commit runs it: attention in PyTorch's flash backend
     (FlashAttention-2, not the cuDNN kernel the table measured: planner.kernels.ATTENTION_BACKENDS says why, for the Dec
@@ -107,11 +108,11 @@ TORCHTITAN: tuple[Row, ...] = (
         note="128 GPUs, local batch 2, selective (op) activation checkpointing, eager"),
     Row("torchtitan-70b-256", _TT + " Table 4 (2D)", "llama3-70b", "h100-gt", "tokens", 829,
         _titan(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
-                    sequence_parallel=True), bound=0.15,
+               sequence_parallel=True), bound=0.15,
         note="FSDP 32 x TP 8, local batch 16, full AC, Float8 + torch.compile (synchronous TP)"),
     Row("torchtitan-405b-512", _TT + " Table 5 (3D, 1F1B)", "llama3-405b", "h100-gt", "tokens", 100,
         _titan(dp=8, tp=8, pp=8, global_batch=256, micro_batch=4, zero=3, overlap=False, ac="full",
-                    compiled=True, float8=True, regather=False, sequence_parallel=True), bound=0.15,
+               compiled=True, float8=True, regather=False, sequence_parallel=True), bound=0.15,
         note="FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32 in 8 micro-batches (torchtitan's default: as many as "
              "stages), full AC, Float8 + compile; AsyncTP not modelled"),
     # The same 70B job a half-year later on the same cluster (pytorch/torchtitan
@@ -122,7 +123,7 @@ TORCHTITAN: tuple[Row, ...] = (
         note="the Table 4 job without Float8: the model's compute term alone, at the 70B's measured shapes"),
     Row("torchtitan-70b-256-float8-2025", _TT_2025 + " (Float8 tensorwise, vanilla TP)", "llama3-70b", "h100-gt",
         "tokens", 809.8, _titan(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
-                                     sequence_parallel=True), bound=0.15),
+                                sequence_parallel=True), bound=0.15),
 )
 ROWS = ROWS + TORCHTITAN
 

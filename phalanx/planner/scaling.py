@@ -228,10 +228,9 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     """Step time, throughput, efficiency and memory of ``job`` running ``w`` on ``hw``."""
     if job.compression not in COMPRESSIONS:
         raise ValueError(f"compression {job.compression!r} unknown; choose one of {', '.join(COMPRESSIONS)}")
-    if job.optimizer not in kernels.OPTIMIZER_BYTES_PER_PARAM:
-        raise ValueError(f"optimizer {job.optimizer!r} unknown; choose one of {', '.join(kernels.OPTIMIZER_BYTES_PER_PARAM)}")
-    if job.attention not in kernels.ATTENTION_BACKENDS:
-        raise ValueError(f"attention {job.attention!r} unknown; choose one of {', '.join(kernels.ATTENTION_BACKENDS)}")
+    for field, choices in (("optimizer", kernels.OPTIMIZER_BYTES_PER_PARAM), ("attention", kernels.ATTENTION_BACKENDS)):
+        if getattr(job, field) not in choices:
+            raise ValueError(f"{field} {getattr(job, field)!r} unknown; choose one of {', '.join(choices)}")
     if job.tp > 1 and w.kind != "transformer" or job.pp > max(1, w.blocks):
         raise ValueError(f"{w.name}: tensor/pipeline parallel need transformer blocks (tp={job.tp}, pp={job.pp})")
     gpu = hw.gpu

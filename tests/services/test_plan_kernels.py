@@ -152,12 +152,14 @@ def test_software_terms_of_the_rows():
     a, b = scaling.predict(w, gt, plain), scaling.predict(w, gt, fsdp2)
     assert a.parts["compute_terms"]["fsdp2_copies_s"] == 0
     # two gathers copied out (read + write 2 B) and one fp32 copy-in (read 2, write 4) over all 8B parameters
-    assert b.parts["compute_terms"]["fsdp2_copies_s"] == pytest.approx(w.params * (2 * 2 * 2 + 2 + 4) / gt.gpu.hbm_bandwidth)
+    copies = b.parts["compute_terms"]["fsdp2_copies_s"]
+    assert copies == pytest.approx(w.params * (2 * 2 * 2 + 2 + 4) / gt.gpu.hbm_bandwidth)
     assert sum(b.parts["compute_terms"].values()) == pytest.approx(b.parts["compute_s"])
     # the reduce-scatter in fp32: 4 bytes a gradient on the wire; the two gathers (bf16) unchanged
     assert b.parts["dp_s"] == pytest.approx(4 / 3 * a.parts["dp_s"], rel=0.02)
     f8 = scaling.predict(w, gt, dataclasses.replace(fsdp2, float8=True, compiled=True))
-    assert f8.parts["compute_terms"]["fsdp2_copies_s"] == pytest.approx(w.params * (2 * 2 * 1 + 6) / gt.gpu.hbm_bandwidth)
+    copies = f8.parts["compute_terms"]["fsdp2_copies_s"]
+    assert copies == pytest.approx(w.params * (2 * 2 * 1 + 6) / gt.gpu.hbm_bandwidth)  # gathered in float8
     one = scaling.predict(w, gt, dataclasses.replace(fsdp2, dp=1, global_batch=2))
     assert one.parts["compute_terms"]["fsdp2_copies_s"] == 0  # a world of one gathers nothing
     for field, bad, want in (("attention", "fa9", "cudnn, flash2"), ("optimizer", "sgd", "fused, foreach")):
