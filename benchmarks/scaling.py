@@ -11,7 +11,9 @@ Run: python benchmarks/scaling.py [--plots docs/img]      (no GPU, no network: i
    Gbit/s InfiniBand (8 -> 1024 GPUs) and with one 25 Gbit/s Ethernet NIC per node
    (8 -> 128 GPUs): DP, DP + int8, DP + PowerSGD (rank 4), ZeRO-1, ZeRO-3, and the planner's
    best dp x tp x pp layout. A strategy that does not fit in 80 GB is left out.
-3. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
+3. The step of the torchtitan 8B rows (8 Grand Teton H100s, eager; 32 H200s, compile + Float8) and of Megatron-LM's
+   7.1B row term by term, against the step the published figure implies (``--budget KEY`` for any row).
+4. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
    against GPU count, published points on the same axes) and DIR/scaling_published.png.
 """
 
@@ -48,6 +50,36 @@ def table() -> list[dict]:
                      "metric": row.metric, "published": row.figure, "predicted": pred, "error": published.error(row, pred),
                      "bound": row.bound, "no_overlap": serial})
     return rows
+
+
+def published_step(row: published.Row) -> float:
+    """The step time (s) a row's published figure implies: its tokens per GPU per step over tokens/s per GPU, or its
+    model FLOPs per GPU per step over the MFU's FLOP/s."""
+    w, hw = workloads.get(row.model), hardware.get(row.hardware)
+    if row.metric == "tokens":
+        return row.job.global_batch * w.seq / row.job.gpus / row.figure
+    if row.metric == "mfu":
+        return w.model_flops_per_sample * row.job.global_batch / row.job.gpus / (row.figure * hw.gpu.peak[w.precision])
+    raise ValueError(f"{row.key}: a {row.metric} row has no step time of its own; choose a tokens or mfu row")
+
+
+def budget(key: str) -> list[str]:
+    """The model's step of one published row, term by term, and the published step."""
+    row = published.by_key(key)
+    p = scaling.predict(workloads.get(row.model), hardware.get(row.hardware), row.job)
+    lines = [f"{key}: {row.job} ({row.hardware})"]
+    for name, t in p.parts["compute_terms"].items():
+        lines.append(f"  {name:<34} {t * 1e3:9.1f} ms")
+    other = p.step_s - p.parts["compute_s"]
+    lines.append(f"  {'compute (sum of the above)':<34} {p.parts['compute_s'] * 1e3:9.1f} ms")
+    for name in ("bubble_s", "p2p_s", "tp_s", "dp_exposed_s", "codec_s"):
+        if p.parts[name]:
+            lines.append(f"  {name:<34} {p.parts[name] * 1e3:9.1f} ms")
+    want = published_step(row)
+    lines.append(f"  {'step, model':<34} {p.step_s * 1e3:9.1f} ms  (communication and bubble {other * 1e3:.1f} ms)")
+    lines.append(f"  {'step, published':<34} {want * 1e3:9.1f} ms  -> not priced: {(want - p.step_s) * 1e3:.1f} ms "
+                 f"({(want - p.step_s) / want:.0%} of the published step)")
+    return lines
 
 
 def project(hw_name: str, gpus: list[int]) -> dict:
@@ -165,7 +197,14 @@ def plot_published(rows: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plots", default=None, help="directory for the PNGs (e.g. docs/img)")
+    ap.add_argument("--budget", action="append", default=None, metavar="KEY",
+                    help="print this published row's step term by term (repeatable); default: three rows")
     args = ap.parse_args()
+    try:  # a wrong key: one line, before anything else is printed
+        budgets = [budget(key) for key in args.budget or ("torchtitan-8b-8", "torchtitan-8b-h200-32",
+                                                            "megatron-h100-7.1b")]
+    except (KeyError, ValueError) as e:
+        raise SystemExit(str(e).strip("'\"")) from None
     rows = table()
     print(f"{'row':<24} {'metric':<10} {'published':>9} {'predicted':>9} {'error':>8} {'bound':>6} "
           f"{'no overlap':>10}")
@@ -193,6 +232,9 @@ def main() -> None:
     ratios = [published.reproduce(gt8, gemm_scale=s) / published.reproduce(h32) for s in (lo, None, hi)]
     print(f"  Grand Teton / H200, the same 8B job (compile + Float8): published {gt8.figure / h32.figure:.3f}, "
           f"model {ratios[0]:.3f} / {ratios[1]:.3f} / {ratios[2]:.3f}")
+    print("\nThe step term by term against the published step (compute: blocks x micro-batches, head, optimizer, FSDP2)")
+    for lines in budgets:
+        print("\n".join(lines))
     projections = {}
     for hw_name, gpus in (("h100-ib400", [8, 16, 32, 64, 128, 256, 512, 1024]),
                           ("h100-eth25", [8, 16, 32, 64, 128])):

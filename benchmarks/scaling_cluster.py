@@ -2,7 +2,7 @@
 
 Run (root; needs ip, tc, sshd; the script does NOT take the benchmark lock: wrap it)::
 
-    flock /tmp/phalanx-bench.lock python benchmarks/scaling_cluster.py --out run.json
+    flock -x /tmp/phalanx-bench.lock python benchmarks/scaling_cluster.py --out run.json
 
 The default does the whole check: five jobs on one 8-host cluster, meant to finish within 8
 minutes on a quiet cpu2 (most of it is starting the jobs; each prints its own wall time). It

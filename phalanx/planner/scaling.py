@@ -54,6 +54,8 @@ INT8_RATIO = (1 + 4 / 256) / 4
 INT8_CODEC_PASSES = 4
 """HBM passes over the fp32 gradient: compress, re-compress the summed chunk, two decodes"""
 POWERSGD_RANK = 4
+FSDP2_REDUCE_BYTES = 4
+"""bytes a gradient is reduce-scattered in under ``Job.fsdp2`` (fp32)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,20 @@ class Job:
     state_bits: int = 32
     """Adam's two moments (or SGD's momentum) in 32 bits, or block-wise 8-bit (``state_bits=8`` of px.zero
     and DistributedOptimizer: phalanx.optim.Adam8bit; memory only, the step time is not priced)"""
+    attention: str = "cudnn"
+    """the causal attention kernel (planner.kernels.ATTENTION_BACKENDS): "cudnn", the measured table's (torch 2.11,
+    Transformer Engine on Hopper), or "flash2" (PyTorch's flash backend, which torchtitan's runs used). Kernel-table
+    GPUs only"""
+    optimizer: str = "fused"
+    """the optimizer step's implementation (planner.kernels.OPTIMIZER_BYTES_PER_PARAM): "fused" Adam, or "foreach"
+    (torch's AdamW(foreach=True) after clip_grad_norm_, torchtitan's). Kernel-table GPUs only"""
+    fsdp2: bool = False
+    """ZeRO-3 as FSDP2 (torch.distributed.fsdp.fully_shard) runs it under torchtitan: the gradients reduce-scattered in
+    fp32 (MixedPrecisionPolicy(reduce_dtype=float32), torchtitan's mixed_precision_reduce default: 4 bytes a gradient on
+    the wire), each all-gather's output copied into the parameters on the compute stream (split_with_sizes_copy: read +
+    write the gathered bytes) and each reduce-scatter's input built by casting the gradients into an fp32 buffer
+    (_chunk_cat: read 2, write 4 bytes a gradient), which the compute stream waits for before it frees the gradients.
+    phalanx's ZeRO-3 views its flat buffer instead (no copy out). Kernel-table GPUs only for the copies"""
     regather: bool = True
     """ZeRO-3 under a pipeline gathers the parameters again for every micro-batch (phalanx's); False: once a
     step (FSDP2 with reshard_after_forward=False, as torchtitan runs it with pipeline parallel)"""
@@ -179,6 +195,8 @@ def _data_traffic(w: Workload, hw: Hardware, job: Job, compute: float, m: int) -
     for t in axis.traffic:
         times = m if t.per == "micro_batch" and (job.regather or t.op != "all_gather") else 1
         scale = ratio if t.compressed else (0.5 if job.float8 and t.op == "all_gather" else 1.0)
+        if job.fsdp2 and t.op == "reduce_scatter":
+            scale *= FSDP2_REDUCE_BYTES / bpp
         if t.op == "allreduce":
             each = [allreduce_time(b * scale, hw, job.dp, job.tp, job.algorithm, job.trees) for b in sizes]
         else:  # reduce-scatter / all-gather of the buckets (ZeRO lays its shards out by bucket)
@@ -210,6 +228,9 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     """Step time, throughput, efficiency and memory of ``job`` running ``w`` on ``hw``."""
     if job.compression not in COMPRESSIONS:
         raise ValueError(f"compression {job.compression!r} unknown; choose one of {', '.join(COMPRESSIONS)}")
+    for field, choices in (("optimizer", kernels.OPTIMIZER_BYTES_PER_PARAM), ("attention", kernels.ATTENTION_BACKENDS)):
+        if getattr(job, field) not in choices:
+            raise ValueError(f"{field} {getattr(job, field)!r} unknown; choose one of {', '.join(choices)}")
     if job.tp > 1 and w.kind != "transformer" or job.pp > max(1, w.blocks):
         raise ValueError(f"{w.name}: tensor/pipeline parallel need transformer blocks (tp={job.tp}, pp={job.pp})")
     gpu = hw.gpu
@@ -217,8 +238,9 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     per_replica = job.global_batch / job.dp
     shard = 1.0 / (job.tp * job.pp)
     m = max(1, per_replica / job.micro_batch) if job.pp > 1 else 1
+    terms: dict = {}
     if gpu.kernels and w.kind == "transformer" and mfu is None:
-        compute = _kernel_compute(w, hw, job, per_replica, m)
+        compute, terms = _kernel_compute(w, hw, job, per_replica, m)
     else:
         compute = w.train_flops_per_sample * per_replica * shard / rate
     bubble = (job.pp - 1) / (job.interleave * m) if job.pp > 1 else 0.0
@@ -244,7 +266,7 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     mem = memory.per_gpu(w, job)
     eff = compute / step
     parts = {"compute_s": compute, "bubble_s": compute * bubble, "p2p_s": p2p, "tp_s": tp_time,
-             "dp_s": data["dp_s"], "dp_exposed_s": exposed, "codec_s": codec}
+             "dp_s": data["dp_s"], "dp_exposed_s": exposed, "codec_s": codec, "compute_terms": terms}
     why = (f"compute {compute * 1e3:.1f} ms" + (f", bubble {bubble:.0%}" if bubble else "")
            + (f", tp allreduces {tp_time * 1e3:.1f} ms" if tp_time else "")
            + (f", p2p {p2p * 1e3:.1f} ms" if p2p else "")
@@ -258,22 +280,38 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     return ScalePrediction(job, step, job.global_batch / step, eff, flops / step, mem, parts, why)
 
 
-def _kernel_compute(w: Workload, hw: Hardware, job: Job, per_replica: float, m: float) -> float:
+def _kernel_compute(w: Workload, hw: Hardware, job: Job, per_replica: float, m: float) -> tuple[float, dict]:
     """A transformer's compute per GPU from the GPU's measured kernel table (planner.kernels): the blocks of
     one pipeline stage and, on the last stage, the output layer and the loss, for every micro-batch, then
-    the optimizer step over the local parameters."""
+    the optimizer step over the local parameters. Returns the seconds and the same, term by term."""
     k = kernels.get(hw.gpu.kernels)
     ac = job.ac or ("full" if w.recompute else "none")
     if job.pp == 1 and job.accumulate:
         m = per_replica / job.micro_batch
     tokens = (job.micro_batch if job.pp > 1 or job.accumulate else per_replica) * w.seq
     scale = {"gemm_scale": hw.gpu.gemm_scale, "hbm_scale": hw.gpu.hbm_bandwidth / kernels.MEASURED_HBM_BANDWIDTH}
-    block = k.block_time(w, tokens, job.tp, float8=job.float8, compiled=job.compiled, ac=ac,
-                         sequence_parallel=job.sequence_parallel, **scale)
+    block = k.block_terms(w, tokens, job.tp, float8=job.float8, compiled=job.compiled, ac=ac,
+                          sequence_parallel=job.sequence_parallel, attention=job.attention, **scale)
     head = k.head_time(w, tokens, job.tp, **scale)
-    per_mb = w.blocks / job.pp * (block["gemm_s"] + block["hbm_s"]) + head["gemm_s"] + head["hbm_s"]
+    terms = {f"blocks_{name}": m * w.blocks / job.pp * t for name, t in block.items()}
+    terms["head_linear_s"], terms["head_loss_s"] = m * head["gemm_s"], m * head["hbm_s"]
     local = w.params / (job.tp * job.pp) / (job.dp if job.zero else 1)
-    return m * per_mb + k.optimizer_time(local, scale["hbm_scale"])
+    terms["optimizer_s"] = k.optimizer_time(local, scale["hbm_scale"], job.optimizer)
+    terms["fsdp2_copies_s"] = _fsdp2_copies(w, hw, job, m)
+    return sum(terms.values()), terms
+
+
+def _fsdp2_copies(w: Workload, hw: Hardware, job: Job, m: float) -> float:
+    """HBM time of FSDP2's copies around its collectives (``Job.fsdp2``), on the compute stream's critical path: every
+    gather's output copied into the parameters (read + write, bf16 or float8), every reduce-scatter's input cast from
+    the bf16 gradients into fp32 (read 2, write 4), over the stage's whole (unsharded) parameters."""
+    if not (job.fsdp2 and job.zero == 3 and job.dp > 1):
+        return 0.0
+    params = w.params / (job.tp * job.pp)
+    gathers = 2 * (m if job.regather else 1)      # forward and backward (composition's ZeRO-3 traffic)
+    gathered = 1 if job.float8 else w.grad_bytes_per_param
+    nbytes = params * (gathers * 2 * gathered + m * (w.grad_bytes_per_param + FSDP2_REDUCE_BYTES))
+    return nbytes / hw.gpu.hbm_bandwidth
 
 
 def search(w: Workload, hw: Hardware, gpus: int, global_batch: float, *,
