@@ -8,7 +8,7 @@ own test below.
 """
 
 import pytest
-from hf_models import have, parallelize_cell
+from hf_models import PARAM_TOL, have, parallelize_cell
 
 from phalanx.testing import distributed
 
@@ -22,8 +22,14 @@ CELLS = {"llama zero3": ("llama", "zero3", True), "gpt2 zero1": ("gpt2", "zero1"
 
 
 def _all_checks():
-    return {name: parallelize_cell(kind, False, 4, dp=2, pp=2, tp=2, data_parallel=dp, checkpoint=rc, steps=STEPS)
-            for name, (kind, dp, rc) in CELLS.items() if have(kind)}
+    import time
+
+    out, t0 = {}, time.perf_counter()
+    for name, (kind, dp, rc) in CELLS.items():
+        if have(kind):
+            out[name] = parallelize_cell(kind, False, 4, dp=2, pp=2, tp=2, data_parallel=dp, checkpoint=rc, steps=STEPS)
+            out[name]["seconds"], t0 = time.perf_counter() - t0, time.perf_counter()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +47,6 @@ def test_zero_tensor_and_pipeline_parallel_at_once_match_one_process(name, grid3
     for res in grid3d:
         r = res[name]
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
-        assert r["keys"] > 0 and r["diff"] < 5e-5, r
+        assert r["keys"] > 0 and r["diff"] < PARAM_TOL.get(CELLS[name][0], 5e-5), (r["worst"], r)
         # block 0 (stage 0): 2 micro-batches a step, each run twice when recomputed
         assert r["block_forwards"] == (STEPS * 2 * (2 if recomputed else 1) if r["coord"][1] == 0 else 0), r
