@@ -36,6 +36,7 @@ MODULE_SECONDS = {
     "test_elastic": 45, "test_slurm_docs": 44, "test_elastic_zero": 41, "test_slurm_elastic": 38, "test_runtime": 36,
     "test_tensorflow": 33, "test_elastic_random": 31, "test_ps": 31, "test_horovod_errors": 27,
     "test_preempt_restart": 27, "test_preempt_elastic": 25, "test_big_models": 25, "test_big_models_grid": 24,
+    "test_big_models_3d": 36,  # 8 ranks; measured alone (--durations, load ~10), not in a full run
     "test_compressed_collectives": 22, "test_mpirun": 22, "test_preempt": 22, "test_slurm": 22,
     "test_tensorflow_horovod": 21, "test_profiler": 20, "test_data_parallel_args": 20, "test_autotune": 17,
     "test_horovod_example": 15, "test_checkpoint_format": 14, "test_checkpoint": 13, "test_parallelize": 13,

@@ -7,6 +7,7 @@ Example::
 """
 
 from phalanx.optim.adam8bit import STATE_BITS, Adam8bit
+from phalanx.optim.named_state import load_named_optimizer_state, named_optimizer_state
 from phalanx.optim.onebit_adam import OneBitAdam
 
-__all__ = ["OneBitAdam", "Adam8bit", "STATE_BITS"]
+__all__ = ["OneBitAdam", "Adam8bit", "STATE_BITS", "named_optimizer_state", "load_named_optimizer_state"]

@@ -35,7 +35,7 @@ import dataclasses
 
 __all__ = ["Traffic", "DataAxis", "DataAxisOption", "DATA_AXES", "DATA_PARALLEL_NAMES", "TENSOR_TRAFFIC",
            "PIPELINE_TRAFFIC", "MODEL_PARALLEL_ALGORITHMS", "ZERO_SCHEDULES", "by_name", "accepts_compressor",
-           "data_axis_options"]
+           "data_axis_options", "tied_across_stages"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,17 @@ whole world only (phalanx.comm.algorithms), and ``parallelize`` passes no compre
 ZERO_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "eager_1f1b")
 """Pipeline schedules ZeRO composes with: an interleaved one reduces in a last backward that reaches one
 chunk only, so ``parallelize`` refuses it."""
+
+
+def tied_across_stages(name: str, stages: tuple[int, ...], data_parallel: str) -> str:
+    """The one line ZeRO refuses a pipeline stage with a parameter tied across stages (a head tied to the
+    embedding, as HF GPT-2 and small Llamas build it). Without ZeRO the pipeline keeps a copy on each
+    stage that uses it and sums their gradients after every step (Megatron-LM's tied embedding); ZeRO
+    reduce-scatters each copy's gradient into its own stage's flat shards, in two layouts, before
+    the pipeline could sum them."""
+    return (f"{data_parallel}: parameter {name} is tied across pipeline stages {', '.join(map(str, stages))}, whose "
+            "gradients the pipeline sums after backward, but ZeRO has sharded them by then; build the model untied "
+            "(HF: tie_word_embeddings=False) or use DataParallel (data_parallel='auto') on this pipeline")
 
 
 def by_name(name: str) -> DataAxis:

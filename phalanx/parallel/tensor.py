@@ -44,6 +44,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "apply_tensor_parallel",
     "gather_tp_state_dict",
+    "gather_tp_optimizer_state",
     "TP_STYLES",
 ]
 
@@ -291,17 +292,50 @@ def gather_tp_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
     values = model.state_dict()
     out = {}
     for name, p in model.named_parameters():
-        dim = getattr(p, "tp_dim", None)
         value = values[name].detach()
         if value.numel() and value.untyped_storage().nbytes() < value.numel() * value.element_size():
             raise ValueError(f"gather_tp_state_dict: {name} has no storage here (ZeRO-3 frees parameters between "
                              f"uses): pass the module px.zero wrapped, whose state_dict() gathers them")
-        if dim is None or _size(group) == 1:
-            out[name] = value.clone()
-            continue
-        per_rank = [torch.empty_like(value) for _ in range(_size(group))]
-        dist.all_gather(per_rank, value.contiguous(), group=group)
-        k = getattr(p, "tp_parts", 1)  # fused pieces: piece j of the full tensor = piece j of every rank, joined
-        pieces = [torch.cat([t.chunk(k, dim=dim)[j] for t in per_rank], dim=dim) for j in range(k)]
-        out[name] = torch.cat(pieces, dim=dim)
+        out[name] = _gather(value, p, group)
     return out
+
+
+def _gather(value: torch.Tensor, p: nn.Parameter, group) -> torch.Tensor:
+    """``value`` (shaped like this rank's slice of ``p``) of every rank of ``group``, joined along ``p.tp_dim``."""
+    dim = getattr(p, "tp_dim", None)
+    if dim is None or _size(group) == 1:
+        return value.clone()
+    per_rank = [torch.empty_like(value) for _ in range(_size(group))]
+    dist.all_gather(per_rank, value.contiguous(), group=group)
+    k = getattr(p, "tp_parts", 1)  # fused pieces: piece j of the full tensor = piece j of every rank, joined
+    pieces = [torch.cat([t.chunk(k, dim=dim)[j] for t in per_rank], dim=dim) for j in range(k)]
+    return torch.cat(pieces, dim=dim)
+
+
+def gather_tp_optimizer_state(model: nn.Module, optimizer, group) -> dict:
+    """The optimizer's state for the full parameters, keyed by name: each per-element tensor
+    (Adam's ``exp_avg``, ``exp_avg_sq``) gathered along its parameter's ``tp_dim`` as
+    :func:`gather_tp_state_dict` gathers the parameter; scalars (``step``) as they are.
+
+    ``optimizer``: a ``torch.optim`` one over ``model``'s parameters, ``Adam8bit`` (moments as fp32)
+    or a ZeRO optimizer of ``model`` (consolidated over its dp group first; pass the module
+    ``px.zero`` wrapped). Collective over ``group`` (and ZeRO's group). The result is
+    :func:`phalanx.optim.named_state.named_optimizer_state`'s format: load it with
+    ``load_named_optimizer_state`` at world 1, under ZeRO at any dp size, or into a pipeline stage.
+    HF GPT-2's ``Conv1D`` moments come back as a linear layer's, like its weights (``.t()`` them).
+
+    Example::
+
+        params, moments = gather_tp_state_dict(model, tp_group), gather_tp_optimizer_state(model, opt, tp_group)
+        plain.load_state_dict(params, strict=False)
+        load_named_optimizer_state(torch.optim.AdamW(plain.parameters()), moments, plain.named_parameters())
+    """
+    from phalanx.optim.named_state import named_optimizer_state
+
+    local = named_optimizer_state(optimizer, model.named_parameters())
+    state = {}
+    for name, p in model.named_parameters():  # the same order on every rank of the group
+        st = local["state"].get(name, {})
+        state[name] = {k: (_gather(v.detach(), p, group) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim()
+                           else v) for k, v in st.items()}
+    return {"state": {n: st for n, st in state.items() if st}, "param_groups": local["param_groups"]}

@@ -1,7 +1,8 @@
 """Cells of the big-model matrix (docs/hf_models.md) run inside test_big_models.py's group of 2 ranks:
 ZeRO-1 and 2 on every family and ZeRO-3 on torchtitan's Llama (plain and recomputed), 8-bit Adam
 state on GPT-2 (tied) and torchtitan (DistributedOptimizer against Adam8bit in one process; ZeRO-3 +
-recomputation against fp32 Adam's curve). Each returns what its test asserts; :func:`checks` runs them all.
+recomputation against fp32 Adam's curve; ZeRO-1, 2 and 3 with 8-bit state on GPT-2, tied, against the
+same curve). Each returns what its test asserts; :func:`checks` runs them all.
 """
 
 import copy
@@ -53,6 +54,8 @@ def names(kinds):
     out = [("zero", k, s) for k in kinds for s in ((1, 2, 3) if k == "titan" else (1, 2))]
     if "titan" in kinds:
         out += [("zero3 recompute", "titan"), ("zero3 recompute 8bit", "titan")]
+    if "gpt2" in kinds:
+        out += [("zero 8bit", "gpt2", s) for s in (1, 2, 3)]
     return out + [("8bit plain", k) for k in kinds if k != "llama"]  # Llama's: test_big_models.py
 
 
@@ -65,6 +68,9 @@ def checks(kinds):
         if kind == "titan":
             out[("zero3 recompute", kind)] = zero_cell(kind, 3, ref, recomputed=True)
             out[("zero3 recompute 8bit", kind)] = zero_cell(kind, 3, ref, recomputed=True, state_bits=8)
+        if kind == "gpt2":  # tied; stage 3 recomputed
+            for stage in (1, 2, 3):
+                out[("zero 8bit", kind, stage)] = zero_cell(kind, stage, ref, recomputed=stage == 3, state_bits=8)
         if kind != "llama":
             out[("8bit plain", kind)] = eight_bit_plain(kind)
     return out

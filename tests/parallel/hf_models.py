@@ -13,6 +13,13 @@ STEPS = 5
 KEY_BIAS = "c_attn.bias"
 
 
+PARAM_TOL = {"titan": 1e-4}
+"""Parameter tolerance after 3 Adam steps where it is not 5e-5: torchtitan's layers.1.attention.wo has elements
+of near-zero gradient whose Adam step follows rounding (one process summing 2 micro-batches instead of the
+batch moves them 1.4e-5; micro-batches, tp's partial sums and ZeRO's reduce-scatter 7.5e-5 to 8.1e-5).
+A missing or doubled reduction moves elements by ~lr (1e-2)."""
+
+
 def hf_model(kind: str, tie: bool = True, layers: int = 2):
     """``"gpt2"`` or ``"llama"`` (grouped-query attention: 4 heads, 2 key/value heads), seeded."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -187,3 +194,50 @@ def global_mean(losses, group=None):
     t = torch.stack(losses)
     dist.all_reduce(t, group=group)
     return (t / dist.get_world_size(group)).tolist()
+
+
+def conv_keys(model):
+    """HF GPT-2's Conv1D weights ([in, out]; tensor parallel stores them as linear layers, [out, in])."""
+    return {f"{n}.weight" for n, mod in model.named_modules() if type(mod).__name__ == "Conv1D"}
+
+
+def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, steps=3):
+    """parallelize() on the model in one call over dp x pp x tp, against one process (full batch, Adam
+    at lr 1e-2): each step's loss and the parameters (gathered over tp; under pp this stage's)."""
+    from phalanx.parallel.grid import RankGrid
+    from phalanx.parallel.parallelize import parallelize
+    from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
+
+    ref = make(kind, tie=tie, layers=layers)
+    ref_losses = [float(v) for v in train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(steps),
+                                          sharded=False)]
+    mesh = RankGrid(dp=dp, pp=pp, tp=tp)
+    d = mesh.coord[0]
+
+    def loss_fn(out, y):
+        return vocab_parallel_cross_entropy(out, y, mesh.tp_group)
+
+    pm = parallelize(make(kind, tie=tie, layers=layers), mesh, loss_fn=loss_fn, num_microbatches=2,
+                     data_parallel=data_parallel, checkpoint=checkpoint,
+                     optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
+    calls = count_block_forwards(pm.module.model, kind) if mesh.coord[1] == 0 else []
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        pm.optimizer.zero_grad()
+        losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
+        pm.optimizer.step()
+    model = pm.module.model
+    # on the stage module, ZeRO-3's root: it gathers its shards for state_dict() there
+    conv = conv_keys(ref) if tp > 1 else set()  # the plan's layers are linear; without tp they stay Conv1D
+    full, rsd = gather_tp_state_dict(pm.module, mesh.tp_group), ref.state_dict()
+    full = {k.removeprefix("model."): (v.t() if k.removeprefix("model.") in conv else v) for k, v in full.items()}
+    own = [k for k, _ in model.named_parameters()]  # other stages' modules hold none
+    if pp > 1:  # the head on the last stage, the embedding on the first: a copy on each
+        tied = any(t.param is not None for t in pm.module.tied_across_stages)
+    else:
+        tied = model.lm_head.weight is model.get_input_embeddings().weight if tie else False
+    diffs = {k: max_diff(full, {k: rsd[k]}) for k in own}
+    return {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
+            "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
+            "worst": max(diffs, key=diffs.get)}

@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hf_models import (
     KEY_BIAS,
+    PARAM_TOL,
     batch,
+    conv_keys,
     count_block_forwards,
     global_mean,
     have,
@@ -26,16 +28,22 @@ from hf_models import (
     logits,
     make,
     max_diff,
+    parallelize_cell,
     recompute,
     train,
 )
 
 import phalanx as px
+from phalanx.optim import load_named_optimizer_state
 from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.parallelize import parallelize
 from phalanx.parallel.pipeline import PipelineStage, partition, split_by_path
 from phalanx.parallel.plans import apply_tp_plan
-from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
+from phalanx.parallel.tensor import (
+    gather_tp_optimizer_state,
+    gather_tp_state_dict,
+    vocab_parallel_cross_entropy,
+)
 from phalanx.parallel.zero import zero
 from phalanx.testing import distributed
 
@@ -44,6 +52,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 pytestmark = pytest.mark.ranks
 
 STEPS = 3
+NEXT = range(STEPS, STEPS + 2)  # the two steps after a checkpoint: the first checks parameters, the second moments
 
 
 def _groups():
@@ -72,17 +81,22 @@ def _zero3_tp(state_bits: int, kind: str = "llama"):
     apply_tp_plan(m, tp_group)
     calls = count_block_forwards(m, kind)
     model, opt = zero(m, torch.optim.Adam(m.parameters(), lr=1e-2), stage=3, group=dp_group, state_bits=state_bits)
-    losses = []
-    for s in range(STEPS):
-        x, y = batch(s)
-        x, y = x.chunk(2)[d], y.chunk(2)[d]
-        opt.zero_grad()
-        loss = vocab_parallel_cross_entropy(logits(model, x), y, tp_group)
-        loss.backward()
-        opt.step()
-        t = loss.detach().reshape(1)
-        dist.all_reduce(t, group=dp_group)
-        losses.append(t.item() / 2)
+
+    def train_grid(steps):
+        losses = []
+        for s in steps:
+            x, y = batch(s)
+            x, y = x.chunk(2)[d], y.chunk(2)[d]
+            opt.zero_grad()
+            loss = vocab_parallel_cross_entropy(logits(model, x), y, tp_group)
+            loss.backward()
+            opt.step()
+            t = loss.detach().reshape(1)
+            dist.all_reduce(t, group=dp_group)
+            losses.append(t.item() / 2)
+        return losses
+
+    losses = train_grid(range(STEPS))
     full = gather_tp_state_dict(model, tp_group)
     # the checkpoint at another layout: world 1, tp 1, the plain model
     x, y = batch(STEPS)
@@ -91,9 +105,16 @@ def _zero3_tp(state_bits: int, kind: str = "llama"):
     plain.load_state_dict(full, strict=False)
     tied = kind != "titan" and plain.lm_head.weight is plain.get_input_embeddings().weight
     rsd = {k: v for k, v in ref.state_dict().items() if k in full}  # the tied head is the embedding
-    return {"losses": losses, "ref": ref_losses, "diff": max_diff(full, rsd),
-            "next": nxt, "reloaded_world1": lm_loss(plain, x, y).item(), "tied": tied, "block_forwards": len(calls),
-            "keys_missing": sorted(set(ref.state_dict()) - set(full) - {"lm_head.weight"})}
+    out = {"losses": losses, "ref": ref_losses, "diff": max_diff(full, rsd),
+           "next": nxt, "reloaded_world1": lm_loss(plain, x, y).item(), "tied": tied, "block_forwards": len(calls),
+           "keys_missing": sorted(set(ref.state_dict()) - set(full) - {"lm_head.weight"})}
+    if state_bits == 32:  # Adam's moments too: consolidated over dp, gathered over tp, continued at world 1
+        moments = gather_tp_optimizer_state(model, opt, tp_group)
+        out["continued"] = train_grid(NEXT)
+        opt1 = torch.optim.Adam(plain.parameters(), lr=1e-2)
+        load_named_optimizer_state(opt1, moments, plain.named_parameters())
+        out["world1 with moments"] = [float(v) for v in train(plain, opt1, NEXT, sharded=False)]
+    return out
 
 
 def _ce(out, y):
@@ -126,74 +147,58 @@ def _zero_pp(stage: int, kind: str = "llama"):
         opt.step()
     sd = {k.removeprefix("model."): v for k, v in piece.state_dict().items()}
     rsd = ref.state_dict()
-    return {"diff": max_diff(sd, {k: rsd[k] for k in sd}), "keys": len(sd)}
-
-
-def _conv_keys(model):
-    """HF GPT-2's Conv1D weights ([in, out]; tensor parallel stores them as linear layers, [out, in])."""
-    return {f"{n}.weight" for n, mod in model.named_modules() if type(mod).__name__ == "Conv1D"}
-
-
-def _ref_losses(kind, tie, layers, steps=STEPS):
-    ref = make(kind, tie=tie, layers=layers)
-    losses = train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(steps), sharded=False)
-    return [float(v) for v in losses], ref
-
-
-def _parallelize(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint):
-    """parallelize() on the HF model in one call, against one process: each step's loss and the
-    parameters (gathered over tp; under pp this stage's)."""
-    ref_losses, ref = _ref_losses(kind, tie, layers)
-    mesh = RankGrid(dp=dp, pp=pp, tp=tp)
-    d = mesh.coord[0]
-
-    def loss_fn(out, y):
-        return vocab_parallel_cross_entropy(out, y, mesh.tp_group)
-
-    pm = parallelize(make(kind, tie=tie, layers=layers), mesh, loss_fn=loss_fn, num_microbatches=2,
-                     data_parallel=data_parallel, checkpoint=checkpoint,
-                     optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
-    calls = count_block_forwards(pm.module.model, kind) if mesh.coord[1] == 0 else []
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        pm.optimizer.zero_grad()
-        losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
-        pm.optimizer.step()
-    model = pm.module.model
-    # on the stage module, ZeRO-3's root: it gathers its shards for state_dict() there
-    full, rsd, conv = gather_tp_state_dict(pm.module, mesh.tp_group), ref.state_dict(), _conv_keys(ref)
-    full = {k.removeprefix("model."): (v.t() if k.removeprefix("model.") in conv else v) for k, v in full.items()}
-    own = [k for k, _ in model.named_parameters()]  # other stages' modules hold none
-    return {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
-            "block_forwards": len(calls), "keys": len(own),
-            "tied": tie and model.lm_head.weight is model.get_input_embeddings().weight}
+    return {"diff": max_diff(sd, {k: rsd[k] for k in sd}, KEY_BIAS), "keys": len(sd)}
 
 
 def _tp_then_other_layouts(kind, tie, layers):
-    """Trained 3 steps at tp 2 (each tp pair the whole batch); its gathered checkpoint loaded at
-    world 1, under ZeRO-3 over the dp pairs (world 2) and, untied, as a pipeline of 2 stages over
-    the pp pairs: each gives the same next-step loss as the tp-2 run."""
+    """Trained 3 steps at tp 2 (each tp pair the whole batch), then saved: parameters
+    (gather_tp_state_dict) and Adam's moments (gather_tp_optimizer_state). Loaded at world 1, under
+    ZeRO-3 over the dp pairs (world 2) and, untied, as a pipeline of 2 stages over the pp pairs: each
+    layout's next two losses equal the tp-2 run's. The first loss checks the parameters, the second
+    the moments: a fresh Adam's first step differs ("world1 fresh adam")."""
     mesh = RankGrid(dp=2, tp=2)
     m = apply_tp_plan(make(kind, tie=tie, layers=layers), mesh.tp_group)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    for step in range(STEPS):  # tp: every rank of a pair the whole batch
+
+    def tp_step(step):  # tp: every rank of a pair the whole batch
         x, y = batch(step)
         opt.zero_grad()
-        vocab_parallel_cross_entropy(logits(m, x), y, mesh.tp_group).backward()
+        loss = vocab_parallel_cross_entropy(logits(m, x), y, mesh.tp_group)
+        loss.backward()
         opt.step()
-    conv = _conv_keys(make(kind, tie=tie, layers=layers))
+        return loss.item()
+
+    for step in range(STEPS):
+        tp_step(step)
+    conv = conv_keys(make(kind, tie=tie, layers=layers))
     full = {k: (v.t() if k in conv else v) for k, v in gather_tp_state_dict(m, mesh.tp_group).items()}
-    x, y = batch(STEPS)
-    out = {"tp2": vocab_parallel_cross_entropy(logits(m, x), y, mesh.tp_group).item()}
-    plain = make(kind, tie=tie, layers=layers)
-    plain.load_state_dict(full, strict=False)
-    out["world1"] = lm_loss(plain, x, y).item()
+    moments = gather_tp_optimizer_state(m, opt, mesh.tp_group)
+    moments["state"] = {k: {s: (v.t() if k in conv and isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+                            for s, v in st.items()} for k, st in moments["state"].items()}
+    out = {"tp2": [tp_step(step) for step in NEXT]}
+
+    def loaded(load_moments=True):
+        plain = make(kind, tie=tie, layers=layers)
+        plain.load_state_dict(full, strict=False)
+        popt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+        if load_moments:
+            load_named_optimizer_state(popt, moments, plain.named_parameters())
+        return [float(v) for v in train(plain, popt, NEXT, sharded=False)]
+
+    out["world1"], out["world1 fresh adam"] = loaded(), loaded(load_moments=False)
     z = make(kind, tie=tie, layers=layers)
     z.load_state_dict(full, strict=False)
-    z, _ = zero(z, torch.optim.Adam(z.parameters(), lr=1e-2), stage=3, group=mesh.dp_group)
-    d = mesh.coord[0]
-    out["zero3 dp2"] = global_mean([lm_loss(z, x.chunk(2)[d], y.chunk(2)[d]).detach()], mesh.dp_group)[0]
+    z, zopt = zero(z, torch.optim.Adam(z.parameters(), lr=1e-2), stage=3, group=mesh.dp_group)
+    load_named_optimizer_state(zopt, moments)
+    d, losses = mesh.coord[0], []
+    for step in NEXT:
+        x, y = batch(step)
+        zopt.zero_grad()
+        loss = lm_loss(z, x.chunk(2)[d], y.chunk(2)[d])
+        loss.backward()
+        zopt.step()
+        losses.append(loss.detach())
+    out["zero3 dp2"] = global_mean(losses, mesh.dp_group)
     if not tie:
         pp = RankGrid(dp=2, pp=2)
         whole = make(kind, tie=tie, layers=layers)
@@ -202,8 +207,15 @@ def _tp_then_other_layouts(kind, tie, layers):
         piece = split_by_path(whole, partition(whole, 2, method="parameters").boundaries(whole), s)
         pipe = PipelineStage(piece, s, 2, ranks=pp.pp_ranks, group=pp.pp_group, grad_group=pp.pp_grad_group,
                              loss_fn=_ce)
-        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
-        out["pp2"] = float(pipe.share_loss(loss))
+        popt = torch.optim.Adam(piece.parameters(), lr=1e-2)
+        load_named_optimizer_state(popt, moments, ((n.removeprefix("model."), p) for n, p in piece.named_parameters()))
+        out["pp2"] = []
+        for step in NEXT:
+            x, y = batch(step)
+            popt.zero_grad()
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
+            popt.step()
+            out["pp2"].append(float(pipe.share_loss(loss)))
     return out
 
 
@@ -235,20 +247,42 @@ def _zero3_four_to_two(kind):
     return {"world4": world4, "world2": global_mean(losses, pair)}
 
 
+def _tied_under_zero():
+    """GPT-2 tied, its head and embedding on two pipeline stages, under ZeRO-1 and 3: the one line."""
+    out = []
+    for data_parallel in ("zero1", "zero3"):
+        try:
+            parallelize(make("gpt2", tie=True, layers=2), RankGrid(dp=2, pp=2), loss_fn=_ce,
+                        data_parallel=data_parallel, optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
+            out.append("built")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 def _all_checks():
     out = {"zero3 tp fp32": _zero3_tp(32), "zero3 tp 8bit": _zero3_tp(8)}
     if have("titan"):
         out["zero3 tp titan"] = _zero3_tp(32, "titan")
-    out["parallelize gpt2 dp2 tp2 zero3"] = _parallelize("gpt2", True, 2, dp=2, pp=1, tp=2, data_parallel="zero3",
-                                                         checkpoint=True)
-    out["parallelize llama pp2 tp2"] = _parallelize("llama", False, 4, dp=1, pp=2, tp=2, data_parallel="auto",
-                                                    checkpoint=False)
+    out["parallelize gpt2 dp2 tp2 zero3"] = parallelize_cell("gpt2", True, 2, dp=2, pp=1, tp=2, data_parallel="zero3",
+                                                             checkpoint=True)
+    out["parallelize llama pp2 tp2"] = parallelize_cell("llama", False, 4, dp=1, pp=2, tp=2, data_parallel="auto",
+                                                        checkpoint=False)
+    out["parallelize gpt2 pp2 tp2"] = parallelize_cell("gpt2", True, 4, dp=1, pp=2, tp=2, data_parallel="auto",
+                                                       checkpoint=True)
+    out["parallelize gpt2 dp2 pp2"] = parallelize_cell("gpt2", True, 4, dp=2, pp=2, tp=1, data_parallel="auto",
+                                                       checkpoint=False)
+    if have("titan"):
+        out["parallelize titan pp2 tp2"] = parallelize_cell("titan", False, 4, dp=1, pp=2, tp=2,
+                                                            data_parallel="auto", checkpoint=True)
+    out["tied under zero"] = _tied_under_zero()
     out["layouts llama"] = _tp_then_other_layouts("llama", False, 4)
     out["layouts gpt2 tied"] = _tp_then_other_layouts("gpt2", True, 2)
     for kind in ("llama", "gpt2"):
         out[f"zero3 4->2 {kind}"] = _zero3_four_to_two(kind)
     for stage in (1, 2, 3):
         out[f"zero{stage} pp"] = _zero_pp(stage)
+        out[f"zero{stage} pp gpt2"] = _zero_pp(stage, "gpt2")
     if have("titan"):
         out["zero3 pp titan"] = _zero_pp(3, "titan")
     return out
@@ -268,12 +302,44 @@ def test_zero3_with_tensor_parallel_on_2x2_matches_one_process(grid):
         assert r["diff"] < 5e-5, r
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3, pytest.param("3 titan", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("stage", [1, 2, 3, "1 gpt2", "2 gpt2", "3 gpt2", pytest.param("3 titan", marks=pytest.mark.skipif(
     not have("titan"), reason="torchtitan is not installed (pip install torchtitan)"))])
 def test_zero_with_pipeline_on_2x2_matches_one_process(stage, grid):
+    """HF Llama and GPT-2 (untied: a tied head is refused, below), torchtitan: this stage's tensors."""
+    stage, _, kind = str(stage).partition(" ")
     for res in grid:
-        r = res[f"zero{stage} pp" if stage != "3 titan" else "zero3 pp titan"]
+        r = res[f"zero{stage} pp" + (f" {kind}" if kind else "")]
         assert r["keys"] > 0 and r["diff"] < 5e-5, r
+
+
+@pytest.mark.parametrize("kind", ["gpt2", pytest.param("titan", marks=pytest.mark.skipif(
+    not have("titan"), reason="torchtitan is not installed (pip install torchtitan)"))])
+def test_tensor_and_pipeline_parallel_recomputed_match_one_process(kind, grid):
+    """parallelize() over pp 2 x tp 2 (GPT-2 tied: the vocabulary-cut head and embedding, a copy on each
+    stage), every block recomputed: losses and this stage's parameters gathered over tp."""
+    for res in grid:
+        r = res[f"parallelize {kind} pp2 tp2"]
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert r["keys"] > 0 and r["diff"] < PARAM_TOL.get(kind, 5e-5), (r["worst"], r)
+        assert r["block_forwards"] == (STEPS * 2 * 2 if r["coord"][1] == 0 else 0), r  # 2 micro-batches, twice
+        assert r["tied"] == (kind == "gpt2"), r  # the embedding's copy on stage 0, the head's on stage 1
+
+
+def test_pipeline_with_a_tied_head_and_data_parallel_matches_one_process(grid):
+    """GPT-2 tied over dp 2 x pp 2 (DataParallel): the copies' gradients summed after the dp average."""
+    for res in grid:
+        r = res["parallelize gpt2 dp2 pp2"]
+        assert r["tied"], r
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert r["keys"] > 0 and r["diff"] < 5e-5, r
+
+
+def test_a_head_tied_across_pipeline_stages_under_zero_is_refused_in_one_line(grid):
+    """GPT-2 tied cut in two stages under ZeRO-1 and ZeRO-3 (dp 2 x pp 2): composition.tied_across_stages."""
+    for res in grid:
+        for line, stage in zip(res["tied under zero"], (1, 3)):
+            assert line.startswith(f"zero(stage={stage}): parameter transformer.wte.weight is tied across pipeline "
+                                   "stages 0, 1") and "tie_word_embeddings=False" in line and "\n" not in line, line
 
 
 def test_zero3_tp_checkpoint_loads_at_world_1_tp_1(grid):
@@ -281,6 +347,9 @@ def test_zero3_tp_checkpoint_loads_at_world_1_tp_1(grid):
         for key in ("zero3 tp fp32", "zero3 tp 8bit"):
             r = res[key]
             assert r["reloaded_world1"] == pytest.approx(r["next"], rel=1e-5), (key, r)
+        for key in ("zero3 tp fp32",) + (("zero3 tp titan",) if have("titan") else ()):
+            r = res[key]  # parameters and Adam's moments (ZeRO's shards, tp's slices): the next two losses
+            assert r["world1 with moments"] == pytest.approx(r["continued"], rel=1e-5), (key, r)
 
 
 def test_eight_bit_state_under_zero3_and_tp_follows_fp32(grid):
@@ -319,12 +388,17 @@ def test_parallelize_takes_an_hf_model_in_one_call(grid):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2 tied"])
 def test_checkpoint_saved_at_tp2_loads_at_other_layouts(kind, grid):
-    """tp 2 -> world 1, -> ZeRO-3 at dp 2, and (untied) -> pp 2: the same next-step loss."""
+    """tp 2 -> world 1, -> ZeRO-3 at dp 2, and (untied) -> pp 2, parameters and Adam's moments:
+    the same next two losses (the second differs with a fresh Adam: the moments matter)."""
     for res in grid:
         r = res[f"layouts {kind}"]
-        assert set(r) == {"tp2", "world1", "zero3 dp2"} | ({"pp2"} if kind == "llama" else set()), r
-        for layout, loss in r.items():
-            assert loss == pytest.approx(r["tp2"], rel=1e-5), (layout, r)
+        layouts = {"world1", "zero3 dp2"} | ({"pp2"} if kind == "llama" else set())
+        assert set(r) == {"tp2", "world1 fresh adam"} | layouts, r
+        for layout in layouts:
+            assert r[layout] == pytest.approx(r["tp2"], rel=1e-5), (layout, r)
+        fresh = r["world1 fresh adam"]
+        assert fresh[0] == pytest.approx(r["tp2"][0], rel=1e-5), r  # same parameters
+        assert abs(fresh[1] - r["tp2"][1]) > 1e-3 * r["tp2"][1], r  # a fresh Adam's step is another step
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -1,6 +1,7 @@
 """Big-model pieces checked in one process (no ranks): the one-line refusals of 8-bit state, of
 the pipeline cut by module path and of the tensor-parallel plans; 8-bit quantization and its step
-bound; per-block recomputation's saved bytes. The checks with real ranks are in test_big_models.py.
+bound; per-block recomputation's saved bytes; optimizer state keyed by name, loaded into a subset
+of the parameters and into 8-bit state. The checks with real ranks are in test_big_models.py.
 """
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from hf_models import batch, hf_model, lm_loss
 
 import phalanx as px
-from phalanx.optim import Adam8bit
+from phalanx.optim import Adam8bit, load_named_optimizer_state, named_optimizer_state
 from phalanx.parallel.pipeline import partition, split_by_path
 from phalanx.parallel.plans import tp_plan
 from phalanx.parallel.zero import zero
@@ -32,8 +33,12 @@ def test_pipeline_and_plan_mistakes_are_one_line():
     gpt2 = hf_model("gpt2", layers=2)
     with pytest.raises(ValueError, match=r"boundaries \['transformer.h.7'\]: each must name a block"):
         split_by_path(gpt2, ["transformer.h.7"], 0)
-    with pytest.raises(ValueError, match=r"lm_head.weight is also transformer.wte.weight \(tied\).*untied"):
-        split_by_path(gpt2, ["transformer.h.1"], 1)
+    last = split_by_path(hf_model("gpt2", layers=2), ["transformer.h.1"], 1)  # tied: a copy on stages 0 and 1
+    assert [(t.name, t.stages) for t in last.tied_across_stages] == [("transformer.wte.weight", (0, 1))]
+    assert last.tied_across_stages[0].param is last.model.lm_head.weight
+    with pytest.raises(ValueError, match=r"^zero\(stage=2\): parameter transformer.wte.weight is tied across "
+                                         r"pipeline stages 0, 1, .*tie_word_embeddings=False"):
+        zero(last, torch.optim.Adam(last.parameters()), stage=2)
     with pytest.raises(ValueError, match="use 'uniform' or 'parameters'"):
         partition(gpt2, 2, method="time", sample=batch(0)[0])
     with pytest.raises(ValueError, match="no plan for blocks of type Linear"):
@@ -141,3 +146,43 @@ def test_gather_tp_state_dict_of_a_freed_parameter_is_one_line():
     lin.weight.data.untyped_storage().resize_(0)
     with pytest.raises(ValueError, match="weight has no storage here .* pass the module px.zero wrapped"):
         gather_tp_state_dict(lin, None)
+
+
+@pytest.mark.unit
+def test_named_optimizer_state_loads_into_a_subset_and_into_8_bit():
+    """Adam's state by parameter name: a second model loading it takes the same next step; an optimizer
+    over part of the model (a stage) takes its part; Adam8bit requantizes it; a wrong shape is one line."""
+    import copy
+
+    m = hf_model("llama")
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for s in range(2):
+        opt.zero_grad()
+        lm_loss(m, *batch(s)).backward()
+        opt.step()
+    state = named_optimizer_state(opt, m.named_parameters())
+    assert set(state["state"]) == {n for n, _ in m.named_parameters()} and state["param_groups"][0]["lr"] == 1e-2
+    twin = copy.deepcopy(m)
+    part = list(twin.model.layers[0].named_parameters(prefix="model.layers.0"))
+    opts = {"whole": torch.optim.Adam(twin.parameters(), lr=5e-2),  # the saved lr wins
+            "part": torch.optim.Adam([p for _, p in part], lr=1e-2), "8bit": Adam8bit(twin.parameters(), lr=1e-2)}
+    load_named_optimizer_state(opts["whole"], state, twin.named_parameters())
+    load_named_optimizer_state(opts["part"], state, part)
+    load_named_optimizer_state(opts["8bit"], state, twin.named_parameters())
+    for o in opts.values():
+        assert all(o.state[p] for g in o.param_groups for p in g["params"])
+    name, p = part[0]
+    assert torch.equal(opts["part"].state[p]["exp_avg"], state["state"][name]["exp_avg"])
+    assert (opts["8bit"].full_precision_state(p)["exp_avg"] - state["state"][name]["exp_avg"]).abs().max() < 1e-2 * (
+        state["state"][name]["exp_avg"].abs().max())
+    saved = state["state"][name]["exp_avg"].clone()
+    for o in (opt, opts["whole"]):
+        model = m if o is opt else twin
+        o.zero_grad()
+        lm_loss(model, *batch(2)).backward()
+        o.step()
+    assert max((a - b).abs().max().item() for a, b in zip(m.parameters(), twin.parameters())) == 0.0
+    assert torch.equal(state["state"][name]["exp_avg"], saved), "the load copies: stepping must not change the dict"
+    state["state"][name]["exp_avg"] = state["state"][name]["exp_avg"][:1]
+    with pytest.raises(ValueError, match=rf"{name}'s exp_avg has shape .* gather the tensor-parallel slices first"):
+        load_named_optimizer_state(torch.optim.Adam([p for _, p in part]), state, part)

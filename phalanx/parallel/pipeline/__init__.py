@@ -15,6 +15,7 @@ Example::
 from phalanx.parallel.pipeline.by_path import (
     PassThrough,
     StageOfModel,
+    TiedParameter,
     Zeros,
     find_blocks,
     recompute_blocks,
@@ -47,6 +48,7 @@ __all__ = [
     "find_blocks",
     "recompute_blocks",
     "StageOfModel",
+    "TiedParameter",
     "PassThrough",
     "Zeros",
     "Partition",

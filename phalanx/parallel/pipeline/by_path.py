@@ -18,8 +18,11 @@ other stages is swapped for a stand-in that passes the activation through::
 * modules without parameters (dropout, rotary position tables) run on every stage.
 
 A parameter shared by modules of two stages (a head tied to the embedding, as GPT-2 and small
-Llamas build it) is refused with one line: build the model untied (Megatron instead keeps a copy
-on each end and all-reduces its gradient; not done here).
+Llamas build it) stays on every stage that uses it, each holding a copy of the same values
+(Megatron-LM's tied embedding, Shoeybi et al. 2019, arXiv:1909.08053): the stage lists it in
+``tied_across_stages`` and :class:`PipelineStage` makes the copies equal at its first step and sums
+their gradients over the pipeline after every step, so the same optimizer step keeps them equal.
+ZeRO refuses such a stage in one line (:func:`phalanx.parallel.composition.tied_across_stages`).
 
 Example::
 
@@ -31,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Sequence
@@ -39,7 +43,21 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "path_costs", "recompute_blocks"]
+__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "path_costs",
+           "recompute_blocks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TiedParameter:
+    """A parameter the modules of several stages share (a head tied to the input embedding)."""
+
+    name: str
+    """its name on the first stage that holds it (``transformer.wte.weight``)"""
+    stages: tuple[int, ...]
+    """the stages holding a copy (first and last for a tied head)"""
+    shape: tuple[int, ...]
+    param: nn.Parameter | None
+    """this stage's copy; None on a stage that does not use it (it sends zeros in the sum)"""
 
 
 class PassThrough(nn.Module):
@@ -143,11 +161,13 @@ class StageOfModel(nn.Module):
     Returns the output's ``logits`` (the hidden state on all but the last stage) or the output itself.
     """
 
-    def __init__(self, model: nn.Module, stage_index: int, num_stages: int, hidden_kwarg: str | None) -> None:
+    def __init__(self, model: nn.Module, stage_index: int, num_stages: int, hidden_kwarg: str | None,
+                 tied_across_stages: Sequence[TiedParameter] = ()) -> None:
         super().__init__()
         self.model = model
         self.stage_index, self.num_stages = stage_index, num_stages
         self.hidden_kwarg = hidden_kwarg
+        self.tied_across_stages = list(tied_across_stages)  # PipelineStage sums their gradients over the stages
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stage_index > 0 and self.hidden_kwarg:
@@ -189,15 +209,18 @@ def split_by_path(model: nn.Module, boundaries: Sequence[str], stage_index: int)
     before, after = _outer_modules(model, stack)
     first, last = stage_index == 0, stage_index == num_stages - 1
     mine = set(blocks[cuts[stage_index] : cuts[stage_index + 1]])
-    owners = {}  # parameter → the stage that keeps it
+    holders: dict[int, dict[int, tuple[str, nn.Parameter]]] = {}  # parameter → {stage: (its name there, it)}
     for s in range(num_stages):
         names = blocks[cuts[s] : cuts[s + 1]] + (before if s == 0 else []) + (after if s == num_stages - 1 else [])
         for n in names:
             for pn, p in model.get_submodule(n).named_parameters():
-                if owners.setdefault(id(p), (s, f"{n}.{pn}"))[0] != s:
-                    raise ValueError(
-                        f"pipeline: parameter {n}.{pn} is also {owners[id(p)][1]} (tied) on stages "
-                        f"{owners[id(p)][0]} and {s}; build the model untied (HF: tie_word_embeddings=False)")
+                holders.setdefault(id(p), {}).setdefault(s, (f"{n}.{pn}", p))
+    tied = []
+    for by_stage in holders.values():
+        if len(by_stage) > 1:
+            tied_name, tied_param = by_stage[min(by_stage)]
+            copy = by_stage[stage_index][1] if stage_index in by_stage else None
+            tied.append(TiedParameter(tied_name, tuple(sorted(by_stage)), tuple(tied_param.shape), copy))
     hidden_kwarg = "inputs_embeds" if "inputs_embeds" in inspect.signature(model.forward).parameters else None
     input_embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for b in blocks:
@@ -213,4 +236,4 @@ def split_by_path(model: nn.Module, boundaries: Sequence[str], stage_index: int)
     if not last:
         for n in after:
             _set(model, n, nn.Identity())
-    return StageOfModel(model, stage_index, num_stages, hidden_kwarg)
+    return StageOfModel(model, stage_index, num_stages, hidden_kwarg, tied)

@@ -28,6 +28,12 @@ Three seams, one module each:
   its input, at about one extra forward.
 * ``no_sync`` (a data-parallel wrapper's context manager): all backwards but the
   step's last run inside it, so gradients are reduced once per step.
+* A parameter tied across stages (``module.tied_across_stages``, from
+  :func:`~phalanx.parallel.pipeline.split_by_path`: a head tied to the embedding) has a copy on
+  each stage using it: the first step broadcasts the first holder's values to the others, and
+  every step ends with one all-reduce (sum) over the pipeline of those copies' gradients
+  (Megatron-LM's tied embedding), after the data-parallel reduction, so every copy takes the same
+  optimizer step.
 * Each forward, backward and receive wait is a :mod:`phalanx.trace` span
   (``pp.forward`` / ``pp.backward`` / ``pp.recv``, with ``mb`` = micro-batch), so
   ``phalanx run --timeline`` draws every stage's schedule; ``last_timeline``
@@ -44,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from phalanx.comm.collectives import broadcast
+from phalanx.comm.collectives import Sum, allreduce, broadcast
 from phalanx.log import get_logger
 from phalanx.parallel.pipeline.executor import Span, StepRun
 from phalanx.parallel.pipeline.link import StageLink
@@ -133,6 +140,8 @@ class PipelineStage:
         self.links = [StageLink(ranks, c * num_stages + stage_index, group,
                                 grad_group=None if self._own_grad_group else grad_group, tagged=v > 1)
                       for c in range(v)]
+        self.tied = list(getattr(self.chunks[0], "tied_across_stages", ())) if v == 1 else []
+        self._tied_synced = False
         self.busy_s = 0.0  # compute seconds in the last step
         self.last_timeline: list[Span] = []  # the last step's forwards and backwards, in order
 
@@ -189,8 +198,12 @@ class PipelineStage:
         ts = self._chunks(targets, m, "targets") if self.is_last else None
         actions = self._actions(schedule, m)
         self._make_grad_group()
+        if self.tied and not self._tied_synced:
+            self._sync_tied()
         run = StepRun(self, actions, xs, ts, m, self._device())
         loss_sum = run.run()
+        if self.tied:
+            self._sum_tied_grads()
         self.last_timeline = run.timeline
         self.busy_s = sum(s.end_s - s.start_s for s in run.timeline)
         return loss_sum if self.is_last else None
@@ -216,6 +229,38 @@ class PipelineStage:
             grad_group = dist.new_group(members)
             for link in self.links:
                 link.grad_group = grad_group
+
+    @torch.no_grad()
+    def _sync_tied(self) -> None:
+        """First step: every copy of a tied parameter takes the values of its first holder's."""
+        self._tied_synced = True
+        for t in self.tied:  # in fp32 on every stage: a stage without a copy cannot know a later cast
+            buf = t.param.data.float() if t.param is not None else torch.empty(t.shape, device=self._device())
+            broadcast(buf, root_rank=self.ranks[t.stages[0]], group=self.group, inplace=True, name="pp.tied.init")
+            if t.param is not None:
+                t.param.data.copy_(buf)
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """Each tied parameter's gradient summed over the stages holding a copy (others add zeros), in
+        one all-reduce over the pipeline; its last element counts the copies that had no ``.grad``."""
+        device, parts, missing = self._device(), [], 0.0
+        for t in self.tied:
+            g = t.param.grad if t.param is not None else None
+            missing += float(t.param is not None and g is None)
+            parts.append(g.reshape(-1).float() if g is not None else torch.zeros(math.prod(t.shape), device=device))
+        flat = torch.cat(parts + [torch.tensor([missing], device=device)])
+        flat = allreduce(flat, op=Sum, group=self.group, inplace=True, name="pp.tied.grad")
+        if flat[-1].item():
+            names = ", ".join(t.name for t in self.tied)
+            raise RuntimeError(f"pipeline: {names} is tied across stages but a copy has no .grad after backward "
+                               "(a wrapper took it: ZeRO shards gradients); build the model untied "
+                               "(HF: tie_word_embeddings=False)")
+        off = 0
+        for t, part in zip(self.tied, parts):
+            if t.param is not None:
+                t.param.grad.copy_(flat[off : off + part.numel()].view_as(t.param.grad))
+            off += part.numel()
 
     def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss (what :meth:`step` returned there) on every stage, by one broadcast.

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from phalanx.optim.adam8bit import FullPrecisionState
 from phalanx.parallel.zero.shard import CHUNK_NUMEL, segments
 
-__all__ = ["FORMAT", "FULL_FORMAT", "ShardedCheckpoint", "consolidate", "full_as_shard_groups"]
+__all__ = ["FORMAT", "FULL_FORMAT", "ShardedCheckpoint", "consolidate", "full_as_shard_groups", "by_name_as_groups"]
 
 FORMAT = "phalanx.zero/1"
 FULL_FORMAT = "phalanx.zero.full/1"
@@ -163,11 +163,15 @@ class ShardedCheckpoint:
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated dict (from :meth:`full_state_dict`, or a plain ``torch.optim``
-        one of the same model) on every rank; each rank keeps only what it owns.
+        one of the same model, or one keyed by parameter name: ``named_optimizer_state``,
+        ``gather_tp_optimizer_state``) on every rank; each rank keeps only what it owns.
 
         Without ``"phalanx"`` master weights the current parameters stay the masters.
         """
         groups = state_dict.get("param_groups")
+        if isinstance(groups, list) and groups and all(isinstance(i, str) for g in groups for i in g.get("params", [1])):
+            groups = by_name_as_groups(groups, self._group_names)
+            state_dict = {**state_dict, "param_groups": groups}
         if not isinstance(groups, list) or len(groups) != len(self._group_names):
             raise ValueError(
                 f"load_full_state_dict: expected {len(self._group_names)} param_groups, got "
@@ -175,6 +179,19 @@ class ShardedCheckpoint:
             )
         out = full_as_shard_groups(state_dict, self._group_names, self._shapes)
         self.load_sharded_state_dict({"format": FORMAT, "stage": self.stage, "world_size": 1, "rank": 0, "groups": out})
+
+
+def by_name_as_groups(saved: list[dict], group_names: list[list[str]]) -> list[dict]:
+    """``param_groups`` whose ``params`` are names (:func:`phalanx.optim.named_state.named_optimizer_state`,
+    any grouping, a superset of the names: a whole model's for a stage) in this optimizer's grouping;
+    each group takes the hyperparameters of the saved group that holds its first name."""
+    group_of = {n: g for g in saved for n in g["params"]}
+    missing = [n for names in group_names for n in names if n not in group_of]
+    if missing:
+        raise ValueError(f"load_full_state_dict: parameter {missing[0]} (and {len(missing) - 1} more) is not in "
+                         "the saved state; save from the same model")
+    return [{**{k: v for k, v in (group_of[names[0]] if names else {}).items() if k != "params"}, "params": list(names)}
+            for names in group_names]
 
 
 def full_as_shard_groups(state_dict: dict, group_names: list[list[str]], shapes: dict) -> list[dict]:

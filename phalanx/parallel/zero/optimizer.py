@@ -83,6 +83,9 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
     check_state_bits("zero", state_bits, optimizer)
+    tied = getattr(model, "tied_across_stages", None)  # a pipeline stage cut by module path
+    if tied:
+        raise ValueError(composition.tied_across_stages(tied[0].name, tied[0].stages, f"zero(stage={stage})"))
     compressor = get_compressor(compression)
     if not composition.accepts_compressor(f"zero{stage}", compressor.summable, compressor.name):
         raise ValueError(
