@@ -29,9 +29,7 @@ Example::
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
-import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -72,31 +70,30 @@ def default_commit_dir() -> str:
     return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
 
 
-_owners: dict[str, tuple[tuple[str, ...], weakref.WeakSet]] = {}  # commit dir -> (its pieces' names, live states)
+_made: dict[tuple[str, str], int] = {}  # (commit dir asked for, restart count) -> states this process made with it
 
 
-def _own_commit_dir(state: TorchState, wanted: str) -> str:
-    """``wanted``, or ``wanted-state-<hash of the piece names>`` when a live state of this process with
-    other pieces already commits there.
+def _own_commit_dir(wanted: str) -> str:
+    """``wanted`` for the first state this process makes with that directory, ``wanted-state<n>`` for the n-th.
 
-    Two different states sharing one directory would number their snapshots alike, prune each
-    other's, and a restore would read the other's pieces. A state made again with the same pieces
-    (a fresh copy that restores what the first committed) shares the directory on purpose. A restarted
-    process creates its states in the same order, so each finds its own directory again. A sibling,
-    not a subdirectory: the checkpoint manager prunes every directory under its root that is not
-    one of its newest snapshots.
+    A state restores only its own lineage's commits: its own, or those of the state made in the same
+    place by a process before it in this job (a group restart, a generation of newcomers: they run the
+    same script, make their states in the same order, and so the n-th state finds the n-th's directory).
+    A later state object of this process never inherits an earlier one's last commit, whether the
+    earlier one is still alive or gone, whatever its pieces: Horovod's Keras ``test_elastic_state``,
+    run after its TensorFlow one in the same process, found that state's snapshot and its ``sync()``
+    loaded it. States are counted per restart of the group (``TORCHELASTIC_RESTART_COUNT``, constant
+    in a process: a test that plays a restart inside one process sets it). A sibling, not a
+    subdirectory: the checkpoint manager prunes every directory under its root that is not one of its
+    newest snapshots.
     """
-    names = tuple(sorted(state._pieces))
-    owner = _owners.get(wanted)
-    if owner is None or not owner[1] or owner[0] == names:
-        if owner is None or not owner[1]:
-            owner = _owners[wanted] = (names, weakref.WeakSet())
-        owner[1].add(state)
+    key = (wanted.rstrip(os.sep) or os.sep, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    n = _made[key] = _made.get(key, 0) + 1
+    if n == 1:
         return wanted
-    chosen = f"{wanted.rstrip(os.sep)}-state-{hashlib.sha1(' '.join(names).encode()).hexdigest()[:8]}"
-    log.info("a second elastic state (pieces %s) commits to %s (%s holds another state's commits)",
-             ", ".join(names), chosen, wanted)
-    return _own_commit_dir(state, chosen)
+    chosen = f"{key[0]}-state{n}"
+    log.info("elastic state number %d of this process with commit dir %s commits to %s", n, wanted, chosen)
+    return chosen
 
 
 class TorchState:
@@ -104,9 +101,10 @@ class TorchState:
 
     Extras are attributes: ``state.epoch``, ``state.sampler``. ``commit()`` keeps
     a copy in memory and writes a snapshot to ``commit_dir`` (``keep`` newest
-    kept); ``restore()`` returns False when there is nothing to restore. A second
-    state with other pieces, alive in the same process with the same directory, commits to
-    ``<commit_dir>-state-<hash of its piece names>``, so each keeps its own snapshots.
+    kept); ``restore()`` returns False when there is nothing to restore. The n-th state a
+    process makes with the same directory commits to ``<commit_dir>-state<n>``: each keeps and
+    restores its own snapshots, a restarted process (same states, same order) finds each one's
+    again, and a new state never inherits an earlier state's commits.
     ``snapshot_every``: under in-process elastic (``phalanx run --min-np/--max-np``), write the
     snapshot at every N-th commit only (default 1: every commit). The survivors of a lost worker
     restore from memory, so a commit every step costs a state copy, not a file; the snapshot is
@@ -146,7 +144,7 @@ class TorchState:
                              "(ZeRO), which only a group restart from a commit recovers; give recover='commit'")
         object.__setattr__(self, "_live", recover == "live")
         object.__setattr__(self, "_synced", False)  # (live) this process holds the job's state: sync() ran
-        object.__setattr__(self, "commit_dir", _own_commit_dir(self, commit_dir or default_commit_dir()))
+        object.__setattr__(self, "commit_dir", _own_commit_dir(commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         # (live) rank 0's snapshot files, written alone in the background (phalanx.elastic.snapshots)

@@ -299,10 +299,52 @@ def test_two_states_in_one_job_keep_their_own_commits(tmp_path, monkeypatch):
 
     del a, b
     gc.collect()
-    a2, b2 = states()  # the restarted process: no commit in memory, each reads its own snapshots
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted process: its states count from 1 again
+    a2, b2 = states()  # no commit in memory, each reads its own snapshots
     assert a2.restore() and b2.restore()
     assert (a2.epoch, a2.batch, a2.commits, b2.step, b2.commits) == (12, 2, 3, 101, 2)
     assert torch.equal(a2.model.weight, want_a) and torch.equal(b2.model.bias, want_b)
+
+
+def test_a_new_state_never_inherits_an_earlier_states_commit(tmp_path, monkeypatch):
+    """Issue 39 (Horovod's Keras test_elastic_state after its TensorFlow one, in one process): a state
+    made after another one with the same pieces and the same commit dir is gone starts from its own
+    values; its sync() (no member holds a commit) and restore() find nothing of the earlier state's.
+    The earlier state's commit still belongs to its own lineage: the first state of a restarted
+    process gets it back. Reference: one process, the values each state was made with."""
+    import gc
+
+    from phalanx import elastic
+
+    monkeypatch.setenv("PHALANX_ELASTIC_DIR", str(tmp_path / "commits"))
+
+    def state(fill):
+        net = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            net.weight.fill_(fill)
+        return elastic.TorchState(net, epoch=0, batch=0)
+
+    first = state(1.0)
+    first.epoch, first.batch = 7, 3
+    with torch.no_grad():
+        first.model.weight.fill_(5.0)
+    first.commit()
+    del first
+    gc.collect()
+
+    second = state(2.0)  # the same pieces and directory, the first one gone
+    second.sync()
+    assert (second.epoch, second.batch, second.commits) == (0, 0, 0) and second.restored_from is None
+    assert torch.equal(second.model.weight, torch.full((2, 2), 2.0))
+    assert not second.restore() and second.epoch == 0
+    second.epoch = 1
+    second.commit()  # its own commits stay its own
+    assert second.restore() and second.epoch == 1
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted process: the first state again
+    again = state(3.0)
+    assert again.restore() and (again.epoch, again.batch, again.commits) == (7, 3, 1)
+    assert torch.equal(again.model.weight, torch.full((2, 2), 5.0))
 
 
 EXIT_RUNS = int(os.environ.get("PHALANX_TEST_EXIT_RUNS", "1"))

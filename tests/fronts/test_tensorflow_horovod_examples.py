@@ -4,8 +4,11 @@ One ``phalanx run -np 2`` job runs, in the same two processes: Horovod's
 ``tensorflow2_keras_mnist.py`` (tf-keras ``model.fit`` with ``DistributedOptimizer`` and the three
 callbacks; its fit capped at 1 epoch of 4 steps), Horovod's ``tensorflow2_synthetic_benchmark.py``
 (``DistributedGradientTape`` and ``broadcast_variables`` inside the ``tf.function`` step, fp16
-compression; a small model and 2 iterations by its own arguments), both with only their import
-lines changed and a local MNIST stand-in, then ``tests/jobs/horovod_tf/tf_keras_checks.py``
+compression; a small model and 2 iterations by its own arguments) and Horovod's
+``tensorflow2_mnist_data_service.py`` (its input pipeline through a tf.data service whose compute
+side runs in the same ranks, ``run_example.py --compute-service``; fit capped at 1 epoch of 1
+step), all with only their import lines changed and a local MNIST stand-in, then
+``tests/jobs/horovod_tf/tf_keras_checks.py``
 (2 ranks against one process; each of its lines is one test here).
 """
 
@@ -39,6 +42,8 @@ def job(tmp_path_factory):
                os.path.join(JOBS, "tensorflow2_synthetic_benchmark.py"), "--model", "MobileNetV3Small",
                "--batch-size", "2", "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2",
                "--no-cuda", "--fp16-allreduce", "--",
+               "--fit-cap", "1,1", "--compute-service", "compute.json",
+               os.path.join(JOBS, "tensorflow2_mnist_data_service.py"), "compute.json", "--",
                os.path.join(JOBS, "tf_keras_checks.py")]
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -68,6 +73,18 @@ def test_horovods_keras_mnist_example_trains_with_tf_keras(job):
     loss, accuracy = float(final[-1][0]), float(final[-1][1])
     assert loss < 2.6 and 0.0 <= accuracy <= 1.0, texts[0][-2000:]
     assert "checkpoint-1.h5" in files, "rank 0 saves the checkpoint (ModelCheckpoint), as the example asks"
+
+
+def test_horovods_data_service_example_trains_through_the_tf_data_service(job):
+    """Issue 39: the compute side's stop used to hang (compute_worker_fn stopped a dispatcher before every
+    worker had stopped); a stop that hangs again ends its rank (run_example.py's watchdog) and the job
+    fails, never hangs."""
+    texts, _ = job
+    for text in texts.values():
+        assert "DONE tensorflow2_mnist_data_service.py" in text
+        assert "COMPUTE DONE" in text, "the example's rank 0 shuts the compute side down; every worker ends"
+    final = re.findall(r"1/1 \[=+\] - \d.* loss: ([0-9.naif]+)", texts[0])
+    assert final and float(final[-1]) < 2.6, texts[0][-2000:]
 
 
 def test_horovods_synthetic_benchmark_runs_its_tf_function_step(job):

@@ -78,6 +78,7 @@ def _commit_restore_sync(root):
 
     params = train(state)
     # a new process (as after a TorchElastic restart) restores from the snapshot, not from memory
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # (a restart: this process's states count from 1 again)
     torch.manual_seed(100 + r)
     model2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.5, momentum=0.9)

@@ -209,8 +209,14 @@ def compute_worker_fn(compute_config: TfDataServiceConfig) -> None:
     worker.start()
     compute.register_worker_for_dispatcher(dispatcher_index, index)
     compute.wait_for_shutdown()
+    # Every worker stops before any dispatcher. A worker's stop joins its tasks' prefetch threads, and a
+    # distributed_epoch task's thread asks its dispatcher for the next split: with that dispatcher
+    # already gone it retries until the dispatcher timeout, and the stop (which keeps the GIL, freezing
+    # the process) waits with it (issue 39: seen in a native stack, ~FirstComeFirstServedTaskRunner
+    # joining its thread while "Failed to get next split: UNAVAILABLE").
     worker._stop()  # TensorFlow has no public way to stop its servers
     worker.join()
+    hvd.barrier()
     if dispatcher is not None:
         dispatcher._stop()
         dispatcher.join()
