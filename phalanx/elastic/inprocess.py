@@ -45,8 +45,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from phalanx.elastic import lost, pending
+from phalanx.elastic import lost, pending, staging
 from phalanx.elastic.interrupts import (
+    ADDED,
     HostsUpdatedInterrupt,
     MembershipChanged,
     launcher_interrupt,
@@ -86,6 +87,9 @@ class _Ctx:
         self.watcher: lost.LostWatcher | None = None
         self.vote: tuple[object, torch.Tensor] | None = None  # a deferred commit vote in flight (work, flag)
         self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
+        self.staging: staging.Staging | None = None  # the next generation forming in the background
+        self.staged: set[int] = set()  # generations staged once: never joined by the ordinary path
+        self.switch = False  # every member's staging is ready: the re-form adopts it
 
 
 _ctx: _Ctx | None = None
@@ -204,30 +208,73 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
 
     ctx = _context()
     size = runtime.size() if runtime.is_initialized() else 1
-    flag = torch.tensor([0, vote], dtype=torch.int64)
     if not deferred:
+        flag = torch.tensor([0, vote], dtype=torch.int64)
         if size == 1 or runtime.rank() == 0:
             flag[0] = _pending_kind(ctx, notices)
         if size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
-    if size == 1:  # nobody to agree with: act on it now
-        flag[0] = _pending_kind(ctx, notices)
-        return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
     agreed = 0
-    if ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
+    flag = torch.tensor([0, vote, 0, 0], dtype=torch.int64)  # + rank 0's latest generation, staging state
+    if size > 1 and ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
         work, answer = ctx.vote
         ctx.vote = None
         work.wait()
-        if answer[0]:
-            return launcher_interrupt(int(answer[0])), int(answer[1])
+        change = _staged_change(ctx, [int(v) for v in answer], notices)
+        if change is not None:
+            return change, int(answer[1])
         agreed = int(answer[1])
-    if runtime.rank() == 0:
+    if size == 1 or runtime.rank() == 0:
         if ctx.pending is None:
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
         flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
+        flag[2] = ctx.pending.latest
+    if ctx.staging is not None:
+        flag[3] = ctx.staging.state()
+    if size == 1:  # nobody to agree with: act on it now
+        return _staged_change(ctx, [int(v) for v in flag], notices), vote
     ctx.vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
     return None, agreed
+
+
+def _staged_change(ctx: _Ctx, answer: list[int], notices: bool) -> HostsUpdatedInterrupt | None:
+    """What a deferred vote's answer ``[kind, vote, latest, staging]`` means at this commit (the same on
+    every member): workers only added after the members stage the new generation in the background
+    and switch once every member's is ready (:mod:`phalanx.elastic.staging`); any other change re-forms
+    now. None: train on."""
+    kind, _, latest, state = answer
+    if ctx.staging is not None:
+        if latest > ctx.staging.gen:  # a newer change than the one forming: re-form the ordinary way
+            return launcher_interrupt(kind or ADDED)
+        if state == staging.READY:
+            ctx.switch = True
+            return launcher_interrupt(ADDED)
+        if state == staging.FAILED:  # train on in this generation; the launcher's next one follows
+            log.warning("generation %d could not form in the background (%s); training on in generation %d",
+                        ctx.staging.gen, ctx.staging.error or "another member's failed", ctx.gen)
+            ctx.staging.drop()
+            ctx.staging = None
+        return None
+    if not kind or latest in ctx.staged:
+        return None
+    if kind == ADDED and not notices and _stageable(ctx, latest):
+        from phalanx import runtime
+
+        ctx.staged.add(latest)
+        ctx.staging = staging.Staging(ElasticSettings.one("store"), latest, runtime.rank(), members_of(latest),
+                                      ctx.wid, timeout_s=ctx.timeout_s, form_timeout_s=_form_timeout_s()).start()
+        log.info("generation %d admits worker(s): forming its group in the background", latest)
+        return None
+    return launcher_interrupt(kind)
+
+
+def _stageable(ctx: _Ctx, gen: int) -> bool:
+    """Generation ``gen`` keeps every current member at its rank and only adds workers after them."""
+    if gen <= ctx.gen:
+        return False
+    now, wids = members_of(ctx.gen), members_of(gen)
+    return len(wids) > len(now) and wids[:len(now)] == now
 
 
 def _pending_kind(ctx: _Ctx, notices: bool) -> int:
@@ -351,10 +398,30 @@ def reform(reason: str, *, joining: bool = False) -> float:
     if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
         wait_s = max(wait_s, ElasticSettings.one("join_timeout_s"))
     deadline = started + wait_s
+    staged = ctx.staging if ctx.switch else None  # every member's background group is ready: adopt it
+    if ctx.staging is not None and staged is None:
+        ctx.staging.drop()  # (a newcomer connected to it fails at once and waits for the next generation)
+    ctx.staging, ctx.switch = None, False
     _leave_group()
+    left = time.monotonic()
+    if staged is not None:
+        body = json.loads(ctx.store.get(f"pxe/gen/{staged.gen}"))
+        try:
+            _join_group(ctx, staged.gen, body["members"], int(body.get("notice", 0)), staged=staged)
+        except Exception as err:  # noqa: BLE001 - a newcomer died after connecting: the next generation
+            log.warning("generation %d, formed in the background, failed at the switch (%s: %s); waiting for "
+                        "the next one", staged.gen, type(err).__name__, str(err).splitlines()[0][:160] if str(err) else "")
+            staged.drop()
+            _leave_group()
+        else:
+            took = time.monotonic() - started
+            log.warning("%s: generation %d formed in the background in %.3fs, switched to in %.3fs: rank %d of %d",
+                        reason, staged.gen, staged.took_s or 0.0, took, runtime.rank(), runtime.size())
+            return took
     if joining:
         ctx.store.set(f"pxe/ready/{ctx.wid}", b"1")
-    seen = ctx.gen if not joining else -1
+    # a generation staged once is never joined here: its check-ins and connection keys are spent
+    seen = max([ctx.gen, *ctx.staged]) if not joining else -1
     missing: tuple[int, list[str]] | None = None
     while True:
         _check_stop()
@@ -371,6 +438,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
                 ctx.store.set(f"pxe/left/{ctx.wid}", b"1")
                 exit_now(0)
             if _all_checked_in(ctx, latest, wids, deadline):
+                arrived = time.monotonic()
                 try:
                     _join_group(ctx, latest, members, int(body.get("notice", 0)))
                 except Exception as err:  # noqa: BLE001 - a member died while the group was made
@@ -379,8 +447,9 @@ def reform(reason: str, *, joining: bool = False) -> float:
                     _leave_group()
                 else:
                     took = time.monotonic() - started
-                    log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
-                                runtime.rank(), runtime.size(), took)
+                    log.warning("%s: generation %d formed in-process: rank %d of %d (%.3fs: leave %.3f, check-in "
+                                "%.3f, group %.3f)", reason, latest, runtime.rank(), runtime.size(), took,
+                                left - started, arrived - left, started + took - arrived)
                     return took
             else:
                 missing = (latest, [w for w in wids if not ctx.store.check([f"pxe/g{latest}/ack/{w}"])])
@@ -411,7 +480,10 @@ def join() -> float:
     return reform("joining the job", joining=True)
 
 
-def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0) -> None:
+def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0,
+                staged: staging.Staging | None = None) -> None:
+    """Become rank ``members.index(this worker)`` of generation ``gen``: its variables, its process group
+    (``staged``: the one this member connected in the background), the runtime on it."""
     from phalanx import runtime
 
     rank = [m[0] for m in members].index(ctx.wid)
@@ -433,12 +505,18 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0) 
     # timeout, so a member that died after checking in aborts this round instead of holding it
     ctx.store.set_timeout(datetime.timedelta(seconds=min(ctx.timeout_s, _form_timeout_s())))
     try:
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
-                                world_size=len(members), timeout=timeout)
+        if staged is not None:
+            staging.adopt(staged.backend, ctx.store, gen, rank, len(members), ctx.timeout_s)
+        elif ctx.store.check([staging.staged_key(gen)]):  # a newcomer: the members connect in the background
+            staging.adopt(staging.connect(ctx.store, gen, rank, len(members), ctx.timeout_s), ctx.store, gen, rank,
+                          len(members), ctx.timeout_s)
+        else:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
+                                    world_size=len(members), timeout=timeout)
     finally:
         ctx.store.set_timeout(timeout)
     with ctx.lock:  # the lost-member watcher acts on one generation's connections only
-        ctx.group_sockets = lost.group_sockets(ctx.store_port) - before
+        ctx.group_sockets = staged.sockets if staged is not None else lost.group_sockets(ctx.store_port) - before
         ctx.gen, ctx.members, ctx.notice = gen, members, notice
     os.environ.pop(JOIN_ENV, None)
     runtime.init(timeout=ctx.timeout_s)  # adopts the group just made

@@ -8,6 +8,7 @@ per commit (measured ~0.7 ms median on cpu2, spikes of tens of ms under load); a
 
     thread (rank 0, every 50 ms): pxe/latest > gen? members of latest vs gen -> REMOVED_ONLY / ADDED
     commit:  kind = poll.kind(gen, notice, notices)    # a dict lookup; 0 until the thread has read one
+             poll.latest                               # that generation's number (a staged admission's target)
 
 Example::
 
@@ -58,6 +59,7 @@ class PendingPoll:
     def __init__(self, address: str, current_gen: Callable[[], int]) -> None:
         self.address, self.current_gen = address, current_gen
         self.seen: dict[tuple[int, int, bool], int] = {}  # (generation, notice, notices) -> kind
+        self.latest = 0  # the newest generation the launcher had published at the last read
         self.asked: set[tuple[int, int, bool]] = set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="phalanx-elastic-pending", daemon=True)
@@ -83,6 +85,8 @@ class PendingPoll:
             store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=10))
             while not self.stop.wait(POLL_S):
+                if store.check(["pxe/latest"]):
+                    self.latest = int(store.get("pxe/latest"))
                 for key in list(self.asked):
                     if key[0] == self.current_gen():
                         self.seen[key] = pending_on(store, *key)
