@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import json
 import os
 import sys
@@ -87,9 +88,7 @@ class _Ctx:
         self.watcher: lost.LostWatcher | None = None
         self.vote: tuple[object, torch.Tensor] | None = None  # a deferred commit vote in flight (work, flag)
         self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
-        self.staging: staging.Staging | None = None  # the next generation forming in the background
-        self.staged: set[int] = set()  # generations staged once: never joined by the ordinary path
-        self.switch = False  # every member's staging is ready: the re-form adopts it
+        self.admission = staging.Admission()  # generations formed in the background (a live state's)
 
 
 _ctx: _Ctx | None = None
@@ -230,8 +229,7 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
         flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
         flag[2] = ctx.pending.latest
-    if ctx.staging is not None:
-        flag[3] = ctx.staging.state()
+    flag[3] = ctx.admission.state()
     if size == 1:  # nobody to agree with: act on it now
         return _staged_change(ctx, [int(v) for v in flag], notices), vote
     ctx.vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
@@ -239,34 +237,18 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
 
 
 def _staged_change(ctx: _Ctx, answer: list[int], notices: bool) -> HostsUpdatedInterrupt | None:
-    """What a deferred vote's answer ``[kind, vote, latest, staging]`` means at this commit (the same on
-    every member): workers only added after the members stage the new generation in the background
-    and switch once every member's is ready (:mod:`phalanx.elastic.staging`); any other change re-forms
-    now. None: train on."""
-    kind, _, latest, state = answer
-    if ctx.staging is not None:
-        if latest > ctx.staging.gen:  # a newer change than the one forming: re-form the ordinary way
-            return launcher_interrupt(kind or ADDED)
-        if state == staging.READY:
-            ctx.switch = True
-            return launcher_interrupt(ADDED)
-        if state == staging.FAILED:  # train on in this generation; the launcher's next one follows
-            log.warning("generation %d could not form in the background (%s); training on in generation %d",
-                        ctx.staging.gen, ctx.staging.error or "another member's failed", ctx.gen)
-            ctx.staging.drop()
-            ctx.staging = None
-        return None
-    if not kind or latest in ctx.staged:
-        return None
-    if kind == ADDED and not notices and _stageable(ctx, latest):
-        from phalanx import runtime
+    """What a deferred vote's answer ``[kind, vote, latest, staging]`` means at this commit: workers
+    only added after the members are admitted without a pause (:class:`staging.Admission`), any other
+    change re-forms now. None: train on."""
+    from phalanx import runtime
 
-        ctx.staged.add(latest)
-        ctx.staging = staging.Staging(ElasticSettings.one("store"), latest, runtime.rank(), members_of(latest),
-                                      ctx.wid, timeout_s=ctx.timeout_s, form_timeout_s=_form_timeout_s()).start()
-        log.info("generation %d admits worker(s): forming its group in the background", latest)
-        return None
-    return launcher_interrupt(kind)
+    kind, _, latest, state = answer
+    if kind and (notices or kind != ADDED) and ctx.admission.staging is None:
+        return launcher_interrupt(kind)
+    decided = ctx.admission.at_vote(kind, latest, state, functools.partial(_stageable, ctx), lambda gen: staging.Staging(
+        ElasticSettings.one("store"), gen, runtime.rank(), members_of(gen), ctx.wid, timeout_s=ctx.timeout_s,
+        form_timeout_s=_form_timeout_s()).start())
+    return None if decided is None else launcher_interrupt(kind or ADDED)
 
 
 def _stageable(ctx: _Ctx, gen: int) -> bool:
@@ -398,10 +380,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
     if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
         wait_s = max(wait_s, ElasticSettings.one("join_timeout_s"))
     deadline = started + wait_s
-    staged = ctx.staging if ctx.switch else None  # every member's background group is ready: adopt it
-    if ctx.staging is not None and staged is None:
-        ctx.staging.drop()  # (a newcomer connected to it fails at once and waits for the next generation)
-    ctx.staging, ctx.switch = None, False
+    staged = ctx.admission.take()  # every member's background group is ready: adopt it
     _leave_group()
     left = time.monotonic()
     if staged is not None:
@@ -421,7 +400,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
     if joining:
         ctx.store.set(f"pxe/ready/{ctx.wid}", b"1")
     # a generation staged once is never joined here: its check-ins and connection keys are spent
-    seen = max([ctx.gen, *ctx.staged]) if not joining else -1
+    seen = max(ctx.gen, ctx.admission.spent()) if not joining else -1
     missing: tuple[int, list[str]] | None = None
     while True:
         _check_stop()
@@ -464,15 +443,11 @@ def reform(reason: str, *, joining: bool = False) -> float:
 
 def _all_checked_in(ctx: _Ctx, gen: int, wids: list[str], deadline: float) -> bool:
     """Check in to generation ``gen``; True once every member has (False: a newer one, or the deadline)."""
-    ctx.store.set(f"pxe/g{gen}/ack/{ctx.wid}", b"1")
-    arrived_key = f"pxe/g{gen}/arrived"
-    ctx.store.add(arrived_key, 1)
-    while ctx.store.add(arrived_key, 0) < len(wids):
-        if _latest() > gen or time.monotonic() > deadline:
-            return False
+    def give_up() -> bool:
         _check_stop()
-        time.sleep(_POLL_S)
-    return True
+        return _latest() > gen
+
+    return staging.check_in(ctx.store, gen, ctx.wid, len(wids), deadline, give_up)
 
 
 def join() -> float:
@@ -486,35 +461,9 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0,
     (``staged``: the one this member connected in the background), the runtime on it."""
     from phalanx import runtime
 
-    rank = [m[0] for m in members].index(ctx.wid)
-    hosts = list(dict.fromkeys(m[1] for m in members))
-    my_host = members[rank][1]
-    on_host = [m[0] for m in members if m[1] == my_host]
-    env = {"RANK": rank, "WORLD_SIZE": len(members), "LOCAL_RANK": on_host.index(ctx.wid),
-           "LOCAL_WORLD_SIZE": len(on_host), "GROUP_RANK": hosts.index(my_host), "GROUP_WORLD_SIZE": len(hosts),
-           GEN_ENV: gen}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    for ours, theirs in (("RANK", "HOROVOD_RANK"), ("WORLD_SIZE", "HOROVOD_SIZE"), ("LOCAL_RANK",
-                         "HOROVOD_LOCAL_RANK"), ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"),
-                         ("GROUP_RANK", "HOROVOD_CROSS_RANK"), ("GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE")):
-        os.environ[theirs] = os.environ[ours]
-    timeout = datetime.timedelta(seconds=ctx.timeout_s)
+    rank = staging.take_rank(members, ctx.wid, gen)
     before = lost.group_sockets(ctx.store_port)
-    runtime.import_dynamo_first()
-    # making the group waits on the store for every member's address: bounded by the formation
-    # timeout, so a member that died after checking in aborts this round instead of holding it
-    ctx.store.set_timeout(datetime.timedelta(seconds=min(ctx.timeout_s, _form_timeout_s())))
-    try:
-        if staged is not None:
-            staging.adopt(staged.backend, ctx.store, gen, rank, len(members), ctx.timeout_s)
-        elif ctx.store.check([staging.staged_key(gen)]):  # a newcomer: the members connect in the background
-            staging.adopt(staging.connect(ctx.store, gen, rank, len(members), ctx.timeout_s), ctx.store, gen, rank,
-                          len(members), ctx.timeout_s)
-        else:
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
-                                    world_size=len(members), timeout=timeout)
-    finally:
-        ctx.store.set_timeout(timeout)
+    staging.make_group(ctx.store, gen, rank, len(members), ctx.timeout_s, _form_timeout_s(), staged)
     with ctx.lock:  # the lost-member watcher acts on one generation's connections only
         ctx.group_sockets = staged.sockets if staged is not None else lost.group_sockets(ctx.store_port) - before
         ctx.gen, ctx.members, ctx.notice = gen, members, notice
