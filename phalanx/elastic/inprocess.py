@@ -56,7 +56,7 @@ from phalanx.elastic.interrupts import (
 from phalanx.log import get_logger
 from phalanx.settings import ElasticSettings, RuntimeSettings, var
 
-__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
+__all__ = ["active", "admitting", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -123,6 +123,13 @@ def _context() -> _Ctx:
     if _ctx is None:
         _ctx = _Ctx()
     return _ctx
+
+
+def admitting() -> int | None:
+    """The generation whose group this member is forming in the background while it trains (workers
+    added to a ``recover="live"`` job, :mod:`phalanx.elastic.staging`), else None."""
+    forming = _context().admission.staging if active() else None
+    return forming.gen if forming is not None else None
 
 
 def generation() -> int:
