@@ -87,6 +87,7 @@ class _Ctx:
         self.lock = threading.Lock()  # generation and its connections change together (lost.LostWatcher)
         self.watcher: lost.LostWatcher | None = None
         self.vote: tuple[object, torch.Tensor] | None = None  # a deferred commit vote in flight (work, flag)
+        self.skip = 0  # deferred commits left before the next vote (the last vote's agreed count)
         self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
         self.admission = staging.Admission()  # generations formed in the background (a live state's)
 
@@ -206,7 +207,10 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     ``deferred``: nothing on the critical path. Rank 0 reads the launcher's pending change from a
     thread that polls the store (no store call here), and the allreduce is started now and waited
     for at the next deferred commit, which acts on its answer: a change or a preemption is acted on
-    one commit later, by every member at the same commit. A re-form drops the vote in flight.
+    one commit later, by every member at the same commit. A re-form drops the vote in flight. The
+    vote is taken about every ``pending.POLL_S`` (50 ms), not every commit: each vote carries rank 0's
+    count of the commits to skip before the next one (its commits per 50 ms, less one), so at a
+    commit every 16 ms (cpu2) a third of the commits vote; the thread's answer is no fresher anyway.
     """
     if not active():
         return None, None
@@ -222,23 +226,28 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
     agreed = 0
-    flag = torch.tensor([0, vote, 0, 0], dtype=torch.int64)  # + rank 0's latest generation, staging state
+    # + rank 0's latest generation, the staging state, and how many commits skip the vote after this one
+    flag = torch.tensor([0, vote, 0, 0, 0], dtype=torch.int64)
     if size > 1 and ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
         work, answer = ctx.vote
         ctx.vote = None
         work.wait()
-        change = _staged_change(ctx, [int(v) for v in answer], notices)
+        change = _staged_change(ctx, [int(v) for v in answer[:4]], notices)
         if change is not None:
             return change, int(answer[1])
-        agreed = int(answer[1])
+        agreed, ctx.skip = int(answer[1]), int(answer[4])
+    if size > 1 and ctx.skip > 0:  # voted less than pending.POLL_S ago: nothing new to agree on yet
+        ctx.skip -= 1
+        return None, agreed
     if size == 1 or runtime.rank() == 0:
         if ctx.pending is None:
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
         flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
         flag[2] = ctx.pending.latest
+        flag[4] = ctx.pending.commits_to_skip()
     flag[3] = ctx.admission.state()
     if size == 1:  # nobody to agree with: act on it now
-        return _staged_change(ctx, [int(v) for v in flag], notices), vote
+        return _staged_change(ctx, [int(v) for v in flag[:4]], notices), vote
     ctx.vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
     return None, agreed
 
@@ -331,7 +340,7 @@ def _leave_group() -> None:
     from phalanx import runtime
 
     ctx = _context()
-    ctx.vote = None  # a deferred commit vote of the broken group: never waited for
+    ctx.vote, ctx.skip = None, 0  # a deferred commit vote of the broken group: never waited for
     shut = _shut_group_sockets(ctx)
     log.info("shut down %d connections of the old group", shut)
 

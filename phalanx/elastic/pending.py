@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import json
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from phalanx.elastic.interrupts import ADDED, REMOVED_ONLY
 __all__ = ["PendingPoll", "pending_on", "POLL_S"]
 
 POLL_S = 0.05
+_MAX_SKIP = 100  # a vote at least every 101 commits, however short they are
 
 
 def pending_on(store, gen: int, notice: int, notices: bool) -> int:
@@ -60,6 +62,7 @@ class PendingPoll:
         self.address, self.current_gen = address, current_gen
         self.seen: dict[tuple[int, int, bool], int] = {}  # (generation, notice, notices) -> kind
         self.latest = 0  # the newest generation the launcher had published at the last read
+        self._since: tuple[float | None, int] = (None, 0)  # (the last voting commit's time, its proposal)
         self.asked: set[tuple[int, int, bool]] = set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="phalanx-elastic-pending", daemon=True)
@@ -73,6 +76,18 @@ class PendingPoll:
         self.stop.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(5.0)
+
+    def commits_to_skip(self) -> int:
+        """How many commits the members skip voting after this one: the commits rank 0 makes in one
+        :data:`POLL_S`, less one (a vote more often than this thread reads only repeats its answer).
+        Called at each voting commit; every member skips what rank 0 proposed last time, so the commits
+        since the last call are that count plus one."""
+        now = time.monotonic()
+        (last, proposed), skip = self._since, 0
+        if last is not None and now > last:
+            skip = max(0, min(_MAX_SKIP, int(POLL_S * (proposed + 1) / (now - last)) - 1))
+        self._since = (now, skip)
+        return skip
 
     def kind(self, gen: int, notice: int, notices: bool) -> int:
         """The last answer read for this generation (0 until the thread has read one)."""
