@@ -170,3 +170,19 @@ def test_snapshot_every_must_be_a_whole_number_of_commits(bad):
 def test_recover_takes_commit_or_live():
     with pytest.raises(ValueError, match=r"TorchState\(recover='copy'\): give 'commit' .* or 'live'"):
         elastic.TorchState(torch.nn.Linear(1, 1), recover="copy")
+
+
+@pytest.mark.unit
+def test_live_votes_are_spaced_about_one_store_poll_apart(monkeypatch):
+    # rank 0 proposes, at each vote, the commits every member skips before the next: its commits per
+    # pending.POLL_S less one, from the time since its last vote over the commits that vote covered
+    from phalanx.elastic import pending
+
+    clock = iter([100.0, 100.016, 100.016 + 3 * 0.016, 100.064 + 0.5, 100.564 + 1e-6])
+    monkeypatch.setattr(pending.time, "monotonic", lambda: next(clock))
+    poll = pending.PendingPoll("127.0.0.1:1", lambda: 0)   # (not started: no thread, no store)
+    assert poll.commits_to_skip() == 0   # the first vote: nothing measured yet
+    assert poll.commits_to_skip() == 2   # 16 ms a commit: vote every 3rd commit (48 ms)
+    assert poll.commits_to_skip() == 2   # 3 commits of 16 ms since: the same
+    assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s over 3 commits): every commit votes
+    assert poll.commits_to_skip() == pending._MAX_SKIP   # commits far shorter than a poll: capped
