@@ -42,6 +42,8 @@ participants), torchrun restart count):
   next step s   fault -> the first step completed after the fault by a later membership (add: the
                 first step completed after the fault at all: do the members keep training?)
   stall s       the longest gap between two completed steps from the fault to back at full size
+  admission s   (add) the gap before the first step completed at the full size: the admission's own pause
+                plus one step (stall s also catches the load's hiccups anywhere in that window)
   full size s   fault -> the first step completed at the full size again (add: with the newcomer)
   steps redone  the highest step reached before the recovery minus the step the recovery resumed at
   max |dp|      final parameters vs the single-process reference of the same number of steps
@@ -268,6 +270,9 @@ def analyse(info: dict, np: int) -> dict:
     until = full[0]["t"] if full else first["t"]
     win = [t for t in sorted({r["t"] for r in steps} | {t0}) if t0 <= t <= until]
     res["stall_s"] = max((b - a_ for a_, b in zip(win, win[1:])), default=None)
+    if fault == "add" and full:   # the admission's own gap: the last step before the first at the full size
+        before = [r["t"] for r in steps if r["t"] < full[0]["t"]]
+        res["admit_s"] = full[0]["t"] - max(before) if before else None
     return res
 
 
@@ -430,7 +435,7 @@ def main() -> None:
     print(f"\nfault tolerance: {a.repeats} repeat(s), np {a.np}, phalanx commit every {a.commit_every}, "
           f"snapshot every {a.snapshot_every}, DCP every {a.ckpt_every}, timeout {a.timeout:.0f}s, {wall / 60:.1f} min; median [min-max] over repeats")
     print(f"{'np':>2} {'fault':<5} {'runner':<8} {'next step s':>16} {'stall s':>16} {'full size s':>16} "
-          f"{'redone':>10} {'max|dp|':>9}  error")
+          f"{'redone':>10} {'max|dp|':>9} {'admission s':>16}  error")
     for n in sizes:
         for f in faults:
             for r in runners:
@@ -440,7 +445,8 @@ def main() -> None:
                 print(f"{n:>2} {f:<5} {r:<8} {summary([x.get('next_step_s') for x in rs]):>16} "
                       f"{summary([x.get('stall_s') for x in rs]):>16} {summary([x.get('full_size_s') for x in rs]):>16} "
                       f"{summary([x.get('steps_redone') for x in rs]):>10} "
-                      f"{(f'{max(diffs):.1e}' if diffs else '-'):>9}  {'; '.join(sorted(errs))}")
+                      f"{(f'{max(diffs):.1e}' if diffs else '-'):>9} {summary([x.get('admit_s') for x in rs]):>16}"
+                      f"  {'; '.join(sorted(errs))}")
     print(f"\nsteady state (fault-free, {a.steady_steps} steps): step time / plain DDP's, paired per repeat")
     for n in sizes:
         for r in steady:

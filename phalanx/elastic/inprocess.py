@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import json
 import os
 import sys
@@ -45,8 +46,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from phalanx.elastic import lost, pending
+from phalanx.elastic import lost, pending, staging
 from phalanx.elastic.interrupts import (
+    ADDED,
     HostsUpdatedInterrupt,
     MembershipChanged,
     launcher_interrupt,
@@ -54,7 +56,7 @@ from phalanx.elastic.interrupts import (
 from phalanx.log import get_logger
 from phalanx.settings import ElasticSettings, RuntimeSettings, var
 
-__all__ = ["active", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
+__all__ = ["active", "admitting", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -85,7 +87,9 @@ class _Ctx:
         self.lock = threading.Lock()  # generation and its connections change together (lost.LostWatcher)
         self.watcher: lost.LostWatcher | None = None
         self.vote: tuple[object, torch.Tensor] | None = None  # a deferred commit vote in flight (work, flag)
+        self.skip = 0  # deferred commits left before the next vote (the last vote's agreed count)
         self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
+        self.admission = staging.Admission()  # generations formed in the background (a live state's)
 
 
 _ctx: _Ctx | None = None
@@ -120,6 +124,13 @@ def _context() -> _Ctx:
     if _ctx is None:
         _ctx = _Ctx()
     return _ctx
+
+
+def admitting() -> int | None:
+    """The generation whose group this member is forming in the background while it trains (workers
+    added to a ``recover="live"`` job, :mod:`phalanx.elastic.staging`), else None."""
+    forming = _context().admission.staging if active() else None
+    return forming.gen if forming is not None else None
 
 
 def generation() -> int:
@@ -196,7 +207,10 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     ``deferred``: nothing on the critical path. Rank 0 reads the launcher's pending change from a
     thread that polls the store (no store call here), and the allreduce is started now and waited
     for at the next deferred commit, which acts on its answer: a change or a preemption is acted on
-    one commit later, by every member at the same commit. A re-form drops the vote in flight.
+    one commit later, by every member at the same commit. A re-form drops the vote in flight. The
+    vote is taken about every ``pending.POLL_S`` (50 ms), not every commit: each vote carries rank 0's
+    count of the commits to skip before the next one (its commits per 50 ms, less one), so at a
+    commit every 16 ms (cpu2) a third of the commits vote; the thread's answer is no fresher anyway.
     """
     if not active():
         return None, None
@@ -204,30 +218,61 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
 
     ctx = _context()
     size = runtime.size() if runtime.is_initialized() else 1
-    flag = torch.tensor([0, vote], dtype=torch.int64)
     if not deferred:
+        flag = torch.tensor([0, vote], dtype=torch.int64)
         if size == 1 or runtime.rank() == 0:
             flag[0] = _pending_kind(ctx, notices)
         if size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
-    if size == 1:  # nobody to agree with: act on it now
-        flag[0] = _pending_kind(ctx, notices)
-        return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
     agreed = 0
-    if ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
+    # + rank 0's latest generation, the staging state, and how many commits skip the vote after this one
+    flag = torch.tensor([0, vote, 0, 0, 0], dtype=torch.int64)
+    if size > 1 and ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
         work, answer = ctx.vote
         ctx.vote = None
         work.wait()
-        if answer[0]:
-            return launcher_interrupt(int(answer[0])), int(answer[1])
-        agreed = int(answer[1])
-    if runtime.rank() == 0:
+        change = _staged_change(ctx, [int(v) for v in answer[:4]], notices)
+        if change is not None:
+            return change, int(answer[1])
+        agreed, ctx.skip = int(answer[1]), int(answer[4])
+    if size > 1 and ctx.skip > 0:  # voted less than pending.POLL_S ago: nothing new to agree on yet
+        ctx.skip -= 1
+        return None, agreed
+    if size == 1 or runtime.rank() == 0:
         if ctx.pending is None:
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
         flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
+        flag[2] = ctx.pending.latest
+        flag[4] = ctx.pending.commits_to_skip()
+    flag[3] = ctx.admission.state()
+    if size == 1:  # nobody to agree with: act on it now
+        return _staged_change(ctx, [int(v) for v in flag[:4]], notices), vote
     ctx.vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
     return None, agreed
+
+
+def _staged_change(ctx: _Ctx, answer: list[int], notices: bool) -> HostsUpdatedInterrupt | None:
+    """What a deferred vote's answer ``[kind, vote, latest, staging]`` means at this commit: workers
+    only added after the members are admitted without a pause (:class:`staging.Admission`), any other
+    change re-forms now. None: train on."""
+    from phalanx import runtime
+
+    kind, _, latest, state = answer
+    if kind and (notices or kind != ADDED) and ctx.admission.staging is None:
+        return launcher_interrupt(kind)
+    decided = ctx.admission.at_vote(kind, latest, state, functools.partial(_stageable, ctx), lambda gen: staging.Staging(
+        ElasticSettings.one("store"), gen, runtime.rank(), members_of(gen), ctx.wid, timeout_s=ctx.timeout_s,
+        form_timeout_s=_form_timeout_s()).start())
+    return None if decided is None else launcher_interrupt(kind or ADDED)
+
+
+def _stageable(ctx: _Ctx, gen: int) -> bool:
+    """Generation ``gen`` keeps every current member at its rank and only adds workers after them."""
+    if gen <= ctx.gen:
+        return False
+    now, wids = members_of(ctx.gen), members_of(gen)
+    return len(wids) > len(now) and wids[:len(now)] == now
 
 
 def _pending_kind(ctx: _Ctx, notices: bool) -> int:
@@ -295,7 +340,7 @@ def _leave_group() -> None:
     from phalanx import runtime
 
     ctx = _context()
-    ctx.vote = None  # a deferred commit vote of the broken group: never waited for
+    ctx.vote, ctx.skip = None, 0  # a deferred commit vote of the broken group: never waited for
     shut = _shut_group_sockets(ctx)
     log.info("shut down %d connections of the old group", shut)
 
@@ -351,10 +396,27 @@ def reform(reason: str, *, joining: bool = False) -> float:
     if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
         wait_s = max(wait_s, ElasticSettings.one("join_timeout_s"))
     deadline = started + wait_s
+    staged = ctx.admission.take()  # every member's background group is ready: adopt it
     _leave_group()
+    left = time.monotonic()
+    if staged is not None:
+        body = json.loads(ctx.store.get(f"pxe/gen/{staged.gen}"))
+        try:
+            _join_group(ctx, staged.gen, body["members"], int(body.get("notice", 0)), staged=staged)
+        except Exception as err:  # noqa: BLE001 - a newcomer died after connecting: the next generation
+            log.warning("generation %d, formed in the background, failed at the switch (%s: %s); waiting for "
+                        "the next one", staged.gen, type(err).__name__, str(err).splitlines()[0][:160] if str(err) else "")
+            staged.drop()
+            _leave_group()
+        else:
+            took = time.monotonic() - started
+            log.warning("%s: generation %d formed in the background in %.3fs, switched to in %.3fs: rank %d of %d",
+                        reason, staged.gen, staged.took_s or 0.0, took, runtime.rank(), runtime.size())
+            return took
     if joining:
         ctx.store.set(f"pxe/ready/{ctx.wid}", b"1")
-    seen = ctx.gen if not joining else -1
+    # a generation staged once is never joined here: its check-ins and connection keys are spent
+    seen = max(ctx.gen, ctx.admission.spent()) if not joining else -1
     missing: tuple[int, list[str]] | None = None
     while True:
         _check_stop()
@@ -371,6 +433,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
                 ctx.store.set(f"pxe/left/{ctx.wid}", b"1")
                 exit_now(0)
             if _all_checked_in(ctx, latest, wids, deadline):
+                arrived = time.monotonic()
                 try:
                     _join_group(ctx, latest, members, int(body.get("notice", 0)))
                 except Exception as err:  # noqa: BLE001 - a member died while the group was made
@@ -379,8 +442,9 @@ def reform(reason: str, *, joining: bool = False) -> float:
                     _leave_group()
                 else:
                     took = time.monotonic() - started
-                    log.warning("%s: generation %d formed in-process: rank %d of %d (%.2fs)", reason, latest,
-                                runtime.rank(), runtime.size(), took)
+                    log.warning("%s: generation %d formed in-process: rank %d of %d (%.3fs: leave %.3f, check-in "
+                                "%.3f, group %.3f)", reason, latest, runtime.rank(), runtime.size(), took,
+                                left - started, arrived - left, started + took - arrived)
                     return took
             else:
                 missing = (latest, [w for w in wids if not ctx.store.check([f"pxe/g{latest}/ack/{w}"])])
@@ -395,15 +459,11 @@ def reform(reason: str, *, joining: bool = False) -> float:
 
 def _all_checked_in(ctx: _Ctx, gen: int, wids: list[str], deadline: float) -> bool:
     """Check in to generation ``gen``; True once every member has (False: a newer one, or the deadline)."""
-    ctx.store.set(f"pxe/g{gen}/ack/{ctx.wid}", b"1")
-    arrived_key = f"pxe/g{gen}/arrived"
-    ctx.store.add(arrived_key, 1)
-    while ctx.store.add(arrived_key, 0) < len(wids):
-        if _latest() > gen or time.monotonic() > deadline:
-            return False
+    def give_up() -> bool:
         _check_stop()
-        time.sleep(_POLL_S)
-    return True
+        return _latest() > gen
+
+    return staging.check_in(ctx.store, gen, ctx.wid, len(wids), deadline, give_up)
 
 
 def join() -> float:
@@ -411,34 +471,17 @@ def join() -> float:
     return reform("joining the job", joining=True)
 
 
-def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0) -> None:
+def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0,
+                staged: staging.Staging | None = None) -> None:
+    """Become rank ``members.index(this worker)`` of generation ``gen``: its variables, its process group
+    (``staged``: the one this member connected in the background), the runtime on it."""
     from phalanx import runtime
 
-    rank = [m[0] for m in members].index(ctx.wid)
-    hosts = list(dict.fromkeys(m[1] for m in members))
-    my_host = members[rank][1]
-    on_host = [m[0] for m in members if m[1] == my_host]
-    env = {"RANK": rank, "WORLD_SIZE": len(members), "LOCAL_RANK": on_host.index(ctx.wid),
-           "LOCAL_WORLD_SIZE": len(on_host), "GROUP_RANK": hosts.index(my_host), "GROUP_WORLD_SIZE": len(hosts),
-           GEN_ENV: gen}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    for ours, theirs in (("RANK", "HOROVOD_RANK"), ("WORLD_SIZE", "HOROVOD_SIZE"), ("LOCAL_RANK",
-                         "HOROVOD_LOCAL_RANK"), ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"),
-                         ("GROUP_RANK", "HOROVOD_CROSS_RANK"), ("GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE")):
-        os.environ[theirs] = os.environ[ours]
-    timeout = datetime.timedelta(seconds=ctx.timeout_s)
+    rank = staging.take_rank(members, ctx.wid, gen)
     before = lost.group_sockets(ctx.store_port)
-    runtime.import_dynamo_first()
-    # making the group waits on the store for every member's address: bounded by the formation
-    # timeout, so a member that died after checking in aborts this round instead of holding it
-    ctx.store.set_timeout(datetime.timedelta(seconds=min(ctx.timeout_s, _form_timeout_s())))
-    try:
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"pxe/g{gen}/pg", ctx.store), rank=rank,
-                                world_size=len(members), timeout=timeout)
-    finally:
-        ctx.store.set_timeout(timeout)
+    staging.make_group(ctx.store, gen, rank, len(members), ctx.timeout_s, _form_timeout_s(), staged)
     with ctx.lock:  # the lost-member watcher acts on one generation's connections only
-        ctx.group_sockets = lost.group_sockets(ctx.store_port) - before
+        ctx.group_sockets = staged.sockets if staged is not None else lost.group_sockets(ctx.store_port) - before
         ctx.gen, ctx.members, ctx.notice = gen, members, notice
     os.environ.pop(JOIN_ENV, None)
     runtime.init(timeout=ctx.timeout_s)  # adopts the group just made

@@ -8,6 +8,7 @@ per commit (measured ~0.7 ms median on cpu2, spikes of tens of ms under load); a
 
     thread (rank 0, every 50 ms): pxe/latest > gen? members of latest vs gen -> REMOVED_ONLY / ADDED
     commit:  kind = poll.kind(gen, notice, notices)    # a dict lookup; 0 until the thread has read one
+             poll.latest                               # that generation's number (a staged admission's target)
 
 Example::
 
@@ -22,6 +23,7 @@ import contextlib
 import datetime
 import json
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from phalanx.elastic.interrupts import ADDED, REMOVED_ONLY
 __all__ = ["PendingPoll", "pending_on", "POLL_S"]
 
 POLL_S = 0.05
+_MAX_SKIP = 100  # a vote at least every 101 commits, however short they are
 
 
 def pending_on(store, gen: int, notice: int, notices: bool) -> int:
@@ -58,6 +61,8 @@ class PendingPoll:
     def __init__(self, address: str, current_gen: Callable[[], int]) -> None:
         self.address, self.current_gen = address, current_gen
         self.seen: dict[tuple[int, int, bool], int] = {}  # (generation, notice, notices) -> kind
+        self.latest = 0  # the newest generation the launcher had published at the last read
+        self._since: tuple[float | None, int] = (None, 0)  # (the last voting commit's time, its proposal)
         self.asked: set[tuple[int, int, bool]] = set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="phalanx-elastic-pending", daemon=True)
@@ -72,6 +77,18 @@ class PendingPoll:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(5.0)
 
+    def commits_to_skip(self) -> int:
+        """How many commits the members skip voting after this one: the commits rank 0 makes in one
+        :data:`POLL_S`, less one (a vote more often than this thread reads only repeats its answer).
+        Called at each voting commit; every member skips what rank 0 proposed last time, so the commits
+        since the last call are that count plus one."""
+        now = time.monotonic()
+        (last, proposed), skip = self._since, 0
+        if last is not None and now > last:
+            skip = max(0, min(_MAX_SKIP, int(POLL_S * (proposed + 1) / (now - last)) - 1))
+        self._since = (now, skip)
+        return skip
+
     def kind(self, gen: int, notice: int, notices: bool) -> int:
         """The last answer read for this generation (0 until the thread has read one)."""
         self.asked.add((gen, notice, notices))
@@ -83,6 +100,8 @@ class PendingPoll:
             store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=10))
             while not self.stop.wait(POLL_S):
+                if store.check(["pxe/latest"]):
+                    self.latest = int(store.get("pxe/latest"))
                 for key in list(self.asked):
                     if key[0] == self.current_gen():
                         self.seen[key] = pending_on(store, *key)

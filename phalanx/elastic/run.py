@@ -140,20 +140,24 @@ def _run(func: Callable[..., Any], state: State, started: float, args, kwargs) -
             # admitted at a commit left no failed collective behind: no collection (a full one
             # costs 0.5 s in a process that imported torch._dynamo, measured on cpu2 under load),
             # the members' pause is the re-form and the sync only.
+            paused = time.monotonic()
             preempt.reformed(leaving=True)
             if reform == _LOST:
                 gc.collect()
             _reform_or_fall_back(functools.partial(inprocess.reform, reform))
-            _roll_back(state)
+            synced = _roll_back(state)
+            log.warning("%s: training resumed %.3fs after it stopped (sync %.3fs)", reform,
+                        time.monotonic() - paused, synced)
 
 
-def _roll_back(state: State) -> None:
-    """After re-forming in-process: the last commit (this process's memory), synced from the new rank 0."""
+def _roll_back(state: State) -> float:
+    """After re-forming in-process: the last commit (this process's memory), synced from the new rank 0.
+    Returns the seconds it took."""
     started = time.monotonic()
     if not state.restore():
         log.warning("no commit to roll back to: continuing from rank 0's current state")
     state.sync()
-    log.info("restored and synced in %.3fs", time.monotonic() - started)
+    return time.monotonic() - started
 
 
 def _reform_or_fall_back(reform: Callable[[], float]) -> None:

@@ -3,7 +3,8 @@ and writes its file every N-th commit only. Survivors of a SIGKILL resume from t
 (one that wrote no file); a group restart resumes from the last file; both end equal to the one-process
 run of the same steps. TorchState(recover="live"): no copy per commit; the survivor goes on from its
 live state (no step lost), a replacement joins at a commit with the current state, rank 0's snapshots
-load. Real ranks through `phalanx run --min-np/--max-np`."""
+load; the replacement's group is formed in the background while the survivors train (admission
+without a pause). Real ranks through `phalanx run --min-np/--max-np`."""
 
 import os
 import subprocess
@@ -18,7 +19,7 @@ from phalanx import elastic
 
 pytestmark = pytest.mark.cluster
 
-TOTAL, G, N_DATA, KILL_AT, EVERY = 16, 8, 64, 8, 3
+TOTAL, G, N_DATA, KILL_AT, EVERY = 16, 12, 64, 8, 3
 
 WORKER = textwrap.dedent(f"""
     import os, signal, sys, time
@@ -29,6 +30,7 @@ WORKER = textwrap.dedent(f"""
 
     TOTAL, G, N_DATA, KILL_AT, EVERY = {TOTAL}, {G}, {N_DATA}, {KILL_AT}, {EVERY}
     RECOVER = os.environ.get("TEST_RECOVER", "commit")
+    NP = int(os.environ.get("TEST_NP", "2"))
 
 """) + elastic_job.HELPERS + textwrap.dedent("""
 
@@ -50,14 +52,16 @@ WORKER = textwrap.dedent(f"""
         def train(state):
             event("start")
             while state.step < TOTAL:
-                if RECOVER == "live" and px.size() == 1 and state.step >= KILL_AT + 2:
-                    time.sleep(0.05)   # the survivor alone waits (committing) for the replacement to join
+                if RECOVER == "live" and px.size() < NP and state.step >= KILL_AT + 2:
+                    if inprocess.admitting() is not None:
+                        event("forming")   # committing while the replacement's group forms in the background
+                    time.sleep(0.05)   # the survivors wait (committing) for the replacement to join
                     state.commit()
                     continue
                 step(model, opt, state.sampler, x, y, px.size())
                 state.step += 1
                 first = not os.path.exists(os.path.join(out, "killed"))   # (a group restart counts from 0 again)
-                if first and state.step == KILL_AT and px.rank() == 1:
+                if first and state.step == KILL_AT and px.rank() == NP - 1:
                     open(os.path.join(out, "killed"), "w").close()
                     event("kill")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -78,18 +82,19 @@ def _events(path):
             for line in path.read_text().splitlines()]
 
 
-def _run(tmp_path, flags, env=None):
+def _run(tmp_path, flags, env=None, np=2):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", *flags, "--timeout", "60",
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", str(np), *flags, "--timeout", "60",
            sys.executable, str(script), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TEST_NP": str(np), **(env or {})})
     report = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, report
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for got, want in zip(final, elastic_job.reference(WORKER, TOTAL, N_DATA)[0]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    (tmp_path / "stderr.txt").write_text(proc.stderr)
     return _events(tmp_path / "events.txt"), report
 
 
@@ -107,25 +112,31 @@ def test_survivor_resumes_from_a_commit_in_memory_that_wrote_no_file(tmp_path):
 
 
 def test_live_recovery_loses_no_step_and_a_replacement_joins_with_the_current_state(tmp_path):
-    # recover="live": the killed rank dies after its step KILL_AT (its allreduces done), so the survivor
-    # applied that step too: it goes on from KILL_AT itself, with no copy of the state ever made. The
-    # launcher's replacement (--max-restarts 1) joins at a later commit and gets rank 0's state in
-    # sync(); the final parameters equal the one-process run's (a step lost, half applied or applied
-    # twice would not)
-    ev, report = _run(tmp_path, ["--min-np", "1", "--max-np", "2", "--max-restarts", "1"], {"TEST_RECOVER": "live"})
+    # recover="live", 3 workers: the killed rank dies after its step KILL_AT (its allreduces done), so the
+    # survivors applied that step too: they go on from KILL_AT itself, with no copy of the state ever made.
+    # The launcher's replacement (--max-restarts 1) is admitted without a pause: the survivors' vote at a
+    # commit says a generation adds it, they check in and connect its group in the background while they
+    # go on committing, and switch to it at a later commit, where it gets rank 0's state in sync(). The
+    # final parameters equal the one-process run's (a step lost, half applied or applied twice would not)
+    ev, report = _run(tmp_path, ["--min-np", "1", "--max-np", "3", "--max-restarts", "1"], {"TEST_RECOVER": "live"},
+                      np=3)
     starts = [e for e in ev if e["what"] == "start"]
     kill = [e for e in ev if e["what"] == "kill"]
     assert len(kill) == 1 and kill[0]["step"] == KILL_AT, report
-    survivor = [e for e in starts if e["gen"] == 1]
-    assert len(survivor) == 1 and survivor[0]["size"] == 1 and survivor[0]["step"] == KILL_AT, (starts, report)
-    assert survivor[0]["restart"] == 0, report   # the same process: no group restart
-    joined = [e for e in starts if e["gen"] >= 2 and e["size"] == 2]
-    assert len(joined) == 2 and joined[0]["step"] == joined[1]["step"] > KILL_AT, (starts, report)
-    newcomer = [e for e in joined if e["pid"] not in {s["pid"] for s in starts[:2]}]
+    survivors = [e for e in starts if e["gen"] == 1]
+    assert len(survivors) == 2 and {e["size"] for e in survivors} == {2}, (starts, report)
+    assert {e["step"] for e in survivors} == {KILL_AT} and {e["restart"] for e in survivors} == {0}, (starts, report)
+    joined = [e for e in starts if e["gen"] >= 2 and e["size"] == 3]
+    assert len(joined) == 3 and len({e["step"] for e in joined}) == 1 and joined[0]["step"] > KILL_AT, (starts, report)
+    newcomer = [e for e in joined if e["pid"] not in {s["pid"] for s in starts[:3]}]
     assert len(newcomer) == 1, (starts, report)
+    # admission without a pause: each survivor committed while the group formed, then switched to it
+    forming = {e["pid"] for e in ev if e["what"] == "forming"}
+    assert forming == {e["pid"] for e in survivors}, (ev, report)
+    assert (tmp_path / "stderr.txt").read_text().count("formed in the background") == 2, report
     assert all(e["copy"] == 0 for e in ev), (ev, report)   # no commit ever copied the state
     ends = [e for e in ev if e["what"] == "end"]
-    assert len(ends) == 2 and {e["size"] for e in ends} == {2}, (ev, report)
+    assert len(ends) == 3 and {e["size"] for e in ends} == {3}, (ev, report)
     # rank 0 wrote the snapshots alone, every EVERY-th commit, and one loads in a single process
     files = sorted(f for f in os.listdir(tmp_path / "commits") if f.endswith(".pt"))
     numbers = [int(f[len("commit-"):-len(".pt")]) for f in files]
@@ -159,3 +170,19 @@ def test_snapshot_every_must_be_a_whole_number_of_commits(bad):
 def test_recover_takes_commit_or_live():
     with pytest.raises(ValueError, match=r"TorchState\(recover='copy'\): give 'commit' .* or 'live'"):
         elastic.TorchState(torch.nn.Linear(1, 1), recover="copy")
+
+
+@pytest.mark.unit
+def test_live_votes_are_spaced_about_one_store_poll_apart(monkeypatch):
+    # rank 0 proposes, at each vote, the commits every member skips before the next: its commits per
+    # pending.POLL_S less one, from the time since its last vote over the commits that vote covered
+    from phalanx.elastic import pending
+
+    clock = iter([100.0, 100.016, 100.016 + 3 * 0.016, 100.064 + 0.5, 100.564 + 1e-6])
+    monkeypatch.setattr(pending.time, "monotonic", lambda: next(clock))
+    poll = pending.PendingPoll("127.0.0.1:1", lambda: 0)   # (not started: no thread, no store)
+    assert poll.commits_to_skip() == 0   # the first vote: nothing measured yet
+    assert poll.commits_to_skip() == 2   # 16 ms a commit: vote every 3rd commit (48 ms)
+    assert poll.commits_to_skip() == 2   # 3 commits of 16 ms since: the same
+    assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s over 3 commits): every commit votes
+    assert poll.commits_to_skip() == pending._MAX_SKIP   # commits far shorter than a poll: capped
