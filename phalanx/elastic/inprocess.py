@@ -35,18 +35,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import functools
 import json
 import os
 import sys
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from phalanx.elastic import lost, pending, staging
+from phalanx.elastic import worker_context as wctx
 from phalanx.elastic.interrupts import (
     ADDED,
     HostsUpdatedInterrupt,
@@ -54,7 +53,7 @@ from phalanx.elastic.interrupts import (
     launcher_interrupt,
 )
 from phalanx.log import get_logger
-from phalanx.settings import ElasticSettings, RuntimeSettings, var
+from phalanx.settings import ElasticSettings, var
 
 __all__ = ["active", "admitting", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
@@ -71,44 +70,6 @@ class ReformFailed(RuntimeError):
     """This worker could not join a new generation in time."""
 
 
-class _Ctx:
-    def __init__(self) -> None:
-        job = ElasticSettings.read()
-        host, _, port = job.store.rpartition(":")
-        self.timeout_s = _timeout_s()  # collectives'; re-forming waits this + 30 s (a blocked peer times out)
-        self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.wid = job.worker_id
-        self.gen = job.generation
-        self.members: list[list[str]] = []
-        self.notice = 0  # the launcher's host-change notices this worker's generation covers (pxe/notice)
-        self.store_port = int(port)
-        self.group_sockets: set[str] = set()  # inodes of the current process group's connections
-        self.lock = threading.Lock()  # generation and its connections change together (lost.LostWatcher)
-        self.watcher: lost.LostWatcher | None = None
-        self.vote: tuple[object, torch.Tensor] | None = None  # a deferred commit vote in flight (work, flag)
-        self.skip = 0  # deferred commits left before the next vote (the last vote's agreed count)
-        self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
-        self.admission = staging.Admission()  # generations formed in the background (a live state's)
-
-
-_ctx: _Ctx | None = None
-
-
-def _timeout_s() -> float:
-    return RuntimeSettings.one("timeout_s")  # before init(): PHALANX_TIMEOUT checked as init() checks it
-
-
-def _reform_timeout_s(collective_s: float) -> float:
-    """How long a worker waits to re-form: long enough for a peer blocked in a collective to time out."""
-    return ElasticSettings.one("reform_timeout_s") or collective_s + 30
-
-
-def _form_timeout_s() -> float:
-    """How long making one generation's process group may take once every member checked in."""
-    return ElasticSettings.one("form_timeout_s")
-
-
 def active() -> bool:
     """True in a worker started by the in-process elastic launcher."""
     return bool(ElasticSettings.one("store") and ElasticSettings.one("worker_id"))
@@ -116,56 +77,30 @@ def active() -> bool:
 
 def is_joiner() -> bool:
     """True in a worker started mid-run that has not joined a generation yet."""
-    return active() and ElasticSettings.one("join") and (_ctx is None or not _ctx.members)
-
-
-def _context() -> _Ctx:
-    global _ctx
-    if _ctx is None:
-        _ctx = _Ctx()
-    return _ctx
+    return active() and ElasticSettings.one("join") and ((ctx := wctx.existing()) is None or not ctx.members)
 
 
 def admitting() -> int | None:
     """The generation whose group this member is forming in the background while it trains (workers
     added to a ``recover="live"`` job, :mod:`phalanx.elastic.staging`), else None."""
-    forming = _context().admission.staging if active() else None
+    forming = wctx.current().admission.staging if active() else None
     return forming.gen if forming is not None else None
 
 
 def generation() -> int:
     """The generation this worker is in (0 at the start, and outside an in-process elastic job)."""
-    return _context().gen if active() else 0
+    return wctx.current().gen if active() else 0
 
 
 def latest_generation() -> int:
     """The newest generation the launcher has published (> :func:`generation` while a change is
     pending: this worker's next commit re-forms). 0 outside an in-process elastic job."""
-    return _latest() if active() else 0
+    return wctx.latest() if active() else 0
 
 
 def members_of(gen: int) -> list[str]:
     """The worker ids of generation ``gen`` in rank order, as the launcher published it."""
-    return [m[0] for m in json.loads(_context().store.get(f"pxe/gen/{gen}"))["members"]]
-
-
-def _get(key: str) -> bytes | None:
-    store = _context().store
-    return store.get(key) if store.check([key]) else None
-
-
-def _latest() -> int:
-    raw = _get("pxe/latest")
-    return int(raw) if raw else 0
-
-
-def _stop_reason() -> dict | None:
-    raw = _get("pxe/stop")
-    return json.loads(raw) if raw else None
-
-
-def _notices() -> int:
-    return int(_context().store.add("pxe/notice", 0))
+    return [m[0] for m in json.loads(wctx.current().store.get(f"pxe/gen/{gen}"))["members"]]
 
 
 def host_updates(since: int = 0) -> list[tuple[int, float, int]]:
@@ -178,9 +113,9 @@ def host_updates(since: int = 0) -> list[tuple[int, float, int]]:
     """
     if not active() or is_joiner():
         return []
-    ctx = _context()
+    ctx = wctx.current()
     out = []
-    for n in range(max(since, ctx.notice) + 1, _notices() + 1):
+    for n in range(max(since, ctx.notice) + 1, wctx.notices() + 1):
         body = json.loads(ctx.store.get(f"pxe/notice/{n}"))
         out.append((n, float(body["t"]), int(body["update"])))
     return out
@@ -216,7 +151,7 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
         return None, None
     from phalanx import runtime
 
-    ctx = _context()
+    ctx = wctx.current()
     size = runtime.size() if runtime.is_initialized() else 1
     if not deferred:
         flag = torch.tensor([0, vote], dtype=torch.int64)
@@ -252,7 +187,7 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     return None, agreed
 
 
-def _staged_change(ctx: _Ctx, answer: list[int], notices: bool) -> HostsUpdatedInterrupt | None:
+def _staged_change(ctx: wctx.Context, answer: list[int], notices: bool) -> HostsUpdatedInterrupt | None:
     """What a deferred vote's answer ``[kind, vote, latest, staging]`` means at this commit: workers
     only added after the members are admitted without a pause (:class:`staging.Admission`), any other
     change re-forms now. None: train on."""
@@ -263,11 +198,11 @@ def _staged_change(ctx: _Ctx, answer: list[int], notices: bool) -> HostsUpdatedI
         return launcher_interrupt(kind)
     decided = ctx.admission.at_vote(kind, latest, state, functools.partial(_stageable, ctx), lambda gen: staging.Staging(
         ElasticSettings.one("store"), gen, runtime.rank(), members_of(gen), ctx.wid, timeout_s=ctx.timeout_s,
-        form_timeout_s=_form_timeout_s()).start())
+        form_timeout_s=wctx.form_timeout_s()).start())
     return None if decided is None else launcher_interrupt(kind or ADDED)
 
 
-def _stageable(ctx: _Ctx, gen: int) -> bool:
+def _stageable(ctx: wctx.Context, gen: int) -> bool:
     """Generation ``gen`` keeps every current member at its rank and only adds workers after them."""
     if gen <= ctx.gen:
         return False
@@ -275,7 +210,7 @@ def _stageable(ctx: _Ctx, gen: int) -> bool:
     return len(wids) > len(now) and wids[:len(now)] == now
 
 
-def _pending_kind(ctx: _Ctx, notices: bool) -> int:
+def _pending_kind(ctx: wctx.Context, notices: bool) -> int:
     """0: nothing pending; REMOVED_ONLY: the change only drops workers (Horovod's skip_sync); ADDED: else."""
     return pending.pending_on(ctx.store, ctx.gen, ctx.notice, notices)
 
@@ -286,7 +221,7 @@ def keep_current_connections() -> int:
     return lost.keep(lost.group_sockets(-1))
 
 
-def _shut_group_sockets(ctx: _Ctx, only_gen: int | None = None) -> int | None:
+def _shut_group_sockets(ctx: wctx.Context, only_gen: int | None = None) -> int | None:
     """Shut down the broken group's TCP connections (not close: gloo still owns the fds).
 
     A peer blocked in a collective on this group then sees the connection end and raises
@@ -304,7 +239,7 @@ def _shut_group_sockets(ctx: _Ctx, only_gen: int | None = None) -> int | None:
 
 def _interrupt(gen: int, gone: str) -> None:
     """The watcher saw members of generation ``gen`` lost: end this worker's collective of ``gen`` now."""
-    count = _shut_group_sockets(_context(), only_gen=gen)
+    count = _shut_group_sockets(wctx.current(), only_gen=gen)
     if count is None:
         return  # already re-forming or re-formed: the new group is not touched
     log.warning("%s of generation %d lost: shut this worker's %d connection(s) so its collective ends now",
@@ -314,7 +249,7 @@ def _interrupt(gen: int, gone: str) -> None:
 def abandon() -> int:
     """This worker is lost (its training raised): shut its group connections so the peers'
     collectives fail now, not when this process has finished exiting. Returns how many."""
-    ctx = _context()
+    ctx = wctx.current()
     with contextlib.suppress(Exception):  # the survivors' watchers end their waits on this at once
         lost.announce(ctx.store, ctx.wid)
     if not ctx.group_sockets:
@@ -326,7 +261,7 @@ def prepare() -> None:
     """At the start of ``elastic.run``: connect to the launcher's store and note which TCP
     connections belong to the process group ``px.init()`` made (to shut them at a failure)."""
     if active():
-        ctx = _context()
+        ctx = wctx.current()
         if not ctx.members:
             ctx.group_sockets = lost.group_sockets(ctx.store_port)
         if ctx.watcher is None:
@@ -339,7 +274,7 @@ def _leave_group() -> None:
     """Drop this process's part in the broken group (runtime's topology and the default process group)."""
     from phalanx import runtime
 
-    ctx = _context()
+    ctx = wctx.current()
     ctx.vote, ctx.skip = None, 0  # a deferred commit vote of the broken group: never waited for
     shut = _shut_group_sockets(ctx)
     log.info("shut down %d connections of the old group", shut)
@@ -366,7 +301,7 @@ def exit_now(code: int) -> None:
 
 
 def _check_stop() -> None:
-    stop = _stop_reason()
+    stop = wctx.stop_reason()
     if stop is None:
         return
     if stop.get("abort"):
@@ -390,9 +325,9 @@ def reform(reason: str, *, joining: bool = False) -> float:
     """
     from phalanx import runtime
 
-    ctx = _context()
+    ctx = wctx.current()
     started = time.monotonic()
-    wait_s = _reform_timeout_s(ctx.timeout_s)
+    wait_s = wctx.reform_timeout_s(ctx.timeout_s)
     if joining:  # admitted at the members' next commit, however far away: Horovod's --elastic-timeout
         wait_s = max(wait_s, ElasticSettings.one("join_timeout_s"))
     deadline = started + wait_s
@@ -420,7 +355,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
     missing: tuple[int, list[str]] | None = None
     while True:
         _check_stop()
-        latest = _latest()
+        latest = wctx.latest()
         if latest > seen:
             body = json.loads(ctx.store.get(f"pxe/gen/{latest}"))
             members = body["members"]
@@ -457,11 +392,11 @@ def reform(reason: str, *, joining: bool = False) -> float:
         time.sleep(_POLL_S)
 
 
-def _all_checked_in(ctx: _Ctx, gen: int, wids: list[str], deadline: float) -> bool:
+def _all_checked_in(ctx: wctx.Context, gen: int, wids: list[str], deadline: float) -> bool:
     """Check in to generation ``gen``; True once every member has (False: a newer one, or the deadline)."""
     def give_up() -> bool:
         _check_stop()
-        return _latest() > gen
+        return wctx.latest() > gen
 
     return staging.check_in(ctx.store, gen, ctx.wid, len(wids), deadline, give_up)
 
@@ -471,7 +406,7 @@ def join() -> float:
     return reform("joining the job", joining=True)
 
 
-def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0,
+def _join_group(ctx: wctx.Context, gen: int, members: list[list[str]], notice: int = 0,
                 staged: staging.Staging | None = None) -> None:
     """Become rank ``members.index(this worker)`` of generation ``gen``: its variables, its process group
     (``staged``: the one this member connected in the background), the runtime on it."""
@@ -479,7 +414,7 @@ def _join_group(ctx: _Ctx, gen: int, members: list[list[str]], notice: int = 0,
 
     rank = staging.take_rank(members, ctx.wid, gen)
     before = lost.group_sockets(ctx.store_port)
-    staging.make_group(ctx.store, gen, rank, len(members), ctx.timeout_s, _form_timeout_s(), staged)
+    staging.make_group(ctx.store, gen, rank, len(members), ctx.timeout_s, wctx.form_timeout_s(), staged)
     with ctx.lock:  # the lost-member watcher acts on one generation's connections only
         ctx.group_sockets = staged.sockets if staged is not None else lost.group_sockets(ctx.store_port) - before
         ctx.gen, ctx.members, ctx.notice = gen, members, notice

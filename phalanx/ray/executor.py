@@ -33,6 +33,7 @@ traceback, after killing every actor of the job (the others would wait in a coll
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -345,17 +346,10 @@ class RayExecutor:
                 ray.wait([w.teardown.remote() for w in workers], num_returns=len(workers), timeout=2)
             except Exception:  # noqa: BLE001 - killing follows anyway
                 pass
-        for w in workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if self._queue is not None:
-            try:
-                ray.kill(self._queue.actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-            self._queue = None
+        for actor in [*workers, *([self._queue.actor] if self._queue is not None else [])]:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
+        self._queue = None
         if self._group is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -208,7 +208,7 @@ def test_all_hosts_blacklisted(tmp_path):
     _assert_rows(rows, [(0, 4, "localhost", 1)], proc.report)  # epoch 0 only
 
 
-def test_host_messages_follow_the_launchers_notices(monkeypatch):
+def test_host_messages_follow_the_launchers_notices(monkeypatch, request):
     # in this process, against a store of our own: the queue fills from the launcher's notices, a
     # commit's check sees them (phalanx.elastic's own check does not) and raises HostsUpdatedInterrupt
     # with Horovod's skip_sync, a re-form empties the queue
@@ -227,7 +227,10 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     monkeypatch.setenv(inprocess.STORE_ENV, f"127.0.0.1:{store.port}")
     monkeypatch.setenv(inprocess.WID_ENV, "w0")
     monkeypatch.delenv(inprocess.JOIN_ENV, raising=False)
-    monkeypatch.setattr(inprocess, "_ctx", None)
+    from phalanx.elastic import worker_context
+
+    worker_context.forget()  # this test plays a worker of its own store, and leaves none behind
+    request.addfinalizer(worker_context.forget)
     notices = HostNotices(store)
     store.set("pxe/latest", "0")
     messages = hel.state.HostMessages()
@@ -248,7 +251,7 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch):
     assert notices.pending and notices.cover(["w0"], ["w0", "w1"]) == 1 and not notices.pending
     notices.cover(["w0", "w1"], ["w1"])  # a shrink published without a notice before it: its own
     assert [u for _, _, u in inprocess.host_updates(1)] == [hel.HostUpdateResult.removed]
-    ctx = inprocess._context()
+    ctx = worker_context.current()
     ctx.notice = 1  # this worker's generation covers notice 1: only the removal is pending
     assert inprocess.change_at_commit(notices=True).skip_sync
     gen = {0: ["w0", "w1"], 1: ["w1"]}  # a generation that drops w0: removed only

@@ -66,7 +66,7 @@ WORKER = textwrap.dedent(f"""
                 if px.rank() == 0 and inprocess.generation() == 1 and not waited:
                     waited = True  # hold on until the replacement is published: it joins at the next commit
                     for _ in range(12000):
-                        if inprocess._latest() > inprocess.generation():
+                        if inprocess.latest_generation() > inprocess.generation():
                             break
                         time.sleep(0.01)
                 if state.step % COMMIT == 0:

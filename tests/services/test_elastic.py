@@ -285,7 +285,7 @@ DISCOVERY_WORKER = textwrap.dedent(f"""
                     with open(hosts_file, "w") as f:
                         f.write("localhost:3\\n")        # a third slot appears
                     for _ in range(6000):                  # wait (a bounded number of polls, no hang)
-                        if inprocess._latest() > inprocess.generation():
+                        if inprocess.latest_generation() > inprocess.generation():
                             break                          # until the launcher started and published it
                         time.sleep(0.01)
                     else:

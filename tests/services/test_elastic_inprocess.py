@@ -32,7 +32,7 @@ WORKER = textwrap.dedent(f"""
     def wait_for_next_generation():
         # (rank 0) hold on until the launcher has published the joiner, so it is admitted at the next commit
         for _ in range(6000):
-            if inprocess._latest() > inprocess.generation():
+            if inprocess.latest_generation() > inprocess.generation():
                 return
             time.sleep(0.01)
         raise AssertionError("no new generation was published")
