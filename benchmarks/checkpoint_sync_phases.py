@@ -7,7 +7,8 @@ every tensor per rank; replicated: all of it on every rank, + the rank's RNG sta
 save per side, then --saves sync saves per side, alternating (who goes first alternates), each
 between two barriers. For phalanx, the time of each phase save() runs, per rank (phases nest:
 "write_tensors" includes its fsync and its hashing, "wait for ranks" is rank 0 waiting for the
-others' reports before the manifest): the number of fsync calls and their time, the time
+others' reports before the manifest): the number of fsync calls, their time and the largest call's
+(the data file's; the rest is the small files' and the directory's), the time
 hashing (on the hashing thread, beside the file writes), the file count. For DCP: its total,
 its fsync calls and their time, its file count. Prints medians over the saves (ms), per rank,
 and the median of the paired ratio phalanx/DCP of the slowest rank's total.
@@ -79,8 +80,11 @@ def _rank(kind: str, mb: int, saves: int, root: str) -> list[dict]:
         try:
             return fsync(fd)
         finally:
-            add("fsync", time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            add("fsync", dt)
             add("fsync calls", 1)
+            with lock:  # the data file's fsync against the small files' and the directory's
+                acc["fsync: largest call"] = max(acc.get("fsync: largest call", 0.0), dt)
     os.fsync = timed_fsync
     hasher = io._hasher
 
