@@ -55,8 +55,18 @@ def file_name_ok(name: object) -> bool:
             and "\\" not in name and "\0" not in name and not name.startswith(".."))
 
 
-EAGER_DIGEST_BYTES = 1 << 20
-"""Tensors up to this size are digested before the plan; larger ones are checked after the write."""
+EAGER_DIGEST_BYTES = 64 << 10
+"""Tensors up to this size are digested before the plan; larger ones are checked after the write.
+
+The digest is on every save's critical path (before the plan, on every rank), the check after the
+write is not (a thread beside the rank's own writes), so the bound only has to cover the state that
+is per-rank by design and small: RNG states (torch's CPU state is 5,056 bytes, numpy's 2,500,
+CUDA's 16 per device), counters, scalars. It was 1 MiB: a 4-rank sharded save of 192 MiB of state
+(1 MiB Shards) then spent 90-160 ms per rank digesting 48 MiB, about a third of the save
+(``benchmarks/checkpoint_sync_phases.py``, benchmarks/LOG.md ``#ckpt-sync-phases``). A tensor
+above the bound that differs between ranks under the same description still ends up on disk as
+each rank's own (the check after the write; ``rankNNNNN.diverged.*``), at the cost of that extra file.
+"""
 
 
 def _digest(t: torch.Tensor) -> str:

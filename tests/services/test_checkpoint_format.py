@@ -12,7 +12,7 @@ import torch
 
 import phalanx as px
 import phalanx.checkpoint as ckpt
-from phalanx.checkpoint import io
+from phalanx.checkpoint import io, plan
 from phalanx.testing import distributed
 
 pytestmark = pytest.mark.ranks
@@ -53,7 +53,7 @@ def _save_replicated(root):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-BIG = (1 << 20) // 4 + 1  # float32 elements: just over plan.EAGER_DIGEST_BYTES
+BIG = plan.EAGER_DIGEST_BYTES // 4 + 1  # float32 elements: just over the bound of the digest before the plan
 
 
 def _load_other_world(root):
