@@ -24,11 +24,24 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["named_optimizer_state", "load_named_optimizer_state"]
+from phalanx.optim.adam8bit import FullPrecisionState
+
+__all__ = ["named_optimizer_state", "load_named_optimizer_state", "Consolidating"]
+
+
+@runtime_checkable
+class Consolidating(Protocol):
+    """An optimizer whose state is sharded over a group and read or written whole (ZeRO's:
+    :class:`phalanx.parallel.zero.checkpoint.ShardedCheckpoint`); collective over that group."""
+
+    def full_state_dict(self, rank: int | None = 0) -> dict | None: ...
+
+    def load_full_state_dict(self, state_dict: dict) -> None: ...
 
 
 def _names_of(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[list]:
@@ -46,11 +59,11 @@ def _names_of(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple
 def named_optimizer_state(optimizer, named_parameters: Iterable[tuple[str, nn.Parameter]] = ()) -> dict:
     """``optimizer``'s state keyed by parameter name (tensors are copies).
 
-    A ZeRO optimizer (one with ``full_state_dict``) is consolidated over its group first: every rank
+    A ZeRO optimizer (:class:`Consolidating`) is consolidated over its group first: every rank
     of the group must call this, and ``named_parameters`` is not needed. An optimizer with
     ``full_precision_state`` (``Adam8bit``) gives its moments as fp32.
     """
-    if hasattr(optimizer, "full_state_dict"):  # ZeRO: consolidated, keyed by index, with the names
+    if isinstance(optimizer, Consolidating):  # ZeRO: consolidated, keyed by index, with the names
         full = optimizer.full_state_dict(rank=None)
         state, groups = {}, []
         for names, pg in zip(full["phalanx"]["names"], full["param_groups"]):
@@ -59,7 +72,7 @@ def named_optimizer_state(optimizer, named_parameters: Iterable[tuple[str, nn.Pa
                     state[name] = full["state"][idx]
             groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": list(names)})
         return {"state": state, "param_groups": groups}
-    read = getattr(optimizer, "full_precision_state", None)
+    read = optimizer.full_precision_state if isinstance(optimizer, FullPrecisionState) else None
     state, groups = {}, []
     for named, pg in zip(_names_of(optimizer, named_parameters), optimizer.param_groups):
         for name, p in named:
@@ -78,7 +91,7 @@ def load_named_optimizer_state(optimizer, state: dict, named_parameters: Iterabl
     if not isinstance(state, dict) or not isinstance(state.get("state"), dict) or "param_groups" not in state:
         raise ValueError("load_named_optimizer_state: expected {'state': {name: {...}}, 'param_groups': [...]} "
                          "as named_optimizer_state() or gather_tp_optimizer_state() return it")
-    if hasattr(optimizer, "load_full_state_dict"):  # ZeRO: names are looked up in its own layout
+    if isinstance(optimizer, Consolidating):  # ZeRO: names are looked up in its own layout
         optimizer.load_full_state_dict(state)
         return
     group_of = {n: g for g in state["param_groups"] for n in g["params"]}
@@ -104,7 +117,8 @@ def load_named_optimizer_state(optimizer, state: dict, named_parameters: Iterabl
         saved = group_of[named[0][0]] if named else {}
         mine = {k: v for k, v in pg.items() if k != "params"}  # keys the saved kind of optimizer lacks stay
         groups.append({**mine, **{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    write = getattr(optimizer, "load_full_precision_state", None)  # Adam8bit: requantized from fp32
+    # Adam8bit: requantized from fp32
+    write = optimizer.load_full_precision_state if isinstance(optimizer, FullPrecisionState) else None
     optimizer.load_state_dict({"state": {} if write else per_param, "param_groups": groups})
     if write is not None:
         params = [p for pg in optimizer.param_groups for p in pg["params"]]
