@@ -37,6 +37,7 @@ __all__ = ["BaseWorker", "WorkerFailure", "FunctionCall", "EXIT_KEY", "warn_if_r
 log = get_logger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_WRITTEN = LineCount()  # the lines this process's rank-prefixed streams wrote (one pair of streams a process)
 EXIT_KEY = "pxe/exit/"  # + worker id: the status an elastic worker ended its process with (Ray sees only a death)
 
 
@@ -178,7 +179,6 @@ class BaseWorker:
     def __init__(self) -> None:
         self.rank = -1
         self._secret_fd: int | None = None
-        self._written = LineCount()
 
     # -- where am I ---------------------------------------------------------------------------
     def node_info(self) -> dict[str, Any]:
@@ -237,8 +237,8 @@ class BaseWorker:
             _record_exits(ElasticSettings.one("store"), ElasticSettings.one("worker_id"))
         if not isinstance(sys.stdout, _RankPrefixed):
             prefix = _elastic_prefix if elastic else f"[{rank}]: "
-            sys.stdout = _RankPrefixed(sys.stdout, prefix, self._written)
-            sys.stderr = _RankPrefixed(sys.stderr, prefix, self._written)
+            sys.stdout = _RankPrefixed(sys.stdout, prefix, _WRITTEN)
+            sys.stderr = _RankPrefixed(sys.stderr, prefix, _WRITTEN)
         return niceness
 
     def _keep_secret(self, key: bytes) -> str:
@@ -256,7 +256,7 @@ class BaseWorker:
 
     def lines_written(self) -> tuple[int, int]:
         """(this process's pid, the lines its rank has printed so far): what the driver waits to see."""
-        return os.getpid(), self._written.lines
+        return os.getpid(), _WRITTEN.lines
 
     def update_env_vars(self, env_vars: dict[str, Any]) -> None:
         """Set environment variables in this actor (horovod.ray's method of the same name)."""
