@@ -156,7 +156,7 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     if not deferred:
         flag = torch.tensor([0, vote], dtype=torch.int64)
         if size == 1 or runtime.rank() == 0:
-            flag[0] = _pending_kind(ctx, notices)
+            flag[0] = pending.pending_on(ctx.store, ctx.gen, ctx.notice, notices)  # 0, REMOVED_ONLY or ADDED
         if size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
@@ -208,11 +208,6 @@ def _stageable(ctx: wctx.Context, gen: int) -> bool:
         return False
     now, wids = members_of(ctx.gen), members_of(gen)
     return len(wids) > len(now) and wids[:len(now)] == now
-
-
-def _pending_kind(ctx: wctx.Context, notices: bool) -> int:
-    """0: nothing pending; REMOVED_ONLY: the change only drops workers (Horovod's skip_sync); ADDED: else."""
-    return pending.pending_on(ctx.store, ctx.gen, ctx.notice, notices)
 
 
 def keep_current_connections() -> int:
