@@ -46,9 +46,9 @@ __all__ = ["SlurmCluster", "Started", "requirements_missing", "get_cluster", "ne
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than the machine has (config_overrides): a node may run 2 tasks and a step
 # AuthInfo cred_expire: a step credential's lifetime, and how long a requeued job must wait before it
-# starts again (SLURM's default 120 s; 30 s here keeps the preemption test short, and is still ample
-# time to launch a step on a loaded machine)
-CRED_EXPIRE_S = 30
+# starts again (SLURM's default 120 s; 15 s here keeps the preemption test short, and is still ample
+# time to launch a step on a loaded machine: a credential is checked within a second or two of its issue)
+CRED_EXPIRE_S = 15
 _TOOLS = ("munged", "slurmctld", "slurmd", "srun", "salloc", "sbatch", "scontrol", "sinfo")
 
 

@@ -20,7 +20,27 @@ def _run(args, timeout=120, env=None):
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("args, says", [
+# The user errors run in one fresh interpreter through the console script's own ``main`` (one
+# torch import instead of one per case); test_a_user_error_in_a_real_process checks the process.
+_DRIVER = textwrap.dedent("""
+    import contextlib, io, json, sys, traceback
+    from phalanx.cli.main import main
+    results = []
+    for argv in json.loads(sys.argv[1]):
+        err, out = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                code = main(argv)
+            except SystemExit as exc:
+                code = exc.code
+            except BaseException:  # noqa: BLE001  (reported as the case's failure)
+                code = None
+                traceback.print_exc()
+        results.append({"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()})
+    print(json.dumps(results))
+""")
+
+USER_ERRORS = [
     (["run", "-np", "0", "true"], "-np must be at least 1, got 0"),
     (["run", "-np", "-1", "true"], "-np must be at least 1, got -1"),
     (["run", "-np", "two", "true"], "invalid int value: 'two'"),
@@ -44,14 +64,32 @@ def _run(args, timeout=120, env=None):
     (["plan", "--params", "1e6", "--memory-gb", "0"], "--memory-gb must be positive"),
     (["report", "--workers", "2,3"], "--workers must include 1"),
     (["nonsense"], "invalid choice: 'nonsense'"),
-])
-def test_a_user_error_is_one_line_and_exit_2(args, says):
-    proc = _run(args)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert len(lines) == 1, proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def user_errors():
+    import json
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([a for a, _ in USER_ERRORS])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip((tuple(a) for a, _ in USER_ERRORS), json.loads(proc.stdout.splitlines()[-1])))
+
+
+@pytest.mark.parametrize("args, says", USER_ERRORS)
+def test_a_user_error_is_one_line_and_exit_2(args, says, user_errors):
+    got = user_errors[tuple(args)]
+    lines = got["stderr"].strip().splitlines()
+    assert got["code"] == 2, (got["code"], got["stderr"])
+    assert "Traceback" not in got["stderr"] + got["stdout"]
+    assert len(lines) == 1, got["stderr"]
     assert says in lines[0], lines[0]
+
+
+def test_a_user_error_in_a_real_process():
+    proc = _run(["run", "-np", "0", "true"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == "phalanx run: -np must be at least 1, got 0", proc.stderr
 
 
 def test_version_and_help_defaults():

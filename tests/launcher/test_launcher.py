@@ -111,12 +111,10 @@ def test_failure_report_has_the_traceback_tail():
     assert "ValueError: bad batch 17" in proc.stderr
 
 
-def test_bad_invocations_are_explained():
-    assert "no command given" in _run(["run", "-np", "2"]).stderr
+def test_an_unreachable_host_is_explained():
+    # (the other bad invocations, one line each: tests/launcher/test_cli.py)
     far = _run(["run", "-np", "2", "-H", "far-away.invalid:2", "true"])  # remote: fails fast at the ssh probe
     assert far.returncode == 255 and "far-away.invalid" in far.stderr and "cannot be reached by ssh" in far.stderr
-    assert "exceeds" in _run(["run", "-np", "4", "-H", "localhost:2", "true"]).stderr
-    assert "host:slots" in _run(["run", "-H", "localhost:x", "true"]).stderr
 
 
 def test_host_parsing(tmp_path):
