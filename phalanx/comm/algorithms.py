@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.collectives import Average, ReduceOp, Sum
+from phalanx.runtime.backends import engine
 from phalanx.settings import ALGORITHMS  # one list: PHALANX_ALGORITHM is checked against it at init
 
 __all__ = ["allreduce", "choose_algorithm", "ALGORITHMS", "HIERARCHICAL_MIN_BYTES", "PIPELINE_CHUNK_BYTES",
@@ -213,7 +214,7 @@ def _in_place(tensor: torch.Tensor, body, group=None) -> torch.Tensor:
     A CUDA tensor on gloo goes through a pinned host copy: gloo's send and receive take host
     memory only (a CUDA pointer fails in the socket write, "Bad address"; seen on an H100).
     """
-    if tensor.device.type == "cuda" and dist.get_backend(group) != "nccl":
+    if tensor.device.type == "cuda" and engine(group) != "nccl":
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor)
         body(host.view(-1))

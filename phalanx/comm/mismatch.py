@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import trace
+from phalanx.runtime.backends import engine
 from phalanx.runtime.heartbeat import RECORD
 from phalanx.settings import CommSettings, SettingsError
 
@@ -108,6 +109,6 @@ def describe_mismatch(every: list[dict], group) -> str:
 def default_device(group=None) -> torch.device:
     """The device a tensor must be on to travel in ``group``: this rank's GPU on NCCL (which sends
     CUDA tensors only), else the CPU. Where a probe or flag with no tensor of its own goes."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+    if engine(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from phalanx.elastic import lost
 from phalanx.log import get_logger
+from phalanx.runtime.backends import register_alias
 from phalanx.settings import var
 
 __all__ = ["Admission", "Staging", "check_in", "take_rank", "make_group", "connect", "adopt", "BACKEND", "READY", "FORMING", "FAILED", "staged_key"]
@@ -138,6 +139,7 @@ def adopt(backend, store, gen: int, rank: int, size: int, timeout_s: float) -> N
     global _registered
     if not _registered:
         dist.Backend.register_backend(BACKEND, _creator, devices=["cpu"])
+        register_alias(BACKEND, "gloo")  # the dtypes gloo lacks, its in-place reduce-scatter: as gloo
         _registered = True
     _handover[:] = [((rank, size), backend)]
     try:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.log import get_logger, set_level, set_rank
+from phalanx.runtime.backends import engine
 from phalanx.runtime.env import LaunchInfo, PhalanxRuntimeError, detect_environment, expand_nodelist
 from phalanx.runtime.store import bound_tcp_store, forget_stores, rendezvous_store
 from phalanx.runtime.topology import Topology, gather_hosts
@@ -170,7 +171,7 @@ def init(
         if dist.is_initialized():
             # Someone (the user, a test framework) already made the default group: adopt it.
             _owns_default_group = False
-            backend = dist.get_backend()
+            backend = engine()  # the engine under a c10d name registered over it (runtime.backends)
             info = dataclasses.replace(info, rank=dist.get_rank(), size=dist.get_world_size())
         else:
             _owns_default_group = True

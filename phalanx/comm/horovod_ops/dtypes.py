@@ -15,9 +15,9 @@ results back into the original shapes.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from phalanx.comm.collectives import Handle
+from phalanx.runtime.backends import engine
 
 __all__ = ["to_wire", "fuse", "FusedHandle"]
 
@@ -28,13 +28,9 @@ _CARRY = {
 }
 
 
-def _backend(group) -> str:
-    return dist.get_backend(group) if dist.is_initialized() else "gloo"
-
-
 def to_wire(tensor: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.dtype | None]:
     """``(tensor as it travels, dtype to cast the result back to or None)``."""
-    wire = _CARRY.get(_backend(group), {}).get(tensor.dtype)
+    wire = _CARRY.get(engine(group), {}).get(tensor.dtype)
     if wire is None:
         return tensor, None
     return tensor.to(wire), tensor.dtype

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.collectives import all_gather_flat
+from phalanx.runtime.backends import engine
 
 __all__ = [
     "Unit", "build_units", "assign_shard_offsets", "segments", "gather_into", "reduces_in_place", "chunks",
@@ -150,7 +151,7 @@ def reduces_in_place(group) -> bool:
     the owned chunk: the same traffic as gloo's reduce-scatter without a
     full-size temporary. NCCL gets a true reduce-scatter.
     """
-    return dist.get_backend(group) == "gloo"
+    return engine(group) == "gloo"
 
 
 class _AllDone:
