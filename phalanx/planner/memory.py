@@ -54,7 +54,7 @@ from phalanx.optim.quantize import BLOCK
 from phalanx.parallel import composition
 from phalanx.planner.workloads import Workload
 
-__all__ = ["FRAGMENTATION", "per_gpu", "activations", "LOSSY", "LOSS_BYTES_PER_LOGIT", "FSDP2_REDUCE_BYTES",
+__all__ = ["FRAGMENTATION", "per_gpu", "breakdown", "activations", "LOSSY", "LOSS_BYTES_PER_LOGIT", "FSDP2_REDUCE_BYTES",
            "AC_POLICIES"]
 
 FRAGMENTATION = 1.21
@@ -156,6 +156,11 @@ def _gathered(w: Workload, job, wb: float) -> float:
 
 def per_gpu(w: Workload, job) -> float:
     """Peak bytes per GPU of ``job`` (a scaling.Job) running ``w``, allocator overhead included."""
+    return sum(breakdown(w, job).values())
+
+
+def breakdown(w: Workload, job) -> dict:
+    """:func:`per_gpu` term by term (bytes): states, gathered, residual, activations, scratch, overhead."""
     axis = composition.by_name(job.strategy)
     shards = set(axis.shards) | ({"optimizer"} if job.distributed_optimizer else set())
     n = w.params / (job.tp * job.pp)
@@ -167,17 +172,19 @@ def per_gpu(w: Workload, job) -> float:
         moments = 4.0 if w.precision == "fp32" else 8.0     # momentum, or Adam's two moments
         ob += moments / 4 * (1 + 4 / BLOCK) - moments
         scratch = STEP_SCRATCH_BYTES_PER_ELEMENT * SLICE
-    states = n * (wb / (job.dp if "params" in shards else 1)
-                  + gb / (job.dp if "grads" in shards else 1)
-                  + ob / (job.dp if "optimizer" in shards else 1))
-    gathered = _gathered(w, job, wb) if "params" in shards and job.dp > 1 else 0.0
-    residual = n * w.grad_bytes_per_param if job.compression in LOSSY and job.dp > 1 else 0.0
+    parts = {"states": n * (wb / (job.dp if "params" in shards else 1)
+                            + gb / (job.dp if "grads" in shards else 1)
+                            + ob / (job.dp if "optimizer" in shards else 1))}
+    parts["gathered"] = _gathered(w, job, wb) if "params" in shards and job.dp > 1 else 0.0
+    parts["residual"] = n * w.grad_bytes_per_param if job.compression in LOSSY and job.dp > 1 else 0.0
     per_replica = job.global_batch / job.dp
     micro = job.micro_batch if job.pp > 1 or job.accumulate else per_replica
     m = max(1, per_replica / job.micro_batch) if job.pp > 1 else 1
     in_flight = int(min(job.pp, m)) if job.pp > 1 else 1
-    acts = activations(w, micro, job.tp, 4 if w.precision == "fp32" else 2, ac=job.ac or None,
-                       sequence_parallel=job.sequence_parallel, loss=job.loss, in_flight=in_flight, pp=job.pp,
-                       tp_saves_gathered=job.tensor_parallel == "dtensor")
+    parts["activations"] = activations(w, micro, job.tp, 4 if w.precision == "fp32" else 2, ac=job.ac or None,
+                                       sequence_parallel=job.sequence_parallel, loss=job.loss, in_flight=in_flight,
+                                       pp=job.pp, tp_saves_gathered=job.tensor_parallel == "dtensor")
+    parts["scratch"] = scratch
     overhead = EXPANDABLE if job.expandable_segments else FRAGMENTATION
-    return (states + gathered + residual + acts + scratch) * overhead
+    parts["overhead"] = sum(parts.values()) * (overhead - 1)
+    return parts
