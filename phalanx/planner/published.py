@@ -192,8 +192,8 @@ ROWS = ROWS + MLPERF
 # ranks, torchtitan's metrics.py), against planner.memory for the same job. torchtitan's Tables 1 and 3 (8B, FSDP 8
 # and 128), Table 4 (70B 2D) and Table 5 (405B 3D, 1F1B); Trainy's H200 runs. Not here: Table 2 and 6 (context
 # parallel, not modelled), the interleaved 405B (its peak depends on the schedule's order), Megatron-LM and MLPerf
-# (no memory published; test_scaling checks that each of their runs fits its GPU). Each throughput row's job is the
-# same job; the Table 3 compile and Float8 runs have no throughput row and get their own.
+# (no memory published; test_plan_memory checks that each of their runs fits its GPU). Each throughput row's job is
+# the same job; the Table 3 compile and Float8 runs have no throughput row and get their own.
 _8B_128 = dict(dp=128, global_batch=256, zero=3, ac="op")
 
 
