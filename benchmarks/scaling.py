@@ -11,9 +11,11 @@ Run: python benchmarks/scaling.py [--plots docs/img]      (no GPU, no network: i
    Gbit/s InfiniBand (8 -> 1024 GPUs) and with one 25 Gbit/s Ethernet NIC per node
    (8 -> 128 GPUs): DP, DP + int8, DP + PowerSGD (rank 4), ZeRO-1, ZeRO-3, and the planner's
    best dp x tp x pp layout. A strategy that does not fit in 80 GB is left out.
-3. The step of the torchtitan 8B rows (8 Grand Teton H100s, eager; 32 H200s, compile + Float8) and of Megatron-LM's
+3. Peak memory per GPU of the published runs that state it (published.MEMORY), term by term, and at both ends of
+   the allocator's overhead (x 1 with expandable segments, x FRAGMENTATION with the default settings).
+4. The step of the torchtitan 8B rows (8 Grand Teton H100s, eager; 32 H200s, compile + Float8) and of Megatron-LM's
    7.1B row term by term, against the step the published figure implies (``--budget KEY`` for any row).
-4. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
+5. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
    against GPU count, published points on the same axes) and DIR/scaling_published.png.
 """
 
@@ -23,7 +25,7 @@ import argparse
 import dataclasses
 import os
 
-from phalanx.planner import hardware, published, scaling, workloads
+from phalanx.planner import hardware, memory, published, scaling, workloads
 
 PER_GPU = {"resnet50": 64, "gpt-1.3b": 8, "gpt-13b": 2}
 STRATEGIES = {
@@ -79,6 +81,23 @@ def budget(key: str) -> list[str]:
     lines.append(f"  {'step, model':<34} {p.step_s * 1e3:9.1f} ms  (communication and bubble {other * 1e3:.1f} ms)")
     lines.append(f"  {'step, published':<34} {want * 1e3:9.1f} ms  -> not priced: {(want - p.step_s) * 1e3:.1f} ms "
                  f"({(want - p.step_s) / want:.0%} of the published step)")
+    return lines
+
+
+def memory_table() -> list[str]:
+    """Each published memory row: the figure, the model's (with the row's allocator), the error and bound, the model
+    at both allocator ends, and its terms in GiB."""
+    g = 2**30
+    lines = [f"{'row':<34} {'published':>9} {'model':>7} {'error':>7} {'bound':>5} {'x1':>6} {'x1.21':>6}   "
+             "states / gathered / activations / overhead (GiB)"]
+    for row in published.MEMORY:
+        w = workloads.get(row.model)
+        pred = published.reproduce(row)
+        parts = memory.breakdown(w, row.job)
+        peak = sum(parts.values()) - parts["overhead"]
+        lines.append(f"{row.key:<34} {row.figure:>9.1f} {pred:>7.1f} {published.error(row, pred) * 100:>+6.1f}% "
+                     f"{row.bound * 100:>4.0f}% {peak / g:>6.1f} {peak * memory.FRAGMENTATION / g:>6.1f}   "
+                     + " / ".join(f"{parts[k] / g:.1f}" for k in ("states", "gathered", "activations", "overhead")))
     return lines
 
 
@@ -232,6 +251,8 @@ def main() -> None:
     ratios = [published.reproduce(gt8, gemm_scale=s) / published.reproduce(h32) for s in (lo, None, hi)]
     print(f"  Grand Teton / H200, the same 8B job (compile + Float8): published {gt8.figure / h32.figure:.3f}, "
           f"model {ratios[0]:.3f} / {ratios[1]:.3f} / {ratios[2]:.3f}")
+    print("\nPeak memory per GPU, published (reserved, GiB) against the model")
+    print("\n".join(memory_table()))
     print("\nThe step term by term against the published step (compute: blocks x micro-batches, head, optimizer, FSDP2)")
     for lines in budgets:
         print("\n".join(lines))

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from phalanx.planner import hardware, scaling, workloads
+from phalanx.planner import hardware, memory, scaling, workloads
 
 __all__ = ["Row", "ROWS", "TORCHTITAN", "TORCHTITAN_H200", "MEGATRON", "MLPERF", "reproduce", "error", "goal", "BOUND",
-           "RELATIVE_BOUND", "by_key", "GT_GEMM_SCALE_ENDS"]
+           "RELATIVE_BOUND", "by_key", "GT_GEMM_SCALE_ENDS", "MEMORY"]
 
 BOUND = 0.10
 """the goal for the efficiency and %-of-peak rows: within 10 points (docs/scaling.md lists each row's own bound)"""
@@ -40,7 +40,7 @@ class Row:
     metric: str
     """"efficiency" (against the base job), "peak" (fraction of the GPUs' peak FLOP/s), "mfu" (model FLOPs, no
     recomputation, per GPU per second over the peak; its error is relative, as the issue's goal states it), or
-    "tokens" (tokens/s per GPU; its error is relative)"""
+    "tokens" (tokens/s per GPU; its error is relative), or "memory" (peak GiB per GPU, reserved; relative)"""
     figure: float
     job: scaling.Job
     base: scaling.Job | None = None
@@ -90,40 +90,48 @@ def _titan(**kw) -> scaling.Job:
     (FlashAttention-2, not the cuDNN kernel the table measured: planner.kernels.ATTENTION_BACKENDS says why, for the Dec
     2024 and the June 2025 runs), FSDP2 with its fp32 reduce and its copies (``Job.fsdp2``), and torch's foreach AdamW
     after clip_grad_norm_ (``Job.optimizer``; optimizer.fused defaults to False)."""
-    return scaling.Job(attention="flash2", fsdp2=True, optimizer="foreach", **kw)
+    return scaling.Job(attention="flash2", fsdp2=True, optimizer="foreach", tensor_parallel="dtensor", **kw)
+
+
+def _titan_2024(**kw) -> scaling.Job:
+    """A torchtitan job at 9dec370 (Dec 2024), for memory too: the loss not compiled ("compiling loss function causes
+    CUDA errors, turning off for now", train.py), so ``cross_entropy(pred.float())`` op by op (``loss="eager"``), and
+    launched by run_llama_train.sh, which sets PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"."""
+    return _titan(loss="eager", expandable_segments=True, **kw)
 
 
 _TT = "torchtitan, arXiv:2410.06511 / benchmarks/llama3_h100_202412_torchtitan.md"
 _TT_2025 = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 70B on 256 H100"
 TORCHTITAN: tuple[Row, ...] = (
     Row("torchtitan-8b-8", _TT + " Table 1 (FSDP)", "llama3-8b", "h100-gt", "tokens", 5762,
-        _titan(dp=8, global_batch=16, zero=3, ac="op"), bound=0.30,
+        _titan_2024(dp=8, global_batch=16, zero=3, ac="op"), bound=0.30,
         note="8 GPUs, local batch 2, selective (op) activation checkpointing, eager (llama3_8b.toml at 9dec370)"),
     Row("torchtitan-8b-8-compile", _TT + " Table 1 (FSDP + compile)", "llama3-8b", "h100-gt", "tokens", 6667,
-        _titan(dp=8, global_batch=16, zero=3, ac="op", compiled=True), bound=0.30),
+        _titan_2024(dp=8, global_batch=16, zero=3, ac="op", compiled=True), bound=0.30),
     Row("torchtitan-8b-8-float8", _TT + " Table 1 (FSDP + compile + Float8)", "llama3-8b", "h100-gt", "tokens",
-        8532, _titan(dp=8, global_batch=16, zero=3, ac="op", compiled=True, float8=True), bound=0.30),
+        8532, _titan_2024(dp=8, global_batch=16, zero=3, ac="op", compiled=True, float8=True), bound=0.30),
     Row("torchtitan-8b-128", _TT + " Table 3 (FSDP)", "llama3-8b", "h100-gt", "tokens", 5605,
-        _titan(dp=128, global_batch=256, zero=3, ac="op"), bound=0.30,
+        _titan_2024(dp=128, global_batch=256, zero=3, ac="op"), bound=0.30,
         note="128 GPUs, local batch 2, selective (op) activation checkpointing, eager"),
     Row("torchtitan-70b-256", _TT + " Table 4 (2D)", "llama3-70b", "h100-gt", "tokens", 829,
-        _titan(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
-               sequence_parallel=True), bound=0.15,
+        _titan_2024(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
+                    sequence_parallel=True), bound=0.15,
         note="FSDP 32 x TP 8, local batch 16, full AC, Float8 + torch.compile (synchronous TP)"),
     Row("torchtitan-405b-512", _TT + " Table 5 (3D, 1F1B)", "llama3-405b", "h100-gt", "tokens", 100,
-        _titan(dp=8, tp=8, pp=8, global_batch=256, micro_batch=4, zero=3, overlap=False, ac="full",
-               compiled=True, float8=True, regather=False, sequence_parallel=True), bound=0.15,
+        _titan_2024(dp=8, tp=8, pp=8, global_batch=256, micro_batch=4, zero=3, overlap=False, ac="full",
+                    compiled=True, float8=True, regather=False, sequence_parallel=True), bound=0.15,
         note="FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32 in 8 micro-batches (torchtitan's default: as many as "
              "stages), full AC, Float8 + compile; AsyncTP not modelled"),
     # The same 70B job a half-year later on the same cluster (pytorch/torchtitan
     # benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, "Vanilla TP" column: FSDP 32 x TP 8, local batch 16, full
     # AC, torch.compile; llama3_70b.toml at 820504e: mode = "full"), in bf16 and with Float8 tensorwise linears.
     Row("torchtitan-70b-256-bf16-2025", _TT_2025 + " (bf16, vanilla TP)", "llama3-70b", "h100-gt", "tokens", 597.3,
-        _titan(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, sequence_parallel=True), bound=0.30,
+        _titan(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, sequence_parallel=True,
+               expandable_segments=True), bound=0.30,
         note="the Table 4 job without Float8: the model's compute term alone, at the 70B's measured shapes"),
     Row("torchtitan-70b-256-float8-2025", _TT_2025 + " (Float8 tensorwise, vanilla TP)", "llama3-70b", "h100-gt",
         "tokens", 809.8, _titan(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
-                                sequence_parallel=True), bound=0.15),
+                                sequence_parallel=True, expandable_segments=True), bound=0.15),
 )
 ROWS = ROWS + TORCHTITAN
 
@@ -152,12 +160,12 @@ against the SXM5 the kernel table was measured on: the H100 NVL datasheet's 1,67
 # not given, so assumed: micro-batch 1 (gradient accumulation at PP 1), plain 1F1B, no recomputation, bf16, fused (TE)
 # elementwise kernels. Sequence parallel with TP: Megatron's --tp-comm-overlap requires it.
 # The distributed optimizer's reduce-scatter + overlapped parameter gather moves an allreduce's bytes:
-# priced as the overlapped allreduce.
+# priced as the overlapped allreduce; its memory as its README states it (6 + 12/dp bytes a parameter).
 _MEG = "Megatron-LM README.md (model_table.png, Megatron-Core r0.8.0, H100)"
 MEGATRON: tuple[Row, ...] = tuple(
     Row(f"megatron-h100-{size}", _MEG, f"megatron-{size}", "h100-ib400", "mfu", tflops * 1e12 / 989.5e12,
         scaling.Job(dp=48, tp=tp, pp=pp, global_batch=batch, micro_batch=1, compiled=True, accumulate=True,
-                    sequence_parallel=tp > 1), bound=bound)
+                    sequence_parallel=tp > 1, distributed_optimizer=True), bound=bound)
     for size, tp, pp, batch, tflops, bound in (   # per-GPU teraFLOP/s as published (MFU = that / 989.5)
         ("1.7b", 1, 1, 192, 408.8, 0.15), ("7.1b", 2, 1, 192, 465.9, 0.20), ("16b", 4, 1, 192, 489.1, 0.15),
         ("32b", 8, 1, 192, 459.6, 0.15), ("70b", 8, 2, 384, 419.7, 0.15), ("119b", 8, 4, 768, 420.5, 0.15),
@@ -175,14 +183,47 @@ MLPERF: tuple[Row, ...] = (
     Row("mlperf-gpt3-175b-10752", _MLPERF + " GPT-3 175B, 1344 x DGX H100", "gpt3-175b", "h100-ib400", "tokens",
         2688 * 2048 / 0.9296 / 10752,
         scaling.Job(dp=336, tp=4, pp=8, global_batch=2688, micro_batch=1, interleave=12, float8=True, compiled=True,
-                    sequence_parallel=True),
+                    sequence_parallel=True, distributed_optimizer=True),
         bound=0.15, note="tokens/s per GPU of the training steps (the run's median step); evaluation not modelled"),
 )
 ROWS = ROWS + MLPERF
 
+# Peak memory per GPU as published (GiB: torch.cuda.memory_stats' reserved_bytes.all.peak, the largest over the
+# ranks, torchtitan's metrics.py), against planner.memory for the same job. torchtitan's Tables 1 and 3 (8B, FSDP 8
+# and 128), Table 4 (70B 2D) and Table 5 (405B 3D, 1F1B); Trainy's H200 runs. Not here: Table 2 and 6 (context
+# parallel, not modelled), the interleaved 405B (its peak depends on the schedule's order), Megatron-LM and MLPerf
+# (no memory published; test_plan_memory checks that each of their runs fits its GPU). Each throughput row's job is
+# the same job; the Table 3 compile and Float8 runs have no throughput row and get their own.
+_8B_128 = dict(dp=128, global_batch=256, zero=3, ac="op")
+
+
+def _memory(key: str, source: str, figure: float, bound: float = RELATIVE_BOUND, job: scaling.Job | None = None,
+            model: str = "llama3-8b", hardware_name: str = "h100-gt") -> Row:
+    base = next(row for row in ROWS if row.key == key) if job is None else None
+    return Row(key + "-memory", source, base.model if base else model, base.hardware if base else hardware_name,
+               "memory", figure, job or base.job, bound=bound)
+
+
+MEMORY: tuple[Row, ...] = (
+    _memory("torchtitan-8b-8", _TT + " Table 1 (FSDP)", 82.4),
+    _memory("torchtitan-8b-8-compile", _TT + " Table 1 (FSDP + compile)", 77.0),
+    _memory("torchtitan-8b-8-float8", _TT + " Table 1 (FSDP + compile + Float8)", 76.8),
+    _memory("torchtitan-8b-128", _TT + " Table 3 (FSDP)", 67.0),
+    _memory("torchtitan-8b-128-compile", _TT + " Table 3 (FSDP + compile)", 62.0,
+            job=_titan_2024(compiled=True, **_8B_128)),
+    _memory("torchtitan-8b-128-float8", _TT + " Table 3 (FSDP + compile + Float8)", 61.8,
+            job=_titan_2024(compiled=True, float8=True, **_8B_128)),
+    _memory("torchtitan-70b-256", _TT + " Table 4 (2D)", 71.9),
+    _memory("torchtitan-405b-512", _TT + " Table 5 (3D, 1F1B)", 82.5, bound=0.30),
+    _memory("torchtitan-8b-h200-32", _TT_H200 + " (4 nodes)", 47.96, bound=0.25),
+    _memory("torchtitan-8b-h200-64", _TT_H200 + " (8 nodes)", 46.97, bound=0.25),
+)
+"""the published memory rows; documented misses: the 405B 3-D job (under) and the H200 runs at the default
+allocator's overhead (over), docs/scaling.md"""
+
 
 def by_key(key: str) -> Row:
-    for row in ROWS:
+    for row in ROWS + MEMORY:
         if row.key == key:
             return row
     raise KeyError(f"no published row {key!r}; rows: {', '.join(r.key for r in ROWS)}")
@@ -192,6 +233,8 @@ def reproduce(row: Row, *, mfu: float | None = None, gemm_scale: float | None = 
     """The row's figure as the cost model predicts it; ``gemm_scale`` replaces the GPU's tensor-core rate against
     the kernel table's part (the Grand Teton rows at either end of :data:`GT_GEMM_SCALE_ENDS`)."""
     w, hw = workloads.get(row.model), hardware.get(row.hardware)
+    if row.metric == "memory":
+        return memory.per_gpu(w, row.job) / 2**30
     if gemm_scale is not None:
         hw = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gemm_scale=gemm_scale))
     p = scaling.predict(w, hw, row.job, mfu=mfu)
@@ -210,11 +253,11 @@ def reproduce(row: Row, *, mfu: float | None = None, gemm_scale: float | None = 
 
 def error(row: Row, predicted: float) -> float:
     """The row's error: points for efficiency and % of peak, relative for throughput."""
-    if row.metric in ("tokens", "mfu"):
+    if row.metric in ("tokens", "mfu", "memory"):
         return predicted / row.figure - 1
     return predicted - row.figure
 
 
 def goal(row: Row) -> float:
     """The error the project aims at for a row of this metric."""
-    return RELATIVE_BOUND if row.metric in ("tokens", "mfu") else BOUND
+    return RELATIVE_BOUND if row.metric in ("tokens", "mfu", "memory") else BOUND

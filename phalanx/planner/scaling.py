@@ -54,8 +54,7 @@ INT8_RATIO = (1 + 4 / 256) / 4
 INT8_CODEC_PASSES = 4
 """HBM passes over the fp32 gradient: compress, re-compress the summed chunk, two decodes"""
 POWERSGD_RANK = 4
-FSDP2_REDUCE_BYTES = 4
-"""bytes a gradient is reduce-scattered in under ``Job.fsdp2`` (fp32)"""
+FSDP2_REDUCE_BYTES = memory.FSDP2_REDUCE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +109,20 @@ class Job:
     regather: bool = True
     """ZeRO-3 under a pipeline gathers the parameters again for every micro-batch (phalanx's); False: once a
     step (FSDP2 with reshard_after_forward=False, as torchtitan runs it with pipeline parallel)"""
+    loss: str = "fused"
+    """the cross-entropy as memory sees it (planner.memory.LOSS_BYTES_PER_LOGIT): "fused" (fp32 probabilities, or a
+    compiled loss) or "eager" (``cross_entropy(logits.float())`` op by op: torchtitan before it compiled its loss).
+    Memory only"""
+    distributed_optimizer: bool = False
+    """Megatron-LM's distributed optimizer: fp32 gradients, the optimizer state sharded over dp (6 + 12/dp bytes a
+    parameter). Memory only: its reduce-scatter + overlapped gather is priced as the overlapped allreduce"""
+    tensor_parallel: str = "megatron"
+    """how tp > 1 with sequence parallel keeps its inputs, for memory: "megatron" (the sequence-sharded inputs of the
+    column-parallel linears gathered again in backward, Korthikanti et al. 2022) or "dtensor"
+    (torch.distributed.tensor.parallel, torchtitan's: the all-gathered inputs saved). Memory only"""
+    expandable_segments: bool = False
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launch scripts): memory counts no allocator
+    overhead (planner.memory.EXPANDABLE) instead of planner.memory.FRAGMENTATION"""
 
     @property
     def gpus(self) -> int:
@@ -228,7 +241,9 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
     """Step time, throughput, efficiency and memory of ``job`` running ``w`` on ``hw``."""
     if job.compression not in COMPRESSIONS:
         raise ValueError(f"compression {job.compression!r} unknown; choose one of {', '.join(COMPRESSIONS)}")
-    for field, choices in (("optimizer", kernels.OPTIMIZER_BYTES_PER_PARAM), ("attention", kernels.ATTENTION_BACKENDS)):
+    for field, choices in (("optimizer", kernels.OPTIMIZER_BYTES_PER_PARAM), ("attention", kernels.ATTENTION_BACKENDS),
+                           ("loss", memory.LOSS_BYTES_PER_LOGIT), ("ac", ("",) + memory.AC_POLICIES),
+                           ("tensor_parallel", ("megatron", "dtensor"))):
         if getattr(job, field) not in choices:
             raise ValueError(f"{field} {getattr(job, field)!r} unknown; choose one of {', '.join(choices)}")
     if job.tp > 1 and w.kind != "transformer" or job.pp > max(1, w.blocks):

@@ -88,7 +88,7 @@ def test_allreduce_shares_the_node_network_by_hand():
         assert scaling.allreduce_time(nbytes, sim, 8) == pytest.approx(cost.ring_allreduce(nbytes, 8, wire))
 
 
-@pytest.mark.parametrize("row", published.ROWS, ids=[r.key for r in published.ROWS])
+@pytest.mark.parametrize("row", published.ROWS + published.MEMORY, ids=[r.key for r in published.ROWS + published.MEMORY])
 def test_published_row_is_reproduced_within_its_stated_bound(row):
     predicted = published.reproduce(row)
     error = abs(published.error(row, predicted))
