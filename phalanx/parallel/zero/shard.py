@@ -97,14 +97,19 @@ def _unit(named: Sequence[tuple[str, torch.nn.Parameter]], world: int) -> Unit:
 
 
 def build_units(
-    named: Sequence[tuple[str, torch.nn.Parameter]], world: int, bucket_numel: int | None
+    named: Sequence[tuple[str, torch.nn.Parameter]], world: int, bucket_numel: int | None,
+    alone: frozenset[int] | set[int] = frozenset(),
 ) -> list[Unit]:
     """Pack parameters, in the given order, into units of about ``bucket_numel`` elements.
 
-    ``bucket_numel=None`` makes one unit of all of them (a stage-3 module).
+    ``bucket_numel=None`` makes one unit of all of them (a stage-3 module). A parameter whose id
+    is in ``alone`` gets a unit of its own (a copy tied across pipeline stages: the same layout on
+    every stage, see :mod:`phalanx.parallel.zero.tied`), after the others.
     """
+    solo = [_unit([(name, p)], world) for name, p in named if id(p) in alone]
+    named = [(name, p) for name, p in named if id(p) not in alone]
     if bucket_numel is None:
-        return [_unit(named, world)] if named else []
+        return ([_unit(named, world)] if named else []) + solo
     units, current, size = [], [], 0
     for name, p in named:
         if current and size + p.numel() > bucket_numel:
@@ -114,7 +119,7 @@ def build_units(
         size += p.numel()
     if current:
         units.append(_unit(current, world))
-    return units
+    return units + solo
 
 
 def assign_shard_offsets(units: Sequence[Unit]) -> int:
