@@ -211,7 +211,10 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank,
                                   backward_passes_per_step, registration, compressor)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
-        self.chunks = [chunks(m) for m in self.masters]
+        # a tied copy's slice starts and ends views of its own (8-bit blocks then line up across stages)
+        self._cuts = [[off for u in us if id(u.params[0]) in alone and len(u.params) == 1
+                       for off in (u.shard_offset, u.shard_offset + u.shard_numel)] for us in self.engine.units]
+        self.chunks = [chunks(m, cuts) for m, cuts in zip(self.masters, self._cuts)]
         if state_bits == 8:
             self.inner = Adam8bit.like(optimizer, params=self.chunks)
         else:
@@ -323,8 +326,8 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
-        for cs, g in zip(self.chunks, grads):
-            for c, gc in zip(cs, chunks(g)):
+        for cs, g, cuts in zip(self.chunks, grads, self._cuts):
+            for c, gc in zip(cs, chunks(g, cuts)):
                 c.grad = gc
         self.inner.step()
         for cs in self.chunks:

@@ -186,6 +186,13 @@ def gather_into(flat: torch.Tensor, mine: torch.Tensor, group, rank: int, world:
     ])
 
 
-def chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    """Views of ``flat`` of :data:`CHUNK_NUMEL` elements (the last one shorter): the inner optimizer's parameters."""
-    return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)] or [flat]
+def chunks(flat: torch.Tensor, cuts: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Views of ``flat`` of :data:`CHUNK_NUMEL` elements (the last one shorter): the inner optimizer's parameters.
+
+    ``cuts``: offsets where a view must start, each segment between them chunked from its own
+    start (a tied copy's slice: 8-bit state quantizes in blocks from the start of each view, so
+    the copies on two stages are quantized alike only if their slices start views of their own).
+    """
+    bounds = sorted({0, flat.numel(), *cuts})
+    return [flat[i : min(i + CHUNK_NUMEL, b)] for a, b in zip(bounds, bounds[1:])
+            for i in range(a, b, CHUNK_NUMEL)] or [flat]
