@@ -277,11 +277,13 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
         stages = [None] * pp
         dist.all_gather_object(stages, mine, group=mesh.pp_group)
         out["continued"] = run(range(steps, steps + 2))
-        world1 = make(kind, tie=tie, layers=layers)
-        world1.load_state_dict({k: v for st in stages for k, v in st["params"].items()}, strict=False)
-        opt1 = torch.optim.Adam(world1.parameters(), lr=1e-2)
-        groups = [{**g, "params": [n for st in stages for n in st["params"]]} for g in moments["param_groups"][:1]]
-        load_named_optimizer_state(opt1, {"state": {k: v for st in stages for k, v in st["state"].items()},
-                                          "param_groups": groups}, world1.named_parameters())
-        out["world1"] = [float(v) for v in train(world1, opt1, range(steps, steps + 2), sharded=False)]
+        for key in ("world1", "world1 fresh adam"):  # the control: a fresh Adam's second step is another
+            world1 = make(kind, tie=tie, layers=layers)
+            world1.load_state_dict({k: v for st in stages for k, v in st["params"].items()}, strict=False)
+            opt1 = torch.optim.Adam(world1.parameters(), lr=1e-2)
+            if key == "world1":
+                groups = [{**g, "params": [n for st in stages for n in st["params"]]} for g in moments["param_groups"][:1]]
+                load_named_optimizer_state(opt1, {"state": {k: v for st in stages for k, v in st["state"].items()},
+                                                  "param_groups": groups}, world1.named_parameters())
+            out[key] = [float(v) for v in train(world1, opt1, range(steps, steps + 2), sharded=False)]
     return out

@@ -335,6 +335,7 @@ def test_pipeline_with_data_parallel_matches_one_process(kind, grid):
         assert r["keys"] > 0 and r["diff"] < PARAM_TOL.get(kind, 5e-5), (r["worst"], r)
         if kind == "llama":  # pp 2 -> world 1 with Adam's moments: the next two losses
             assert r["world1"] == pytest.approx(r["continued"], rel=1e-5), r
+            assert abs(r["world1 fresh adam"][1] - r["continued"][1]) > 1e-3 * r["continued"][1], r  # moments matter
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -349,6 +350,7 @@ def test_zero_on_a_pipeline_with_the_head_tied_across_stages_matches_one_process
         assert r["keys"] > 0 and r["diff"] < 5e-5, (r["worst"], r)
         if stage == 3:
             assert r["world1"] == pytest.approx(r["continued"], rel=1e-5), r
+            assert abs(r["world1 fresh adam"][1] - r["continued"][1]) > 1e-3 * r["continued"][1], r
 
 
 def test_eight_bit_zero_on_a_pipeline_with_a_tied_head_keeps_the_copies_equal(grid):
