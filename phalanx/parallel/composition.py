@@ -126,13 +126,14 @@ chunk only, so ``parallelize`` refuses it."""
 
 def tied_across_stages(name: str, stages: tuple[int, ...], data_parallel: str) -> str:
     """The one line ZeRO refuses a pipeline stage with a parameter tied across stages (a head tied to the
-    embedding, as HF GPT-2 and small Llamas build it). Without ZeRO the pipeline keeps a copy on each
-    stage that uses it and sums their gradients after every step (Megatron-LM's tied embedding); ZeRO
-    reduce-scatters each copy's gradient into its own stage's flat shards, in two layouts, before
-    the pipeline could sum them."""
+    embedding, as HF GPT-2 and small Llamas build it) when it is not given the pipeline's group. Without
+    ZeRO the pipeline keeps a copy on each stage that uses it and sums their gradients after every step
+    (Megatron-LM's tied embedding); ZeRO reduce-scatters each copy's gradient into its own stage's
+    shards during backward, so it sums the copies' shards itself, over ``tied_group``
+    (``parallelize`` passes ``RankGrid.pp_group``)."""
     return (f"{data_parallel}: parameter {name} is tied across pipeline stages {', '.join(map(str, stages))}, whose "
-            "gradients the pipeline sums after backward, but ZeRO has sharded them by then; build the model untied "
-            "(HF: tie_word_embeddings=False) or use DataParallel (data_parallel='auto') on this pipeline")
+            "gradients ZeRO must sum over the pipeline after sharding them; pass tied_group= the pipeline's "
+            "process group (RankGrid.pp_group), or build the model untied (HF: tie_word_embeddings=False)")
 
 
 def by_name(name: str) -> DataAxis:

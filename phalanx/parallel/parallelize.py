@@ -223,9 +223,11 @@ def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, 
         # ZeRO starts every replica from the dp group's first rank and reduces the gradients
         # itself; each micro-batch is one backward pass, so a step is m passes (stage 1 then
         # reduces once per step, in the last micro-batch's backward).
+        # A head tied across stages (cut by module path): ZeRO sums its copies over the pipeline.
+        tied = mesh.pp_group if getattr(stage_module, "tied_across_stages", None) else None
         _, pm.optimizer = zero(stage_module, optimizer(stage_module.parameters()), stage=zero_stage,
                                group=mesh.dp_group, backward_passes_per_step=pm.num_microbatches,
-                               **(zero_options or {}))
+                               tied_group=tied, **(zero_options or {}))
         pm._grads_reduced = True
         return pm
     if optimizer is not None:

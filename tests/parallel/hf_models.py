@@ -201,12 +201,24 @@ def conv_keys(model):
     return {f"{n}.weight" for n, mod in model.named_modules() if type(mod).__name__ == "Conv1D"}
 
 
-def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, steps=3):
+def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, steps=3, move_to_world1=False,
+                     zero_options=None):
     """parallelize() on the model in one call over dp x pp x tp, against one process (full batch, Adam
-    at lr 1e-2): each step's loss and the parameters (gathered over tp; under pp this stage's)."""
+    at lr 1e-2): each step's loss and the parameters (gathered over tp; under pp this stage's).
+    ``move_to_world1``: then the parameters and Adam's moments of every stage (gathered over tp, ZeRO's
+    consolidated over dp) load into the plain model at world 1, whose next two losses ("world1") must
+    equal the parallel run's ("continued"): the first checks the parameters, the second the moments.
+    A head tied across pipeline stages: "copies" is the largest difference between its stages' copies."""
+    import torch.distributed as dist
+
+    from phalanx.optim import load_named_optimizer_state
     from phalanx.parallel.grid import RankGrid
     from phalanx.parallel.parallelize import parallelize
-    from phalanx.parallel.tensor import gather_tp_state_dict, vocab_parallel_cross_entropy
+    from phalanx.parallel.tensor import (
+        gather_tp_optimizer_state,
+        gather_tp_state_dict,
+        vocab_parallel_cross_entropy,
+    )
 
     ref = make(kind, tie=tie, layers=layers)
     ref_losses = [float(v) for v in train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(steps),
@@ -219,25 +231,59 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
 
     pm = parallelize(make(kind, tie=tie, layers=layers), mesh, loss_fn=loss_fn, num_microbatches=2,
                      data_parallel=data_parallel, checkpoint=checkpoint,
-                     optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
+                     optimizer=lambda params: torch.optim.Adam(params, lr=1e-2), zero_options=zero_options)
     calls = count_block_forwards(pm.module.model, kind) if mesh.coord[1] == 0 else []
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        pm.optimizer.zero_grad()
-        losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
-        pm.optimizer.step()
+
+    def run(steps):
+        losses = []
+        for step in steps:
+            x, y = batch(step)
+            pm.optimizer.zero_grad()
+            losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
+            pm.optimizer.step()
+        return losses
+
+    losses = run(range(steps))
     model = pm.module.model
     # on the stage module, ZeRO-3's root: it gathers its shards for state_dict() there
     conv = conv_keys(ref) if tp > 1 else set()  # the plan's layers are linear; without tp they stay Conv1D
-    full, rsd = gather_tp_state_dict(pm.module, mesh.tp_group), ref.state_dict()
-    full = {k.removeprefix("model."): (v.t() if k.removeprefix("model.") in conv else v) for k, v in full.items()}
+
+    def plain(v, k):  # this stage's tensor under the plain model's name and layout
+        k = k.removeprefix("model.")
+        return k, (v.t() if k in conv and isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+
+    full, rsd = dict(plain(v, k) for k, v in gather_tp_state_dict(pm.module, mesh.tp_group).items()), ref.state_dict()
     own = [k for k, _ in model.named_parameters()]  # other stages' modules hold none
+    copies = 0.0
     if pp > 1:  # the head on the last stage, the embedding on the first: a copy on each
         tied = any(t.param is not None for t in pm.module.tied_across_stages)
+        name_of = {id(p): n.removeprefix("model.") for n, p in pm.module.named_parameters()}
+        mine = [full[name_of[id(t.param)]] if t.param is not None else None for t in pm.module.tied_across_stages]
+        every = [None] * pp
+        dist.all_gather_object(every, mine, group=mesh.pp_group)
+        for held in zip(*every):
+            held = [c for c in held if c is not None]
+            copies = max([copies] + [(c - held[0]).abs().max().item() for c in held[1:]])
     else:
         tied = model.lm_head.weight is model.get_input_embeddings().weight if tie else False
     diffs = {k: max_diff(full, {k: rsd[k]}) for k in own}
-    return {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
-            "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
-            "worst": max(diffs, key=diffs.get)}
+    out = {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
+           "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
+           "worst": max(diffs, key=diffs.get), "copies": copies}
+    if move_to_world1:
+        moments = gather_tp_optimizer_state(pm.module, pm.optimizer, mesh.tp_group)
+        mine = {"params": full, "state": dict(plain({s: plain(v, k)[1] for s, v in st.items()}, k)
+                                                 for k, st in moments["state"].items())}
+        stages = [None] * pp
+        dist.all_gather_object(stages, mine, group=mesh.pp_group)
+        out["continued"] = run(range(steps, steps + 2))
+        for key in ("world1", "world1 fresh adam"):  # the control: a fresh Adam's second step is another
+            world1 = make(kind, tie=tie, layers=layers)
+            world1.load_state_dict({k: v for st in stages for k, v in st["params"].items()}, strict=False)
+            opt1 = torch.optim.Adam(world1.parameters(), lr=1e-2)
+            if key == "world1":
+                groups = [{**g, "params": [n for st in stages for n in st["params"]]} for g in moments["param_groups"][:1]]
+                load_named_optimizer_state(opt1, {"state": {k: v for st in stages for k, v in st["state"].items()},
+                                                  "param_groups": groups}, world1.named_parameters())
+            out[key] = [float(v) for v in train(world1, opt1, range(steps, steps + 2), sharded=False)]
+    return out

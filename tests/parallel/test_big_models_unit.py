@@ -186,3 +186,21 @@ def test_named_optimizer_state_loads_into_a_subset_and_into_8_bit():
     state["state"][name]["exp_avg"] = state["state"][name]["exp_avg"][:1]
     with pytest.raises(ValueError, match=rf"{name}'s exp_avg has shape .* gather the tensor-parallel slices first"):
         load_named_optimizer_state(torch.optim.Adam([p for _, p in part]), state, part)
+
+
+@pytest.mark.unit
+def test_a_tied_copy_gets_a_zero_unit_and_optimizer_views_of_its_own():
+    """ZeRO on a pipeline stage: a copy tied across stages is a unit alone (the same shard layout on every
+    stage) and its slice of the shard starts and ends views of the inner optimizer (8-bit blocks line up)."""
+    from phalanx.parallel.zero.shard import CHUNK_NUMEL, assign_shard_offsets, build_units, chunks
+
+    a, tied, b = (torch.nn.Parameter(torch.zeros(n)) for n in (5, 8, 3))
+    named = [("a", a), ("tied", tied), ("b", b)]
+    units = build_units(named, world=2, bucket_numel=1 << 20, alone={id(tied)})
+    assert [u.names for u in units] == [["a", "b"], ["tied"]]
+    assert [u.names for u in build_units(named, 2, None, {id(tied)})] == [["a", "b"], ["tied"]]  # stage 3
+    assert assign_shard_offsets(units) == 4 + 4 and units[1].shard_offset == 4
+    flat = torch.arange(float(CHUNK_NUMEL + 10))
+    views = chunks(flat, [4, 8])
+    assert [v.numel() for v in views] == [4, 4, CHUNK_NUMEL, 2] and views[1][0] == 4
+    assert [v.numel() for v in chunks(flat)] == [CHUNK_NUMEL, 10]

@@ -22,7 +22,9 @@ Llamas build it) stays on every stage that uses it, each holding a copy of the s
 (Megatron-LM's tied embedding, Shoeybi et al. 2019, arXiv:1909.08053): the stage lists it in
 ``tied_across_stages`` and :class:`PipelineStage` makes the copies equal at its first step and sums
 their gradients over the pipeline after every step, so the same optimizer step keeps them equal.
-ZeRO refuses such a stage in one line (:func:`phalanx.parallel.composition.tied_across_stages`).
+Under ZeRO (``px.zero(stage, opt, tied_group=pipeline_group)``) ZeRO does both instead
+(``tied_summed_by = "zero"``): it sums the copies' gradient shards after its own reduction
+(:mod:`phalanx.parallel.zero.tied`).
 
 Example::
 
@@ -167,7 +169,11 @@ class StageOfModel(nn.Module):
         self.model = model
         self.stage_index, self.num_stages = stage_index, num_stages
         self.hidden_kwarg = hidden_kwarg
-        self.tied_across_stages = list(tied_across_stages)  # PipelineStage sums their gradients over the stages
+        self.tied_across_stages = list(tied_across_stages)
+        # Who keeps the copies equal: "pipeline" (PipelineStage: a broadcast at the first step, the
+        # copies' .grad summed after each) or "zero" (px.zero(..., tied_group=): at wrap, and the
+        # copies' reduced gradient shards summed in step(), as it holds the gradients).
+        self.tied_summed_by = "pipeline"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stage_index > 0 and self.hidden_kwarg:

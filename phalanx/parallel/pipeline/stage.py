@@ -33,7 +33,8 @@ Three seams, one module each:
   each stage using it: the first step broadcasts the first holder's values to the others, and
   every step ends with one all-reduce (sum) over the pipeline of those copies' gradients
   (Megatron-LM's tied embedding), after the data-parallel reduction, so every copy takes the same
-  optimizer step.
+  optimizer step. Under ZeRO the module says ``tied_summed_by == "zero"`` and ZeRO does both
+  (it holds the gradients, sharded: :mod:`phalanx.parallel.zero.tied`).
 * Each forward, backward and receive wait is a :mod:`phalanx.trace` span
   (``pp.forward`` / ``pp.backward`` / ``pp.recv``, with ``mb`` = micro-batch), so
   ``phalanx run --timeline`` draws every stage's schedule; ``last_timeline``
@@ -198,11 +199,12 @@ class PipelineStage:
         ts = self._chunks(targets, m, "targets") if self.is_last else None
         actions = self._actions(schedule, m)
         self._make_grad_group()
-        if self.tied and not self._tied_synced:
+        tied = self.tied and getattr(self.chunks[0], "tied_summed_by", "pipeline") == "pipeline"
+        if tied and not self._tied_synced:
             self._sync_tied()
         run = StepRun(self, actions, xs, ts, m, self._device())
         loss_sum = run.run()
-        if self.tied:
+        if tied:
             self._sum_tied_grads()
         self.last_timeline = run.timeline
         self.busy_s = sum(s.end_s - s.start_s for s in run.timeline)

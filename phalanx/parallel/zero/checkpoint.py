@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from phalanx.optim.adam8bit import FullPrecisionState
-from phalanx.parallel.zero.shard import CHUNK_NUMEL, segments
+from phalanx.parallel.zero.shard import segments
 
 __all__ = ["FORMAT", "FULL_FORMAT", "ShardedCheckpoint", "consolidate", "full_as_shard_groups", "by_name_as_groups"]
 
@@ -122,10 +122,11 @@ class ShardedCheckpoint:
             for k, v in saved[0]["scalars"].items():
                 state[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if state:
-                for i, c in enumerate(self.chunks[g]):
-                    lo = i * CHUNK_NUMEL
+                lo = 0
+                for c in self.chunks[g]:
                     st = {k: (v[lo : lo + c.numel()] if k in keys else (v.clone() if isinstance(v, torch.Tensor) else v))
                           for k, v in state.items()}
+                    lo += c.numel()
                     if isinstance(self.inner, FullPrecisionState):
                         self.inner.load_full_precision_state(c, st)
                     else:

@@ -46,6 +46,7 @@ from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks
 from phalanx.parallel.zero.stage3 import Stage3
 from phalanx.parallel.zero.stage12 import Stage12
+from phalanx.parallel.zero.tied import TiedCopies
 
 __all__ = ["zero", "ZeroOptimizer"]
 
@@ -63,7 +64,7 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm, passes, compression,
-                state_bits=32):
+                state_bits=32, tied_group=None):
     if stage not in (1, 2, 3):
         raise ValueError(f"zero(stage={stage!r}): stage must be 1, 2 or 3")
     if not isinstance(model, torch.nn.Module):
@@ -84,7 +85,7 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
         raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
     check_state_bits("zero", state_bits, optimizer)
     tied = getattr(model, "tied_across_stages", None)  # a pipeline stage cut by module path
-    if tied:
+    if tied and tied_group is None:
         raise ValueError(composition.tied_across_stages(tied[0].name, tied[0].stages, f"zero(stage={stage})"))
     compressor = get_compressor(compression)
     if not composition.accepts_compressor(f"zero{stage}", compressor.summable, compressor.name):
@@ -109,6 +110,7 @@ def zero(
     backward_passes_per_step: int = 1,
     compression=None,
     state_bits: int = 32,
+    tied_group=None,
 ):
     """Shard ``optimizer`` (and, by stage, gradients and parameters) over the ranks of ``group``.
 
@@ -126,20 +128,24 @@ def zero(
     (:class:`~phalanx.optim.Adam8bit`, Dettmers et al. 2021): 2 bytes a parameter instead of 8, sharded.
     ``topology``: the job's :class:`~phalanx.runtime.Topology` (default: the one ``px.init()``
     made); ``group`` defaults to its world group.
+    ``tied_group``: on a pipeline stage holding a copy of a parameter tied across stages (a head
+    tied to the embedding, ``model.tied_across_stages`` from ``split_by_path``), the pipeline's
+    process group (group rank s = stage s: ``RankGrid.pp_group``): ZeRO starts the copies equal and
+    sums their reduced gradient shards over it in ``step()`` (:mod:`phalanx.parallel.zero.tied`).
 
     Example::
 
         model, opt = px.zero(model, torch.optim.Adam(model.parameters()), stage=3)
     """
     compressor = _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_norm,
-                             backward_passes_per_step, compression, state_bits)
+                             backward_passes_per_step, compression, state_bits, tied_group)
     if topology is None:
         if not runtime.is_initialized():
             raise RuntimeError("zero(): phalanx is not initialised; call px.init() first (or pass topology=)")
         topology = runtime.topology()
     group = group if group is not None else topology.world_group()
     return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
-                                backward_passes_per_step, compressor, state_bits)
+                                backward_passes_per_step, compressor, state_bits, tied_group)
 
 
 def _cast(dtype):
@@ -158,7 +164,8 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
     """
 
     def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm,
-                 backward_passes_per_step: int = 1, compressor=None, state_bits: int = 32) -> None:
+                 backward_passes_per_step: int = 1, compressor=None, state_bits: int = 32,
+                 tied_group=None) -> None:
         self.model, self.stage, self.group = model, stage, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.max_grad_norm = max_grad_norm
@@ -184,21 +191,30 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for _, p in model.named_parameters():  # everyone starts from rank 0's values
             dist.broadcast(p.data, src=src, group=group)
+        tied = getattr(model, "tied_across_stages", None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.tied = TiedCopies(tied, tied_group, device) if tied else None
+        if self.tied is not None:  # the copies start equal; ZeRO, not the pipeline, sums their gradients
+            self.tied.sync()
+            model.tied_summed_by = "zero"
+        alone = self.tied.alone() if self.tied is not None else set()
         registration = {id(p): i for i, p in enumerate(model.parameters())}
         if stage == 3:
             self.engine = Stage3(model, groups_named, master_dtype, self.compute_dtype, group, self.rank, self.world,
-                                 registration, compressor)
+                                 registration, compressor, alone)
             self.masters = self.engine.masters
         else:
             bucket_numel = max(1, int(bucket_mb * 2**20 / torch.finfo(self.compute_dtype).bits * 8))
             # Reverse registration order: gradients of the last layers arrive first in backward.
-            units = [build_units(list(reversed(named)), self.world, bucket_numel) for named in groups_named]
-            device = first.device if first is not None else torch.device("cpu")
+            units = [build_units(list(reversed(named)), self.world, bucket_numel, alone) for named in groups_named]
             self.masters = [torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=device) for us in units]
             self.engine = Stage12(stage, units, self.masters, self.compute_dtype, group, self.rank,
                                   backward_passes_per_step, registration, compressor)
         hparams = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
-        self.chunks = [chunks(m) for m in self.masters]
+        # a tied copy's slice starts and ends views of its own (8-bit blocks then line up across stages)
+        self._cuts = [[off for u in us if id(u.params[0]) in alone and len(u.params) == 1
+                       for off in (u.shard_offset, u.shard_offset + u.shard_numel)] for us in self.engine.units]
+        self.chunks = [chunks(m, cuts) for m, cuts in zip(self.masters, self._cuts)]
         if state_bits == 8:
             self.inner = Adam8bit.like(optimizer, params=self.chunks)
         else:
@@ -287,7 +303,10 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
         """
         if closure is not None:
             raise ValueError("ZeroOptimizer.step(closure=…) is not supported; compute the loss before step()")
-        grads = [g.float() if g.dtype != m.dtype else g for g, m in zip(self.engine.grad_shards_for_step(), self.masters)]
+        shards = self.engine.grad_shards_for_step()
+        if self.tied is not None:  # the copies of a parameter tied across pipeline stages: one gradient
+            self.tied.sum_grad_shards(self.engine.units, shards, self.world)
+        grads = [g.float() if g.dtype != m.dtype else g for g, m in zip(shards, self.masters)]
         if self.loss_scale != 1.0:
             for g in grads:
                 g.div_(self.loss_scale)
@@ -307,8 +326,8 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
-        for cs, g in zip(self.chunks, grads):
-            for c, gc in zip(cs, chunks(g)):
+        for cs, g, cuts in zip(self.chunks, grads, self._cuts):
+            for c, gc in zip(cs, chunks(g, cuts)):
                 c.grad = gc
         self.inner.step()
         for cs in self.chunks:

@@ -98,14 +98,19 @@ def _unit(named: Sequence[tuple[str, torch.nn.Parameter]], world: int) -> Unit:
 
 
 def build_units(
-    named: Sequence[tuple[str, torch.nn.Parameter]], world: int, bucket_numel: int | None
+    named: Sequence[tuple[str, torch.nn.Parameter]], world: int, bucket_numel: int | None,
+    alone: frozenset[int] | set[int] = frozenset(),
 ) -> list[Unit]:
     """Pack parameters, in the given order, into units of about ``bucket_numel`` elements.
 
-    ``bucket_numel=None`` makes one unit of all of them (a stage-3 module).
+    ``bucket_numel=None`` makes one unit of all of them (a stage-3 module). A parameter whose id
+    is in ``alone`` gets a unit of its own (a copy tied across pipeline stages: the same layout on
+    every stage, see :mod:`phalanx.parallel.zero.tied`), after the others.
     """
+    solo = [_unit([(name, p)], world) for name, p in named if id(p) in alone]
+    named = [(name, p) for name, p in named if id(p) not in alone]
     if bucket_numel is None:
-        return [_unit(named, world)] if named else []
+        return ([_unit(named, world)] if named else []) + solo
     units, current, size = [], [], 0
     for name, p in named:
         if current and size + p.numel() > bucket_numel:
@@ -115,7 +120,7 @@ def build_units(
         size += p.numel()
     if current:
         units.append(_unit(current, world))
-    return units
+    return units + solo
 
 
 def assign_shard_offsets(units: Sequence[Unit]) -> int:
@@ -182,6 +187,13 @@ def gather_into(flat: torch.Tensor, mine: torch.Tensor, group, rank: int, world:
     ])
 
 
-def chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    """Views of ``flat`` of :data:`CHUNK_NUMEL` elements (the last one shorter): the inner optimizer's parameters."""
-    return [flat[i : i + CHUNK_NUMEL] for i in range(0, flat.numel(), CHUNK_NUMEL)] or [flat]
+def chunks(flat: torch.Tensor, cuts: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Views of ``flat`` of :data:`CHUNK_NUMEL` elements (the last one shorter): the inner optimizer's parameters.
+
+    ``cuts``: offsets where a view must start, each segment between them chunked from its own
+    start (a tied copy's slice: 8-bit state quantizes in blocks from the start of each view, so
+    the copies on two stages are quantized alike only if their slices start views of their own).
+    """
+    bounds = sorted({0, flat.numel(), *cuts})
+    return [flat[i : min(i + CHUNK_NUMEL, b)] for a, b in zip(bounds, bounds[1:])
+            for i in range(a, b, CHUNK_NUMEL)] or [flat]

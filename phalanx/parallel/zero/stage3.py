@@ -21,6 +21,9 @@ gathers that unit too before it runs and frees it after, as FSDP2 does with the
 root module. In backward the shared unit stays gathered from its last user's
 backward to its first one's, when its (single, summed) gradient is in.
 
+A copy of a parameter tied across *pipeline stages* (``alone``) is a unit of its own inside its
+module's, so its shard lines up with the other stages' copies (:mod:`phalanx.parallel.zero.tied`).
+
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant, per block)
 composes: a forward that runs *inside* backward is the block's recomputation,
 so its pre-hooks gather again and its post-hooks do not free (autograd is about
@@ -62,7 +65,8 @@ class Stage3:
     """Sharded parameters with per-module gather/free hooks (see module docstring)."""
 
     def __init__(self, model, groups_named, master_dtype, compute_dtype, group, rank: int, world: int,
-                 registration: dict[int, int] | None = None, compressor=None) -> None:
+                 registration: dict[int, int] | None = None, compressor=None,
+                 alone: frozenset[int] | set[int] = frozenset()) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.compute_dtype = compute_dtype
         group_of = {id(p): g for g, named in enumerate(groups_named) for _, p in named}
@@ -86,10 +90,10 @@ class Stage3:
                 per_group.setdefault(group_of[id(p)], []).append((names[id(p)], p))
             mu = []
             for g, named in sorted(per_group.items()):
-                u = build_units(named, world, None)[0]
-                self.units[g].append(u)
-                mu.append((g, u))
-                owner.update({id(p): (g, u) for p in u.params})
+                for u in build_units(named, world, None, alone):
+                    self.units[g].append(u)
+                    mu.append((g, u))
+                    owner.update({id(p): (g, u) for p in u.params})
             self.module_units.append((m, mu + shared))
         self.masters = [
             torch.zeros(assign_shard_offsets(us), dtype=master_dtype, device=self._device(us)) for us in self.units
