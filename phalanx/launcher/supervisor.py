@@ -176,10 +176,12 @@ class Supervisor:
         else:
             env.update({k: str(v) for k, v in rank_env.items()})
             env[inprocess.GEN_ENV] = "0"
-        if self.starter is not None:  # e.g. a Ray actor; its handle's stdout/stderr may be empty
+        # a replacement here: the warm spare, its imports done, if one is waiting (phalanx.launcher.spare)
+        spare = self.spare.take(env) if self.spare and rank_env is None and not self.starter and is_local(host) else None
+        if spare is not None:
+            proc = spare
+        elif self.starter is not None:  # e.g. a Ray actor; its handle's stdout/stderr may be empty
             proc = self.starter(wid, host, env)
-        elif is_local(host) and rank_env is None and self.spare and (proc := self.spare.take(env)):
-            pass  # the warm spare, its imports done, becomes this replacement
         elif is_local(host):
             proc = subprocess.Popen([sys.executable, _EXEC_SHIM, *self.command], env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -187,7 +189,7 @@ class Supervisor:
             proc = self._start_remote(host, {k: v for k, v in env.items() if k.startswith(("PHALANX_", "TORCH",
                                       "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS or k == "PYTHONPATH"})
         w = _Worker(wid, host, proc, joiner=rank_env is None)
-        w.spare = proc.args[-1:] == [Spare.SHIM] if isinstance(proc, subprocess.Popen) else False
+        w.spare = spare is not None
         self.workers.append(w)
         self.output.attach(w, wid, proc.stdout, proc.stderr, rank_env["RANK"] if rank_env else None)
         return w
@@ -350,8 +352,6 @@ class Supervisor:
         try:
             return self._loop(stop)
         finally:
-            if self.spare:
-                self.spare.stop()
             self._kill_all()
             self.output.join()
             self.preempt.uninstall(previous)
@@ -451,6 +451,8 @@ class Supervisor:
         return self.fallback(n, max(1, self.replacements_left))
 
     def _kill_all(self) -> None:
+        if self.spare:  # (also before a fall-back's group restart: it needs no spare)
+            self.spare.stop()
         alive = self._alive()
         stop_processes([w.proc for w in alive], _GRACE_S)
         for w in alive:
