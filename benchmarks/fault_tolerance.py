@@ -267,8 +267,12 @@ def analyse(info: dict, np: int) -> dict:
     res["next_step_s"] = first["t"] - t0
     full = [r for r in later if r["size"] == np]
     res["full_size_s"] = full[0]["t"] - t0 if full else None
-    reached = max((r["step"] for r in steps if r["t"] < first["t"]), default=0)
-    res["steps_redone"] = max(0, reached - (first["step"] - 1))
+    # redone: steps trained again in the new membership (a new key). For "add" the old one trains on past
+    # t0, and ranks log each step a few ms apart: a rank's row of step n after t0, when another logged n
+    # before it, is no step redone
+    renewed = next((r for r in later if key(r) != k0), first)
+    reached = max((r["step"] for r in steps if r["t"] < renewed["t"]), default=0)
+    res["steps_redone"] = max(0, reached - (renewed["step"] - 1))
     until = full[0]["t"] if full else first["t"]
     win = [t for t in sorted({r["t"] for r in steps} | {t0}) if t0 <= t <= until]
     res["stall_s"] = max((b - a_ for a_, b in zip(win, win[1:])), default=None)
