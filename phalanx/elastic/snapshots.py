@@ -4,7 +4,7 @@
 the live state. A file is still wanted for a group restart (every worker lost, a re-form that
 fails), every ``snapshot_every``-th commit. The state is replicated (live recovery refuses sharded
 pieces), so one rank's copy is the whole state: rank 0 copies it (the only part on the training
-thread) and a thread writes it, with no cross-rank wait that a lost peer could hold up, and none
+thread) and a writer thread (one per Snapshots, started at its first write) writes it, with no cross-rank wait that a lost peer could hold up, and none
 of the job's collective checkpoint machinery (whose saves every rank makes together)::
 
     commit 30 (rank 0):  pack: every tensor of the tree copied into one flat buffer per (dtype, device),
@@ -28,11 +28,13 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import copy
 import glob
 import os
+import queue
 import re
 import threading
 from typing import Any, NamedTuple
@@ -119,6 +121,10 @@ class Snapshots:
 
     def __init__(self, root: str, keep: int = 2) -> None:
         self.root, self.keep = root, max(1, keep)
+        # one writer thread for the life of this object, not one per snapshot: a thread's start() returns
+        # only once the new thread has run, and it ran (making the file, pickling) for up to a GIL switch
+        # interval (5 ms) before the training thread got the GIL back, inside its commit()
+        self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -126,26 +132,34 @@ class Snapshots:
         return os.path.join(self.root, f"commit-{number:09d}.pt")
 
     def write(self, number: int, tree: dict[str, Any], *, background: bool = True) -> str:
-        """Copy ``tree`` now, write it as snapshot ``number`` (in a thread when ``background``)."""
+        """Copy ``tree`` now, write it as snapshot ``number`` (by the writer thread when ``background``)."""
         self.wait()
         snapshot = pack(tree)  # a copy: training may change the tensors from the next step
         path = self.path(number)
         if not background:
             self._write(path, snapshot)
             return path
-        self._thread = threading.Thread(target=self._guarded, args=(path, snapshot),
-                                        name="phalanx-elastic-snapshot", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="phalanx-elastic-snapshot", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+        self._queue.put((path, snapshot))
         return path
 
     def wait(self) -> None:
         """Wait for the write in flight; a failed one is logged (a snapshot is a fallback, not the state)."""
         if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._queue.join()
         if self._error is not None:
             err, self._error = self._error, None
             log.warning("elastic snapshot not written (%s: %s)", type(err).__name__, err)
+
+    def close(self) -> None:
+        """Finish the write in flight and end the writer thread (at interpreter exit, from atexit)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(30.0)
+        self._thread = None
 
     def latest(self) -> tuple[int, dict[str, Any]] | None:
         """The newest complete snapshot, ``(number, tree)``, or None when there is none."""
@@ -159,11 +173,15 @@ class Snapshots:
         skeleton, buffers = torch.load(path, weights_only=False)
         return number, unpack(skeleton, buffers)
 
-    def _guarded(self, path: str, snapshot: tuple) -> None:
-        try:
-            self._write(path, snapshot)
-        except BaseException as err:  # noqa: BLE001 - reported by the next wait()
-            self._error = err
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._write(*job)
+            except BaseException as err:  # noqa: BLE001 - reported by the next wait()
+                self._error = err
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
 
     def _write(self, path: str, snapshot: tuple) -> None:
         os.makedirs(self.root, exist_ok=True)
