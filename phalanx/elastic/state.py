@@ -346,7 +346,8 @@ class TorchState:
                 skeleton, buffers = pack(self._pieces[k].state_dict() if is_stateful(self._pieces[k]) else self._pieces[k])
                 packed["pieces"][k] = (skeleton, [(b.dtype, b.numel()) for b in buffers], len(flats))
                 flats += buffers
-            if any(b.device.type != "cpu" for b in flats):  # (device tensors: each piece pickled, as before)
+            devices = {t.device.type for t in [*flats, *tensors, *(p for m in modules for p in m.parameters())]}
+            if devices - {"cpu"}:  # a device job (NCCL sends no CPU buffer): each piece pickled, as before
                 packed["pieces"], flats = None, []
         packed = broadcast_object(packed, root_rank=0)
         if packed["pieces"] is not None and topology.rank != 0:
