@@ -4,20 +4,20 @@
 the live state. A file is still wanted for a group restart (every worker lost, a re-form that
 fails), every ``snapshot_every``-th commit. The state is replicated (live recovery refuses sharded
 pieces), so one rank's copy is the whole state: rank 0 copies it (the only part on the training
-thread) and a writer thread (one per Snapshots, started at its first write) writes it, with no cross-rank wait that a lost peer could hold up, and none
-of the job's collective checkpoint machinery (whose saves every rank makes together)::
+thread) and a writer thread (one per Snapshots, started at its first write) writes it, with no
+cross-rank wait that a lost peer could hold up, and none of the job's collective checkpoint machinery
+(whose saves every rank makes together)::
 
     commit 30 (rank 0):  pack: every tensor of the tree copied into one flat buffer per (dtype, device),
                          the tree kept as a skeleton of Slots ─ thread: torch.save(skeleton + buffers) to
                          commit-000000030.pt.tmp ─ fsync (not under /dev/shm) ─ rename ─ prune to `keep`
     restart:             every rank reads the newest commit-*.pt (a file of this job's own commit dir)
 
-The copy is what the training thread pays: a ``copy.deepcopy`` of the state dicts (Python's
-``Tensor.__deepcopy__`` per tensor: about 3 ms for the benchmark's 2-layer transformer and its
-momentum, 66 tensors, on cpu2) was a few points of the step time at a snapshot every 10 commits of
-13 ms steps; one ``torch.cat`` per dtype is a few hundred microseconds. The writer then pickles a
-skeleton with one buffer per dtype instead of a tensor per entry, so it holds the GIL
-(which the training thread needs) for less time as well.
+The copy is what the training thread pays. A ``copy.deepcopy`` of the state dicts (Python's
+``Tensor.__deepcopy__`` per tensor) took 1.5-2.0 ms for the benchmark's 2-layer transformer and its
+momentum (52 tensors; one process on cpu2, under load); :func:`pack` takes 0.5 ms. The writer then
+pickles a skeleton and one buffer per dtype instead of a tensor per entry, so it holds the GIL (which
+the training thread needs) for less time as well.
 
 Example::
 
