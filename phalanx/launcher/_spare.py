@@ -2,8 +2,8 @@
 
 A replacement worker started from nothing spends seconds before it can join: the interpreter,
 ``import torch``, ``torch._dynamo`` (torch.optim imports it; phalanx imports it before its first
-group), phalanx. Measured on cpu2 (2 cores) with three survivors training beside it: 10-11 s of
-the 11 s from a kill to a job back at full size at 4 workers. With ``PHALANX_ELASTIC_SPARE=1`` the
+group), phalanx. Measured on cpu2 (2 cores) with three survivors training beside it: 10.6 s of
+the 11.0 s from a kill to a job back at full size at 4 workers (one run); with the spare, 0.7-0.9 s. With ``PHALANX_ELASTIC_SPARE=1`` the
 supervisor keeps one such process ready (:mod:`phalanx.launcher.spare`)::
 
     supervisor: Popen(python _spare.py, the job's common env) ─ spare: import torch, dynamo, phalanx

@@ -3,7 +3,7 @@
 ``PHALANX_ELASTIC_SPARE=1`` under ``phalanx run --min-np/--max-np`` (replacements started on this
 machine): a lost worker's replacement is the spare (:mod:`phalanx.launcher._spare`), which only has to
 join, instead of a new process that first imports torch and phalanx (seconds; measured on cpu2 at 4
-workers: 10-11 s of the 11 s from a kill to the job back at full size). A new spare is started once
+workers, one run: 10.6 s of the 11.0 s from a kill to the job back at full size; 0.7-0.9 s with the spare). A new spare is started once
 every live worker is in a generation again, so its imports do not compete with the replacement's join::
 
     job start ─ workers w0..w3 + spare S (imports, then waits on stdin)
