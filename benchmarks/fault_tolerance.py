@@ -104,6 +104,8 @@ class Job:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
         if runner.startswith("phalanx"):
+            if a.spare:   # the launcher keeps a warm spare: a replacement's imports are done ahead
+                self.env["PHALANX_ELASTIC_SPARE"] = "1"
             cmd = [sys.executable, "-m", "phalanx", "run", "-np", str(initial), "--min-np", "1", "--max-np", str(np),
                    "--max-restarts", "100", "--timeout", str(int(a.timeout))]
             if initial < np:  # a worker is added: discovery's slots go from np-1 to np
@@ -265,8 +267,12 @@ def analyse(info: dict, np: int) -> dict:
     res["next_step_s"] = first["t"] - t0
     full = [r for r in later if r["size"] == np]
     res["full_size_s"] = full[0]["t"] - t0 if full else None
-    reached = max((r["step"] for r in steps if r["t"] < first["t"]), default=0)
-    res["steps_redone"] = max(0, reached - (first["step"] - 1))
+    # redone: steps trained again in the new membership (a new key). For "add" the old one trains on past
+    # t0, and ranks log each step a few ms apart: a rank's row of step n after t0, when another logged n
+    # before it, is no step redone
+    renewed = next((r for r in later if key(r) != k0), first)
+    reached = max((r["step"] for r in steps if r["t"] < renewed["t"]), default=0)
+    res["steps_redone"] = max(0, reached - (renewed["step"] - 1))
     until = full[0]["t"] if full else first["t"]
     win = [t for t in sorted({r["t"] for r in steps} | {t0}) if t0 <= t <= until]
     res["stall_s"] = max((b - a_ for a_, b in zip(win, win[1:])), default=None)
@@ -352,6 +358,8 @@ def main() -> None:
                    help="phalanx's commit cost inside one job: R rounds of three windows (no commit, live "
                         "commits, copying commits; order rotating), paired per round (default 0: not run)")
     p.add_argument("--ab-window", type=int, default=20, help="steps per window of --ab-rounds")
+    p.add_argument("--spare", action="store_true",
+                   help="phalanx: PHALANX_ELASTIC_SPARE=1 (a warm spare process replaces a lost or added worker)")
     p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR (new)")
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     a = p.parse_args()
@@ -469,10 +477,14 @@ def main() -> None:
         for n, by in ab.items():
             none_ms = [r["s"] / a.ab_window * 1e3 for r in rows(os.path.join(root, f"ab-{n}"))
                        if r["what"] == "window" and r["mode"] == "none"]
+            wins = [r for r in rows(os.path.join(root, f"ab-{n}")) if r["what"] == "window" and "commit_s" in r]
+            inside = {m: statistics.median([r["commit_s"] / r["s"] for r in wins if r["mode"] == m] or [float("nan")])
+                      for m in ("live", "copy")}
             print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by['copy'])} "
-                  f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms)")
+                  f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms; rank 0's time "
+                  f"inside commit(), median share of its window: live {inside['live']:.1%}, copy {inside['copy']:.1%})")
     doc = {"bench": "fault_tolerance", "ab": {str(n): by for n, by in ab.items()}, "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
-           "snapshot_every": a.snapshot_every, "recover": a.recover,
+           "snapshot_every": a.snapshot_every, "recover": a.recover, "spare": a.spare,
            "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,
            "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "out"}
                     for r in results]}

@@ -4,10 +4,14 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
-import torch
-from torch import nn
+BOOT = time.time()   # the interpreter is up; imports next (the "boot" row times a replacement's start)
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+IMPORTED = time.time()
 
 OUT, MODE, A = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 torch.set_num_threads(1)
@@ -46,6 +50,14 @@ def check_raise(step):
         os.unlink(f"{OUT}/raise.{os.getpid()}")
         raise RuntimeError(f"fault_tolerance: injected failure in pid {os.getpid()} at step {step}")
 
+def boot():
+    """When this process was made, its interpreter was up, torch imported, and the job joined (now)."""
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    log("boot", made=btime + ticks / os.sysconf("SC_CLK_TCK"), python=BOOT, torch=IMPORTED)
+
 def save(params):
     torch.save([p.detach().clone() for p in params], f"{OUT}/params.{os.getpid()}.pt")
 
@@ -61,6 +73,7 @@ if MODE.startswith("phalanx"):
     state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"],
                           recover=A["recover"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    boot()
     log("start", rank=px.rank(), size=px.size())
 
     if MODE == "phalanx-ab":   # windows of the same job: no commit / live commits / copying commits
@@ -74,7 +87,7 @@ if MODE.startswith("phalanx"):
             names = list(modes)
             for w in range(A["ab_rounds"] * len(names)):
                 name = names[(w + w // len(names)) % len(names)]   # the order rotates every round
-                t = time.perf_counter()
+                t, in_commit = time.perf_counter(), 0.0
                 for _ in range(A["ab_window"]):
                     x, y = batch(state.step, px.rank(), px.size())
                     opt.zero_grad()
@@ -82,10 +95,12 @@ if MODE.startswith("phalanx"):
                     opt.step()
                     state.step += 1
                     if modes[name] is not None:
+                        c = time.perf_counter()
                         modes[name].step = state.step
                         modes[name].commit()
+                        in_commit += time.perf_counter() - c
                 if px.rank() == 0 and w >= len(names):   # the first round warms up
-                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t)
+                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t, commit_s=in_commit)
             return
         while state.step < stop_at():
             check_raise(state.step)
@@ -133,6 +148,7 @@ elif MODE.startswith("torchft"):
             for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(v)
     opt = OptimizerWrapper(manager, inner)
+    boot()
     log("start", rank=replica, size=None)
     while manager.current_step() < stop_at():
         step = manager.current_step()

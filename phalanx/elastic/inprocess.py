@@ -161,8 +161,6 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
     agreed = 0
-    # + rank 0's latest generation, the staging state, and how many commits skip the vote after this one
-    flag = torch.tensor([0, vote, 0, 0, 0], dtype=torch.int64)
     if size > 1 and ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
         work, answer = ctx.vote
         ctx.vote = None
@@ -174,6 +172,9 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     if size > 1 and ctx.skip > 0:  # voted less than pending.POLL_S ago: nothing new to agree on yet
         ctx.skip -= 1
         return None, agreed
+    # + rank 0's latest generation, the staging state, and how many commits skip the vote after this one
+    # (made only at a voting commit, about one in four here: a commit that skips the vote makes none)
+    flag = torch.tensor([0, vote, 0, 0, 0], dtype=torch.int64)
     if size == 1 or runtime.rank() == 0:
         if ctx.pending is None:
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()

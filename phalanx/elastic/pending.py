@@ -6,7 +6,8 @@ per commit (measured ~0.7 ms median on cpu2, spikes of tens of ms under load); a
 (``TorchState(recover="live")``) instead reads the last answer of a thread that asks every
 :data:`POLL_S` with a store client of its own::
 
-    thread (rank 0, every 50 ms): pxe/latest > gen? members of latest vs gen -> REMOVED_ONLY / ADDED
+    thread (rank 0, every 50 ms): pxe/latest (one store get) > gen? members of latest vs gen
+                                  -> REMOVED_ONLY / ADDED
     commit:  kind = poll.kind(gen, notice, notices)    # a dict lookup; 0 until the thread has read one
              poll.latest                               # that generation's number (a staged admission's target)
 
@@ -36,12 +37,14 @@ POLL_S = 0.05
 _MAX_SKIP = 100  # a vote at least every 101 commits, however short they are
 
 
-def pending_on(store, gen: int, notice: int, notices: bool) -> int:
+def pending_on(store, gen: int, notice: int, notices: bool, latest: int | None = None) -> int:
     """The launcher's change pending for a worker of generation ``gen`` that has seen its notices up to
     ``notice`` (``notices``: count host-change notices too), read through ``store``: 0 none,
-    REMOVED_ONLY (workers only leave), ADDED (workers join)."""
+    REMOVED_ONLY (workers only leave), ADDED (workers join). ``latest``: the newest generation,
+    already read (None: read it here)."""
     kind = 0
-    latest = int(store.get("pxe/latest")) if store.check(["pxe/latest"]) else 0
+    if latest is None:
+        latest = int(store.get("pxe/latest")) if store.check(["pxe/latest"]) else 0
     if latest > gen:
         def members(g: int) -> set[str]:
             return {m[0] for m in json.loads(store.get(f"pxe/gen/{g}"))["members"]}
@@ -99,12 +102,18 @@ class PendingPoll:
         with contextlib.suppress(Exception):  # the store went away: the job is ending
             store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=10))
+            published = False
             while not self.stop.wait(POLL_S):
-                if store.check(["pxe/latest"]):
+                # one store round trip a poll while nothing changes (was four: each asked key re-read
+                # pxe/latest, checking first that it exists); the generations' members only on a change
+                published = published or store.check(["pxe/latest"])
+                if published:
                     self.latest = int(store.get("pxe/latest"))
                 for key in list(self.asked):
-                    if key[0] == self.current_gen():
-                        self.seen[key] = pending_on(store, *key)
-                    else:  # a generation this worker left
+                    if key[0] != self.current_gen():  # a generation this worker left
                         self.asked.discard(key)
                         self.seen.pop(key, None)
+                    elif self.latest > key[0] or key[2]:
+                        self.seen[key] = pending_on(store, *key, latest=self.latest)
+                    else:
+                        self.seen[key] = 0

@@ -44,6 +44,7 @@ from phalanx.launcher.discovery import discover_hosts
 from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreemption
 from phalanx.launcher.host_notices import ADDED, HostNotices
 from phalanx.launcher.hosts import SetAside, is_local, route_source
+from phalanx.launcher.spare import Spare
 from phalanx.launcher.ssh import probe
 from phalanx.launcher.stall import ElasticStalls, describe_exit, ended_then_aborted
 from phalanx.launcher.worker_output import WorkerOutput, stop_processes
@@ -64,6 +65,7 @@ _PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 class _Worker:
     def __init__(self, wid: str, host: str, proc: subprocess.Popen, joiner: bool) -> None:
         self.wid, self.host, self.proc, self.joiner = wid, host, proc, joiner
+        self.spare = False  # started as the warm spare (phalanx.launcher.spare)
         self.code: int | None = None
         self.admitted = self.ready = not joiner  # admitted: in a published generation
         self.started = time.monotonic()
@@ -114,6 +116,7 @@ class Supervisor:
         self.output = WorkerOutput(self._rank_of, log_dir=log_dir, ranks_filter=ranks_filter)
         self._secret: bytes | None = None
         self._probed: set[str] = set()
+        self.spare = Spare(self.command) if ElasticSettings.one("spare", {**os.environ, **self.env}) else None
 
     # -- hosts ------------------------------------------------------------------
     def _discover(self) -> dict[str, int] | None:
@@ -173,7 +176,11 @@ class Supervisor:
         else:
             env.update({k: str(v) for k, v in rank_env.items()})
             env[inprocess.GEN_ENV] = "0"
-        if self.starter is not None:  # e.g. a Ray actor; its handle's stdout/stderr may be empty
+        # a replacement here: the warm spare, its imports done, if one is waiting (phalanx.launcher.spare)
+        spare = self.spare.take(env) if self.spare and rank_env is None and not self.starter and is_local(host) else None
+        if spare is not None:
+            proc = spare
+        elif self.starter is not None:  # e.g. a Ray actor; its handle's stdout/stderr may be empty
             proc = self.starter(wid, host, env)
         elif is_local(host):
             proc = subprocess.Popen([sys.executable, _EXEC_SHIM, *self.command], env=env, stdin=subprocess.DEVNULL,
@@ -182,6 +189,7 @@ class Supervisor:
             proc = self._start_remote(host, {k: v for k, v in env.items() if k.startswith(("PHALANX_", "TORCH",
                                       "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS or k == "PYTHONPATH"})
         w = _Worker(wid, host, proc, joiner=rank_env is None)
+        w.spare = spare is not None
         self.workers.append(w)
         self.output.attach(w, wid, proc.stdout, proc.stderr, rank_env["RANK"] if rank_env else None)
         return w
@@ -216,7 +224,8 @@ class Supervisor:
             w = self._start(free[0], None, expected)
             if replacing:
                 self.replacements_left -= 1
-            print(f"phalanx: started worker {w.wid} on {w.host}; it joins at the next commit", flush=True)
+            print(f"phalanx: started worker {w.wid} on {w.host}{' (the warm spare)' if w.spare else ''}; it joins "
+                  "at the next commit", flush=True)
             alive.append(w)
             count += 1
         return count
@@ -408,6 +417,8 @@ class Supervisor:
             if not finished and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + 0.5
                 changed.append("cooldowns and waits")  # a host may be back, a wait may be over
+                if self.spare and all(w.admitted for w in self._alive()):  # (not while one joins)
+                    self.spare.start(self._base_env())
                 by_wid = {w.wid: w for w in self._alive()}
                 for s in self.stalls.lost(by_wid):  # killed through its own handle: never by a claimed pid
                     print(f"phalanx: worker {s.rank} {s.reason}; killing it (a stalled worker is a lost worker)",
@@ -440,6 +451,8 @@ class Supervisor:
         return self.fallback(n, max(1, self.replacements_left))
 
     def _kill_all(self) -> None:
+        if self.spare:  # (also before a fall-back's group restart: it needs no spare)
+            self.spare.stop()
         alive = self._alive()
         stop_processes([w.proc for w in alive], _GRACE_S)
         for w in alive:

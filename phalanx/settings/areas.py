@@ -255,6 +255,9 @@ class ElasticSettings(Area):
                                     "seconds the first group may take to form")
     join_timeout_s: float = setting(600.0, "PHALANX_ELASTIC_JOIN_TIMEOUT", _seconds,
                                     "seconds a joining worker waits for the next commit")
+    spare: bool = setting(False, "PHALANX_ELASTIC_SPARE", _flag,
+                          "in-process elastic: keep one worker process ready, its imports done, to replace a "
+                          "lost worker on this machine (seconds sooner back at full size; one more process)")
     heartbeat_timeout_s: float = setting(3.0, "PHALANX_HEARTBEAT_TIMEOUT", _seconds,
                                          "in-process elastic: a worker whose heartbeat stopped this long (a frozen "
                                          "or stopped process) is lost: killed, and the others re-form",

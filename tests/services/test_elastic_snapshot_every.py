@@ -118,8 +118,11 @@ def test_live_recovery_loses_no_step_and_a_replacement_joins_with_the_current_st
     # commit says a generation adds it, they check in and connect its group in the background while they
     # go on committing, and switch to it at a later commit, where it gets rank 0's state in sync(). The
     # final parameters equal the one-process run's (a step lost, half applied or applied twice would not)
-    ev, report = _run(tmp_path, ["--min-np", "1", "--max-np", "3", "--max-restarts", "1"], {"TEST_RECOVER": "live"},
-                      np=3)
+    # PHALANX_ELASTIC_SPARE: the replacement is the launcher's warm spare, its imports done ahead, which runs
+    # the script in its own interpreter (phalanx.launcher.spare): the same checks hold for it
+    ev, report = _run(tmp_path, ["--min-np", "1", "--max-np", "3", "--max-restarts", "1"],
+                      {"TEST_RECOVER": "live", "PHALANX_ELASTIC_SPARE": "1"}, np=3)
+    assert "started worker w3 on localhost (the warm spare)" in report, report
     starts = [e for e in ev if e["what"] == "start"]
     kill = [e for e in ev if e["what"] == "kill"]
     assert len(kill) == 1 and kill[0]["step"] == KILL_AT, report
@@ -186,3 +189,37 @@ def test_live_votes_are_spaced_about_one_store_poll_apart(monkeypatch):
     assert poll.commits_to_skip() == 2   # 3 commits of 16 ms since: the same
     assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s over 3 commits): every commit votes
     assert poll.commits_to_skip() == pending._MAX_SKIP   # commits far shorter than a poll: capped
+
+
+@pytest.mark.unit
+def test_a_snapshot_file_holds_a_copy_of_every_piece(tmp_path):
+    # rank 0's snapshot packs every tensor into one buffer per dtype: what loads back must be each
+    # tensor as it was at the commit (not as training changed it after), every other value too, and a
+    # state dict's version metadata (load_state_dict reads it)
+    from phalanx.elastic.snapshots import Snapshots
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    model(torch.randn(4, 3))
+    # an optimizer's state dict, by hand (torch.optim imports dynamo: seconds under load)
+    optimizer = {"state": {0: {"momentum_buffer": torch.randn(2, 3)}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    tree = {"model": model.state_dict(), "optimizer": optimizer, "step": 7, "name": "x",
+            "extra": (torch.arange(5, dtype=torch.int64)[::2], [torch.ones(2, dtype=torch.bfloat16), None])}
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    files = Snapshots(str(tmp_path), keep=1)
+    files.write(3, tree)
+    with torch.no_grad():  # training goes on while the file is written
+        for p in model.parameters():
+            p.add_(1.0)
+    number, back = files.latest()
+    assert number == 3 and back["step"] == 7 and back["name"] == "x"
+    assert all(torch.equal(back["model"][k], want[k]) for k in want), (back["model"], want)
+    assert back["model"]._metadata == model.state_dict()._metadata
+    assert torch.equal(back["optimizer"]["state"][0]["momentum_buffer"], optimizer["state"][0]["momentum_buffer"])
+    assert back["optimizer"]["param_groups"] == optimizer["param_groups"]
+    assert torch.equal(back["extra"][0], torch.tensor([0, 2, 4])) and back["extra"][1][1] is None
+    assert back["extra"][1][0].dtype == torch.bfloat16 and torch.equal(back["extra"][1][0].float(), torch.ones(2))
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(back["model"])
+    files.write(4, {"model": model.state_dict(), "step": 8}, background=False)
+    assert sorted(os.listdir(tmp_path)) == ["commit-000000004.pt"]   # keep=1 pruned the older one
+    assert torch.equal(files.latest()[1]["model"]["0.bias"], model.state_dict()["0.bias"])
