@@ -27,8 +27,12 @@ from __future__ import annotations
 import subprocess
 
 from phalanx.launcher.hosts import is_local
+from phalanx.launcher.ssh import probe
+from phalanx.log import get_logger
 
-__all__ = ["discover_hosts", "discover_slots"]
+__all__ = ["discover_hosts", "discover_slots", "discover_reachable"]
+
+log = get_logger(__name__)
 
 
 def discover_hosts(script: str, timeout_s: float = 30.0) -> dict[str, int]:
@@ -49,3 +53,23 @@ def discover_hosts(script: str, timeout_s: float = 30.0) -> dict[str, int]:
 def discover_slots(script: str, timeout_s: float = 30.0) -> int:
     """The slots the discovery script lists for this machine (all its names; remote hosts are not counted)."""
     return sum(n for h, n in discover_hosts(script, timeout_s).items() if is_local(h))
+
+
+def discover_reachable(script, probed: set[str], ssh, timeout_s: float) -> dict[str, int] | None:
+    """The elastic supervisor's discovery round: ``{host: slots}`` from ``script`` (a discovery script's
+    path, or a function giving the slots), less the remote hosts ``ssh host true`` cannot reach (each
+    named in a warning; those reached once are added to ``probed`` and not probed again). None when
+    the script failed: the caller keeps the hosts it knows."""
+    try:
+        hosts = script() if callable(script) else discover_hosts(script, timeout_s=timeout_s)
+    except (OSError, ValueError, subprocess.SubprocessError) as err:
+        log.warning("host discovery script failed (%s); keeping the hosts known", err)
+        return None
+    for h in [h for h in hosts if not (is_local(h) or h in probed or callable(script))]:
+        try:
+            probe([h], ssh, timeout_s=15)
+            probed.add(h)
+        except RuntimeError as err:
+            log.warning("host discovery lists %s but it cannot be used: %s; ignored", h, err)
+            hosts.pop(h)
+    return hosts

@@ -40,12 +40,11 @@ import uuid
 from phalanx.elastic import inprocess, lost
 from phalanx.launcher import handoff
 from phalanx.launcher import secret as job_secret
-from phalanx.launcher.discovery import discover_hosts
+from phalanx.launcher.discovery import discover_reachable
 from phalanx.launcher.elastic_signals import PREEMPTED_EXIT_CODE, ElasticPreemption
 from phalanx.launcher.host_notices import ADDED, HostNotices
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.spare import Spare
-from phalanx.launcher.ssh import probe
 from phalanx.launcher.stall import ElasticStalls, describe_exit, ended_then_aborted
 from phalanx.launcher.worker_output import WorkerOutput, stop_processes
 from phalanx.log import get_logger
@@ -120,19 +119,7 @@ class Supervisor:
 
     # -- hosts ------------------------------------------------------------------
     def _discover(self) -> dict[str, int] | None:
-        try:
-            hosts = self.script() if callable(self.script) else discover_hosts(self.script, timeout_s=max(self.interval_s, 5.0))
-        except (OSError, ValueError, subprocess.SubprocessError) as err:
-            log.warning("host discovery script failed (%s); keeping the hosts known", err)
-            return None
-        for h in [h for h in hosts if not (is_local(h) or h in self._probed or callable(self.script))]:
-            try:
-                probe([h], self.ssh, timeout_s=15)
-                self._probed.add(h)
-            except RuntimeError as err:
-                log.warning("host discovery lists %s but it cannot be used: %s; ignored", h, err)
-                hosts.pop(h)
-        return hosts
+        return discover_reachable(self.script, self._probed, self.ssh, timeout_s=max(self.interval_s, 5.0))
 
     def _clamp(self, total: int) -> int:
         return max(self.min_np, min(self.max_np, total))
