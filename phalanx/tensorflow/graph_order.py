@@ -191,12 +191,14 @@ class Coordinator:
         for ticket in late:
             count = self.store.add(f"n/{ticket.key}", _ABANDONED)
             if count - _ABANDONED >= len(ticket.members):
-                continue  # every member posted it after all: it is (about to be) in the order
+                ticket.posted_at = float("inf")  # every member posted it after all: it is (about to be) in the order
+                continue
             with self.cond:
                 self.pending.pop(ticket.key, None)
             ticket.fail(f"graph collective {ticket.key.rsplit('#', 1)[0]!r}: only {count - _ABANDONED} of the "
-                        f"{len(ticket.members)} ranks of its process set ran it within {self.timeout_s:g} s "
-                        "(init(timeout=)); every rank's session.run must fetch the same collectives")
+                        f"{len(ticket.members)} ranks of its process set ran it within {self.timeout_s:g} s (the job's "
+                        "timeout, init(timeout=) or PHALANX_TIMEOUT); every rank's session.run must fetch the same "
+                        "collectives")
 
     def _fail_all(self, message: str) -> None:
         with self.cond:
