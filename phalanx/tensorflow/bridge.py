@@ -5,20 +5,11 @@ tensors::
 
     eager:                 DLPack in (no copy) ── fn ── DLPack out
     tf.function:           one tf.py_function (ordered by TF's automatic control dependencies)
-    tf.compat.v1 graph:    one tf.py_function, with a control dependency on the graph's previous
-                           collective, so a session.run of several collectives runs them one at a
-                           time in program order on every rank (TF would start them on parallel
-                           threads, in an order of its choosing: two ranks would wait on different
-                           collectives, or gloo would see two at once)
-
-The chain of a graph. A control dependency is executed, not only ordered: running a collective
-runs every one it depends on. ``chained=False`` (variable broadcasts: Horovod's
-``broadcast_global_variables`` / ``BroadcastGlobalVariablesHook``, built after the training step
-and run alone before it) neither depends on the chain nor is depended on, so running it does not
-run the step. Such a broadcast run in one ``session.run`` with other collectives is not ordered
-among them: a process lock keeps them one at a time in gloo, and the cross-rank check of each call
-turns ranks that picked different ones into a :class:`MismatchError` on every rank where the calls
-differ (kind, dtype, shape, name).
+    tf.compat.v1 graph:    a py_function posts the inputs, a tf.data iterator's get_next waits for
+                           the result; the ranks agree at run time which posted collective runs next
+                           (:mod:`phalanx.tensorflow.graph_order`, Horovod's coordinator), so a
+                           session.run may fetch any of a graph's collectives, in any order, and runs
+                           only those
 
 A cross-rank mismatch (shapes, dtypes, ops, roots that differ between ranks) comes out as
 :class:`MismatchError`, a ``tf.errors.FailedPreconditionError`` as Horovod's is. Inside a graph
@@ -33,14 +24,13 @@ Example::
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import tensorflow as tf
 import torch
 
+from phalanx import runtime
 from phalanx.comm.mismatch import CollectiveMismatchError
 from phalanx.keras.tensors import TF_ALIGN_BYTES
+from phalanx.tensorflow import graph_order
 
 __all__ = ["MismatchError", "InvalidArgument", "call", "to_torch", "to_tf"]
 
@@ -58,19 +48,6 @@ class InvalidArgument(tf.errors.InvalidArgumentError, ValueError):
 
     def __init__(self, message: str) -> None:
         tf.errors.InvalidArgumentError.__init__(self, None, None, message)
-
-
-_chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> its chain's last link
-_graph_lock = threading.Lock()  # one graph collective at a time in this process (TF runs ops on several threads)
-
-
-class _Link:
-    """A graph collective's op (the chain's last link)."""
-
-    __slots__ = ("op",)
-
-    def __init__(self):
-        self.op = None
 
 
 def to_torch(x) -> torch.Tensor:
@@ -94,16 +71,10 @@ def to_tf(t: torch.Tensor, dtype=None):
     return out if dtype is None or out.dtype == dtype else tf.cast(out, dtype)
 
 
-def _host(fn, dtypes, status: bool = False, link: _Link | None = None):
+def _host(fn, dtypes, status: bool = False):
     """The py_function body; with ``status`` it returns a mismatch as a last string output instead."""
 
     def run(*xs):
-        if link is None:
-            return _run(*xs)
-        with _graph_lock:
-            return _run(*xs)
-
-    def _run(*xs):
         try:
             outs = fn([to_torch(x) for x in xs])
         except CollectiveMismatchError as err:
@@ -138,30 +109,94 @@ def _raise_failed_precondition(message):
                                           values=tf.stack([tf.constant(""), message]))
 
 
-def call(fn, inputs, outputs, chained: bool = True):
+def _failure_message(err: BaseException) -> str | None:
+    """A graph collective's failure raised as ``FailedPreconditionError(message)``: a cross-rank mismatch."""
+    return str(err) if isinstance(err, CollectiveMismatchError) else None
+
+
+def _members(process_set) -> list[int]:
+    ranks = getattr(process_set, "ranks", None)
+    return list(ranks) if ranks is not None else list(range(runtime.size()))
+
+
+_DATA_OPTIONS = tf.data.Options()  # no rewrite passes (an injected prefetch would call the map early)
+_DATA_OPTIONS.experimental_optimization.apply_default_optimizations = False
+_DATA_OPTIONS.autotune.enabled = False
+
+
+class _Posted:
+    """The ticket of a graph collective's latest post, for its iterator's next element."""
+
+    __slots__ = ("name", "ident")
+
+    def __init__(self) -> None:
+        self.name, self.ident = "", None
+
+
+def _graph_call(fn, inputs, dtypes, process_set):
+    """The v1 graph form of :func:`call`: post, then wait on tf.data's thread (:mod:`graph_order`).
+
+    The wait is the next element of a one-shot iterator (made once with the graph) over an endless
+    dataset mapped by a ``py_function``: ``get_next`` is asynchronous (the map runs on tf.data's
+    thread), and the map, called once per run after the post (a control dependency), takes the
+    latest post's ticket. (A fresh iterator per run over the ticket would cost ~5 ms a run, and
+    ``Dataset.from_generator`` three times this one's first run: measured on cpu2.) A post whose run
+    failed before its wait is dropped by the next post (its collective still runs on every rank).
+    """
+    posted = _Posted()
+
+    def post(*xs):
+        ts = [to_torch(x).clone() for x in xs]  # fn runs later, on the coordinator's thread
+        order = graph_order.coordinator(runtime.rank(), runtime.current_settings().runtime.timeout_s)
+        ident = order.post(posted.name, fn, ts, _members(process_set), _failure_message)
+        if posted.ident is not None:
+            graph_order.drop(posted.ident)
+        posted.ident = ident
+        return tf.constant(ident, tf.int64)
+
+    def failed(message: str):
+        return [tf.zeros([0], d) for d in dtypes] + [tf.constant(message)]
+
+    def result(_):
+        ident, posted.ident = posted.ident, None
+        if ident is None:
+            return failed("graph collective: its result was asked for before it was posted (two session.run "
+                          "calls of one collective at once are not supported)")
+        ticket = graph_order.take(ident)
+        if ticket.error is not None:
+            if isinstance(ticket.error, ValueError) and not isinstance(ticket.error, InvalidArgument):
+                raise InvalidArgument(str(ticket.error)) from None
+            raise ticket.error
+        if ticket.message:
+            return failed(ticket.message)
+        return [to_tf(o, d) for o, d in zip(ticket.outputs, dtypes)] + [tf.constant("")]
+
+    ticket = tf.py_function(post, inputs, Tout=tf.int64, name="phalanx_collective")
+    posted.name = ticket.op.name
+    types = dtypes + [tf.string]
+    data = tf.data.Dataset.from_tensors(0).repeat().map(lambda i: tf.py_function(result, [i], Tout=types))
+    iterator = tf.compat.v1.data.make_one_shot_iterator(data.with_options(_DATA_OPTIONS))
+    with tf.control_dependencies([ticket]):
+        return list(iterator.get_next())
+
+
+def call(fn, inputs, outputs, process_set=None):
     """``fn`` on ``inputs`` (TF tensors); ``outputs``: one ``(dtype, static shape or None)`` per result.
 
-    Returns the results as a list of TF tensors. ``chained=False``: in a v1 graph, outside the
-    graph's chain of collectives (module docstring).
+    Returns the results as a list of TF tensors. ``process_set``: the Horovod process set ``fn``
+    runs on (None: every rank), whose members agree on the order of a v1 graph's collectives.
     """
     inputs = [tf.convert_to_tensor(x) for x in inputs]
     dtypes = [tf.as_dtype(d) for d, _ in outputs]
     if tf.executing_eagerly():
         return _host(fn, dtypes)(*inputs)
-    graph = tf.compat.v1.get_default_graph()
-    in_graph = not graph.building_function
-    link = _Link() if in_graph else None
-    last = _chains.get(graph) if in_graph and chained else None
-    previous = last.op if last is not None else None
-    with tf.control_dependencies([previous] if previous is not None else []):
-        *outs, message = tf.py_function(_host(fn, dtypes, status=True, link=link), inputs, Tout=dtypes + [tf.string],
+    if tf.compat.v1.get_default_graph().building_function:  # tf.function: TF keeps program order
+        *outs, message = tf.py_function(_host(fn, dtypes, status=True), inputs, Tout=dtypes + [tf.string],
                                         name="phalanx_collective")
+    else:
+        *outs, message = _graph_call(fn, inputs, dtypes, process_set)
     with tf.control_dependencies([_raise_failed_precondition(message)]):
         outs = [tf.identity(o) for o in outs]
-    if in_graph:
-        link.op = message.op
-        if chained:
-            _chains[graph] = link
     for o, (_, shape) in zip(outs, outputs):
         if shape is not None:
             o.set_shape(shape)

@@ -57,7 +57,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         broadcast_coalesced(copies, int(root_rank), group, "tf.broadcast_variables")
         return copies
 
-    synced = call(fn, values, [(v.dtype, v.shape) for v in values], chained=False)
+    synced = call(fn, values, [(v.dtype, v.shape) for v in values], process_set)
     assigns = [v.assign(s) for v, s in zip(variables, synced)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
@@ -77,9 +77,9 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
     """TF1 ``MonitoredTrainingSession`` / Estimator hook: broadcast every global variable from ``root_rank``
     once the session is created (Horovod's hook; ``device`` places the op).
 
-    The broadcast is built in ``begin()``, after the model and its training step, and runs alone;
-    it is outside the graph's chain of collectives (``bridge.call(chained=False)``), so running it
-    does not run the step's collectives or ask for their inputs.
+    The broadcast is built in ``begin()``, after the model and its training step, and runs alone:
+    a graph's collectives depend on no other (the ranks order them at run time, ``graph_order.py``),
+    so running it does not run the step's collectives or ask for their inputs.
 
     Example::
 

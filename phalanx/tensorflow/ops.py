@@ -79,7 +79,7 @@ def _grouped_allreduce_raw(tensors, op, pre, post, ps, name):
             return [ops.synchronize(ops.allreduce_async(ts[0], op, name, pre, post, ps))]
         return ops.synchronize(ops.grouped_allreduce_async(ts, op, name, pre, post, ps))
 
-    outs = call(fn, tensors, [(t.dtype, t.shape) for t in tensors])
+    outs = call(fn, tensors, [(t.dtype, t.shape) for t in tensors], ps)
 
     def grad(dys):
         return _grouped_allreduce(dys, op, pre, post, ps, None)
@@ -178,7 +178,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         def fn(tt):
             return list(ops.synchronize(ops.grouped_allgather_async(tt, name, process_set)))
 
-        return call(fn, ts, [(t.dtype, [None] + t.shape[1:] if t.shape.rank else None) for t in ts])
+        return call(fn, ts, [(t.dtype, [None] + t.shape[1:] if t.shape.rank else None) for t in ts], process_set)
 
     return _with_gradient(forward, lambda dys: _own_rows(dys, tensors, process_set), tensors)
 
@@ -199,7 +199,7 @@ def _broadcast_raw(tensors, root_rank, ps, name):
         return [ops.synchronize(ops.broadcast_async(t, root_rank, None if name is None else f"{name}.{i}", ps))
                 for i, t in enumerate(ts)]
 
-    return call(fn, tensors, [(t.dtype, t.shape) for t in tensors])
+    return call(fn, tensors, [(t.dtype, t.shape) for t in tensors], ps)
 
 
 def _broadcast_grad(dys, root_rank, ps):
@@ -253,7 +253,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
         ins = ts if split_tensor is None else ts + [split_tensor]
         shape = [None] + tensor.shape[1:] if tensor.shape.rank else None
-        return call(fn, ins, [(tensor.dtype, shape), (tf.int32, [process_set.size()])])
+        return call(fn, ins, [(tensor.dtype, shape), (tf.int32, [process_set.size()])], process_set)
 
     if _differentiable([tensor]):
         @tf.custom_gradient
@@ -298,7 +298,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
             return list(ops.synchronize(ops.grouped_reducescatter_async(tt, op, name, process_set, prescale_factor,
                                                                         postscale_factor)))
 
-        return call(fn, ts, [(t.dtype, [None] + t.shape[1:] if t.shape.rank else None) for t in ts])
+        return call(fn, ts, [(t.dtype, [None] + t.shape[1:] if t.shape.rank else None) for t in ts], process_set)
 
     outs = _with_gradient(forward, lambda dys: _reducescatter_grad(dys, op, process_set, prescale_factor,
                                                                    postscale_factor), payloads)

@@ -11,7 +11,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from tf_horovod_checks import V1_X, V1_Y, tf_body, value
+from tf_horovod_checks import GRAPH_N, V1_X, V1_Y, tf_body, value
 
 from phalanx.testing import distributed
 
@@ -151,6 +151,26 @@ def test_v1_session_runs_several_collectives_in_one_run(tf_ranks):
         assert summed == [3.0, 4.0] and gathered == [0.0, 1.0, 1.0] and broadcast == [2.0, 2.0]
         assert variable == [1.0, 1.0], "broadcast_global_variables(1) in the session"
         assert "broadcast_variables" in out["eager_global_variables"]
+
+
+def test_v1_graph_collectives_run_alone_in_any_fetch_order_and_fetched_again(tf_ranks):
+    for r, out in enumerate(tf_ranks):
+        assert out["graph_loop"] == [[float(1 + 2 * i), float(2 * i)] for i in range(GRAPH_N)], \
+            f"rank {r}: each allreduce run alone with its own feed"
+        assert out["graph_fetch_order"] == [[10.0 + 2 * i, 2.0] for i in range(GRAPH_N)], \
+            f"rank {r}: all in one run, fetched in a different order on each rank"
+        assert out["graph_dependent"] == 2 * (1.0 + 2.0 * 2), "allreduce of the allgather's sum (1 + 2 + 2), both ranks"
+        assert out["graph_refetch"] == [[0.0, 1.0, 1.0], [10.0, 11.0, 11.0], [20.0, 21.0, 21.0]], out["graph_refetch"]
+
+
+def test_graph_coordinators_agree_on_one_order_and_time_out_clearly(tf_ranks):
+    ran0, ran1, early, outputs = tf_ranks[0]["coord_order"]
+    assert ran0 == ran1 and sorted(ran0) == ["a", "b", "c", "d"], (ran0, ran1)
+    assert not early, "a collective ran before every member had posted it"
+    assert outputs == [["c"], ["a"], ["b"], ["d"]], "each post gets its own collective's result"
+    waited, refused = tf_ranks[0]["coord_timeout"]
+    assert "only 1 of the 2 ranks" in waited and "0.2 s" in waited and "\n" not in waited, waited
+    assert "gave up waiting" in refused and "\n" not in refused, refused
 
 
 def test_v1_broadcast_hook_runs_alone_after_the_step_is_built(tf_ranks):

@@ -134,8 +134,8 @@ def _graph_mode(tf, hvd, r, out):
 
 
 def _graph_chain(tf, hvd, r, out):
-    """A variable broadcast built after a step that reads a placeholder runs alone (it is outside the
-    graph's chain of collectives), here through BroadcastGlobalVariablesHook in a MonitoredSession."""
+    """A variable broadcast built after a step that reads a placeholder runs alone (a graph collective
+    depends on no other), here through BroadcastGlobalVariablesHook in a MonitoredSession."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 2])
@@ -148,6 +148,69 @@ def _graph_chain(tf, hvd, r, out):
             synced = session.run(w).ravel().tolist()
             session.run(step, feed_dict={x: np.full((2, 2), float(r + 1), "float32")})
             out["hook"] = {"synced": synced, "stepped": session.run(w).ravel().tolist()}
+
+
+GRAPH_N = 12
+
+
+def _graph_order(tf, hvd, r, out):
+    """A v1 graph's collectives ordered at run time: GRAPH_N allreduces built in a loop, each fed by its
+    own placeholder and run alone (a run that also ran the earlier ones, as a build-time chain does,
+    would ask for their feeds), then all in one run fetched in a different order on each rank, an
+    allreduce of an allgather's result beside them, and Horovod's fused-allgather pattern (each run
+    fetches every allgather built so far)."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+        feeds = [tf.compat.v1.placeholder(tf.float32, [2]) for _ in range(GRAPH_N)]
+        summed = [hvd.allreduce(f, op=hvd.Sum) for f in feeds]
+        out["graph_loop"] = [session.run(summed[i], {feeds[i]: [r + i, i]}).tolist() for i in range(GRAPH_N)]
+        order = list(range(GRAPH_N))[::-1] if r else list(range(GRAPH_N))
+        gathered = hvd.allgather(tf.fill([r + 1, 1], float(r + 1)))
+        chained = hvd.allreduce(tf.reduce_sum(gathered), op=hvd.Sum)  # needs the allgather's result first
+        got = session.run([summed[i] for i in order] + [chained, gathered],
+                          {f: [10.0 * r + i, 1.0] for i, f in enumerate(feeds)})
+        out["graph_fetch_order"] = [got[order.index(i)].tolist() for i in range(GRAPH_N)]
+        out["graph_dependent"] = float(got[GRAPH_N])
+        checks = []
+        for i in range(3):
+            checks.append(hvd.allgather(tf.fill([r + 1], float(10 * i + r))))
+            fetched = session.run(checks)
+        out["graph_refetch"] = [t.tolist() for t in fetched]
+
+
+def _coordinator(out):
+    """graph_order's Coordinator alone (no TF), two of them on one in-memory store standing for 2 ranks:
+    the same order on both whatever order they post in, nothing run before both posted, a timeout
+    and a late post each one clear failure."""
+    import time
+
+    import torch.distributed as dist
+
+    from phalanx.tensorflow.graph_order import Coordinator
+
+    def pair(timeout_s):
+        store = dist.HashStore()
+        return [Coordinator(dist.PrefixStore("t", store), q, timeout_s) for q in (0, 1)]
+
+    ran = ([], [])
+
+    def post(c, name):
+        return c.post(name, lambda ts: ran[c.rank].append(name) or ts, [name], [0, 1], lambda err: None)
+
+    cs = pair(60.0)
+    ids = [[post(cs[0], k) for k in "abc"], [post(cs[1], k) for k in "cab"]]
+    ids[0].append(post(cs[0], "d"))
+    time.sleep(0.2)
+    early = "d" in ran[0]
+    ids[1].append(post(cs[1], "d"))
+    outputs = [[cs[q].take(i).outputs for i in ids[q]] for q in (0, 1)]
+    out["coord_order"] = (list(ran[0]), list(ran[1]), early, outputs[1])
+    late = pair(0.2)
+    waited = late[0].take(post(late[0], "e")).message
+    refused = late[1].take(post(late[1], "e")).message
+    out["coord_timeout"] = (waited, refused)
+    for c in cs + late:
+        c.close()
 
 
 V1_X = np.random.default_rng(3).standard_normal((8, 3)).astype("float32")
@@ -305,6 +368,9 @@ def tf_body():
     _gradients(tf, hvd, r, n, out)
     _graph_mode(tf, hvd, r, out)
     _graph_chain(tf, hvd, r, out)
+    _graph_order(tf, hvd, r, out)
+    if r == 0:
+        _coordinator(out)
     _v1_optimizer(tf, hvd, r, n, out)
     _in_function_broadcast(tf, hvd, r, out)
     _tapes(tf, hvd, r, n, out)
