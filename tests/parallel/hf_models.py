@@ -226,7 +226,7 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
     )
 
     ref = make(kind, tie=tie, layers=layers)
-    ref_norms, norms = [], []
+    ref_norms, norms, refused = [], [], []
     ref_losses = [float(v) for v in train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(steps),
                                           sharded=False, clip=clip, norms=ref_norms)]
     if clip is not None and data_parallel.startswith("zero"):
@@ -250,6 +250,11 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
             losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
             if clip is not None and not data_parallel.startswith("zero"):
                 norms.append(pm.clip_grad_norm_(clip).item())
+            if clip is not None and data_parallel.startswith("zero"):
+                try:  # refused: ZeRO holds the gradients and clips them itself
+                    pm.clip_grad_norm_(clip)
+                except ValueError as e:
+                    refused.append(str(e))
             norm = pm.optimizer.step()
             if clip is not None and data_parallel.startswith("zero"):
                 norms.append(norm.item())
@@ -281,7 +286,8 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
     diffs = {k: max_diff(full, {k: rsd[k]}) for k in own}
     out = {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
            "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
-           "worst": max(diffs, key=diffs.get), "copies": copies, "norms": norms, "ref norms": ref_norms}
+           "worst": max(diffs, key=diffs.get), "copies": copies, "norms": norms, "ref norms": ref_norms,
+           "refused": refused}
     if move_to_world1:
         moments = gather_tp_optimizer_state(pm.module, pm.optimizer, mesh.tp_group)
         mine = {"params": full, "state": dict(plain({s: plain(v, k)[1] for s, v in st.items()}, k)

@@ -361,6 +361,8 @@ def test_clipping_by_the_whole_models_norm_matches_one_process(cell, grid):
         assert r["norms"] == pytest.approx(r["ref norms"], rel=1e-5), r
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
         assert r["keys"] > 0 and r["diff"] < 5e-5, (r["worst"], r)
+        if "zero" in cell:  # pm.clip_grad_norm_ under ZeRO: one line pointing at max_grad_norm
+            assert len(r["refused"]) == 3 and "zero_options={'max_grad_norm': ...}" in r["refused"][0], r
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
