@@ -57,6 +57,7 @@ from torch import nn
 
 from phalanx.comm.collectives import Average, allreduce, broadcast, broadcast_object
 from phalanx.parallel import composition
+from phalanx.parallel.clip import clip_grad_norm_
 from phalanx.parallel.expert.data import scale_expert_grads
 from phalanx.parallel.expert.shard import moe_layers, shard_experts, split_named_parameters
 from phalanx.parallel.grid import RankGrid
@@ -88,6 +89,7 @@ class ParallelModel(nn.Module):
         self.optimizer = None
         self._grads_reduced = mesh.dp * mesh.ep == 1  # True when DataParallel or ZeRO owns the dp reduction
         self._experts: set[int] = set()  # ids of expert weights: reduced over dp, the rest over dp × ep
+        self._sharded = False  # ZeRO holds the gradients (and clips them)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a ParallelModel trains with .step(inputs, targets); its stage's module is .module")
@@ -106,6 +108,15 @@ class ParallelModel(nn.Module):
         # replicas average theirs (equal local batches -> the global mean).
         loss = self.stage.share_loss(loss)
         return allreduce(loss, op=Average, group=self.mesh.dense_group, name="dp.loss")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """After :meth:`step`: clip ``.grad`` by the whole model's norm (every stage, every TP shard, a
+        tied head once; :func:`phalanx.parallel.clip.clip_grad_norm_`). Returns that norm. Every rank calls it."""
+        if self._sharded:
+            raise ValueError("ParallelModel.clip_grad_norm_: under ZeRO the gradients live in its shards; pass "
+                             "zero_options={'max_grad_norm': ...} to parallelize (ZeRO clips by the whole model's norm)")
+        return clip_grad_norm_(self.module, max_norm, tp_group=self.mesh.tp_group if self.mesh.tp > 1 else None,
+                               pp_group=self.mesh.pp_group if self.mesh.pp > 1 else None)
 
 
 def parallelize(
@@ -224,11 +235,13 @@ def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, 
         # itself; each micro-batch is one backward pass, so a step is m passes (stage 1 then
         # reduces once per step, in the last micro-batch's backward).
         # A head tied across stages (cut by module path): ZeRO sums its copies over the pipeline.
+        # tp_group / pp_group: max_grad_norm clips by the whole model's norm, not this piece's.
         tied = mesh.pp_group if getattr(stage_module, "tied_across_stages", None) else None
         _, pm.optimizer = zero(stage_module, optimizer(stage_module.parameters()), stage=zero_stage,
                                group=mesh.dp_group, backward_passes_per_step=pm.num_microbatches,
-                               tied_group=tied, **(zero_options or {}))
-        pm._grads_reduced = True
+                               tied_group=tied, tp_group=mesh.tp_group if mesh.tp > 1 else None,
+                               pp_group=mesh.pp_group if mesh.pp > 1 else None, **(zero_options or {}))
+        pm._grads_reduced = pm._sharded = True
         return pm
     if optimizer is not None:
         pm.optimizer = optimizer(stage_module.parameters())

@@ -172,8 +172,9 @@ def my_rows(t):
     return t.chunk(px.size())[px.rank()]
 
 
-def train(model, opt, steps, rows=4, sharded=True):
-    """One Adam step per batch in ``steps``; ``sharded``: this rank's rows of it. The local losses."""
+def train(model, opt, steps, rows=4, sharded=True, clip=None, norms=None):
+    """One Adam step per batch in ``steps``; ``sharded``: this rank's rows of it. The local losses.
+    ``clip``: ``torch.nn.utils.clip_grad_norm_`` at that max norm before each step, its norms appended to ``norms``."""
     losses = []
     for s in steps:
         x, y = batch(s, rows)
@@ -182,6 +183,8 @@ def train(model, opt, steps, rows=4, sharded=True):
         opt.zero_grad()
         loss = lm_loss(model, x, y)
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         losses.append(loss.detach())
     return losses
@@ -202,13 +205,15 @@ def conv_keys(model):
 
 
 def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, steps=3, move_to_world1=False,
-                     zero_options=None):
+                     zero_options=None, clip=None):
     """parallelize() on the model in one call over dp x pp x tp, against one process (full batch, Adam
     at lr 1e-2): each step's loss and the parameters (gathered over tp; under pp this stage's).
     ``move_to_world1``: then the parameters and Adam's moments of every stage (gathered over tp, ZeRO's
     consolidated over dp) load into the plain model at world 1, whose next two losses ("world1") must
     equal the parallel run's ("continued"): the first checks the parameters, the second the moments.
-    A head tied across pipeline stages: "copies" is the largest difference between its stages' copies."""
+    A head tied across pipeline stages: "copies" is the largest difference between its stages' copies.
+    ``clip``: both sides clip by that max norm before each step (one process: torch's ``clip_grad_norm_``;
+    the grid: ZeRO's ``max_grad_norm`` or ``pm.clip_grad_norm_``); their norms are "norms" and "ref norms"."""
     import torch.distributed as dist
 
     from phalanx.optim import load_named_optimizer_state
@@ -221,8 +226,11 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
     )
 
     ref = make(kind, tie=tie, layers=layers)
+    ref_norms, norms, refused = [], [], []
     ref_losses = [float(v) for v in train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), range(steps),
-                                          sharded=False)]
+                                          sharded=False, clip=clip, norms=ref_norms)]
+    if clip is not None and data_parallel.startswith("zero"):
+        zero_options = {**(zero_options or {}), "max_grad_norm": clip}
     mesh = RankGrid(dp=dp, pp=pp, tp=tp)
     d = mesh.coord[0]
 
@@ -240,7 +248,16 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
             x, y = batch(step)
             pm.optimizer.zero_grad()
             losses.append(pm.step(x.chunk(dp)[d], y.chunk(dp)[d]).item())
-            pm.optimizer.step()
+            if clip is not None and not data_parallel.startswith("zero"):
+                norms.append(pm.clip_grad_norm_(clip).item())
+            if clip is not None and data_parallel.startswith("zero"):
+                try:  # refused: ZeRO holds the gradients and clips them itself
+                    pm.clip_grad_norm_(clip)
+                except ValueError as e:
+                    refused.append(str(e))
+            norm = pm.optimizer.step()
+            if clip is not None and data_parallel.startswith("zero"):
+                norms.append(norm.item())
         return losses
 
     losses = run(range(steps))
@@ -269,7 +286,8 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
     diffs = {k: max_diff(full, {k: rsd[k]}) for k in own}
     out = {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
            "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
-           "worst": max(diffs, key=diffs.get), "copies": copies}
+           "worst": max(diffs, key=diffs.get), "copies": copies, "norms": norms, "ref norms": ref_norms,
+           "refused": refused}
     if move_to_world1:
         moments = gather_tp_optimizer_state(pm.module, pm.optimizer, mesh.tp_group)
         mine = {"params": full, "state": dict(plain({s: plain(v, k)[1] for s, v in st.items()}, k)

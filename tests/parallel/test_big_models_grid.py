@@ -7,7 +7,8 @@ recomputed; HF Llama, pp 2 x tp 2); checkpoints across layouts: trained at tp 2 
 under ZeRO-3 at dp 2 and (untied) as a 2-stage pipeline, the same next-step loss; ZeRO-3 saved at
 world 4 and continued at world 2 (parameters and moments), the same next two losses; dp 2 x pp 2
 with DataParallel on GPT-2 and HF Llama (tied) and torchtitan, and with ZeRO-1/2/3 on GPT-2 whose head
-is tied across the stages; moments moved out of a pipeline (HF Llama, ZeRO-3 GPT-2) to world 1.
+is tied across the stages; moments moved out of a pipeline (HF Llama, ZeRO-3 GPT-2) to world 1;
+clipping by the whole model's norm (ZeRO over dp 2 x pp 2 and dp 2 x tp 2, pp 2 with DataParallel, pp 2 x tp 2).
 
 One spawned group of 4 ranks runs every check (module fixture); each check is its own test below.
 """
@@ -116,6 +117,13 @@ def _zero3_tp(state_bits: int, kind: str = "llama"):
         load_named_optimizer_state(opt1, moments, plain.named_parameters())
         out["world1 with moments"] = [float(v) for v in train(plain, opt1, NEXT, sharded=False)]
     return out
+
+
+# Below every one-process norm of these 3 GPT-2 steps (2.1, then ~1.5, ~1.4 unclipped), so the clip is
+# active at every step (the test checks it): a norm taken over one piece only changes the steps.
+CLIP = 0.5
+CLIP_CELLS = {"gpt2 dp2 pp2 zero2": (2, 2, 1, "zero2"), "gpt2 dp2 pp2": (2, 2, 1, "auto"),
+              "gpt2 pp2 tp2": (1, 2, 2, "auto"), "gpt2 dp2 tp2 zero3": (2, 1, 2, "zero3")}
 
 
 def _ce(out, y):
@@ -274,6 +282,9 @@ def _all_checks():
     if have("titan"):
         out["parallelize titan dp2 pp2"] = parallelize_cell("titan", False, 4, dp=2, pp=2, tp=1,
                                                             data_parallel="auto", checkpoint=False)
+    for name, (dp, pp, tp, data_parallel) in CLIP_CELLS.items():  # clipping by the whole model's norm
+        out[f"clip {name}"] = parallelize_cell("gpt2", True, 2, dp=dp, pp=pp, tp=tp, data_parallel=data_parallel,
+                                               checkpoint=False, clip=CLIP)
     out["layouts llama"] = _tp_then_other_layouts("llama", False, 4)
     out["layouts gpt2 tied"] = _tp_then_other_layouts("gpt2", True, 2)
     for kind in ("llama", "gpt2"):
@@ -336,6 +347,22 @@ def test_pipeline_with_data_parallel_matches_one_process(kind, grid):
         if kind == "llama":  # pp 2 -> world 1 with Adam's moments: the next two losses
             assert r["world1"] == pytest.approx(r["continued"], rel=1e-5), r
             assert abs(r["world1 fresh adam"][1] - r["continued"][1]) > 1e-3 * r["continued"][1], r  # moments matter
+
+
+@pytest.mark.parametrize("cell", list(CLIP_CELLS))
+def test_clipping_by_the_whole_models_norm_matches_one_process(cell, grid):
+    """GPT-2 with its head tied (across the stages under pp), clipped at max_norm 0.5 by ZeRO's
+    ``max_grad_norm`` or ``pm.clip_grad_norm_`` against one process clipping with
+    ``torch.nn.utils.clip_grad_norm_``: the norms of the 3 steps (summed over dp shards, tp shards and
+    stages, the tied head once), the losses and this stage's parameters."""
+    for res in grid:
+        r = res[f"clip {cell}"]
+        assert min(r["ref norms"]) > CLIP, r  # the clip is active at every step
+        assert r["norms"] == pytest.approx(r["ref norms"], rel=1e-5), r
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert r["keys"] > 0 and r["diff"] < 5e-5, (r["worst"], r)
+        if "zero" in cell:  # pm.clip_grad_norm_ under ZeRO: one line pointing at max_grad_norm
+            assert len(r["refused"]) == 3 and "zero_options={'max_grad_norm': ...}" in r["refused"][0], r
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

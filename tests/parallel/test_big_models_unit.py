@@ -204,3 +204,20 @@ def test_a_tied_copy_gets_a_zero_unit_and_optimizer_views_of_its_own():
     views = chunks(flat, [4, 8])
     assert [v.numel() for v in views] == [4, 4, CHUNK_NUMEL, 2] and views[1][0] == 4
     assert [v.numel() for v in chunks(flat)] == [CHUNK_NUMEL, 10]
+
+
+@pytest.mark.unit
+def test_clip_grad_norm_on_one_piece_is_torchs_and_refuses_a_bad_max_norm():
+    """With no split axis the whole model's norm is torch's (the grid checks it over pp and tp)."""
+    from phalanx.parallel import clip_grad_norm_
+
+    ours, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ref.load_state_dict(ours.state_dict())
+    for m in (ours, ref):
+        m(torch.ones(2, 4)).pow(2).sum().backward()
+    norm = clip_grad_norm_(ours, 0.1)  # below the norm: clipping active
+    assert norm.item() == pytest.approx(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item()) and norm > 0.1
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(ValueError, match=r"^clip_grad_norm_\(max_norm=0\): must be a positive number$"):
+        clip_grad_norm_(ours, 0)

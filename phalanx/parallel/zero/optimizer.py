@@ -42,8 +42,9 @@ from phalanx.log import get_logger
 from phalanx.optim.adam8bit import Adam8bit, check_state_bits
 from phalanx.optim.face import OptimizerFace
 from phalanx.parallel import composition
+from phalanx.parallel.clip import counted_elsewhere, sum_over
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
-from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks
+from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks, segments
 from phalanx.parallel.zero.stage3 import Stage3
 from phalanx.parallel.zero.stage12 import Stage12
 from phalanx.parallel.zero.tied import TiedCopies
@@ -111,6 +112,8 @@ def zero(
     compression=None,
     state_bits: int = 32,
     tied_group=None,
+    tp_group=None,
+    pp_group=None,
 ):
     """Shard ``optimizer`` (and, by stage, gradients and parameters) over the ranks of ``group``.
 
@@ -132,6 +135,10 @@ def zero(
     tied to the embedding, ``model.tied_across_stages`` from ``split_by_path``), the pipeline's
     process group (group rank s = stage s: ``RankGrid.pp_group``): ZeRO starts the copies equal and
     sums their reduced gradient shards over it in ``step()`` (:mod:`phalanx.parallel.zero.tied`).
+    ``tp_group`` / ``pp_group``: on a piece of a split model (a TP shard, a pipeline stage; ``pp_group``
+    defaults to ``tied_group``), the norm that ``max_grad_norm`` clips by (and the fp16 overflow check)
+    is the whole model's: the squares summed over dp, then tp, then pp, each element once
+    (:mod:`phalanx.parallel.clip`; Megatron-LM's rule). ``parallelize`` passes both.
 
     Example::
 
@@ -145,7 +152,8 @@ def zero(
         topology = runtime.topology()
     group = group if group is not None else topology.world_group()
     return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
-                                backward_passes_per_step, compressor, state_bits, tied_group)
+                                backward_passes_per_step, compressor, state_bits, tied_group,
+                                tp_group, tied_group if pp_group is None else pp_group)
 
 
 def _cast(dtype):
@@ -165,8 +173,9 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
 
     def __init__(self, model, optimizer, stage, group, bucket_mb, compute_dtype, max_grad_norm,
                  backward_passes_per_step: int = 1, compressor=None, state_bits: int = 32,
-                 tied_group=None) -> None:
+                 tied_group=None, tp_group=None, pp_group=None) -> None:
         self.model, self.stage, self.group = model, stage, group
+        self.split_groups = (tp_group, pp_group)  # the norm's squares are summed over these after dp
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.max_grad_norm = max_grad_norm
         self.loss_scale = 2.0**16 if compute_dtype == torch.float16 else 1.0
@@ -215,6 +224,7 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
         self._cuts = [[off for u in us if id(u.params[0]) in alone and len(u.params) == 1
                        for off in (u.shard_offset, u.shard_offset + u.shard_numel)] for us in self.engine.units]
         self.chunks = [chunks(m, cuts) for m, cuts in zip(self.masters, self._cuts)]
+        self._norm_spans = self._counted_spans(model, tp_group, pp_group)
         if state_bits == 8:
             self.inner = Adam8bit.like(optimizer, params=self.chunks)
         else:
@@ -229,6 +239,24 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             model.register_state_dict_post_hook(lambda *a: self._full_state_dict_post(*a))
         model.register_load_state_dict_pre_hook(self._load_full_pre)
         model.register_load_state_dict_post_hook(self._load_full_post)
+
+    def _counted_spans(self, model, tp_group, pp_group) -> list[list[tuple[int, int]]]:
+        """Per master shard, the ``[a, b)`` ranges whose squares this rank adds to the norm: all of it,
+        less the parameters another tp rank or stage counts (:func:`~phalanx.parallel.clip.counted_elsewhere`)."""
+        skip = counted_elsewhere(model, tp_group, pp_group)
+        by_name = dict(model.named_parameters())
+        out = []
+        for master, us in zip(self.masters, self.engine.units):
+            gaps = sorted((off, off + n) for name, _, n, off in segments(us, self.rank) if id(by_name[name]) in skip)
+            spans, start = [], 0
+            for a, b in gaps:
+                if a > start:
+                    spans.append((start, a))
+                start = max(start, b)
+            if start < master.numel():
+                spans.append((start, master.numel()))
+            out.append(spans)
+        return out
 
     def _check_layout(self, groups_named) -> None:
         mine = [[(n, tuple(p.shape)) for n, p in named] for named in groups_named]
@@ -312,10 +340,12 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
                 g.div_(self.loss_scale)
         total_norm = None
         if self.max_grad_norm is not None or self.loss_scale != 1.0:  # else no norm is needed: skip its pass
-            sq = sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads)
-            sq = sq.reshape(1) if isinstance(sq, torch.Tensor) else torch.zeros(1, device=self.masters[0].device)
-            dist.all_reduce(sq, group=self.group)
-            total_norm = sq.sqrt()
+            sq = torch.zeros(1, device=self.masters[0].device)
+            for g, spans in zip(grads, self._norm_spans):
+                for a, b in spans:
+                    sq += torch.linalg.vector_norm(g[a:b], dtype=torch.float32) ** 2
+            dist.all_reduce(sq, group=self.group)  # the dp shards, then the other pieces of a split model
+            total_norm = sum_over(sq, *self.split_groups).sqrt()
         if total_norm is not None and not torch.isfinite(total_norm).item():
             self.loss_scale /= 2.0
             self._good_steps = 0
