@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.parallel.pipeline.by_path import tied_of
+
 __all__ = ["clip_grad_norm_", "counted_elsewhere", "sum_over"]
 
 
@@ -50,7 +52,7 @@ def counted_elsewhere(module_or_params, tp_group=None, pp_group=None) -> set[int
     if _size(tp_group) > 1 and _rank(tp_group) != 0:
         out |= {id(p) for p in params if getattr(p, "tp_dim", None) is None}
     stage = _rank(pp_group)
-    for t in getattr(module_or_params, "tied_across_stages", ()):
+    for t in tied_of(module_or_params):
         if t.param is not None and t.stages[0] != stage:
             out.add(id(t.param))
     return out

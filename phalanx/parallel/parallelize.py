@@ -62,6 +62,7 @@ from phalanx.parallel.expert.data import scale_expert_grads
 from phalanx.parallel.expert.shard import moe_layers, shard_experts, split_named_parameters
 from phalanx.parallel.grid import RankGrid
 from phalanx.parallel.pipeline import PipelineStage, Schedule, get_schedule, partition
+from phalanx.parallel.pipeline.by_path import tied_of
 from phalanx.parallel.tensor import apply_tensor_parallel
 
 __all__ = ["parallelize", "ParallelModel"]
@@ -236,7 +237,7 @@ def _data_axis(pm, stage, stage_module, mesh, data_parallel, optimizer, chunks, 
         # reduces once per step, in the last micro-batch's backward).
         # A head tied across stages (cut by module path): ZeRO sums its copies over the pipeline.
         # tp_group / pp_group: max_grad_norm clips by the whole model's norm, not this piece's.
-        tied = mesh.pp_group if getattr(stage_module, "tied_across_stages", None) else None
+        tied = mesh.pp_group if tied_of(stage_module) else None
         _, pm.optimizer = zero(stage_module, optimizer(stage_module.parameters()), stage=zero_stage,
                                group=mesh.dp_group, backward_passes_per_step=pm.num_microbatches,
                                tied_group=tied, tp_group=mesh.tp_group if mesh.tp > 1 else None,

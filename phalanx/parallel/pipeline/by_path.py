@@ -45,7 +45,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "path_costs",
+__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "tied_of", "path_costs",
            "recompute_blocks"]
 
 
@@ -181,6 +181,12 @@ class StageOfModel(nn.Module):
         else:
             out = self.model(x)
         return out.logits if hasattr(out, "logits") else out
+
+
+def tied_of(module) -> list[TiedParameter]:
+    """The parameters ``module`` shares with other pipeline stages: a :class:`StageOfModel`'s
+    ``tied_across_stages``; none for any other module (or a bare list of parameters)."""
+    return module.tied_across_stages if isinstance(module, StageOfModel) else []
 
 
 def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:

@@ -61,6 +61,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from phalanx.comm.collectives import Sum, allreduce, broadcast
 from phalanx.log import get_logger
+from phalanx.parallel.pipeline.by_path import tied_of
 from phalanx.parallel.pipeline.executor import Span, StepRun
 from phalanx.parallel.pipeline.link import StageLink
 from phalanx.parallel.pipeline.schedules import Schedule, get_schedule
@@ -141,7 +142,7 @@ class PipelineStage:
         self.links = [StageLink(ranks, c * num_stages + stage_index, group,
                                 grad_group=None if self._own_grad_group else grad_group, tagged=v > 1)
                       for c in range(v)]
-        self.tied = list(getattr(self.chunks[0], "tied_across_stages", ())) if v == 1 else []
+        self.tied = list(tied_of(self.chunks[0])) if v == 1 else []
         self._tied_synced = False
         self.busy_s = 0.0  # compute seconds in the last step
         self.last_timeline: list[Span] = []  # the last step's forwards and backwards, in order
@@ -199,7 +200,7 @@ class PipelineStage:
         ts = self._chunks(targets, m, "targets") if self.is_last else None
         actions = self._actions(schedule, m)
         self._make_grad_group()
-        tied = self.tied and getattr(self.chunks[0], "tied_summed_by", "pipeline") == "pipeline"
+        tied = self.tied and self.chunks[0].tied_summed_by == "pipeline"  # (self.tied: a StageOfModel)
         if tied and not self._tied_synced:
             self._sync_tied()
         run = StepRun(self, actions, xs, ts, m, self._device())

@@ -43,6 +43,7 @@ from phalanx.optim.adam8bit import Adam8bit, check_state_bits
 from phalanx.optim.face import OptimizerFace
 from phalanx.parallel import composition
 from phalanx.parallel.clip import counted_elsewhere, sum_over
+from phalanx.parallel.pipeline.by_path import tied_of
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks, segments
 from phalanx.parallel.zero.stage3 import Stage3
@@ -85,7 +86,7 @@ def _check_args(model, optimizer, stage, bucket_mb, mixed_precision, max_grad_no
     if not isinstance(passes, int) or passes < 1:
         raise ValueError(f"zero(backward_passes_per_step={passes!r}): must be an integer >= 1")
     check_state_bits("zero", state_bits, optimizer)
-    tied = getattr(model, "tied_across_stages", None)  # a pipeline stage cut by module path
+    tied = tied_of(model)  # a pipeline stage cut by module path
     if tied and tied_group is None:
         raise ValueError(composition.tied_across_stages(tied[0].name, tied[0].stages, f"zero(stage={stage})"))
     compressor = get_compressor(compression)
@@ -200,7 +201,7 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for _, p in model.named_parameters():  # everyone starts from rank 0's values
             dist.broadcast(p.data, src=src, group=group)
-        tied = getattr(model, "tied_across_stages", None)
+        tied = tied_of(model)
         device = first.device if first is not None else torch.device("cpu")
         self.tied = TiedCopies(tied, tied_group, device) if tied else None
         if self.tied is not None:  # the copies start equal; ZeRO, not the pipeline, sums their gradients
