@@ -98,6 +98,7 @@ class Job:
         self.args = json.dumps({"batch": a.batch, "steps": a.max_steps, "timeout": a.timeout,
                                 "ckpt_every": a.ckpt_every,
                                 "snapshot_every": 1 if runner == "phalanx-file" else a.snapshot_every,
+                                "snapshot_period": None if runner == "phalanx-file" else a.snapshot_period,
                                 "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
                                 "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
                                 "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window})
@@ -341,6 +342,9 @@ def main() -> None:
                         "commit) or roll back to the last commit's copy in memory (default live)")
     p.add_argument("--snapshot-every", type=int, default=10,
                    help="phalanx: TorchState(snapshot_every=N): the commit's file every N commits (memory: each)")
+    p.add_argument("--snapshot-period", type=float, default=None,
+                   help="phalanx (recover live): TorchState(snapshot_period_s=S): at most one snapshot every S "
+                        "seconds (default: none, every --snapshot-every-th commit)")
     p.add_argument("--torchft-ddp-np", default="2",
                    help="world sizes at which the torchft runner (its DistributedDataParallel) runs (default 2)")
     p.add_argument("--ckpt-every", type=int, default=10, help="torchrun: a DCP checkpoint every N steps")
@@ -441,7 +445,7 @@ def main() -> None:
     wall = time.time() - t_all
 
     print(f"\nfault tolerance: {a.repeats} repeat(s), np {a.np}, phalanx commit every {a.commit_every}, "
-          f"snapshot every {a.snapshot_every}, DCP every {a.ckpt_every}, timeout {a.timeout:.0f}s, {wall / 60:.1f} min; median [min-max] over repeats")
+          f"snapshot every {a.snapshot_every} (period {a.snapshot_period} s), DCP every {a.ckpt_every}, timeout {a.timeout:.0f}s, {wall / 60:.1f} min; median [min-max] over repeats")
     print(f"{'np':>2} {'fault':<5} {'runner':<8} {'next step s':>16} {'stall s':>16} {'full size s':>16} "
           f"{'redone':>10} {'max|dp|':>9} {'admission s':>16}  error")
     for n in sizes:
@@ -484,7 +488,7 @@ def main() -> None:
                   f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms; rank 0's time "
                   f"inside commit(), median share of its window: live {inside['live']:.1%}, copy {inside['copy']:.1%})")
     doc = {"bench": "fault_tolerance", "ab": {str(n): by for n, by in ab.items()}, "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
-           "snapshot_every": a.snapshot_every, "recover": a.recover, "spare": a.spare,
+           "snapshot_every": a.snapshot_every, "snapshot_period": a.snapshot_period, "recover": a.recover, "spare": a.spare,
            "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,
            "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "out"}
                     for r in results]}

@@ -71,7 +71,8 @@ if MODE.startswith("phalanx"):
     opt = optimizer(net)
     model = px.DataParallel(net)
     state = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits", snapshot_every=A["snapshot_every"],
-                          recover=A["recover"])
+                          recover=A["recover"], **({"snapshot_period_s": A["snapshot_period"]}
+                                                   if A.get("snapshot_period") is not None and A["recover"] == "live" else {}))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     boot()
     log("start", rank=px.rank(), size=px.size())

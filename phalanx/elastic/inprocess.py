@@ -143,9 +143,9 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     thread that polls the store (no store call here), and the allreduce is started now and waited
     for at the next deferred commit, which acts on its answer: a change or a preemption is acted on
     one commit later, by every member at the same commit. A re-form drops the vote in flight. The
-    vote is taken about every ``pending.POLL_S`` (50 ms), not every commit: each vote carries rank 0's
-    count of the commits to skip before the next one (its commits per 50 ms, less one), so at a
-    commit every 16 ms (cpu2) a third of the commits vote; the thread's answer is no fresher anyway.
+    vote is taken about every ``pending.VOTE_S`` (100 ms), not every commit: each vote carries rank 0's
+    count of the commits to skip before the next one (its commits per 100 ms, less one), so at a
+    commit every 13 ms (cpu2) one commit in seven votes.
     """
     if not active():
         return None, None
@@ -169,7 +169,7 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
         if change is not None:
             return change, int(answer[1])
         agreed, ctx.skip = int(answer[1]), int(answer[4])
-    if size > 1 and ctx.skip > 0:  # voted less than pending.POLL_S ago: nothing new to agree on yet
+    if size > 1 and ctx.skip > 0:  # voted less than pending.VOTE_S ago: nothing new to agree on yet
         ctx.skip -= 1
         return None, agreed
     # + rank 0's latest generation, the staging state, and how many commits skip the vote after this one

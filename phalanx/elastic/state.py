@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -48,6 +49,7 @@ __all__ = ["State", "TorchState", "default_commit_dir", "live_topology", "RECOVE
 RECOVER = ("commit", "live")  # TorchState(recover=...): what the survivors of a lost worker go on from
 
 log = get_logger(__name__)
+_clock = time.monotonic  # (the snapshot period's clock)
 
 
 @runtime_checkable
@@ -123,6 +125,10 @@ class TorchState:
     It needs a training loop that changes the state only through whole steps between
     collectives (the usual forward, backward, ``optimizer.step()``, counters), and no sharded
     piece (ZeRO re-forms by a group restart either way).
+    ``snapshot_period_s`` (``recover="live"`` only): at most one snapshot a period of this many seconds,
+    at the first due commit (every ``snapshot_every``-th) at least that long after rank 0's last one,
+    so the snapshots' cost on the training thread does not grow with the step rate (default None:
+    every due commit). A group restart then resumes up to a period earlier.
     ``topology``: the job's, for a job whose membership never changes; the default
     (``None``) follows the live job, whose topology an in-process elastic re-form
     replaces (``phalanx.runtime.topology()`` after each re-form, one process before ``init``).
@@ -130,13 +136,18 @@ class TorchState:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *,
                  commit_dir: str | None = None, keep: int = 2, topology=None, snapshot_every: int = 1,
-                 recover: str = "commit", **extras: Any) -> None:
+                 recover: str = "commit", snapshot_period_s: float | None = None, **extras: Any) -> None:
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"TorchState(snapshot_every={snapshot_every!r}): give a whole number of commits >= 1 "
                              "(1: a snapshot at every commit)")
         if recover not in RECOVER:
             raise ValueError(f"TorchState(recover={recover!r}): give 'commit' (roll back to the last commit) or "
                              "'live' (go on from the new rank 0's state, no copy per commit)")
+        if snapshot_period_s is not None and (isinstance(snapshot_period_s, bool) or not isinstance(
+                snapshot_period_s, (int, float)) or not snapshot_period_s >= 0 or recover != "live"):
+            raise ValueError(f"TorchState(snapshot_period_s={snapshot_period_s!r}, recover={recover!r}): give a "
+                             "number of seconds >= 0 with recover='live' (rank 0 alone times its snapshots; a "
+                             "copying commit's snapshot is written by every rank at the same commit)")
         pieces = {"model": model, "optimizer": optimizer, **extras}
         object.__setattr__(self, "_pieces", {k: v for k, v in pieces.items() if v is not None})
         if recover == "live" and self.sharded():
@@ -152,6 +163,8 @@ class TorchState:
         object.__setattr__(self, "_memory", None)
         object.__setattr__(self, "_commit_count", 0)
         object.__setattr__(self, "_snapshot_every", snapshot_every)
+        object.__setattr__(self, "_snapshot_period_s", snapshot_period_s)
+        object.__setattr__(self, "_snapshot_at", None)  # (live) monotonic time of rank 0's last snapshot
         object.__setattr__(self, "restored_from", None)
         object.__setattr__(self, "_world", None)  # world size of the state held (None: not synced yet)
         object.__setattr__(self, "_world_hooks", [])
@@ -226,6 +239,11 @@ class TorchState:
 
         changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
         due = not inprocess.active() or self._commit_count % self._snapshot_every == 0
+        if due and self._snapshot_period_s is not None:  # at most one snapshot a period
+            now = _clock()
+            due = self._snapshot_at is None or now - self._snapshot_at >= self._snapshot_period_s
+            if due:
+                object.__setattr__(self, "_snapshot_at", now)
         if due:
             self._snapshot_alone(async_=True)
         preempt.at_commit(lambda: self._snapshot_alone(async_=False), self.commit_dir, reduced)

@@ -176,11 +176,12 @@ def test_recover_takes_commit_or_live():
 
 
 @pytest.mark.unit
-def test_live_votes_are_spaced_about_one_store_poll_apart(monkeypatch):
+def test_live_votes_are_spaced_about_one_vote_period_apart(monkeypatch):
     # rank 0 proposes, at each vote, the commits every member skips before the next: its commits per
-    # pending.POLL_S less one, from the time since its last vote over the commits that vote covered
+    # pending.VOTE_S less one, from the time since its last vote over the commits that vote covered
     from phalanx.elastic import pending
 
+    monkeypatch.setattr(pending, "VOTE_S", 0.05)
     clock = iter([100.0, 100.016, 100.016 + 3 * 0.016, 100.064 + 0.5, 100.564 + 1e-6])
     monkeypatch.setattr(pending.time, "monotonic", lambda: next(clock))
     poll = pending.PendingPoll("127.0.0.1:1", lambda: 0)   # (not started: no thread, no store)
@@ -223,3 +224,52 @@ def test_a_snapshot_file_holds_a_copy_of_every_piece(tmp_path):
     files.write(4, {"model": model.state_dict(), "step": 8}, background=False)
     assert sorted(os.listdir(tmp_path)) == ["commit-000000004.pt"]   # keep=1 pruned the older one
     assert torch.equal(files.latest()[1]["model"]["0.bias"], model.state_dict()["0.bias"])
+
+
+@pytest.mark.unit
+def test_snapshot_period_spaces_rank_0s_snapshots_in_time(tmp_path, monkeypatch):
+    # recover="live", one process (every commit due): with snapshot_period_s, a snapshot only at the first
+    # commit at least that long after the last one; what loads back is that commit's state
+    from phalanx.elastic import state as state_module
+
+    clock = iter([0.0, 0.4, 0.9, 1.0, 1.5, 2.2])   # the times of the commits that are due
+    monkeypatch.setattr(state_module, "_clock", lambda: next(clock))
+    weight = torch.nn.Parameter(torch.zeros(2))
+    state = elastic.TorchState(weight=weight, commit_dir=str(tmp_path / "c"), keep=100, recover="live",
+                               snapshot_period_s=1.0, step=0)
+    for step in range(1, 7):
+        with torch.no_grad():
+            weight.fill_(step)
+        state.step = step
+        state.commit()
+    state.finish()
+    assert sorted(os.listdir(tmp_path / "c")) == [f"commit-{n:09d}.pt" for n in (1, 4, 6)]
+    from phalanx.elastic.snapshots import Snapshots
+
+    number, tree = Snapshots(str(tmp_path / "c")).latest()
+    assert number == 6 and tree["pieces"]["step"] == 6, tree
+    assert torch.equal(tree["pieces"]["weight"], torch.full((2,), 6.0)), tree
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recover, period", [("live", -1.0), ("live", "2s"), ("commit", 2.0)])
+def test_snapshot_period_needs_seconds_and_live_recovery(recover, period):
+    with pytest.raises(ValueError, match=r"TorchState\(snapshot_period_s=.*\): give a number of seconds >= 0 "
+                                         r"with recover='live'"):
+        elastic.TorchState(torch.nn.Linear(1, 1), recover=recover, snapshot_period_s=period)
+
+
+@pytest.mark.unit
+def test_a_snapshot_file_cut_short_or_foreign_is_refused_in_one_line(tmp_path):
+    from phalanx.elastic.snapshots import Snapshots
+
+    files = Snapshots(str(tmp_path), keep=2)
+    path = files.write(1, {"w": torch.ones(1000)}, background=False)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(ValueError, match="is cut short"):
+        files.latest()
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 a torch.save zip")
+    with pytest.raises(ValueError, match="is not an elastic snapshot"):
+        files.latest()
