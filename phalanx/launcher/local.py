@@ -43,6 +43,7 @@ import uuid
 
 from phalanx.launcher import forward
 from phalanx.launcher import secret as job_secret
+from phalanx.launcher.file_tail import FileTails
 from phalanx.launcher.stall import Watcher, describe_exit, lost_a_peer
 from phalanx.preemption.guard import PREEMPT_MARK_ENV
 from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV, STACK_DIR_ENV
@@ -131,12 +132,15 @@ def _logs_specs(keep_dir: str | None, work_dir: str, ranks_filter):
         def __init__(self) -> None:
             super().__init__(log_dir=work_dir, local_ranks_filter=ranks_filter)
             self.stderrs: dict[int, str] = {}  # local rank -> its stderr file (latest attempt)
+            # the terminal's copy: phalanx's follower, whole lines only (file_tail.py says why not TorchElastic's tee)
+            self.tails = FileTails()
 
         @property
         def root_log_dir(self) -> str:
             return work_dir
 
         def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            self.tails.finish()  # the previous attempt's workers have ended: the rest of their output
             dest = LogsDest()
             for local_rank, env in envs.items():
                 rank, attempt = int(env.get("RANK", local_rank)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -144,7 +148,8 @@ def _logs_specs(keep_dir: str | None, work_dir: str, ranks_filter):
                 os.makedirs(os.path.dirname(out), exist_ok=True)
                 dest.stdouts[local_rank], dest.stderrs[local_rank] = out, err
                 if ranks_filter is None or local_rank in ranks_filter:
-                    dest.tee_stdouts[local_rank], dest.tee_stderrs[local_rank] = out, err
+                    self.tails.follow(out, f"[{rank}]: ", sys.stdout)
+                    self.tails.follow(err, f"[{rank}]: ", sys.stderr)
                 error_file = os.path.join(work_dir, f"error.{rank}.{attempt}.json")
                 dest.error_files[local_rank] = env["TORCHELASTIC_ERROR_FILE"] = error_file
                 self.stderrs[local_rank] = err
@@ -224,17 +229,20 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         elastic_launch(config, sys.executable)(_EXEC_SHIM, *command)
         return 0
     except ChildFailedError as err:
+        logs.tails.finish()  # the ranks' last lines before the failure's report
         if watcher is not None:
             watcher.stop()
         if forward.all_preempted(f.exitcode for f in err.failures.values()):  # the workers got the signal themselves
             return forward.report_preempted(preempt.signal)
         return _report_failure(err, logs.stderrs, spec.ranks_filter, watcher)
     except SignalException as err:
+        logs.tails.finish()
         if preempt.preempted:
             return forward.report_preempted(err.sigval)
         print(f"phalanx: received {err.sigval.name}; stopped every worker", file=sys.stderr)
         return 128 + int(err.sigval)
     finally:
+        logs.tails.close()
         forwarding.__exit__(None, None, None)
         if watcher is not None:
             watcher.stop()

@@ -21,11 +21,22 @@ def _run(args, timeout=120, **kw):
 
 
 def test_run_prints_rank_and_size_with_prefixes():
-    proc = _run(["run", "-np", "2", sys.executable, "-c",
-                 "import phalanx as px; px.init(); print(px.rank(), px.size())"])
+    # also: a line written in two pieces (print(..., end="") then the rest, or any print under
+    # PYTHONUNBUFFERED=1) is one line under one prefix, and a last line without a newline is kept
+    # (TorchElastic's own follower printed "[0]: part one,[0]:  part two" and is not used)
+    proc = _run(["run", "-np", "2", sys.executable, "-c", textwrap.dedent("""
+                 import sys, time, phalanx as px
+                 px.init()
+                 print(px.rank(), px.size())
+                 print("part one,", end="", flush=True); time.sleep(0.3); print(" part two", flush=True)
+                 print("err one,", end="", file=sys.stderr, flush=True); time.sleep(0.3); print(" err two", file=sys.stderr)
+                 print("last", end="")""")], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr
-    lines = set(proc.stdout.splitlines())
-    assert "[0]: 0 2" in lines and "[1]: 1 2" in lines
+    lines = proc.stdout.splitlines()
+    for r in (0, 1):
+        assert [ln for ln in lines if ln.startswith(f"[{r}]: ")] == [f"[{r}]: {r} 2", f"[{r}]: part one, part two",
+                                                                     f"[{r}]: last"], proc.stdout
+        assert f"[{r}]: err one, err two" in proc.stderr.splitlines(), proc.stderr
 
 
 def test_horovod_variables_are_exported():
