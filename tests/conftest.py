@@ -26,21 +26,20 @@ if importlib.util.find_spec("sklearn") is not None:
     os.environ.setdefault("PHALANX_SPAWN_PRELOAD", "sklearn.datasets")
 
 # Seconds per module on this 2-core machine (`python -m pytest -q --durations=0`, summed per module,
-# 2026-11-27 06:10, 2 test processes, the whole suite 1147 s); modules not listed take under 11 s. Only the order depends on it: longest first
+# 2026-11-27 11:26, 2 test processes, the whole suite 1075 s); modules not listed take under 11 s. Only the order depends on it: longest first
 # (LPT), so a long module does not start last and keep one process running alone at the end.
 MODULE_SECONDS = {
-    "test_horovod_elastic_flow": 168, "test_keras": 156, "test_elastic_membership": 153,
-    "test_elastic_inprocess": 126, "test_cli": 98, "test_tensorflow_horovod_examples": 87, "test_launcher": 87,
-    "test_ray": 86, "test_preempt_slurm": 78, "test_tune": 77, "test_gpu_dry_run": 75, "test_trainer": 70,
-    "test_multihost": 58, "test_horovod": 50, "test_stall": 50, "test_elastic_snapshot_every": 48,
-    "test_elastic": 45, "test_slurm_docs": 44, "test_elastic_zero": 41, "test_slurm_elastic": 38, "test_runtime": 36,
-    "test_tensorflow": 33, "test_elastic_random": 31, "test_ps": 31, "test_horovod_errors": 27,
-    "test_preempt_restart": 27, "test_preempt_elastic": 25, "test_big_models": 25, "test_big_models_grid": 24,
-    "test_big_models_3d": 36,  # 8 ranks; measured alone (--durations, load ~10), not in a full run
-    "test_compressed_collectives": 22, "test_mpirun": 22, "test_preempt": 22, "test_slurm": 22,
-    "test_tensorflow_horovod": 21, "test_profiler": 20, "test_data_parallel_args": 20, "test_autotune": 17,
-    "test_horovod_example": 15, "test_checkpoint_format": 14, "test_checkpoint": 13, "test_parallelize": 13,
-    "test_expert": 12, "test_zero": 12, "test_ps_protocol": 12, "test_data_parallel": 12,
+    "test_horovod_elastic_flow": 162, "test_keras": 158, "test_elastic_membership": 122,
+    "test_elastic_inprocess": 108, "test_tune": 85, "test_ray": 73, "test_gpu_dry_run": 70, "test_launcher": 63,
+    "test_elastic": 61, "test_slurm_elastic": 61, "test_trainer": 61, "test_tensorflow_horovod_examples": 58,
+    "test_multihost": 52, "test_slurm_docs": 52, "test_preempt_slurm": 50, "test_runtime": 46,
+    "test_big_models_grid": 45, "test_cli": 44, "test_stall": 44, "test_elastic_zero": 39, "test_horovod": 39,
+    "test_elastic_snapshot_every": 37, "test_tensorflow": 32, "test_preempt_elastic": 32, "test_ps": 31,
+    "test_big_models_3d": 29, "test_preempt": 28, "test_tensorflow_horovod": 27, "test_compressed_collectives": 26,
+    "test_horovod_errors": 25, "test_elastic_random": 24, "test_preempt_restart": 23, "test_profiler": 22,
+    "test_slurm": 22, "test_big_models": 20, "test_mpirun": 17, "test_zero": 16, "test_autotune": 16,
+    "test_checkpoint_format": 15, "test_checkpoint": 14, "test_data_parallel_args": 14, "test_expert": 13,
+    "test_ps_protocol": 12,
 }
 
 
