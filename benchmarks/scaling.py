@@ -89,7 +89,7 @@ def memory_table() -> list[str]:
     at both allocator ends, and its terms in GiB."""
     g = 2**30
     lines = [f"{'row':<34} {'published':>9} {'model':>7} {'error':>7} {'bound':>5} {'x1':>6} {'x1.21':>6}   "
-             "states / gathered / activations / overhead (GiB)"]
+             "states / gathered / activations / pipeline / overhead (GiB)"]
     for row in published.MEMORY:
         w = workloads.get(row.model)
         pred = published.reproduce(row)
@@ -97,7 +97,8 @@ def memory_table() -> list[str]:
         peak = sum(parts.values()) - parts["overhead"]
         lines.append(f"{row.key:<34} {row.figure:>9.1f} {pred:>7.1f} {published.error(row, pred) * 100:>+6.1f}% "
                      f"{row.bound * 100:>4.0f}% {peak / g:>6.1f} {peak * memory.FRAGMENTATION / g:>6.1f}   "
-                     + " / ".join(f"{parts[k] / g:.1f}" for k in ("states", "gathered", "activations", "overhead")))
+                     + " / ".join(f"{parts[k] / g:.1f}" for k in ("states", "gathered", "activations", "pipeline",
+                                                                       "overhead")))
     return lines
 
 

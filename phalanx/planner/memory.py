@@ -38,6 +38,16 @@ architecture and the job's checkpointing policy, and the allocator's overhead, s
                  nll_loss's dense fp32 gradient and log_softmax's fp32 gradient), 14 with tp > 1 (loss parallel)
                  with pp > 1 the larger of the first stage (1F1B: up to pp micro-batches in flight) and the last
                  (one micro-batch and the loss); a CNN keeps each layer's output and its pre-activation
+    pipeline     what torch.distributed.pipelining holds beside them (``Job.pipeline_buffers="torch"``, torchtitan's;
+                 stage.py and schedules.py): a stage output is (b, s/t, h) in the compute dtype (sequence parallel) and
+                 the next stage's input. The first stage keeps each in-flight micro-batch's output in fwd_cache until
+                 its backward, and one gradient-receive buffer per micro-batch (_prepare_backward_infra allocates them
+                 all up front and keeps them across steps). The last stage keeps every micro-batch's output (the
+                 logits) in output_chunks until the step merges them, one receive buffer per micro-batch
+                 (_prepare_forward_infra, up front; the running one is the first block's saved input), and the
+                 gradient each receive buffer accumulates in .grad (cleared only at the next step). Added to each
+                 stage's activations before the larger is taken; "recycled" counts none of it (phalanx's stage
+                 recycles its receive buffers, Megatron-LM frees an output's storage once it is sent)
     overhead     x FRAGMENTATION, what the CUDA caching allocator reserves over the peak it hands out; x 1 with
                  ``Job.expandable_segments`` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
 
@@ -55,7 +65,7 @@ from phalanx.parallel import composition
 from phalanx.planner.workloads import Workload
 
 __all__ = ["FRAGMENTATION", "per_gpu", "breakdown", "activations", "LOSSY", "LOSS_BYTES_PER_LOGIT", "FSDP2_REDUCE_BYTES",
-           "AC_POLICIES"]
+           "AC_POLICIES", "PIPELINE_BUFFERS"]
 
 FRAGMENTATION = 1.21
 """``max_memory_reserved / max_memory_allocated`` of a training step on an H100, the largest of phalanx's
@@ -88,6 +98,9 @@ FSDP2_REDUCE_BYTES = 4
 
 AC_POLICIES = ("none", "op", "full")
 
+PIPELINE_BUFFERS = ("recycled", "torch")
+"""what a pipeline's runtime holds beside the activations (module docstring, ``Job.pipeline_buffers``)"""
+
 
 def _block(w: Workload):
     return next(layer for layer in w.layers if layer.block)
@@ -117,12 +130,28 @@ def _block_saved(w: Workload, tokens: float, tp: int, sp: bool, ac: str, dtype_b
     return tokens * w.hidden * (10 + 24 / tp) * dtype_bytes / 2
 
 
+def _torch_pipelining_held(w: Workload, tokens: float, tp: int, sp: bool, micro_batches: int, in_flight: int,
+                           dtype_bytes: int) -> tuple[float, float]:
+    """Bytes torch.distributed.pipelining holds beside the activations, (first stage, last stage), at each one's peak:
+    the first stage's in the last warm-up forward, the last stage's in the last micro-batch's backward (module
+    docstring)."""
+    out = tokens * w.hidden / (tp if sp and tp > 1 else 1) * dtype_bytes     # one stage output = one receive buffer
+    first = in_flight * out + micro_batches * out          # outputs in fwd_cache; the gradient-receive buffers
+    earlier = micro_batches - 1
+    logits = tokens * w.vocab / tp * dtype_bytes
+    last = earlier * logits + earlier * out + earlier * out  # output_chunks; idle receive buffers; their .grad
+    return first, last
+
+
 def activations(w: Workload, micro: float, tp: int = 1, dtype_bytes: int = 2, *, ac: str | None = None,
                 sequence_parallel: bool = False, loss: str = "fused", in_flight: int = 1, pp: int = 1,
-                tp_saves_gathered: bool = False) -> float:
+                tp_saves_gathered: bool = False, micro_batches: int = 1, pipeline_buffers: str = "recycled") -> float:
     """Peak bytes one GPU keeps for backward: ``micro`` samples a pass, ``in_flight`` passes held by the first of
     ``pp`` stages (module docstring); ``ac`` defaults to the workload's own (full if it recomputes);
-    ``tp_saves_gathered``: tensor parallel as torch.distributed.tensor.parallel runs it (``Job.tensor_parallel``)."""
+    ``tp_saves_gathered``: tensor parallel as torch.distributed.tensor.parallel runs it (``Job.tensor_parallel``);
+    ``pipeline_buffers="torch"`` adds what torch.distributed.pipelining holds for ``micro_batches`` a step."""
+    if pipeline_buffers not in PIPELINE_BUFFERS:
+        raise ValueError(f"pipeline_buffers {pipeline_buffers!r} unknown; choose one of {', '.join(PIPELINE_BUFFERS)}")
     if w.kind != "transformer":
         return 2 * sum(layer.act_elems for layer in w.layers) * dtype_bytes * micro * in_flight / pp
     ac = ac or ("full" if w.recompute else "none")
@@ -138,7 +167,12 @@ def activations(w: Workload, micro: float, tp: int = 1, dtype_bytes: int = 2, *,
     logits = tokens * w.vocab / tp * per_logit
     if sequence_parallel and tp > 1 and tp_saves_gathered:
         logits += tokens * w.hidden * dtype_bytes      # the output layer saves its all-gathered input
-    return max(saved * in_flight, saved + logits) + recomputing
+    first, last = saved * in_flight, saved + logits
+    if pp > 1 and pipeline_buffers == "torch":
+        held_first, held_last = _torch_pipelining_held(w, tokens, tp, sequence_parallel, micro_batches, in_flight,
+                                                       dtype_bytes)
+        first, last = first + held_first, last + held_last
+    return max(first, last) + recomputing
 
 
 def _gathered(w: Workload, job, wb: float) -> float:
@@ -160,7 +194,8 @@ def per_gpu(w: Workload, job) -> float:
 
 
 def breakdown(w: Workload, job) -> dict:
-    """:func:`per_gpu` term by term (bytes): states, gathered, residual, activations, scratch, overhead."""
+    """:func:`per_gpu` term by term (bytes): states, gathered, residual, activations, pipeline (what
+    torch.distributed.pipelining adds to the larger stage's activations), scratch, overhead."""
     axis = composition.by_name(job.strategy)
     shards = set(axis.shards) | ({"optimizer"} if job.distributed_optimizer else set())
     n = w.params / (job.tp * job.pp)
@@ -181,9 +216,11 @@ def breakdown(w: Workload, job) -> dict:
     micro = job.micro_batch if job.pp > 1 or job.accumulate else per_replica
     m = max(1, per_replica / job.micro_batch) if job.pp > 1 else 1
     in_flight = int(min(job.pp, m)) if job.pp > 1 else 1
-    parts["activations"] = activations(w, micro, job.tp, 4 if w.precision == "fp32" else 2, ac=job.ac or None,
-                                       sequence_parallel=job.sequence_parallel, loss=job.loss, in_flight=in_flight,
-                                       pp=job.pp, tp_saves_gathered=job.tensor_parallel == "dtensor")
+    args = (w, micro, job.tp, 4 if w.precision == "fp32" else 2)
+    kw = dict(ac=job.ac or None, sequence_parallel=job.sequence_parallel, loss=job.loss, in_flight=in_flight, pp=job.pp,
+              tp_saves_gathered=job.tensor_parallel == "dtensor", micro_batches=int(m))
+    parts["activations"] = activations(*args, **kw)
+    parts["pipeline"] = activations(*args, **kw, pipeline_buffers=job.pipeline_buffers) - parts["activations"]
     parts["scratch"] = scratch
     overhead = EXPANDABLE if job.expandable_segments else FRAGMENTATION
     parts["overhead"] = sum(parts.values()) * (overhead - 1)

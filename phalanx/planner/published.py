@@ -89,8 +89,10 @@ def _titan(**kw) -> scaling.Job:
     """A torchtitan job, as its code at the benchmark's commit runs it: attention in PyTorch's flash backend
     (FlashAttention-2, not the cuDNN kernel the table measured: planner.kernels.ATTENTION_BACKENDS says why, for the Dec
     2024 and the June 2025 runs), FSDP2 with its fp32 reduce and its copies (``Job.fsdp2``), and torch's foreach AdamW
-    after clip_grad_norm_ (``Job.optimizer``; optimizer.fused defaults to False)."""
-    return scaling.Job(attention="flash2", fsdp2=True, optimizer="foreach", tensor_parallel="dtensor", **kw)
+    after clip_grad_norm_ (``Job.optimizer``; optimizer.fused defaults to False), and its pipeline as
+    torch.distributed.pipelining holds it (``Job.pipeline_buffers``: memory only)."""
+    return scaling.Job(attention="flash2", fsdp2=True, optimizer="foreach", tensor_parallel="dtensor",
+                       pipeline_buffers="torch", **kw)
 
 
 def _titan_2024(**kw) -> scaling.Job:

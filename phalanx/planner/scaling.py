@@ -123,6 +123,11 @@ class Job:
     expandable_segments: bool = False
     """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launch scripts): memory counts no allocator
     overhead (planner.memory.EXPANDABLE) instead of planner.memory.FRAGMENTATION"""
+    pipeline_buffers: str = "recycled"
+    """what the pipeline's runtime holds beside the activations, for memory (planner.memory.PIPELINE_BUFFERS):
+    "recycled" (nothing counted: phalanx's stage recycles its receive buffers, Megatron-LM frees each output once it is
+    sent) or "torch" (torch.distributed.pipelining, torchtitan's: every micro-batch's receive buffers allocated up front,
+    each stage output kept until its backward, the last stage's outputs until the step ends). Memory only"""
 
     @property
     def gpus(self) -> int:
@@ -243,7 +248,8 @@ def predict(w: Workload, hw: Hardware, job: Job, *, mfu: float | None = None) ->
         raise ValueError(f"compression {job.compression!r} unknown; choose one of {', '.join(COMPRESSIONS)}")
     for field, choices in (("optimizer", kernels.OPTIMIZER_BYTES_PER_PARAM), ("attention", kernels.ATTENTION_BACKENDS),
                            ("loss", memory.LOSS_BYTES_PER_LOGIT), ("ac", ("",) + memory.AC_POLICIES),
-                           ("tensor_parallel", ("megatron", "dtensor"))):
+                           ("tensor_parallel", ("megatron", "dtensor")),
+                           ("pipeline_buffers", memory.PIPELINE_BUFFERS)):
         if getattr(job, field) not in choices:
             raise ValueError(f"{field} {getattr(job, field)!r} unknown; choose one of {', '.join(choices)}")
     if job.tp > 1 and w.kind != "transformer" or job.pp > max(1, w.blocks):

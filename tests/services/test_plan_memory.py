@@ -78,3 +78,33 @@ def test_megatron_distributed_optimizer_and_every_published_run_fits():
         if row.metric in ("tokens", "mfu"):
             wl, hw = workloads.get(row.model), hardware.get(row.hardware)
             assert memory.per_gpu(wl, row.job) <= hw.gpu.hbm_bytes, row.key
+
+
+def test_torch_pipelining_holds_outputs_and_receive_buffers():
+    """torch.distributed.pipelining (Job.pipeline_buffers="torch"): the first stage keeps its in-flight outputs and one
+    gradient-receive buffer per micro-batch; the last keeps every earlier micro-batch's logits (output_chunks), its idle
+    receive buffers and the gradients they accumulate. A stage output is (b, s/t, h) bf16 under sequence parallel."""
+    w = workloads.get("llama3-8b")
+    tokens, h, v, t = 8192, 4096, 128256, 2
+    out, logits = tokens * h / t * 2, tokens * v / t * 2
+    kw = dict(sequence_parallel=True, loss="eager", tp_saves_gathered=True)
+    # full AC, 4 stages, 8 micro-batches of 1, 4 in flight on the first stage: the last stage's logits dominate
+    recycled = memory.activations(w, 1, t, ac="full", in_flight=4, pp=4, micro_batches=8, **kw)
+    held = memory.activations(w, 1, t, ac="full", in_flight=4, pp=4, micro_batches=8, pipeline_buffers="torch", **kw)
+    saved = 8 * tokens * h / t * 2
+    recompute = tokens * h * (34 / t + 4)
+    last = saved + logits * 7 + tokens * h * 2 + 7 * logits + 14 * out     # loss parallel: 14 B a logit = 7 x bf16
+    assert recycled == pytest.approx(max(4 * saved, saved + logits * 7 + tokens * h * 2) + recompute)
+    assert held == pytest.approx(max(4 * saved + 12 * out, last) + recompute)
+    # no checkpointing, 2 stages, 2 micro-batches: the first stage's in-flight set dominates, + 2 outputs + 2 buffers
+    block = tokens * h * (34 / t + 4)
+    assert memory.activations(w, 1, t, ac="none", in_flight=2, pp=2, micro_batches=2, pipeline_buffers="torch",
+                              **kw) == pytest.approx(2 * 16 * block + 4 * out)
+    # breakdown reports it as its own term, nothing without a pipeline or with "recycled"
+    row = published.by_key("torchtitan-405b-512-memory")
+    parts = memory.breakdown(workloads.get(row.model), row.job)
+    plain = memory.breakdown(workloads.get(row.model), dataclasses.replace(row.job, pipeline_buffers="recycled"))
+    assert parts["pipeline"] > 2 * 2**30 and plain["pipeline"] == 0
+    assert sum(parts.values()) - parts["pipeline"] == pytest.approx(sum(plain.values()))
+    with pytest.raises(ValueError, match="pipeline_buffers 'gpipe' unknown"):
+        memory.activations(w, 1, pipeline_buffers="gpipe")
