@@ -344,7 +344,7 @@ def main() -> None:
                    help="phalanx: TorchState(snapshot_every=N): the commit's file every N commits (memory: each)")
     p.add_argument("--snapshot-period", type=float, default=None,
                    help="phalanx (recover live): TorchState(snapshot_period_s=S): at most one snapshot every S "
-                        "seconds (default: none, every --snapshot-every-th commit)")
+                        "seconds (default: TorchState's, 10 s; 0: every --snapshot-every-th commit)")
     p.add_argument("--torchft-ddp-np", default="2",
                    help="world sizes at which the torchft runner (its DistributedDataParallel) runs (default 2)")
     p.add_argument("--ckpt-every", type=int, default=10, help="torchrun: a DCP checkpoint every N steps")

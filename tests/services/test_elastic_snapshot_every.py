@@ -252,6 +252,29 @@ def test_snapshot_period_spaces_rank_0s_snapshots_in_time(tmp_path, monkeypatch)
 
 
 @pytest.mark.unit
+def test_live_snapshots_default_to_one_per_period_and_zero_gives_every_due_commit(tmp_path, monkeypatch):
+    # recover="live" without snapshot_period_s: rank 0 snapshots at most once per state.LIVE_SNAPSHOT_S
+    # (the survivors never read the file; it serves a whole-group restart); 0: every due commit
+    from phalanx.elastic import state as state_module
+
+    period = state_module.LIVE_SNAPSHOT_S
+    clock = iter([0.0, period / 2, period - 0.01, period, period * 1.5, period * 2.5])
+    monkeypatch.setattr(state_module, "_clock", lambda: next(clock))
+    weight = torch.nn.Parameter(torch.zeros(2))
+    default = elastic.TorchState(weight=weight, commit_dir=str(tmp_path / "d"), keep=100, recover="live", step=0)
+    every = elastic.TorchState(weight=weight, commit_dir=str(tmp_path / "e"), keep=100, recover="live",
+                               snapshot_period_s=0, step=0)
+    for step in range(1, 7):
+        default.step = every.step = step
+        default.commit()
+        every.commit()   # (reads no clock: the iterator above would run out)
+    default.finish()
+    every.finish()
+    assert sorted(os.listdir(tmp_path / "d")) == [f"commit-{n:09d}.pt" for n in (1, 4, 6)]
+    assert sorted(os.listdir(tmp_path / "e")) == [f"commit-{n:09d}.pt" for n in range(1, 7)]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("recover, period", [("live", -1.0), ("live", "2s"), ("commit", 2.0)])
 def test_snapshot_period_needs_seconds_and_live_recovery(recover, period):
     with pytest.raises(ValueError, match=r"TorchState\(snapshot_period_s=.*\): give a number of seconds >= 0 "
