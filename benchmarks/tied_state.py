@@ -61,7 +61,7 @@ def _job(vocab, embd, layers, stage, bits, steps):
                 if torch.is_tensor(v))
     held = [t for t in pm.module.tied_across_stages if t.param is not None]
     return {"rank": px.rank(), "coord": mesh.coord, "state": state, "step_s": statistics.median(times[1:]),
-            "copy_elems": sum(t.param.numel() for t in held)}
+            "copy_elems": sum(t.param.numel() for t in held), "phalanx": os.path.dirname(os.path.dirname(px.__file__))}
 
 
 def _one(args, variant: str) -> None:
@@ -72,7 +72,8 @@ def _one(args, variant: str) -> None:
                  env={"PHALANX_BACKEND": "gloo"}, timeout=args.timeout)
     for r in res:
         if r["coord"][0] == 0:
-            print(f"RESULT {variant} stage{r['coord'][1]} {r['state']} {r['step_s']:.4f} {r['copy_elems']}", flush=True)
+            print(f"RESULT {variant} stage{r['coord'][1]} {r['state']} {r['step_s']:.4f} {r['copy_elems']} "
+                  f"{r['phalanx']}", flush=True)
 
 
 def main() -> None:
@@ -108,12 +109,14 @@ def main() -> None:
                     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", variant, "--stage",
                                           str(stage), "--bits", str(bits), "--vocab", str(a.vocab), "--embd",
                                           str(a.embd), "--layers", str(a.layers), "--steps", str(a.steps),
-                                          "--timeout", str(a.timeout)], env=env, capture_output=True, text=True)
+                                          "--timeout", str(a.timeout)], env=env, cwd=tree, capture_output=True,
+                                         text=True)  # cwd: the forkserver's '' on sys.path, ahead of PYTHONPATH
                     lines = [ln.split() for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
                     if not lines:
                         print(f"{variant}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
-                    for _, v, st, state, t, _copy in lines:
+                    for _, v, st, state, t, copy, tree in lines:
                         rows[(v, st)] = (int(state), float(t))
+                        print(f"  {v} {st}: phalanx from {tree}, a tied copy of {int(copy)} elements here", flush=True)
                 for st in sorted({k[1] for k in rows}):
                     (b_s, b_t), (a_s, a_t) = rows.get(("before", st), (0, 0.0)), rows.get(("after", st), (0, 0.0))
                     print(f"| {stage} | {bits}-bit | {st} | {b_s / 2**20:.2f} | {a_s / 2**20:.2f} | "
