@@ -134,8 +134,9 @@ def zero(
     made); ``group`` defaults to its world group.
     ``tied_group``: on a pipeline stage holding a copy of a parameter tied across stages (a head
     tied to the embedding, ``model.tied_across_stages`` from ``split_by_path``), the pipeline's
-    process group (group rank s = stage s: ``RankGrid.pp_group``): ZeRO starts the copies equal and
-    sums their reduced gradient shards over it in ``step()`` (:mod:`phalanx.parallel.zero.tied`).
+    process group (group rank s = stage s: ``RankGrid.pp_group``): ZeRO starts the copies equal, sums
+    their reduced gradient shards on the first stage holding one, which alone keeps the copy's optimizer
+    state and steps it, and sends the result to the other holders (:mod:`phalanx.parallel.zero.tied`).
     ``tp_group`` / ``pp_group``: on a piece of a split model (a TP shard, a pipeline stage; ``pp_group``
     defaults to ``tied_group``), the norm that ``max_grad_norm`` clips by (and the fp16 overflow check)
     is the whole model's: the squares summed over dp, then tp, then pp, each element once
