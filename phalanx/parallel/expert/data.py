@@ -82,6 +82,8 @@ class ExpertOptimizer:
         self.experts.synchronize()
         if self._zero:  # ZeRO adds _expert_squares to its norm, clips its shards and steps them
             total = self.dense.step()
+            if total is None:  # a non-finite norm: ZeRO skipped its step, and so do the experts
+                return None
         else:
             self.dense.synchronize()
             sq = self._expert_squares()
