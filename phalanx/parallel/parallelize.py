@@ -112,12 +112,14 @@ class ParallelModel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """After :meth:`step`: clip ``.grad`` by the whole model's norm (every stage, every TP shard, a
-        tied head once; :func:`phalanx.parallel.clip.clip_grad_norm_`). Returns that norm. Every rank calls it."""
+        tied head once, the experts summed over ep; :func:`phalanx.parallel.clip.clip_grad_norm_`). Returns that
+        norm. Every rank calls it."""
         if self._sharded:
             raise ValueError("ParallelModel.clip_grad_norm_: under ZeRO the gradients live in its shards; pass "
                              "zero_options={'max_grad_norm': ...} to parallelize (ZeRO clips by the whole model's norm)")
         return clip_grad_norm_(self.module, max_norm, tp_group=self.mesh.tp_group if self.mesh.tp > 1 else None,
-                               pp_group=self.mesh.pp_group if self.mesh.pp > 1 else None)
+                               pp_group=self.mesh.pp_group if self.mesh.pp > 1 else None,
+                               ep_group=self.mesh.ep_group if self.mesh.ep > 1 else None)
 
 
 def parallelize(

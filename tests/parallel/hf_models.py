@@ -205,7 +205,7 @@ def conv_keys(model):
 
 
 def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, steps=3, move_to_world1=False,
-                     zero_options=None, clip=None):
+                     zero_options=None, clip=None, reload_sharded=False):
     """parallelize() on the model in one call over dp x pp x tp, against one process (full batch, Adam
     at lr 1e-2): each step's loss and the parameters (gathered over tp; under pp this stage's).
     ``move_to_world1``: then the parameters and Adam's moments of every stage (gathered over tp, ZeRO's
@@ -213,7 +213,9 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
     equal the parallel run's ("continued"): the first checks the parameters, the second the moments.
     A head tied across pipeline stages: "copies" is the largest difference between its stages' copies.
     ``clip``: both sides clip by that max norm before each step (one process: torch's ``clip_grad_norm_``;
-    the grid: ZeRO's ``max_grad_norm`` or ``pm.clip_grad_norm_``); their norms are "norms" and "ref norms"."""
+    the grid: ZeRO's ``max_grad_norm`` or ``pm.clip_grad_norm_``); their norms are "norms" and "ref norms".
+    ``reload_sharded`` (ZeRO, with ``move_to_world1``): every dp rank's ``sharded_state_dict`` of this stage,
+    loaded into a fresh ``parallelize`` of the same layout, whose next two losses are "reloaded"."""
     import torch.distributed as dist
 
     from phalanx.optim import load_named_optimizer_state
@@ -288,13 +290,30 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
            "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
            "worst": max(diffs, key=diffs.get), "copies": copies, "norms": norms, "ref norms": ref_norms,
            "refused": refused}
+    if pp > 1 and data_parallel.startswith("zero"):  # a tied copy's state: on its first holder only
+        state = [v for st in pm.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+        held = [t for t in pm.module.tied_across_stages if t.param is not None]
+        out.update({"state elements": sum(v.numel() for v in state if v.dtype == torch.float32),
+                    "stepped elements": sum(c.numel() for g in pm.optimizer.param_groups for c in g["params"]),
+                    "state entries": (len(pm.optimizer.state), sum(len(g["params"]) for g in pm.optimizer.param_groups)),
+                    "shard elements": sum(c.numel() for cs in pm.optimizer.chunks for c in cs),
+                    "copy elements": {t.stages[0] == mesh.coord[1]: -(-t.param.numel() // dp) for t in held}})
     if move_to_world1:
         moments = gather_tp_optimizer_state(pm.module, pm.optimizer, mesh.tp_group)
         mine = {"params": full, "state": dict(plain({s: plain(v, k)[1] for s, v in st.items()}, k)
                                                  for k, st in moments["state"].items())}
         stages = [None] * pp
         dist.all_gather_object(stages, mine, group=mesh.pp_group)
+        shards = [None] * dp
+        if reload_sharded:
+            dist.all_gather_object(shards, pm.optimizer.sharded_state_dict(), group=mesh.dp_group)
         out["continued"] = run(range(steps, steps + 2))
+        if reload_sharded:
+            pm = parallelize(make(kind, tie=tie, layers=layers), mesh, loss_fn=loss_fn, num_microbatches=2,
+                             data_parallel=data_parallel, checkpoint=checkpoint,
+                             optimizer=lambda params: torch.optim.Adam(params, lr=1e-2), zero_options=zero_options)
+            pm.optimizer.load_sharded_state_dict(shards)
+            out["reloaded"] = run(range(steps, steps + 2))
         for key in ("world1", "world1 fresh adam"):  # the control: a fresh Adam's second step is another
             world1 = make(kind, tie=tie, layers=layers)
             world1.load_state_dict({k: v for st in stages for k, v in st["params"].items()}, strict=False)

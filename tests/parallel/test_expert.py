@@ -37,6 +37,10 @@ CASES = {
     "gpt_dp2_ep2_sgd": ("gpt", 2, 2, 2, 1.0, "allreduce", "sgd"),  # Adam turns the key bias's zero gradient into noise
 }
 PIPELINE = "gpt_pp2_ep2_m2"  # parallelize(dp=1, pp=2, ep=2), two micro-batches, SGD
+# clipped by the whole model's norm at CLIP, below every step's one-process norm (the tests check it):
+# expert_parallel(max_grad_norm=) over dp 2 x ep 2 (all-reduce, ZeRO-2), pm.clip_grad_norm_ over pp 2 x ep 2
+CLIP = 0.3
+CLIPPED = ("dp2_ep2_top2_drop_adam", "dp2_ep2_zero2_adam")
 TENSOR = "gpt_tp2_ep2"  # parallelize(tp=2, ep=2): experts whole on each tp rank, cut over ep
 
 
@@ -89,8 +93,9 @@ def _global_state(model):
     return {k.lstrip("@"): v.detach().clone() for k, v in out.items()}
 
 
-def _reference(kind, top_k, cap, opt_name, slices, micro=1):
-    """One process: each slice (and micro-batch) forward in turn, loss / (slices · micro)."""
+def _reference(kind, top_k, cap, opt_name, slices, micro=1, clip=None, norms=None):
+    """One process: each slice (and micro-batch) forward in turn, loss / (slices · micro); with ``clip``,
+    torch's ``clip_grad_norm_`` before each step (its norms appended to ``norms``)."""
     model = _model(kind, top_k, cap)
     for moe in _moes(model):
         moe.aux_grad_scale = 1.0 / (slices * micro)
@@ -105,6 +110,8 @@ def _reference(kind, top_k, cap, opt_name, slices, micro=1):
                 step_losses.append(loss.item())
                 step_dropped.append([m.last_dropped for m in _moes(model)])
                 step_aux.append([m.last_aux_loss.item() for m in _moes(model)])
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(step_losses)
@@ -113,20 +120,23 @@ def _reference(kind, top_k, cap, opt_name, slices, micro=1):
     return losses, dropped, aux, _global_state(model)
 
 
-def _train(name):
+def _train(name, clip=None, norms=None):
     """In a rank: one case of CASES; this rank's losses, drops, balance losses and state."""
     from phalanx.parallel.expert import expert_parallel
     from phalanx.parallel.grid import RankGrid
 
     kind, dp, ep, top_k, cap, dp_impl, opt_name = CASES[name]
     mesh = RankGrid(dp=dp, ep=ep)
-    model, opt = expert_parallel(_model(kind, top_k, cap), mesh, optimizer=_opt(opt_name), data_parallel=dp_impl)
+    model, opt = expert_parallel(_model(kind, top_k, cap), mesh, optimizer=_opt(opt_name), data_parallel=dp_impl,
+                                 max_grad_norm=clip)
     losses, dropped, aux = [], [], []
     for step in range(STEPS):
         x, y = _batch(kind, step, dp * ep)[mesh.batch_index]
         loss = _loss(kind, model(x), y)
         loss.backward()
-        opt.step()
+        norm = opt.step()
+        if clip is not None:
+            norms.append(float(norm))
         opt.zero_grad()
         losses.append(loss.item())
         dropped.append([m.last_dropped for m in _moes(model)])
@@ -134,7 +144,7 @@ def _train(name):
     return mesh.batch_index, losses, dropped, aux, _global_state(model), (model, opt)
 
 
-def _pipeline():
+def _pipeline(clip=None, norms=None):
     from phalanx.parallel.grid import RankGrid
     from phalanx.parallel.parallelize import parallelize
 
@@ -145,6 +155,8 @@ def _pipeline():
     for step in range(STEPS):
         x, y = _batch("gpt", step, 2)[mesh.batch_index]
         losses.append(pm.step(x, y).item())
+        if clip is not None:
+            norms.append(pm.clip_grad_norm_(clip).item())
         pm.optimizer.step()
         pm.optimizer.zero_grad()
     return mesh.batch_index, losses, _global_state(pm.module)
@@ -187,6 +199,12 @@ def _four_ranks(ckpt_dir):
             splits = [m.dispatcher.last_splits for m in _moes(model)]
             out["splits"] = splits, all(isinstance(m.dispatcher, AllToAllDispatch) for m in _moes(model))
     out[PIPELINE] = _pipeline()
+    for name in CLIPPED:  # clipped by the whole model's norm: (this rank's result, its norms)
+        norms = []
+        *result, _ = _train(name, CLIP, norms)
+        out[f"{name} clip"] = tuple(result), norms
+    norms = []
+    out[f"{PIPELINE} clip"] = _pipeline(CLIP, norms), norms
     out[TENSOR] = _tensor()
     out["loaded"] = _load_at_ep2(ckpt_dir)
     mesh = RankGrid(dp=2, ep=2)
@@ -296,6 +314,27 @@ def test_pipeline_and_expert_parallel_match_one_process(runs):
     _assert_state([r[2] for r in results], state, PIPELINE)
 
 
+@pytest.mark.parametrize("name", list(CLIPPED) + [PIPELINE])
+def test_clipping_by_the_whole_models_norm_with_experts_matches_one_process(name, runs):
+    """max_grad_norm (dp 2 x ep 2: all-reduce, ZeRO-2) and pm.clip_grad_norm_ (pp 2 x ep 2) at CLIP, against
+    one process clipping with torch's clip_grad_norm_: the experts' squares summed over ep, the dense weights
+    counted once; the norms of every step, the losses and the parameters."""
+    ref_norms = []
+    if name == PIPELINE:
+        losses, _, _, state = _reference("gpt", 2, 1.0, "sgd", 2, micro=2, clip=CLIP, norms=ref_norms)
+    else:
+        kind, dp, ep, top_k, cap, _, opt_name = CASES[name]
+        losses, _, _, state = _reference(kind, top_k, cap, opt_name, dp * ep, clip=CLIP, norms=ref_norms)
+    assert min(ref_norms) > CLIP, ref_norms  # the clip is active at every step
+    results = [r[f"{name} clip"] for r in runs]
+    for result, norms in results:
+        _close(norms, ref_norms, f"{name} norms")
+        b, r_losses = result[0], result[1]
+        _close(r_losses, [sum(s) / len(s) for s in losses] if name == PIPELINE else [s[b] for s in losses],
+               f"{name} losses")
+    _assert_state([result[-1] for result, _ in results], state, name)
+
+
 def test_tensor_and_expert_parallel_match_one_process(runs):
     losses, _, _, state = _reference("gpt", 2, 1.0, "sgd", 2)
     results = [r[TENSOR] for r in runs]
@@ -397,6 +436,8 @@ def test_other_mistakes_are_one_line():
         expert_parallel(_mlp(1, 1.0), mesh, optimizer=_opt("sgd"), data_parallel="zero3")
     with pytest.raises(ExpertParallelError, match="data_parallel='zero4'"):
         expert_parallel(_mlp(1, 1.0), mesh, optimizer=_opt("sgd"), data_parallel="zero4")
+    with pytest.raises(ExpertParallelError, match=r"^expert parallel: max_grad_norm=0: must be a positive number"):
+        expert_parallel(_mlp(1, 1.0), mesh, optimizer=_opt("sgd"), max_grad_norm=0)
     with pytest.raises(ExpertParallelError, match="must be a function from parameters"):
         model = _mlp(1, 1.0)
         expert_parallel(model, mesh, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

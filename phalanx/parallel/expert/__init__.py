@@ -60,7 +60,8 @@ __all__ = ["expert_parallel", "ExpertOptimizer", "ExpertParallelError", "AllToAl
 
 def expert_parallel(model: nn.Module, mesh, *,
                     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                    data_parallel: str = "allreduce", bucket_mb: float | None = None):
+                    data_parallel: str = "allreduce", bucket_mb: float | None = None,
+                    max_grad_norm: float | None = None):
     """Cut ``model``'s experts over ``mesh.ep_group`` and build its optimizer; returns ``(model, optimizer)``.
 
     ``mesh``: a :class:`~phalanx.parallel.grid.RankGrid` with pp = tp = 1 (for pipeline or
@@ -68,12 +69,14 @@ def expert_parallel(model: nn.Module, mesh, *,
     torch optimizer (called twice: dense weights, experts). ``data_parallel``:
     ``"allreduce"`` (bucketed, overlapped with backward) or ``"zero1|2"`` for the dense
     weights over the dense group. Every rank trains on its own slice of the batch
-    (``mesh.batch_index`` of ``mesh.dp * mesh.ep``).
+    (``mesh.batch_index`` of ``mesh.dp * mesh.ep``). ``max_grad_norm``: ``opt.step()`` first clips
+    by the whole model's norm (the experts' squares summed over ep, the dense weights counted once) and
+    returns it.
     """
     if mesh.pp > 1 or mesh.tp > 1:
         raise ExpertParallelError(f"expert_parallel: mesh has pp={mesh.pp}, tp={mesh.tp}; with pipeline or tensor "
                                   "parallel use phalanx.parallel.parallelize.parallelize(model, mesh, ...)")
-    check_options(optimizer, data_parallel)
+    check_options(optimizer, data_parallel, max_grad_norm)
     check_experts(model, mesh.ep)
     shard_experts(model, mesh.ep_group)
-    return model, build_optimizer(model, mesh, optimizer, data_parallel, bucket_mb)
+    return model, build_optimizer(model, mesh, optimizer, data_parallel, bucket_mb, max_grad_norm)

@@ -11,7 +11,10 @@ over the dp·ep slices::
     dense  grad = (1 / dp·ep) Σ over the dense group        (average over mesh.dense_group)
     expert grad = (1 / dp·ep) Σ over the dp group           (÷ ep on the rank, then average over mesh.dp_group)
 
-The ``÷ ep`` is a gradient hook on each expert weight. Each group has its own
+The ``÷ ep`` is a gradient hook on each expert weight. ``max_grad_norm`` clips by the whole model's
+norm: the experts' squares summed over the ep group (each ep rank holds other experts; the dp ranks
+holding the same ones, the same averaged gradient), the dense weights' counted once (every rank holds
+their average; under ZeRO their shards summed over the dense group), one coefficient for both. Each group has its own
 bucketed, overlapped engine (:class:`~phalanx.parallel.data.DistributedOptimizer`);
 ZeRO (``data_parallel="zero1|2"``) shards the dense weights' optimizer state
 (and gradients) over the dense group and leaves the experts as they are: they are
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm.collectives import broadcast
@@ -41,17 +45,60 @@ class ExpertOptimizer:
     ``step()`` and ``zero_grad()`` act on both; ``state_dict()`` is ``{"dense": …, "experts": …}``.
     """
 
-    def __init__(self, dense, experts) -> None:
+    def __init__(self, dense, experts, max_grad_norm: float | None = None, ep_group=None) -> None:
         self.dense, self.experts = dense, experts
+        self.max_grad_norm, self.ep_group = max_grad_norm, ep_group
+        self._zero = not isinstance(dense, DistributedOptimizer)
+        if self._zero and max_grad_norm is not None:  # ZeRO clips the dense shards, the experts' squares added
+            dense.outside_squares = self._expert_squares
 
     @property
     def param_groups(self) -> list[dict]:
         return list(self.dense.param_groups) + list(self.experts.param_groups)
 
+    def _params(self, opt) -> list[torch.Tensor]:
+        return [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+    def _expert_squares(self) -> torch.Tensor:
+        """Σ ‖g‖² of every expert of the model: this rank's, summed over the ep group."""
+        params = [p for g in self.experts.param_groups for p in g["params"]]
+        sq = torch.zeros(1, device=params[0].device if params else None)
+        for p in self._params(self.experts):
+            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+        if self.ep_group is not None:
+            dist.all_reduce(sq, group=self.ep_group)
+        return sq
+
     def step(self, closure=None):
-        loss = self.dense.step(closure) if closure is not None else self.dense.step()
-        self.experts.step()
-        return loss
+        """Step both; with ``max_grad_norm`` clip first by the whole model's norm (returned, else the
+        dense optimizer's return value)."""
+        if self.max_grad_norm is None:
+            loss = self.dense.step(closure) if closure is not None else self.dense.step()
+            self.experts.step()
+            return loss
+        if closure is not None:
+            raise ValueError("ExpertOptimizer.step(closure=...) with max_grad_norm is not supported; compute the "
+                             "loss before step()")
+        self.experts.synchronize()
+        if self._zero:  # ZeRO adds _expert_squares to its norm, clips its shards and steps them
+            total = self.dense.step()
+            if total is None:  # a non-finite norm: ZeRO skipped its step, and so do the experts
+                return None
+        else:
+            self.dense.synchronize()
+            sq = self._expert_squares()
+            for p in self._params(self.dense):
+                sq += torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(sq.device) ** 2
+            total = sq.sqrt()[0]
+        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        for p in self._params(self.experts) + ([] if self._zero else self._params(self.dense)):
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        if not self._zero:
+            with self.dense.skip_synchronize():
+                self.dense.step()
+        with self.experts.skip_synchronize():
+            self.experts.step()
+        return total.reshape(())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dense.zero_grad(set_to_none=set_to_none)
@@ -75,8 +122,12 @@ def scale_expert_grads(experts: list[tuple[str, nn.Parameter]], ep: int) -> None
             p.register_hook(lambda g, ep=ep: g / ep)
 
 
-def check_options(optimizer, data_parallel: str) -> None:
-    """One line for a bad ``data_parallel`` or an ``optimizer`` that is not a function of parameters."""
+def check_options(optimizer, data_parallel: str, max_grad_norm: float | None = None) -> None:
+    """One line for a bad ``data_parallel``, ``max_grad_norm`` or an ``optimizer`` that is not a function of
+    parameters."""
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ExpertParallelError(f"expert parallel: max_grad_norm={max_grad_norm!r}: must be a positive number, "
+                                  "or None to not clip")
     if data_parallel == "zero3":
         raise ExpertParallelError("expert parallel: data_parallel='zero3' is not supported: ZeRO-3 shards every "
                                   "parameter of the module, and the experts are cut over ep already; use 'zero1' or "
@@ -90,10 +141,12 @@ def check_options(optimizer, data_parallel: str) -> None:
 
 
 def build_optimizer(model: nn.Module, mesh, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                    data_parallel: str = "allreduce", bucket_mb: float | None = None) -> ExpertOptimizer:
+                    data_parallel: str = "allreduce", bucket_mb: float | None = None,
+                    max_grad_norm: float | None = None) -> ExpertOptimizer:
     """The ExpertOptimizer of ``model`` (its experts cut already) on ``mesh``; starts every rank
     from the values of its groups' first ranks (dense: the dense group's, experts: the dp group's)."""
-    check_options(optimizer, data_parallel)
+    check_options(optimizer, data_parallel, max_grad_norm)
+    ep_group = mesh.ep_group if mesh.ep > 1 else None
     dense, experts = split_named_parameters(model)
     scale_expert_grads(experts, mesh.ep)
     _sync(experts, mesh.dp_ranks[0], mesh.dp_group)
@@ -103,18 +156,19 @@ def build_optimizer(model: nn.Module, mesh, optimizer: Callable[[Iterable[nn.Par
         _sync(dense, mesh.dense_ranks[0], mesh.dense_group)
         dense_opt = DistributedOptimizer(optimizer([p for _, p in dense]), named_parameters=dense,
                                          group=mesh.dense_group, bucket_mb=bucket_mb)
-        return ExpertOptimizer(dense_opt, expert_opt)
+        return ExpertOptimizer(dense_opt, expert_opt, max_grad_norm, ep_group)
     from phalanx.parallel.zero import zero
 
     # zero() starts every parameter of the module from the group's first rank; the experts
     # of the other ep ranks are other experts, so they are put back after.
     kept = [p.detach().clone() for _, p in experts]
     _, dense_opt = zero(model, optimizer([p for _, p in dense]), stage=int(data_parallel[-1]),
-                        group=mesh.dense_group, **({"bucket_mb": bucket_mb} if bucket_mb else {}))
+                        group=mesh.dense_group, max_grad_norm=max_grad_norm,
+                        **({"bucket_mb": bucket_mb} if bucket_mb else {}))
     with torch.no_grad():
         for (_, p), value in zip(experts, kept):
             p.copy_(value)
-    return ExpertOptimizer(dense_opt, expert_opt)
+    return ExpertOptimizer(dense_opt, expert_opt, max_grad_norm, ep_group)
 
 
 def _sync(named: list[tuple[str, nn.Parameter]], root: int, group) -> None:

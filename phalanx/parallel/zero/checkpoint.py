@@ -47,20 +47,28 @@ class ShardedCheckpoint:
 
     A mixin over the optimizer's layout: ``masters`` (one flat fp32 shard per parameter
     group), ``chunks`` (their views the ``inner`` optimizer steps), ``engine.units``,
-    ``rank``, ``world``, ``group``, ``stage``, ``_group_names`` and ``_shapes``.
+    ``rank``, ``world``, ``group``, ``stage``, ``_group_names``, ``_shapes`` and ``state_elsewhere``
+    (names of tied copies whose optimizer state another pipeline stage keeps: saved without state).
     """
 
+    def _stepped(self) -> set[int]:
+        """ids of the chunks the inner optimizer steps (not a tied copy another stage steps)."""
+        return {id(c) for pg in self.inner.param_groups for c in pg["params"]}
+
     def _flat_state(self, g: int) -> dict:
-        """Group ``g``'s optimizer state as one flat tensor per key (chunks joined), scalars as they are."""
+        """Group ``g``'s optimizer state as one flat tensor per key (chunks joined), scalars as they are;
+        zeros where a chunk has none (a tied copy stepped on another stage: its pieces are saved stateless)."""
         cs = self.chunks[g]
         if isinstance(self.inner, FullPrecisionState):  # 8-bit state: cut and saved as fp32, requantized on load
             per_chunk = [self.inner.full_precision_state(c) for c in cs]
         else:
             per_chunk = [self.inner.state.get(c, {}) for c in cs]
-        if not per_chunk[0]:
+        i = next((i for i, st in enumerate(per_chunk) if st), None)
+        if i is None:
             return {}
-        return {k: torch.cat([st[k] for st in per_chunk]) if isinstance(v, torch.Tensor) and v.shape == cs[0].shape
-                else v for k, v in per_chunk[0].items()}
+        flat = {k for k, v in per_chunk[i].items() if isinstance(v, torch.Tensor) and v.shape == cs[i].shape}
+        return {k: torch.cat([st[k] if st else torch.zeros_like(c, dtype=v.dtype) for st, c in zip(per_chunk, cs)])
+                if k in flat else v for k, v in per_chunk[i].items()}
 
     def sharded_state_dict(self) -> dict:
         """This rank's pieces of master weights and optimizer state, addressed by parameter name.
@@ -77,7 +85,8 @@ class ShardedCheckpoint:
                 shape = next(s for u in us for nm, s in zip(u.names, u.shapes) if nm == name)
                 piece = {"name": name, "start": start, "numel": n, "shape": tuple(shape),
                          "master": m[off : off + n].clone()}
-                piece["state"] = {k: st[k][off : off + n].clone() for k in flat_keys}
+                piece["state"] = ({} if name in self.state_elsewhere else  # its first holder saves the state
+                                  {k: st[k][off : off + n].clone() for k in flat_keys})
                 pieces.append(piece)
             scalars = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items() if k not in flat_keys}
             hp = {k: v for k, v in self.inner.param_groups[g].items() if k != "params"}
@@ -107,7 +116,7 @@ class ShardedCheckpoint:
             for sg in saved:
                 for piece in sg["pieces"]:
                     index.setdefault(piece["name"], []).append(piece)
-            keys = list(saved[0]["pieces"][0]["state"]) if saved[0]["pieces"] else []
+            keys = list(dict.fromkeys(k for sg in saved for piece in sg["pieces"] for k in piece["state"]))
             state = {k: torch.zeros_like(m) for k in keys}
             for name, start, n, off in segments(us, self.rank):
                 for piece in index.get(name, []):
@@ -117,16 +126,18 @@ class ShardedCheckpoint:
                     dst, src = slice(off + a - start, off + b - start), slice(a - piece["start"], b - piece["start"])
                     if piece.get("master") is not None:
                         m[dst].copy_(piece["master"][src])
-                    for k in keys:
+                    for k in piece["state"]:
                         state[k][dst].copy_(piece["state"][k][src])
             for k, v in saved[0]["scalars"].items():
                 state[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if state:
-                lo = 0
+                lo, stepped = 0, self._stepped()
                 for c in self.chunks[g]:
                     st = {k: (v[lo : lo + c.numel()] if k in keys else (v.clone() if isinstance(v, torch.Tensor) else v))
                           for k, v in state.items()}
                     lo += c.numel()
+                    if id(c) not in stepped:  # a tied copy whose first holder (another stage) keeps its state
+                        continue
                     if isinstance(self.inner, FullPrecisionState):
                         self.inner.load_full_precision_state(c, st)
                     else:
@@ -229,15 +240,19 @@ def consolidate(shards: list[dict], group_names: list[list[str]], shapes: dict, 
                 numel = math.prod(shapes[n])
                 if n not in master:
                     master[n] = torch.zeros(numel, dtype=piece["master"].dtype)
-                    full[n] = {k: torch.zeros(numel, dtype=v.dtype) for k, v in piece["state"].items()}
+                    full[n] = {}
                 master[n][sl] = piece["master"]
                 for k, v in piece["state"].items():
+                    if k not in full[n]:
+                        full[n][k] = torch.zeros(numel, dtype=v.dtype)
                     full[n][k][sl] = v
         saved = shards[0]["groups"][g]
         ids = []
         for n in names:
             st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved["scalars"].items()}
             st.update({k: v.view(shapes[n]) for k, v in full.get(n, {}).items()})
+            if n in full and not full[n]:
+                st = {}  # saved stateless (a tied copy: its state is under its first holder's name)
             if st:
                 state[index] = st
             master[n] = master[n].view(shapes[n])

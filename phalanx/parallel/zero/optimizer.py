@@ -134,8 +134,9 @@ def zero(
     made); ``group`` defaults to its world group.
     ``tied_group``: on a pipeline stage holding a copy of a parameter tied across stages (a head
     tied to the embedding, ``model.tied_across_stages`` from ``split_by_path``), the pipeline's
-    process group (group rank s = stage s: ``RankGrid.pp_group``): ZeRO starts the copies equal and
-    sums their reduced gradient shards over it in ``step()`` (:mod:`phalanx.parallel.zero.tied`).
+    process group (group rank s = stage s: ``RankGrid.pp_group``): ZeRO starts the copies equal, sums
+    their reduced gradient shards on the first stage holding one, which alone keeps the copy's optimizer
+    state and steps it, and sends the result to the other holders (:mod:`phalanx.parallel.zero.tied`).
     ``tp_group`` / ``pp_group``: on a piece of a split model (a TP shard, a pipeline stage; ``pp_group``
     defaults to ``tied_group``), the norm that ``max_grad_norm`` clips by (and the fp16 overflow check)
     is the whole model's: the squares summed over dp, then tp, then pp, each element once
@@ -155,6 +156,15 @@ def zero(
     return model, ZeroOptimizer(model, optimizer, stage, group, bucket_mb, _DTYPES[mixed_precision], max_grad_norm,
                                 backward_passes_per_step, compressor, state_bits, tied_group,
                                 tp_group, tied_group if pp_group is None else pp_group)
+
+
+def _inside(chunk: torch.Tensor, master: torch.Tensor, units, ids: set[int]) -> bool:
+    """Whether ``chunk`` (a view of ``master``) lies in the slice of a unit holding one of ``ids`` alone."""
+    if not ids:
+        return False
+    a = chunk.storage_offset() - master.storage_offset()
+    return any(u.shard_offset <= a < u.shard_offset + u.shard_numel
+               for u in units if len(u.params) == 1 and id(u.params[0]) in ids)
 
 
 def _cast(dtype):
@@ -179,6 +189,9 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
         self.split_groups = (tp_group, pp_group)  # the norm's squares are summed over these after dp
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.max_grad_norm = max_grad_norm
+        # a function giving the squares of the gradients of the model that this optimizer does not hold,
+        # summed over their own groups (the same on every rank), added to the norm: ExpertOptimizer's experts
+        self.outside_squares = None
         self.loss_scale = 2.0**16 if compute_dtype == torch.float16 else 1.0
         self._good_steps = 0
         names = {id(p): n for n, p in model.named_parameters()}
@@ -226,10 +239,15 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
                        for off in (u.shard_offset, u.shard_offset + u.shard_numel)] for us in self.engine.units]
         self.chunks = [chunks(m, cuts) for m, cuts in zip(self.masters, self._cuts)]
         self._norm_spans = self._counted_spans(model, tp_group, pp_group)
+        # a copy whose first holder is another stage: stepped there (its state kept once), sent here
+        elsewhere = self.tied.state_elsewhere() if self.tied is not None else set()
+        self.state_elsewhere = {n for n, p in model.named_parameters() if id(p) in elsewhere}
+        stepped = [[c for c in cs if not _inside(c, m, us, elsewhere)]
+                   for cs, m, us in zip(self.chunks, self.masters, self.engine.units)]
         if state_bits == 8:
-            self.inner = Adam8bit.like(optimizer, params=self.chunks)
+            self.inner = Adam8bit.like(optimizer, params=stepped)
         else:
-            self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(self.chunks, hparams)],
+            self.inner = type(optimizer)([{"params": cs, **hp} for cs, hp in zip(stepped, hparams)],
                                          **_constructor_defaults(optimizer))
         model.register_forward_pre_hook(lambda m, args: self.engine.before_forward())
         if compute_dtype is not None:
@@ -334,7 +352,7 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             raise ValueError("ZeroOptimizer.step(closure=…) is not supported; compute the loss before step()")
         shards = self.engine.grad_shards_for_step()
         if self.tied is not None:  # the copies of a parameter tied across pipeline stages: one gradient
-            self.tied.sum_grad_shards(self.engine.units, shards, self.world)
+            self.tied.reduce_grad_shards(self.engine.units, shards, self.world)
         grads = [g.float() if g.dtype != m.dtype else g for g, m in zip(shards, self.masters)]
         if self.loss_scale != 1.0:
             for g in grads:
@@ -346,7 +364,9 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
                 for a, b in spans:
                     sq += torch.linalg.vector_norm(g[a:b], dtype=torch.float32) ** 2
             dist.all_reduce(sq, group=self.group)  # the dp shards, then the other pieces of a split model
-            total_norm = sum_over(sq, *self.split_groups).sqrt()
+            sq = sum_over(sq, *self.split_groups)
+            outside = self.outside_squares() if self.outside_squares is not None else 0.0
+            total_norm = (sq + (outside.to(sq.device) if torch.is_tensor(outside) else outside)).sqrt()
         if total_norm is not None and not torch.isfinite(total_norm).item():
             self.loss_scale /= 2.0
             self._good_steps = 0
@@ -364,6 +384,8 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
         for cs in self.chunks:
             for c in cs:
                 c.grad = None
+        if self.tied is not None:  # the first holder stepped each copy: its values to the other holders
+            self.tied.send_updated(self.engine.units, self.masters, self.world)
         self.engine.publish()
         self.engine.after_step()
         if self.loss_scale != 1.0:
