@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from types import SimpleNamespace
 
 import keras
@@ -102,14 +103,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "torch") else "pass a Keras 3 or a tf-keras (TF_USE_LEGACY_KERAS=1) optimizer")
             raise TypeError(f"phalanx.keras.DistributedOptimizer wraps a keras.optimizers.Optimizer, got "
                             f"{type(optimizer).__module__}.{type(optimizer).__name__}; {hint}")
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        op = ReduceOp(op)
-        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"op must be hvd.Average or hvd.Sum for gradients, got {op.name.title()}")
-        if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE):
-            raise ValueError("gradient_predivide_factor must be > 0 and needs op=hvd.Average (it splits the "
-                             f"averaging into a division before and after the sum); got {gradient_predivide_factor}")
+        op = _check_reduction(backward_passes_per_step, op, gradient_predivide_factor)
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
         self.op = op
         self.inner_optimizer = optimizer
@@ -399,6 +393,21 @@ _LEGACY_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_
                 "num_groups", "groups", "bucket_mb")
 
 
+def _check_reduction(backward_passes_per_step, op, gradient_predivide_factor) -> ReduceOp:
+    """One line for a bad reduction argument, on Keras 3 and tf-keras alike; returns ``op`` as a ReduceOp."""
+    k = backward_passes_per_step
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"phalanx.keras.DistributedOptimizer: backward_passes_per_step must be an integer >= 1 "
+                         f"(the passes summed before each update), got {backward_passes_per_step!r}")
+    op = ReduceOp(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum for gradients, got {op.name.title()}")
+    if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE):
+        raise ValueError("gradient_predivide_factor must be > 0 and needs op=hvd.Average (it splits the "
+                         f"averaging into a division before and after the sum); got {gradient_predivide_factor}")
+    return op
+
+
 def _legacy_arguments(args, kwargs) -> list:
     """DistributedOptimizer's arguments, positional or named, as the tf-keras form takes them."""
     given = dict(zip(_LEGACY_ARGS, args))
@@ -409,7 +418,9 @@ def _legacy_arguments(args, kwargs) -> list:
     if unknown:
         raise ValueError(f"phalanx.keras.DistributedOptimizer got unknown arguments {unknown}; "
                          "set optimizer options on the optimizer you wrap")
-    return [given.get("name"), get_compressor(given.get("compression")), given.get("op", Average),
+    op = _check_reduction(given.get("backward_passes_per_step", 1), given.get("op", Average),
+                          given.get("gradient_predivide_factor", 1.0))
+    return [given.get("name"), get_compressor(given.get("compression")), op,
             given.get("backward_passes_per_step", 1), given.get("average_aggregated_gradients", False),
             given.get("gradient_predivide_factor", 1.0), given.get("bucket_mb")]
 

@@ -313,7 +313,7 @@ def _root_cause(failures, stderrs: dict[int, str]):
 
 def _last_words(path: str | None) -> str:
     tail = [line.strip() for line in _stderr_tail(path, 8).splitlines() if line.strip()]
-    return tail[-1][:200] if tail else ""
+    return tail[-1][:400] if tail else ""  # room for an error's "how to fix" half
 
 
 def _report_failure(err, stderrs: dict[int, str], ranks_filter, watcher: Watcher | None = None) -> int:
@@ -325,8 +325,9 @@ def _report_failure(err, stderrs: dict[int, str], ranks_filter, watcher: Watcher
         root = failures.get(root_rank)
     else:
         root_rank, root = _root_cause(failures, stderrs)
+        words = _last_words(stderrs.get(root.local_rank))  # the error itself, where the rank wrote one
         first = (f"rank {root_rank} (local rank {root.local_rank}, pid {root.pid}) failed first: "
-                 f"{describe_exit(root.exitcode)}")
+                 f"{describe_exit(root.exitcode)}" + (f": {words}" if words else ""))
     lines = ["phalanx: " + first]
     if root is not None and ranks_filter is not None and root.local_rank not in ranks_filter:
         tail = _stderr_tail(stderrs.get(root.local_rank))  # its traceback was not shown

@@ -106,9 +106,13 @@ def load_named_optimizer_state(optimizer, state: dict, named_parameters: Iterabl
             if st:
                 bad = [k for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
                 if bad:
+                    saved = st[bad[0]]
+                    fix = ("this parameter is a tensor-parallel slice: gathered moments load into an uncut model "
+                           "(world 1, a pipeline stage, px.zero); to resume at the same tp, save and load each rank's "
+                           "optimizer.state_dict()") if saved.numel() > p.numel() else (
+                           "gather the tensor-parallel slices first (gather_tp_optimizer_state)")
                     raise ValueError(f"load_named_optimizer_state: {name}'s {bad[0]} has shape "
-                                     f"{tuple(st[bad[0]].shape)}, the parameter {tuple(p.shape)}; gather the tensor-"
-                                     "parallel slices first (gather_tp_optimizer_state)")
+                                     f"{tuple(saved.shape)}, the parameter {tuple(p.shape)}; {fix}")
                 # copies: torch's load_state_dict keeps a tensor that already has the right dtype and
                 # device, and the optimizer would then step the caller's dict in place
                 per_param[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}

@@ -50,6 +50,20 @@ class GridError(ValueError):
     """The grid factors do not fit the world."""
 
 
+def _refuse_before_init(product: int) -> None:
+    """A grid of several ranks asked for before ``px.init()``, or outside a launcher: say which."""
+    import os
+
+    from phalanx.runtime.env import detect_environment
+
+    launched = detect_environment(dict(os.environ)).size  # a copy: read the variables, connect to nothing
+    if launched > 1:
+        raise GridError(f"RankGrid: this process is one of {launched} launched ranks but torch.distributed is not "
+                        "initialised yet: call px.init() before building the grid")
+    raise GridError(f"RankGrid: the grid needs {product} ranks but this process runs alone; start it with "
+                    f"`phalanx run -np {product} python <script>` (and call px.init() first)")
+
+
 class RankGrid:
     """The ``dp × pp × ep × tp`` grid; ``groups(dim)`` yields every group along ``dim``."""
 
@@ -62,6 +76,8 @@ class RankGrid:
         if bad:
             raise GridError(f"mesh factors must be positive integers: {', '.join(bad)}")
         if dp * pp * tp * ep != world:
+            if world_size is None and (not dist_on or world == 1):
+                _refuse_before_init(dp * pp * tp * ep)
             named = f"dp={dp} × pp={pp} × tp={tp}" + (f" × ep={ep}" if ep > 1 else "")
             raise GridError(f"{named} = {dp * pp * tp * ep}, but the world size is {world}; "
                             f"choose factors whose product is {world}")

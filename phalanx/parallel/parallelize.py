@@ -50,7 +50,7 @@ Example::
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -96,6 +96,10 @@ class ParallelModel(nn.Module):
         raise RuntimeError("a ParallelModel trains with .step(inputs, targets); its stage's module is .module")
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        for role, value in (("inputs", inputs), ("targets", targets)):
+            if isinstance(value, Mapping):  # an HF-style batch {'input_ids': ..., 'labels': ...}
+                raise TypeError(f"ParallelModel.step: {role} is a dict (keys {', '.join(map(repr, value))}); pass "
+                                "tensors: pm.step(batch['input_ids'], batch['labels'])")
         loss = self.stage.step(inputs if self.stage.is_first else None,
                                targets if self.stage.is_last else None,
                                num_microbatches=self.num_microbatches, schedule=self.schedule)
@@ -167,6 +171,10 @@ def parallelize(
     if zero_options and not zero_stage:
         raise ValueError(f"zero_options={zero_options!r} are for ZeRO: pass data_parallel='zero1'|'zero2'|'zero3' "
                          f"(got {data_parallel!r})")
+    if zero_options and mesh.dp == 1:
+        raise ValueError(f"zero_options={zero_options!r}: ZeRO shards over the dp axis and this mesh has dp=1, so "
+                         "no ZeRO runs and these options would be ignored; use a mesh with dp > 1, or drop "
+                         "zero_options (clip with pm.clip_grad_norm_)")
     if optimizer is not None and not callable(optimizer):
         raise TypeError("optimizer= must be a function from parameters to an optimizer, "
                         "e.g. lambda params: torch.optim.AdamW(params, lr=3e-4)")

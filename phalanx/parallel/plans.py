@@ -95,7 +95,10 @@ def _check_heads(model: nn.Module, tp: int) -> None:
 
 def apply_tp_plan(model: nn.Module, group, plan: dict[str, str] | None = None) -> nn.Module:
     """:func:`tp_plan` (or ``plan``) applied in place, local head counts set, a tied head re-tied."""
-    tp = dist.get_world_size(group) if dist.is_initialized() else 1
+    if not dist.is_initialized():
+        raise ValueError("apply_tp_plan: torch.distributed is not initialised, so there is no tensor-parallel "
+                         "group to cut over; call px.init() first (under `phalanx run -np N`)")
+    tp = dist.get_world_size(group)
     _check_heads(model, tp)
     plan = tp_plan(model) if plan is None else plan
     emb, head = _embedding_and_head(model)
@@ -109,4 +112,13 @@ def apply_tp_plan(model: nn.Module, group, plan: dict[str, str] | None = None) -
             m.num_heads //= tp
     if tied:
         model.get_submodule(head).weight = model.get_submodule(emb).weight  # same vocabulary rows on this rank
+    if tp > 1 and hasattr(model, "config"):  # HF: its labels= loss would read this rank's vocabulary slice
+        model.register_forward_pre_hook(_refuse_labels, with_kwargs=True)
     return model
+
+
+def _refuse_labels(module: nn.Module, args, kwargs):
+    if kwargs.get("labels") is not None:
+        raise ValueError(f"{type(module).__name__}(labels=...) under tensor parallel: the logits are cut by "
+                         "vocabulary, which the model's own loss cannot read; call it without labels and take "
+                         "vocab_parallel_cross_entropy(out.logits[:, :-1], labels[:, 1:], tp_group) (HF's shift, done by hand)")

@@ -106,6 +106,13 @@ def _tf_checks():
     out = {"alias": hvd_keras is phalanx.keras and callbacks is phalanx.keras.callbacks,
            "optimizer_alias": isinstance(hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
                                          phalanx.keras.DistributedOptimizer)}
+    if HAS_TF_KERAS:  # tf-keras's optimizer takes the other path: the same argument checks (s6-ux)
+        import tf_keras
+
+        try:
+            hvd.DistributedOptimizer(tf_keras.optimizers.SGD(0.1), backward_passes_per_step=0)
+        except ValueError as e:
+            out["tf_keras_k0"] = str(e)
     x = tf.constant([1.0, 2.0]) * (r + 1)
     out["eager_avg"] = hvd.allreduce(x).numpy()
     out["eager_sum"] = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16).numpy()
@@ -154,6 +161,8 @@ def test_phalanx_tensorflow_on_two_ranks():
     a, b = distributed(_tf_checks, np=2, env={"KERAS_BACKEND": "tensorflow"}, timeout=300)
     for res in (a, b):
         assert res["alias"] and res["optimizer_alias"], "phalanx.tensorflow.keras must be phalanx.keras (and its optimizer)"
+        if HAS_TF_KERAS:
+            assert "backward_passes_per_step must be an integer >= 1" in res.get("tf_keras_k0", ""), res
         np.testing.assert_allclose(res["eager_avg"], [1.5, 3.0])
         np.testing.assert_allclose(res["eager_sum"], [3.0, 6.0])
         s, g, bc = res["graph"]

@@ -151,8 +151,10 @@ def test_bare_python_is_the_launchers_and_a_failure_prints_one_traceback(tmp_pat
     out = proc.stdout + proc.stderr
     assert "WRONG PYTHON" not in out
     assert proc.returncode == 1, out
-    assert out.count("Traceback") == 1 and out.count("ValueError: bad batch 17") == 1, out
-    assert "phalanx: rank 1 (local rank 1" in proc.stderr and "failed first: exit code 1" in proc.stderr
+    # the traceback once, and its last line again on the summary's first line: the one line to read
+    assert out.count("Traceback") == 1 and out.count("ValueError: bad batch 17") == 2, out
+    assert "phalanx: rank 1 (local rank 1" in proc.stderr, proc.stderr
+    assert "failed first: exit code 1: ValueError: bad batch 17" in proc.stderr, proc.stderr
     assert not list(scratch.glob("phalanx-logs-*")), "the launcher's temporary logs were left behind"
     # a path is taken as given: the user's way to run another interpreter
     other = _run(["run", "-np", "1", str(tmp_path / "bin" / "python")])
