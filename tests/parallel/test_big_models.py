@@ -8,6 +8,7 @@ One spawned group of 2 ranks runs every check (module fixture); each check is it
 """
 
 import copy
+import re
 
 import big_model_cells as cells
 import pytest
@@ -106,7 +107,17 @@ def _eight_bit_reshard():
     model1.load_state_dict(full_model)
     opt1.load_sharded_state_dict(shards)
     again = [float(v) for v in train(model1, opt1, range(3, 6), sharded=False)]
-    return {"world2": after, "world1": again}
+    refused = {}  # another model's shards: one line, not a silent misaligned load (a user try, s6-ux)
+    wider = hf_model("llama")
+    wider.model.norm = torch.nn.RMSNorm(48)  # same names, one shape changed
+    for key, other in (("deeper", hf_model("llama", layers=3)), ("gpt2", hf_model("gpt2")), ("wider", wider)):
+        _, opt_o = zero(other, torch.optim.Adam(other.parameters(), lr=1e-2), stage=3, group=solo[px.rank()])
+        try:
+            opt_o.load_sharded_state_dict(shards)
+            refused[key] = None
+        except ValueError as e:
+            refused[key] = str(e)
+    return {"world2": after, "world1": again, "refused": refused}
 
 
 def _eight_bit_temporaries():
@@ -381,6 +392,13 @@ def test_eight_bit_checkpoint_reshards_to_another_world_size(family):
         assert r["world1"][0] == pytest.approx(r["world2"][0], rel=1e-5)  # same parameters
         for a, b in zip(r["world1"][1:], r["world2"][1:]):  # same moments, requantized in new blocks
             assert a == pytest.approx(b, rel=2e-3), r
+        assert re.match(r"load_sharded_state_dict: parameter 'model.layers.2.self_attn.q_proj.weight' \(param "
+                        r"group 0\) is not in the checkpoint, .*load the shards saved from this model",
+                        r["refused"]["deeper"] or ""), r["refused"]
+        assert re.match(r"load_sharded_state_dict: parameter 'transformer.wte.weight' .* is not in the checkpoint",
+                        r["refused"]["gpt2"] or ""), r["refused"]
+        assert (r["refused"]["wider"] or "").startswith(
+            "load_sharded_state_dict: parameter 'model.norm.weight' was saved with shape [32] but is [48] here"), r
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", TITAN])

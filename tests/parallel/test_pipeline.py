@@ -212,6 +212,10 @@ def test_stage_rejects_a_schedule_that_does_not_fit_its_chunks():
         PipelineStage(two[0], 0, 2).step(torch.zeros(5, 2), num_microbatches=2)
     with pytest.raises(ValueError, match="grad_group='mine'"):
         PipelineStage(two[0], 0, 2, grad_group="mine")
+    batch = {"input_ids": torch.zeros(4, 2), "labels": torch.zeros(4, 2)}  # an HF user's batch (a user try)
+    with pytest.raises(TypeError, match=r"inputs is a dict \(keys 'input_ids', 'labels'\); pass one tensor a "
+                                        r"stage, e.g. pipe.step\(batch\['input_ids'\]"):
+        PipelineStage(two[0], 0, 2).step(batch, num_microbatches=2)
 
 
 # -- real ranks ---------------------------------------------------------------------------

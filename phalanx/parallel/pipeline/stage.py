@@ -278,6 +278,10 @@ class PipelineStage:
     def _chunks(batch: torch.Tensor | None, m: int, field: str) -> list[torch.Tensor]:
         if batch is None:
             raise ValueError(f"{field} is required on this stage")
+        if not isinstance(batch, torch.Tensor):  # e.g. an HF-style batch {'input_ids': ..., 'labels': ...}
+            what = f"a dict (keys {', '.join(map(repr, batch))})" if isinstance(batch, dict) else f"a {type(batch).__name__}"
+            raise TypeError(f"PipelineStage.step: {field} is {what}; pass one tensor a stage, e.g. "
+                            "pipe.step(batch['input_ids'], batch['labels'], num_microbatches=...)")
         if m < 1 or batch.shape[0] % m:
             raise ValueError(f"{field}: batch of {batch.shape[0]} rows does not split into "
                              f"num_microbatches={m} equal micro-batches; pick m dividing the batch")

@@ -110,12 +110,18 @@ class ShardedCheckpoint:
                 f"load_sharded_state_dict: got {len(shards)} shard(s) but they were saved by "
                 f"{shards[0]['world_size']} ranks; pass every rank's shard"
             )
+        if len(shards[0]["groups"]) != len(self.masters):
+            raise ValueError(
+                f"load_sharded_state_dict: the checkpoint has {len(shards[0]['groups'])} param group(s), this "
+                f"optimizer {len(self.masters)}; build the optimizer with the param groups it was saved with"
+            )
         for g, (m, us) in enumerate(zip(self.masters, self.engine.units)):
             saved = [s["groups"][g] for s in shards]
             index: dict[str, list[dict]] = {}
             for sg in saved:
                 for piece in sg["pieces"]:
                     index.setdefault(piece["name"], []).append(piece)
+            _check_same_parameters(index, us, g, self.state_elsewhere)
             keys = list(dict.fromkeys(k for sg in saved for piece in sg["pieces"] for k in piece["state"]))
             state = {k: torch.zeros_like(m) for k in keys}
             for name, start, n, off in segments(us, self.rank):
@@ -261,3 +267,26 @@ def consolidate(shards: list[dict], group_names: list[list[str]], shapes: dict, 
         param_groups.append({**saved["hparams"], "params": ids})
     return {"state": state, "param_groups": param_groups,
             "phalanx": {"format": fmt, "names": group_names, "master": master}}
+
+
+def _check_same_parameters(index: dict[str, list[dict]], units, group: int, elsewhere: set[str]) -> None:
+    """Refuse, in one line, a checkpoint that lacks one of this optimizer's parameters or saved it
+    with another shape (another model's shards would otherwise load silently, misaligned). A tied
+    copy stepped on another stage (``elsewhere``) may be absent: its first holder sends its values."""
+    for u in units:
+        for name, shape in zip(u.names, u.shapes):
+            pieces = index.get(name)
+            if not pieces and name in elsewhere:
+                continue
+            if not pieces:
+                raise ValueError(
+                    f"load_sharded_state_dict: parameter {name!r} (param group {group}) is not in the "
+                    f"checkpoint, which holds {len(index)} other(s) (e.g. {sorted(index)[:3]}); load the shards "
+                    f"saved from this model (and this pipeline stage)"
+                )
+            saved = tuple(pieces[0]["shape"])
+            if saved != tuple(shape):
+                raise ValueError(
+                    f"load_sharded_state_dict: parameter {name!r} was saved with shape {list(saved)} but is "
+                    f"{list(shape)} here; the checkpoint is of another model configuration"
+                )
