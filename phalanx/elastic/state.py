@@ -398,8 +398,7 @@ class TorchState:
         self._world_changed(topology.size)
 
     def _hand_over(self, topology) -> bool:
-        """(live) Just admitted by staging: rank 0 sends the state to the newcomers alone and every member
-        trains on at once (:mod:`phalanx.elastic.handover`). False: sync the ordinary way."""
+        """(live) A staged admission: rank 0 sends the state to the newcomers alone (phalanx.elastic.handover)."""
         from phalanx.elastic import handover, inprocess
 
         given = inprocess.handover() if self._live and topology is not None else None
