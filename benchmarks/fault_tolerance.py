@@ -101,7 +101,8 @@ class Job:
                                 "snapshot_period": None if runner == "phalanx-file" else a.snapshot_period,
                                 "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
                                 "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
-                                "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window})
+                                "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window,
+                                "trace": a.trace})
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
         if runner.startswith("phalanx"):
@@ -364,6 +365,8 @@ def main() -> None:
     p.add_argument("--ab-window", type=int, default=20, help="steps per window of --ab-rounds")
     p.add_argument("--spare", action="store_true",
                    help="phalanx: PHALANX_ELASTIC_SPARE=1 (a warm spare process replaces a lost or added worker)")
+    p.add_argument("--trace", action="store_true",
+                   help="phalanx: log each step of a re-form (phase rows: leave, adopt, runtime init, sync, ...)")
     p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR (new)")
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     a = p.parse_args()

@@ -66,6 +66,41 @@ if MODE.startswith("phalanx"):
     from phalanx import elastic as el
     from phalanx.elastic import inprocess
 
+    if A.get("trace"):   # --trace: a "phase" row (start, end) for each step of a re-form, to split its pause
+        import functools
+        import importlib
+
+        import phalanx.runtime
+        from phalanx.elastic import staging
+        elrun, elstate = (importlib.import_module(f"phalanx.elastic.{m}") for m in ("run", "state"))  # (run: a function too)
+
+        def traced(owner, name):
+            inner = getattr(owner, name)
+
+            @functools.wraps(inner)
+            def wrapper(*args, **kwargs):
+                t = time.time()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    if inprocess.active() and (name not in ("commit", "broadcast_coalesced") or time.time() - t > 0.005):
+                        log("phase", name=name, t0=t)
+            setattr(owner, name, wrapper)
+        import torch.distributed as dist_
+
+        from phalanx.elastic import handover, lost
+        gradients = importlib.import_module("phalanx.parallel.data.gradients")
+        rt_init = sys.modules["phalanx.runtime"]
+        for owner, names in ((lost, ["shut", "group_sockets"]), (dist_, ["destroy_process_group", "init_process_group"]),
+                             (rt_init, ["gather_hosts", "load", "shutdown", "detect_environment"]),
+                             (gradients, ["agree_learned"]), (handover, ["share", "receive"]),
+                             (inprocess, ["reform", "_leave_group", "_join_group"]), (staging, ["make_group", "adopt"]),
+                             (phalanx.runtime, ["init"]), (elrun, ["_rederive_strategies", "_roll_back"]),
+                             (el.TorchState, ["sync", "restore", "commit"]),
+                             (elstate, ["allgather_object", "broadcast_object", "broadcast_coalesced"])):
+            for name in names:
+                traced(owner, name)
+
     px.init()
     net = make()
     opt = optimizer(net)
@@ -107,10 +142,13 @@ if MODE.startswith("phalanx"):
             check_raise(state.step)
             x, y = batch(state.step, px.rank(), px.size())
             opt.zero_grad()
+            t_step = time.time()
             nn.functional.cross_entropy(model(x), y).backward()
+            t_back = time.time()
             opt.step()
             state.step += 1
-            log("step", step=state.step, rank=px.rank(), size=px.size(), key=[restart, inprocess.generation()])
+            log("step", step=state.step, rank=px.rank(), size=px.size(), key=[restart, inprocess.generation()],
+                **({"t_step": t_step, "t_back": t_back} if A.get("trace") else {}))
             if A["commit_every"] and state.step % A["commit_every"] == 0:
                 state.commit()
 

@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -55,7 +56,7 @@ from phalanx.elastic.interrupts import (
 from phalanx.log import get_logger
 from phalanx.settings import ElasticSettings, var
 
-__all__ = ["active", "admitting", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
+__all__ = ["active", "admitting", "handover", "abandon", "exit_now", "prepare", "is_joiner", "generation", "latest_generation", "members_of", "reform", "join", "change_at_commit", "commit_round", "host_updates",
            "MembershipChanged", "HostsUpdatedInterrupt", "ReformFailed", "keep_current_connections", "REFORM_FAILED_EXIT", "STORE_ENV", "WID_ENV", "JOIN_ENV"]
 
 log = get_logger(__name__)
@@ -85,6 +86,13 @@ def admitting() -> int | None:
     added to a ``recover="live"`` job, :mod:`phalanx.elastic.staging`), else None."""
     forming = wctx.current().admission.staging if active() else None
     return forming.gen if forming is not None else None
+
+
+def handover() -> tuple[int, range] | None:
+    """After a staged admission (:mod:`phalanx.elastic.staging`): ``(generation, newcomers)``, the ranks
+    that joined it with no state (every rank before them is a member that holds it), which a live state's
+    ``sync()`` hands the state to (:mod:`phalanx.elastic.handover`). None after any other re-form."""
+    return wctx.current().handover if active() else None
 
 
 def generation() -> int:
@@ -200,7 +208,7 @@ def _staged_change(ctx: wctx.Context, answer: list[int], notices: bool) -> Hosts
         return launcher_interrupt(kind)
     decided = ctx.admission.at_vote(kind, latest, state, functools.partial(_stageable, ctx), lambda gen: staging.Staging(
         ElasticSettings.one("store"), gen, runtime.rank(), members_of(gen), ctx.wid, timeout_s=ctx.timeout_s,
-        form_timeout_s=wctx.form_timeout_s()).start())
+        form_timeout_s=wctx.form_timeout_s(), holders=runtime.size()).start())
     return None if decided is None else launcher_interrupt(kind or ADDED)
 
 
@@ -267,10 +275,14 @@ def prepare() -> None:
                 -1 if is_joiner() else ctx.gen, ctx.wid), _interrupt).start()
 
 
-def _leave_group() -> None:
-    """Drop this process's part in the broken group (runtime's topology and the default process group)."""
+def _leave_group(free_later: bool = False) -> None:
+    """Drop this process's part in the broken group (runtime's topology and the default process group).
+    ``free_later`` (a healthy group left for a staged one): its gloo backend is destroyed by a thread of
+    its own (closing its connections and joining its threads took 10-40 ms at np 4 on cpu2; c10d's
+    destructors run without the GIL), not on the members' path."""
     from phalanx import runtime
 
+    old = [dist.group.WORLD] if free_later and dist.is_initialized() else []
     ctx = wctx.current()
     ctx.vote, ctx.skip = None, 0  # a deferred commit vote of the broken group: never waited for
     shut = _shut_group_sockets(ctx)
@@ -283,6 +295,8 @@ def _leave_group() -> None:
             dist.destroy_process_group()
         except Exception as err:  # noqa: BLE001 - a broken group may complain while it is torn down
             log.info("destroying the broken process group: %s", err)
+    if old:
+        threading.Thread(target=old.clear, name="phalanx-elastic-old-group", daemon=True).start()
 
 
 def exit_now(code: int) -> None:
@@ -329,7 +343,7 @@ def reform(reason: str, *, joining: bool = False) -> float:
         wait_s = max(wait_s, ElasticSettings.one("join_timeout_s"))
     deadline = started + wait_s
     staged = ctx.admission.take()  # every member's background group is ready: adopt it
-    _leave_group()
+    _leave_group(free_later=staged is not None)
     left = time.monotonic()
     if staged is not None:
         body = json.loads(ctx.store.get(f"pxe/gen/{staged.gen}"))
@@ -410,10 +424,13 @@ def _join_group(ctx: wctx.Context, gen: int, members: list[list[str]], notice: i
     from phalanx import runtime
 
     rank = staging.take_rank(members, ctx.wid, gen)
-    before = lost.group_sockets(ctx.store_port)
+    # (a member's staged group: its connections are known already; a /proc scan costs 5-10 ms at np 4)
+    before = lost.group_sockets(ctx.store_port) if staged is None else set()
+    holders = staged.holders if staged is not None else staging.holders_of(ctx.store, gen)
     staging.make_group(ctx.store, gen, rank, len(members), ctx.timeout_s, wctx.form_timeout_s(), staged)
     with ctx.lock:  # the lost-member watcher acts on one generation's connections only
         ctx.group_sockets = staged.sockets if staged is not None else lost.group_sockets(ctx.store_port) - before
         ctx.gen, ctx.members, ctx.notice = gen, members, notice
+        ctx.handover = None if holders is None else (gen, range(holders, len(members)))
     os.environ.pop(JOIN_ENV, None)
     runtime.init(timeout=ctx.timeout_s)  # adopts the group just made

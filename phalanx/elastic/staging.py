@@ -24,7 +24,7 @@ a generation once staged is never joined by the ordinary path (its store keys ar
 
 Example (what ``phalanx.elastic.inprocess`` does)::
 
-    staging = Staging(store_address, gen=5, rank=1, members=["w0", "w1", "w4"], wid="w1").start()
+    staging = Staging(store_address, gen=5, rank=1, members=["w0", "w1", "w4"], wid="w1", holders=2).start()
     staging.state()          # FORMING, READY or FAILED (a vote carries it)
     adopt(staging, store)    # at the agreed commit: the default process group is the connected one
 """
@@ -44,7 +44,7 @@ from phalanx.log import get_logger
 from phalanx.runtime.backends import register_alias
 from phalanx.settings import var
 
-__all__ = ["Admission", "Staging", "check_in", "take_rank", "make_group", "connect", "adopt", "BACKEND", "READY", "FORMING", "FAILED", "staged_key"]
+__all__ = ["Admission", "Staging", "check_in", "holders_of", "take_rank", "make_group", "connect", "adopt", "BACKEND", "READY", "FORMING", "FAILED", "staged_key"]
 
 log = get_logger(__name__)
 
@@ -56,8 +56,16 @@ _registered = False
 
 
 def staged_key(gen: int) -> str:
-    """Set by rank 0 of the members before it checks in: generation ``gen`` is formed by staging."""
+    """Set by rank 0 of the members before it checks in: generation ``gen`` is formed by staging (the
+    value: how many members it keeps, ranks 0 to n-1; the rest are newcomers)."""
     return f"pxe/g{gen}/staged"
+
+
+def holders_of(store, gen: int) -> int | None:
+    """How many members (ranks 0 to n-1) of generation ``gen`` came from the one before it holding the
+    state, when ``gen`` was formed by staging; None otherwise (one store read, two when staged)."""
+    key = staged_key(gen)
+    return int(store.get(key)) if store.check([key]) else None
 
 
 def check_in(store, gen: int, wid: str, count: int, deadline: float, give_up) -> bool:
@@ -209,8 +217,9 @@ class Staging:
     """One member's background formation of generation ``gen`` (see the module docstring)."""
 
     def __init__(self, address: str, gen: int, rank: int, members: list[str], wid: str, *,
-                 timeout_s: float, form_timeout_s: float) -> None:
+                 timeout_s: float, form_timeout_s: float, holders: int) -> None:
         self.address, self.gen, self.rank, self.members, self.wid = address, gen, rank, members, wid
+        self.holders = holders  # the members now (ranks 0 to holders-1 of gen): the rest are newcomers
         self.timeout_s, self.form_timeout_s = timeout_s, form_timeout_s
         self.backend = None
         self.store = None  # the thread's own client (the connected backend keeps using it)
@@ -257,7 +266,7 @@ class Staging:
             self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=self.form_timeout_s))
             if self.rank == 0:
-                self.store.set(staged_key(self.gen), b"1")
+                self.store.set(staged_key(self.gen), str(self.holders).encode())
             if not check_in(self.store, self.gen, self.wid, len(self.members), started + self.form_timeout_s,
                             lambda: self.dropped):
                 raise TimeoutError(f"generation {self.gen}: not every member checked in within "

@@ -166,6 +166,7 @@ class TorchState:
                              "(ZeRO), which only a group restart from a commit recovers; give recover='commit'")
         object.__setattr__(self, "_live", recover == "live")
         object.__setattr__(self, "_synced", False)  # (live) this process holds the job's state: sync() ran
+        object.__setattr__(self, "_handed", None)  # (live) the staged admission whose state sync() handed over
         object.__setattr__(self, "commit_dir", _own_commit_dir(commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
@@ -346,6 +347,8 @@ class TorchState:
         from rank 0's fresh one: the job goes on from where it was, nothing is lost.
         """
         topology = live_topology(self._topology)
+        if self._hand_over(topology):
+            return
         held = self._memory is not None or self.restored_from is not None or (self._live and self._synced)
         object.__setattr__(self, "_synced", False)
         anyone = any(allgather_object(held)) if topology is not None and topology.size > 1 else held
@@ -404,6 +407,22 @@ class TorchState:
         object.__setattr__(self, "_synced", True)  # (a sync cut short leaves a mix: restore() reads the file)
         self._reset_samplers()
         self._world_changed(topology.size)
+
+    def _hand_over(self, topology) -> bool:
+        """(live) A staged admission: rank 0 sends the state to the newcomers alone (phalanx.elastic.handover)."""
+        from phalanx.elastic import handover, inprocess
+
+        given = inprocess.handover() if self._live and topology is not None else None
+        if given is None or given[0] == self._handed:
+            return False
+        object.__setattr__(self, "_handed", given[0])
+        counters = handover.share(self._pieces, (self._commit_count, self._world), topology.rank, given[1])
+        object.__setattr__(self, "_commit_count", counters[0])
+        object.__setattr__(self, "_world", counters[1])
+        object.__setattr__(self, "_synced", True)
+        self._reset_samplers()
+        self._world_changed(topology.size)
+        return True
 
     def _world_changed(self, size: int) -> None:
         old = self._world

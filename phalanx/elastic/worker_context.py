@@ -49,6 +49,7 @@ class Context:
         self.skip = 0  # deferred commits left before the next vote (the last vote's agreed count)
         self.pending: pending.PendingPoll | None = None  # rank 0's background view of the launcher's changes
         self.admission = staging.Admission()  # generations formed in the background (a live state's)
+        self.handover: tuple[int, range] | None = None  # (generation, its newcomers): this one was staged
 
 
 _current: Context | None = None

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.cluster
 TOTAL, G, N_DATA, KILL_AT, EVERY = 16, 12, 64, 8, 3
 
 WORKER = textwrap.dedent(f"""
-    import os, signal, sys, time
+    import os, signal, sys, time, zlib
     import torch
     import phalanx as px
     from phalanx import elastic
@@ -42,11 +42,12 @@ WORKER = textwrap.dedent(f"""
                                    commit_dir=os.path.join(out, "commits"), keep=100, snapshot_every=EVERY,
                                    recover=RECOVER)
 
-        def event(what):
+        def event(what, **extra):
             with open(os.path.join(out, "events.txt"), "a") as f:
                 f.write(f"{what} step={state.step} rank={px.rank()} size={px.size()} pid={os.getpid()} "
                         f"gen={inprocess.generation()} restart={elastic.restart_count()} "
-                        f"copy={int(state._memory is not None)}\\n")
+                        f"copy={int(state._memory is not None)}"
+                        + "".join(f" {k}={v}" for k, v in extra.items()) + "\\n")
 
         @elastic.run
         def train(state):
@@ -68,7 +69,8 @@ WORKER = textwrap.dedent(f"""
                 state.commit()   # every step
 
         train(state)
-        event("end")
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        event("end", crc=zlib.crc32(flat.numpy().tobytes()))   # every rank's parameters, bit for bit
         if px.rank() == 0:
             torch.save([p.detach() for p in model.parameters()], os.path.join(out, "final.pt"))
 
@@ -116,7 +118,8 @@ def test_live_recovery_loses_no_step_and_a_replacement_joins_with_the_current_st
     # survivors applied that step too: they go on from KILL_AT itself, with no copy of the state ever made.
     # The launcher's replacement (--max-restarts 1) is admitted without a pause: the survivors' vote at a
     # commit says a generation adds it, they check in and connect its group in the background while they
-    # go on committing, and switch to it at a later commit, where it gets rank 0's state in sync(). The
+    # go on committing, and switch to it at a later commit, where rank 0 sends it the state in sync() and
+    # the other survivor goes on at once (phalanx.elastic.handover). The
     # final parameters equal the one-process run's (a step lost, half applied or applied twice would not)
     # PHALANX_ELASTIC_SPARE: the replacement is the launcher's warm spare, its imports done ahead, which runs
     # the script in its own interpreter (phalanx.launcher.spare): the same checks hold for it
@@ -140,6 +143,10 @@ def test_live_recovery_loses_no_step_and_a_replacement_joins_with_the_current_st
     assert all(e["copy"] == 0 for e in ev), (ev, report)   # no commit ever copied the state
     ends = [e for e in ev if e["what"] == "end"]
     assert len(ends) == 3 and {e["size"] for e in ends} == {3}, (ev, report)
+    # the newcomer's state came from rank 0 alone, sent while the members trained on (phalanx.elastic.handover),
+    # and every rank ends with the same parameters, bit for bit
+    assert (tmp_path / "stderr.txt").read_text().count("state handed to newcomer rank(s) 2 ") == 1, report
+    assert len({e["crc"] for e in ends}) == 1, (ends, report)
     # rank 0 wrote the snapshots alone, every EVERY-th commit, and one loads in a single process
     files = sorted(f for f in os.listdir(tmp_path / "commits") if f.endswith(".pt"))
     numbers = [int(f[len("commit-"):-len(".pt")]) for f in files]
