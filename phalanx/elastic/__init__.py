@@ -21,11 +21,12 @@ Example (run with ``phalanx run -np 4 --max-restarts 3 python train.py``)::
     train(state)
 """
 
+from phalanx.elastic.commit_dir import default_commit_dir
 from phalanx.elastic.interrupts import HostsUpdatedInterrupt, MembershipChanged
 from phalanx.elastic.run import restart_count, run
 from phalanx.elastic.sampler import ElasticSampler
 from phalanx.elastic.scaling import keep_global_batch, scale_lr
-from phalanx.elastic.state import State, TorchState, default_commit_dir
+from phalanx.elastic.state import State, TorchState
 
 __all__ = ["run", "State", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "MembershipChanged", "restart_count",
            "default_commit_dir", "scale_lr", "keep_global_batch"]

@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import os
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,11 +40,11 @@ from phalanx.checkpoint.manager import CheckpointManager
 from phalanx.checkpoint.pieces import is_gathered, is_stateful
 from phalanx.comm.broadcast import broadcast_coalesced
 from phalanx.comm.collectives import allgather_object, broadcast_object
+from phalanx.elastic.commit_dir import default_commit_dir, own_commit_dir
 from phalanx.elastic.snapshots import Snapshots, pack, unpack
 from phalanx.log import get_logger
-from phalanx.settings import CheckpointSettings, ElasticSettings
 
-__all__ = ["State", "TorchState", "default_commit_dir", "live_topology", "RECOVER", "LIVE_SNAPSHOT_S"]
+__all__ = ["State", "TorchState", "live_topology", "RECOVER", "LIVE_SNAPSHOT_S"]
 
 RECOVER = ("commit", "live")  # TorchState(recover=...): what the survivors of a lost worker go on from
 # recover="live": rank 0's snapshot at most this often by default. The survivors of a lost worker go on
@@ -68,41 +67,6 @@ class State(Protocol):
     def restore(self) -> bool: ...
 
     def sync(self) -> None: ...
-
-
-def default_commit_dir() -> str:
-    """``$PHALANX_RESUME_FROM``, else ``$PHALANX_ELASTIC_DIR``, else ``/dev/shm/phalanx-elastic-<run id>``."""
-    chosen = CheckpointSettings.one("resume_from") or ElasticSettings.one("commit_dir")
-    if chosen:
-        return chosen
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return os.path.join(base, f"phalanx-elastic-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-
-
-_made: dict[tuple[str, str], int] = {}  # (commit dir asked for, restart count) -> states this process made with it
-
-
-def _own_commit_dir(wanted: str) -> str:
-    """``wanted`` for the first state this process makes with that directory, ``wanted-state<n>`` for the n-th.
-
-    A state restores only its own lineage's commits: its own, or those of the state made in the same
-    place by a process before it in this job (a group restart, a generation of newcomers: they run the
-    same script, make their states in the same order, and so the n-th state finds the n-th's directory).
-    A later state object of this process never inherits an earlier one's last commit, whether the
-    earlier one is still alive or gone, whatever its pieces: Horovod's Keras ``test_elastic_state``,
-    run after its TensorFlow one in the same process, found that state's snapshot and its ``sync()``
-    loaded it. States are counted per restart of the group (``TORCHELASTIC_RESTART_COUNT``, constant
-    in a process: a test that plays a restart inside one process sets it). A sibling, not a
-    subdirectory: the checkpoint manager prunes every directory under its root that is not one of its
-    newest snapshots.
-    """
-    key = (wanted.rstrip(os.sep) or os.sep, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    n = _made[key] = _made.get(key, 0) + 1
-    if n == 1:
-        return wanted
-    chosen = f"{key[0]}-state{n}"
-    log.info("elastic state number %d of this process with commit dir %s commits to %s", n, wanted, chosen)
-    return chosen
 
 
 class TorchState:
@@ -167,7 +131,7 @@ class TorchState:
         object.__setattr__(self, "_live", recover == "live")
         object.__setattr__(self, "_synced", False)  # (live) this process holds the job's state: sync() ran
         object.__setattr__(self, "_handed", None)  # (live) the staged admission whose state sync() handed over
-        object.__setattr__(self, "commit_dir", _own_commit_dir(commit_dir or default_commit_dir()))
+        object.__setattr__(self, "commit_dir", own_commit_dir(commit_dir or default_commit_dir()))
         object.__setattr__(self, "_topology", topology)
         object.__setattr__(self, "_manager", CheckpointManager(self.commit_dir, keep=keep, topology=topology))
         # (live) rank 0's snapshot files, written alone in the background (phalanx.elastic.snapshots)
