@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import math
-import numbers
 from types import SimpleNamespace
 
 import keras
@@ -45,6 +44,7 @@ from keras import ops
 import phalanx.runtime as runtime
 from phalanx.comm.collectives import Average, ReduceOp
 from phalanx.comm.compression.codecs import NoneCompressor, get_compressor
+from phalanx.keras.arguments import check_reduction, legacy_arguments
 from phalanx.keras.fused import DEFAULT_BUCKET_MB, reduce_gradients
 from phalanx.keras.legacy_check import same_gradients
 from phalanx.keras.torch_backward import BackwardOverlap
@@ -82,7 +82,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if is_tf_keras_optimizer(optimizer):
             from phalanx.keras.legacy import distributed_tf_keras_optimizer
 
-            return distributed_tf_keras_optimizer(optimizer, *_legacy_arguments(args, kwargs))
+            return distributed_tf_keras_optimizer(optimizer, *legacy_arguments(args, kwargs))
         return super().__new__(cls)
 
     def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=None,
@@ -103,7 +103,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "torch") else "pass a Keras 3 or a tf-keras (TF_USE_LEGACY_KERAS=1) optimizer")
             raise TypeError(f"phalanx.keras.DistributedOptimizer wraps a keras.optimizers.Optimizer, got "
                             f"{type(optimizer).__module__}.{type(optimizer).__name__}; {hint}")
-        op = _check_reduction(backward_passes_per_step, op, gradient_predivide_factor)
+        op = check_reduction(backward_passes_per_step, op, gradient_predivide_factor)
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
         self.op = op
         self.inner_optimizer = optimizer
@@ -386,43 +386,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
-
-
-_LEGACY_ARGS = ("name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
-                "gradient_predivide_factor", "op", "backward_passes_per_step", "average_aggregated_gradients",
-                "num_groups", "groups", "bucket_mb")
-
-
-def _check_reduction(backward_passes_per_step, op, gradient_predivide_factor) -> ReduceOp:
-    """One line for a bad reduction argument, on Keras 3 and tf-keras alike; returns ``op`` as a ReduceOp."""
-    k = backward_passes_per_step
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"phalanx.keras.DistributedOptimizer: backward_passes_per_step must be an integer >= 1 "
-                         f"(the passes summed before each update), got {backward_passes_per_step!r}")
-    op = ReduceOp(op)
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum for gradients, got {op.name.title()}")
-    if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE):
-        raise ValueError("gradient_predivide_factor must be > 0 and needs op=hvd.Average (it splits the "
-                         f"averaging into a division before and after the sum); got {gradient_predivide_factor}")
-    return op
-
-
-def _legacy_arguments(args, kwargs) -> list:
-    """DistributedOptimizer's arguments, positional or named, as the tf-keras form takes them."""
-    given = dict(zip(_LEGACY_ARGS, args))
-    given.update(kwargs)
-    if given.pop("process_set", None) is not None:
-        raise ValueError("phalanx.keras.DistributedOptimizer: process_set is not supported; every rank takes part")
-    unknown = sorted(set(given) - set(_LEGACY_ARGS))
-    if unknown:
-        raise ValueError(f"phalanx.keras.DistributedOptimizer got unknown arguments {unknown}; "
-                         "set optimizer options on the optimizer you wrap")
-    op = _check_reduction(given.get("backward_passes_per_step", 1), given.get("op", Average),
-                          given.get("gradient_predivide_factor", 1.0))
-    return [given.get("name"), get_compressor(given.get("compression")), op,
-            given.get("backward_passes_per_step", 1), given.get("average_aggregated_gradients", False),
-            given.get("gradient_predivide_factor", 1.0), given.get("bucket_mb")]
 
 
 def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
