@@ -1,6 +1,6 @@
 """Where the steady cost of ``recover="live"`` goes: rank 0 per thread, a live-commit job vs a no-commit job.
 
-Run:  px-bench timeout 600 python benchmarks/fault_tolerance_profile.py              (np 2, ~1 min)
+Run:  scripts/px-bench timeout 600 python benchmarks/fault_tolerance_profile.py              (np 2, ~1 min)
       ... --np 4 --seconds 20 --py-spy 0                                             (CPU per thread only)
 
 The job is benchmarks/fault_tolerance_worker.py under `phalanx run` (in-process elastic), the same one

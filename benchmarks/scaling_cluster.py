@@ -1,9 +1,9 @@
 """The cost model where it can be measured: 2, 4, 8 simulated hosts, link-bound on 2 cores.
 
-Run (root; needs ip, tc, sshd; the script does NOT take the benchmark lock: wrap it in px-bench, which takes the
+Run (root; needs ip, tc, sshd; the script does NOT take the benchmark lock: wrap it in scripts/px-bench, which takes the
 machine alone)::
 
-    px-bench timeout 600 python benchmarks/scaling_cluster.py --out run.json
+    scripts/px-bench timeout 600 python benchmarks/scaling_cluster.py --out run.json
 
 The default does the whole check: five jobs on one 8-host cluster, meant to finish within 8
 minutes on a quiet cpu2 (most of it is starting the jobs; each prints its own wall time). It

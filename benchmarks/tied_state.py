@@ -1,6 +1,6 @@
 """A head tied across pipeline stages under ZeRO: the copy's optimizer state on every holder vs its first only.
 
-Run:  px-bench python benchmarks/tied_state.py [--before 5ad5455] [--vocab 50257] [--embd 256] [--layers 4]
+Run:  scripts/px-bench python benchmarks/tied_state.py [--before 5ad5455] [--vocab 50257] [--embd 256] [--layers 4]
           [--stages 2,3] [--state-bits 32,8] [--steps 6]
 
 Hugging Face GPT-2 (random weights, the head tied to the embedding), ``parallelize`` over dp 2 x pp 2
