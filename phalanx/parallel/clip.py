@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.parallel.expert.shard import expert_names
+from phalanx.parallel.norm import add_squares_, scale_grads_
 from phalanx.parallel.pipeline.by_path import tied_of
 
 __all__ = ["clip_grad_norm_", "counted_elsewhere", "sum_over"]
@@ -97,12 +98,7 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: fl
                              ep_group)
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
-    sq = torch.zeros(1, device=device)
-    for p in params:
-        if p.grad is not None and id(p) not in skip:
-            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+    sq = add_squares_(torch.zeros(1, device=device), [p.grad for p in params if p.grad is not None and id(p) not in skip])
     total = sum_over(sq, tp_group, pp_group, ep_group).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    scale_grads_(grads, max_norm, total)
     return total[0]

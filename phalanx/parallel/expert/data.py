@@ -32,6 +32,7 @@ from torch import nn
 from phalanx.comm.collectives import broadcast
 from phalanx.parallel.data import DistributedOptimizer
 from phalanx.parallel.expert.shard import ExpertParallelError, split_named_parameters
+from phalanx.parallel.norm import add_squares_, scale_grads_
 
 __all__ = ["ExpertOptimizer", "DATA_PARALLEL", "check_options", "build_optimizer", "scale_expert_grads"]
 
@@ -62,9 +63,8 @@ class ExpertOptimizer:
     def _expert_squares(self) -> torch.Tensor:
         """Σ ‖g‖² of every expert of the model: this rank's, summed over the ep group."""
         params = [p for g in self.experts.param_groups for p in g["params"]]
-        sq = torch.zeros(1, device=params[0].device if params else None)
-        for p in self._params(self.experts):
-            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+        sq = add_squares_(torch.zeros(1, device=params[0].device if params else None),
+                          [p.grad for p in self._params(self.experts)])
         if self.ep_group is not None:
             dist.all_reduce(sq, group=self.ep_group)
         return sq
@@ -86,13 +86,10 @@ class ExpertOptimizer:
                 return None
         else:
             self.dense.synchronize()
-            sq = self._expert_squares()
-            for p in self._params(self.dense):
-                sq += torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(sq.device) ** 2
+            sq = add_squares_(self._expert_squares(), [p.grad for p in self._params(self.dense)])
             total = sq.sqrt()[0]
-        coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-        for p in self._params(self.experts) + ([] if self._zero else self._params(self.dense)):
-            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        scale_grads_([p.grad for p in self._params(self.experts) + ([] if self._zero else self._params(self.dense))],
+                     self.max_grad_norm, total)
         if not self._zero:
             with self.dense.skip_synchronize():
                 self.dense.step()

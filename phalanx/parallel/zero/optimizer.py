@@ -43,6 +43,7 @@ from phalanx.optim.adam8bit import Adam8bit, check_state_bits
 from phalanx.optim.face import OptimizerFace
 from phalanx.parallel import composition
 from phalanx.parallel.clip import counted_elsewhere, sum_over
+from phalanx.parallel.norm import scale_grads_
 from phalanx.parallel.pipeline.by_path import tied_of
 from phalanx.parallel.zero.checkpoint import ShardedCheckpoint
 from phalanx.parallel.zero.shard import assign_shard_offsets, build_units, chunks, segments
@@ -365,8 +366,9 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
                     sq += torch.linalg.vector_norm(g[a:b], dtype=torch.float32) ** 2
             dist.all_reduce(sq, group=self.group)  # the dp shards, then the other pieces of a split model
             sq = sum_over(sq, *self.split_groups)
-            outside = self.outside_squares() if self.outside_squares is not None else 0.0
-            total_norm = (sq + (outside.to(sq.device) if torch.is_tensor(outside) else outside)).sqrt()
+            if self.outside_squares is not None:
+                sq = sq + self.outside_squares().to(sq.device)
+            total_norm = sq.sqrt()
         if total_norm is not None and not torch.isfinite(total_norm).item():
             self.loss_scale /= 2.0
             self._good_steps = 0
@@ -374,9 +376,7 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             self.engine.after_step()
             return None
         if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
+            scale_grads_(grads, self.max_grad_norm, total_norm)
         for cs, g, cuts in zip(self.chunks, grads, self._cuts):
             for c, gc in zip(cs, chunks(g, cuts)):
                 c.grad = gc
