@@ -52,14 +52,12 @@ TAG = 0x5048  # point-to-point tags TAG (the header's size), TAG + 1 (the header
 _in_flight: list[tuple[Any, list[torch.Tensor]]] = []  # rank 0's sends not yet waited for, and what they read
 
 
-def share(pieces: dict[str, Any], counters: tuple, rank: int, newcomers: range) -> tuple:
-    """A state's ``pieces`` (name -> module, tensor, stateful object or plain value) from rank 0 to the
-    ``newcomers``, loaded into theirs in place (a plain value replaced in ``pieces``); the other members
-    keep theirs. Returns ``counters`` as rank 0 holds them (its own on a member)."""
-    modules = [v for v in pieces.values() if isinstance(v, torch.nn.Module)]
-    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
-    tensors += [v for v in pieces.values() if isinstance(v, torch.Tensor)]
-    others = [k for k, v in pieces.items() if not isinstance(v, (torch.nn.Module, torch.Tensor))]
+def share(pieces: dict[str, Any], tensors: list[torch.Tensor], others: list[str], counters: tuple, rank: int,
+          newcomers: range) -> tuple:
+    """A state from rank 0 to the ``newcomers``, loaded into theirs in place: ``tensors`` (the modules'
+    parameters and buffers, the tensor pieces) copied into, and the ``others`` of ``pieces`` (stateful
+    objects loaded, plain values replaced in ``pieces``); the other members keep theirs. Returns
+    ``counters`` as rank 0 holds them (its own on a member)."""
     if rank == 0:
         sent = send({"tensors": [t.detach() for t in tensors], "counters": counters,
                      "others": {k: pieces[k].state_dict() if is_stateful(pieces[k]) else pieces[k] for k in others}},

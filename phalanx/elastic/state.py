@@ -320,17 +320,9 @@ class TorchState:
             if self._load_latest():
                 log.warning("no member held the state: resumed commit %d from %s", self._commit_count, self.restored_from)
         if topology is None or topology.size == 1:
-            object.__setattr__(self, "_synced", True)
-            self._reset_samplers()
-            self._world_changed(1)
+            self._synced_to(self._commit_count, self._world, 1)
             return
-        # a sharded optimizer's model (ZeRO broadcast it at construction and keeps it equal; at stage 3
-        # each rank holds only its shard of every parameter, so a broadcast of its tensors would mismatch)
-        owned = {id(getattr(v, "model", None)) for v in self._pieces.values() if is_gathered(v)}
-        modules = [v for v in self._pieces.values() if isinstance(v, torch.nn.Module) and id(v) not in owned]
-        tensors = [v for v in self._pieces.values() if isinstance(v, torch.Tensor)]
-        others = [k for k, v in self._pieces.items()
-                  if not (is_gathered(v) or isinstance(v, (torch.nn.Module, torch.Tensor)))]
+        tensors, others = self._sync_parts()
         # The rest (optimizer and scheduler state dicts, plain values, the counters) as one object
         # broadcast of skeletons and one flat buffer per dtype (snapshots.pack), not each piece pickled
         # whole, tensors included, in its own broadcast_object: at a staged admission this pause is the
@@ -342,15 +334,14 @@ class TorchState:
                 skeleton, buffers = pack(self._pieces[k].state_dict() if is_stateful(self._pieces[k]) else self._pieces[k])
                 packed["pieces"][k] = (skeleton, [(b.dtype, b.numel()) for b in buffers], len(flats))
                 flats += buffers
-            devices = {t.device.type for t in [*flats, *tensors, *(p for m in modules for p in m.parameters())]}
+            devices = {t.device.type for t in [*flats, *tensors]}
             if devices - {"cpu"}:  # a device job (NCCL sends no CPU buffer): each piece pickled, as before
                 packed["pieces"], flats = None, []
         packed = broadcast_object(packed, root_rank=0)
         if packed["pieces"] is not None and topology.rank != 0:
             flats = [torch.empty(n, dtype=dtype) for _, metas, _ in packed["pieces"].values() for dtype, n in metas]
         # one collective per dtype: the modules' parameters and buffers, tensor pieces, the packed buffers
-        broadcast_coalesced([t for m in modules for t in [*m.parameters(), *m.buffers()]] + tensors + flats,
-                            0, None, "sync.state")
+        broadcast_coalesced(tensors + flats, 0, None, "sync.state")
         for k in others:
             v = self._pieces[k]
             if packed["pieces"] is None:
@@ -365,12 +356,28 @@ class TorchState:
                 v.load_state_dict(value)
             else:
                 self._pieces[k] = value
-        commits, world = packed["counters"]
+        self._synced_to(*packed["counters"], topology.size)  # (a sync cut short leaves a mix: restore() reads the file)
+
+    def _sync_parts(self) -> tuple[list[torch.Tensor], list[str]]:
+        """What ``sync()`` hands over: the modules' parameters and buffers and the tensor pieces, and the
+        names of the other pieces (optimizer, schedulers, plain values). A sharded optimizer's model is
+        left out (ZeRO broadcast it at construction and keeps it equal; at stage 3 each rank holds only
+        its shard of every parameter, so a broadcast of its tensors would mismatch)."""
+        owned = {id(getattr(v, "model", None)) for v in self._pieces.values() if is_gathered(v)}
+        tensors = [t for v in self._pieces.values() if isinstance(v, torch.nn.Module) and id(v) not in owned
+                   for t in [*v.parameters(), *v.buffers()]]
+        tensors += [v for v in self._pieces.values() if isinstance(v, torch.Tensor)]
+        others = [k for k, v in self._pieces.items()
+                  if not (is_gathered(v) or isinstance(v, (torch.nn.Module, torch.Tensor)))]
+        return tensors, others
+
+    def _synced_to(self, commits: int, world: int, size: int) -> None:
+        """This process holds the job's state now, at ``commits`` commits of a job last ``world`` wide."""
         object.__setattr__(self, "_commit_count", commits)
         object.__setattr__(self, "_world", world)
-        object.__setattr__(self, "_synced", True)  # (a sync cut short leaves a mix: restore() reads the file)
+        object.__setattr__(self, "_synced", True)
         self._reset_samplers()
-        self._world_changed(topology.size)
+        self._world_changed(size)
 
     def _hand_over(self, topology) -> bool:
         """(live) A staged admission: rank 0 sends the state to the newcomers alone (phalanx.elastic.handover)."""
@@ -380,12 +387,9 @@ class TorchState:
         if given is None or given[0] == self._handed:
             return False
         object.__setattr__(self, "_handed", given[0])
-        counters = handover.share(self._pieces, (self._commit_count, self._world), topology.rank, given[1])
-        object.__setattr__(self, "_commit_count", counters[0])
-        object.__setattr__(self, "_world", counters[1])
-        object.__setattr__(self, "_synced", True)
-        self._reset_samplers()
-        self._world_changed(topology.size)
+        counters = handover.share(self._pieces, *self._sync_parts(), (self._commit_count, self._world),
+                                  topology.rank, given[1])
+        self._synced_to(*counters, topology.size)
         return True
 
     def _world_changed(self, size: int) -> None:
