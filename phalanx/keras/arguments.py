@@ -42,8 +42,7 @@ def legacy_arguments(args, kwargs) -> list:
     if unknown:
         raise ValueError(f"phalanx.keras.DistributedOptimizer got unknown arguments {unknown}; "
                          "set optimizer options on the optimizer you wrap")
-    op = check_reduction(given.get("backward_passes_per_step", 1), given.get("op", Average),
-                          given.get("gradient_predivide_factor", 1.0))
-    return [given.get("name"), get_compressor(given.get("compression")), op,
-            given.get("backward_passes_per_step", 1), given.get("average_aggregated_gradients", False),
-            given.get("gradient_predivide_factor", 1.0), given.get("bucket_mb")]
+    passes, predivide = given.get("backward_passes_per_step", 1), given.get("gradient_predivide_factor", 1.0)
+    op = check_reduction(passes, given.get("op", Average), predivide)
+    return [given.get("name"), get_compressor(given.get("compression")), op, passes,
+            given.get("average_aggregated_gradients", False), predivide, given.get("bucket_mb")]
