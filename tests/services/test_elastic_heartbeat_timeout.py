@@ -9,7 +9,9 @@ import json
 import os
 import signal
 import subprocess
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -37,6 +39,15 @@ def _stalls(silent_s):
     return stalls, clock, beat
 
 
+def _wait_stopped(pid, within_s=30.0):
+    """SIGSTOP takes effect when the target next runs (its own context enters the stopped state):
+    on a loaded host that is not at once, and the rule under test reads the state from /proc."""
+    deadline = time.monotonic() + within_s
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {within_s} s of SIGSTOP"
+        time.sleep(0.01)
+
+
 def test_a_worker_silent_for_the_heartbeat_timeout_is_lost_and_not_before():
     timeout = ElasticSettings.one("heartbeat_timeout_s", {})
     assert timeout == 3.0
@@ -44,6 +55,7 @@ def test_a_worker_silent_for_the_heartbeat_timeout_is_lost_and_not_before():
     frozen = subprocess.Popen(["sleep", "60"])  # w1's process: SIGSTOPped, as a frozen worker's
     try:
         frozen.send_signal(signal.SIGSTOP)
+        _wait_stopped(frozen.pid)
         beat("w0", 1), beat("w1", 1, frozen.pid), beat("w2", 1)  # w2: silent too, but its process runs
         assert stalls.lost(["w0", "w1", "w2"]) == []
         for n in range(2, 6):  # w0 beats every 0.5 s; w1 and w2 fell silent after their first beat
