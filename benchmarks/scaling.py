@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 import os
 
-from phalanx.planner import hardware, memory, published, scaling, workloads
+from phalanx.planner import hardware, megatron, memory, published, scaling, workloads
 
 PER_GPU = {"resnet50": 64, "gpt-1.3b": 8, "gpt-13b": 2}
 STRATEGIES = {
@@ -81,6 +81,30 @@ def budget(key: str) -> list[str]:
     lines.append(f"  {'step, model':<34} {p.step_s * 1e3:9.1f} ms  (communication and bubble {other * 1e3:.1f} ms)")
     lines.append(f"  {'step, published':<34} {want * 1e3:9.1f} ms  -> not priced: {(want - p.step_s) * 1e3:.1f} ms "
                  f"({(want - p.step_s) / want:.0%} of the published step)")
+    if key.startswith("megatron-h100"):
+        lines += megatron_contrast(row, want)
+    return lines
+
+
+def megatron_contrast(row: published.Row, want: float) -> list[str]:
+    """A Megatron-LM row's step with its data parallel and optimizer as Megatron-Core f2e5db4 runs them
+    (planner.megatron), at the row's micro-batch and the others the README leaves open, the tensor-parallel term
+    fully exposed (as the model prices it) and fully hidden (the bound --tp-comm-overlap cannot beat)."""
+    w, hw = workloads.get(row.model), hardware.get(row.hardware)
+    s = megatron.step(w, hw, row.job)
+    lines = ["  as Megatron-Core f2e5db4 runs it (planner.megatron): fp32 reduce-scatter in the last micro-batch, "
+             "bf16 gather in the first, Adam on 1/dp"]
+    for name in ("reduce_s", "reduce_exposed_s", "gather_s", "gather_exposed_s", "optimizer_s"):
+        lines.append(f"    {name:<32} {s[name] * 1e3:9.1f} ms")
+    lines.append(f"    {'step':<32} {s['step_s'] * 1e3:9.1f} ms  -> error {want / s['step_s'] - 1:+.1%} "
+                 f"(the model's own {want / s['model_step_s'] - 1:+.1%})")
+    if row.job.pp == 1:
+        cells = []
+        for mb in (1, 2, 4):
+            job = dataclasses.replace(row.job, micro_batch=mb, accumulate=mb * row.job.dp < row.job.global_batch)
+            t = megatron.step(w, hw, job)
+            cells.append(f"micro-batch {mb}: {want / t['step_s'] - 1:+.1%} / {want / (t['step_s'] - t['tp_s']) - 1:+.1%}")
+        lines.append("    error with TP exposed / hidden, " + "; ".join(cells))
     return lines
 
 
