@@ -34,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-from phalanx.comm.buckets import pack
 from phalanx.planner import collectives, cost, scaling
 
 __all__ = ["GRAD_BYTES", "PARAM_BYTES", "bucket_elements", "data_parallel", "step"]
@@ -51,25 +50,33 @@ def bucket_elements(dp: int) -> float:
 
 
 def data_parallel(w, hw, job: scaling.Job, compute_terms: dict) -> dict:
-    """The dp axis of a Megatron-Core job (``job.dp`` > 1) as f2e5db4 runs it: seconds of the fp32 reduce-scatters
-    (``reduce_s``) and what outlasts the last micro-batch's backward (``reduce_exposed_s``), of the bf16 gathers
-    (``gather_s``) and what the first micro-batch's forward does not cover (``gather_exposed_s``), and the sharded
-    Adam step (``optimizer_s``). ``compute_terms``: :func:`scaling.predict`'s ``parts["compute_terms"]``."""
+    """The dp axis of a Megatron-Core job (``job.dp`` > 1) as f2e5db4 runs it: its ``buckets``, seconds of the fp32
+    reduce-scatters (``reduce_s``) and what outlasts the last micro-batch's backward (``reduce_exposed_s``), of the
+    bf16 gathers (``gather_s``) and what the first micro-batch's forward does not cover (``gather_exposed_s``), and
+    the sharded Adam step (``optimizer_s``). ``compute_terms``: :func:`scaling.predict`'s ``parts["compute_terms"]``."""
     shard = 1.0 / (job.tp * job.pp)
     micro_batches = max(1.0, job.global_batch / job.dp / job.micro_batch) if job.pp > 1 or job.accumulate else 1.0
     passes = sum(t for name, t in compute_terms.items() if name.startswith(("blocks_", "head_")))
     backward, forward = passes / micro_batches * 2 / 3, passes / micro_batches / 3
-    order = w.backward_order()   # (parameters, fraction of backward done when they are ready), last layer first
-    sizes = [p * shard * GRAD_BYTES for p, _ in order]
-    groups = pack(sizes, bucket_elements(job.dp) * GRAD_BYTES)
-    grads = [sum(sizes[k] for k in g) for g in groups]
-    ready = [order[g[-1]][1] for g in groups]
+    # a bucket closes once it holds bucket_elements (param_and_grad_buffer.py, parameter by parameter in backward
+    # order); here layer by layer, each with the fraction of backward done when its gradients are ready
+    per, grads, ready, held = bucket_elements(job.dp), [], [], 0.0
+    for params, done in w.backward_order():
+        held += params * shard
+        if held >= per:
+            grads.append(held * GRAD_BYTES)
+            ready.append(done)
+            held = 0.0
+    if held:
+        grads.append(held * GRAD_BYTES)
+        ready.append(1.0)
     reduce = [collectives.gather_time(b, hw, job.dp, job.tp) for b in grads]
     gather = [collectives.gather_time(b * PARAM_BYTES / GRAD_BYTES, hw, job.dp, job.tp) for b in reversed(grads)]
     covers = [forward * b / sum(grads) for b in reversed(grads)]
     gather_exposed = gather[0] + sum(max(0.0, g - c) for g, c in zip(gather[1:], covers)) if gather else 0.0
     optimizer = compute_terms.get("optimizer_s", 0.0) / job.dp
-    return {"reduce_s": sum(reduce), "reduce_exposed_s": cost.overlapped_exposure(reduce, backward, 1.0, ready),
+    return {"buckets": len(grads), "reduce_s": sum(reduce),
+            "reduce_exposed_s": cost.overlapped_exposure(reduce, backward, 1.0, ready),
             "gather_s": sum(gather), "gather_exposed_s": gather_exposed, "optimizer_s": optimizer}
 
 
