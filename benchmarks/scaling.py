@@ -14,7 +14,9 @@ Run: python benchmarks/scaling.py [--plots docs/img]      (no GPU, no network: i
 3. Peak memory per GPU of the published runs that state it (published.MEMORY), term by term, and at both ends of
    the allocator's overhead (x 1 with expandable segments, x FRAGMENTATION with the default settings).
 4. The step of the torchtitan 8B rows (8 Grand Teton H100s, eager; 32 H200s, compile + Float8) and of Megatron-LM's
-   7.1B row term by term, against the step the published figure implies (``--budget KEY`` for any row).
+   7.1B row term by term, against the step the published figure implies (``--budget KEY`` for any row); a Megatron-LM
+   row also as Megatron-Core runs its data parallel and optimizer (planner.megatron), at micro-batch 1, 2 and 4. And
+   every H100 / H200 row with NCCL's expected NVLink bus bandwidth (published.NCCL_H100_NVLINK_BUS), a contrast.
 5. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
    against GPU count, published points on the same axes) and DIR/scaling_published.png.
 """
