@@ -14,7 +14,9 @@ Run: python benchmarks/scaling.py [--plots docs/img]      (no GPU, no network: i
 3. Peak memory per GPU of the published runs that state it (published.MEMORY), term by term, and at both ends of
    the allocator's overhead (x 1 with expandable segments, x FRAGMENTATION with the default settings).
 4. The step of the torchtitan 8B rows (8 Grand Teton H100s, eager; 32 H200s, compile + Float8) and of Megatron-LM's
-   7.1B row term by term, against the step the published figure implies (``--budget KEY`` for any row).
+   7.1B row term by term, against the step the published figure implies (``--budget KEY`` for any row); a Megatron-LM
+   row also as Megatron-Core runs its data parallel and optimizer (planner.megatron), at micro-batch 1, 2 and 4. And
+   every H100 / H200 row with NCCL's expected NVLink bus bandwidth (published.NCCL_H100_NVLINK_BUS), a contrast.
 5. With --plots DIR: DIR/scaling_ib400.png, DIR/scaling_eth25.png (throughput and efficiency
    against GPU count, published points on the same axes) and DIR/scaling_published.png.
 """
@@ -25,7 +27,7 @@ import argparse
 import dataclasses
 import os
 
-from phalanx.planner import hardware, memory, published, scaling, workloads
+from phalanx.planner import hardware, megatron, memory, published, scaling, workloads
 
 PER_GPU = {"resnet50": 64, "gpt-1.3b": 8, "gpt-13b": 2}
 STRATEGIES = {
@@ -81,6 +83,30 @@ def budget(key: str) -> list[str]:
     lines.append(f"  {'step, model':<34} {p.step_s * 1e3:9.1f} ms  (communication and bubble {other * 1e3:.1f} ms)")
     lines.append(f"  {'step, published':<34} {want * 1e3:9.1f} ms  -> not priced: {(want - p.step_s) * 1e3:.1f} ms "
                  f"({(want - p.step_s) / want:.0%} of the published step)")
+    if key.startswith("megatron-h100"):
+        lines += megatron_contrast(row, want)
+    return lines
+
+
+def megatron_contrast(row: published.Row, want: float) -> list[str]:
+    """A Megatron-LM row's step with its data parallel and optimizer as Megatron-Core f2e5db4 runs them
+    (planner.megatron), at the row's micro-batch and the others the README leaves open, the tensor-parallel term
+    fully exposed (as the model prices it) and fully hidden (the bound --tp-comm-overlap cannot beat)."""
+    w, hw = workloads.get(row.model), hardware.get(row.hardware)
+    s = megatron.step(w, hw, row.job)
+    lines = ["  as Megatron-Core f2e5db4 runs it (planner.megatron): fp32 reduce-scatter in the last micro-batch, "
+             "bf16 gather in the first, Adam on 1/dp"]
+    for name in ("reduce_s", "reduce_exposed_s", "gather_s", "gather_exposed_s", "optimizer_s"):
+        lines.append(f"    {name:<32} {s[name] * 1e3:9.1f} ms")
+    lines.append(f"    {'step':<32} {s['step_s'] * 1e3:9.1f} ms  -> error {want / s['step_s'] - 1:+.1%} "
+                 f"(the model's own {want / s['model_step_s'] - 1:+.1%})")
+    if row.job.pp == 1:
+        cells = []
+        for mb in (1, 2, 4):
+            job = dataclasses.replace(row.job, micro_batch=mb, accumulate=mb * row.job.dp < row.job.global_batch)
+            t = megatron.step(w, hw, job)
+            cells.append(f"micro-batch {mb}: {want / t['step_s'] - 1:+.1%} / {want / (t['step_s'] - t['tp_s']) - 1:+.1%}")
+        lines.append("    error with TP exposed / hidden, " + "; ".join(cells))
     return lines
 
 
@@ -252,6 +278,17 @@ def main() -> None:
     ratios = [published.reproduce(gt8, gemm_scale=s) / published.reproduce(h32) for s in (lo, None, hi)]
     print(f"  Grand Teton / H200, the same 8B job (compile + Float8): published {gt8.figure / h32.figure:.3f}, "
           f"model {ratios[0]:.3f} / {ratios[1]:.3f} / {ratios[2]:.3f}")
+    nvlink = published.NCCL_H100_NVLINK_BUS
+    print(f"\nWith NCCL's expected bus bandwidth on 8 H100s over NVLink ({nvlink / 1e9:.0f} GB/s, nccl-tests#326) "
+          "instead of the datasheet's 450: the rows that move (a contrast; the rows keep 450)")
+    for row in published.ROWS:
+        if "NVLink4" not in hardware.get(row.hardware).node.name:  # the H100 / H200 nodes only
+            continue
+        now, then = published.reproduce(row), published.reproduce(row, nvlink=nvlink)
+        if abs(then / now - 1) > 1e-4:
+            e = published.error(row, then)
+            print(f"  {row.key:<30} {published.error(row, now) * 100:+6.1f}% -> {e * 100:+6.1f}%"
+                  + ("  (out of its bound)" if abs(e) > row.bound else ""))
     print("\nPeak memory per GPU, published (reserved, GiB) against the model")
     print("\n".join(memory_table()))
     print("\nThe step term by term against the published step (compute: blocks x micro-batches, head, optimizer, FSDP2)")

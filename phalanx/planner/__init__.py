@@ -9,7 +9,9 @@
   machine measured); :mod:`~phalanx.planner.workloads`: models sized from their layers;
   :mod:`~phalanx.planner.scaling`: the step at cluster scale and ``phalanx plan --hardware``;
   :mod:`~phalanx.planner.kernels`: a transformer's compute on H100-class GPUs from measured kernel times;
-  :mod:`~phalanx.planner.published`: published results the model reproduces (docs/scaling.md).
+  :mod:`~phalanx.planner.published`: published results the model reproduces (docs/scaling.md);
+  :mod:`~phalanx.planner.megatron`: Megatron-Core's data-parallel step as its code runs it (a contrast for the
+  Megatron-LM rows).
 
 Example::
 

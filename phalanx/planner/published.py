@@ -23,7 +23,7 @@ import dataclasses
 from phalanx.planner import hardware, memory, scaling, workloads
 
 __all__ = ["Row", "ROWS", "TORCHTITAN", "TORCHTITAN_H200", "MEGATRON", "MLPERF", "reproduce", "error", "goal", "BOUND",
-           "RELATIVE_BOUND", "by_key", "GT_GEMM_SCALE_ENDS", "MEMORY"]
+           "RELATIVE_BOUND", "by_key", "GT_GEMM_SCALE_ENDS", "MEMORY", "NCCL_H100_NVLINK_BUS"]
 
 BOUND = 0.10
 """the goal for the efficiency and %-of-peak rows: within 10 points (docs/scaling.md lists each row's own bound)"""
@@ -156,6 +156,13 @@ GT_GEMM_SCALE_ENDS = (835.5 / 989.5, 1.0)
 against the SXM5 the kernel table was measured on: the H100 NVL datasheet's 1,671 TFLOP/s bf16 with sparsity =
 835.5 dense over the SXM5's 989.5, and the SXM5 itself. The profile (hardware ``h100-gt``) takes the middle."""
 
+NCCL_H100_NVLINK_BUS = 360e9
+"""the all-gather / allreduce bus bandwidth NCCL is expected to reach on 8 H100s over NVLink: "360 GB/s is exactly what
+we'd expect on H100" (NCCL's Sylvain Jeaugey, NVIDIA/nccl-tests#326, June 2025, on all_gather_perf / all_reduce_perf
+at 128 MB-16 GB), against the 450 GB/s a direction of the datasheet's NVLink that the H100 / H200 node profiles use. A
+contrast only (docs/scaling.md): applied, it moves Megatron-LM's 70B row out of its bound, because the Megatron rows
+price their tensor-parallel traffic fully exposed where Megatron overlaps it (--tp-comm-overlap)"""
+
 # Megatron-LM's H100 weak scaling (NVIDIA/Megatron-LM README.md, "Performance Benchmarking", images/model_table.png:
 # Megatron-Core r0.8.0; vocabulary 131,072, sequence 4,096; DP overlap of the gradient reduce and the parameter
 # gather, TP communication overlap). The table gives each run's TP, PP, DP (48), GPUs, global batch and MFU;
@@ -231,14 +238,18 @@ def by_key(key: str) -> Row:
     raise KeyError(f"no published row {key!r}; rows: {', '.join(r.key for r in ROWS)}")
 
 
-def reproduce(row: Row, *, mfu: float | None = None, gemm_scale: float | None = None) -> float:
+def reproduce(row: Row, *, mfu: float | None = None, gemm_scale: float | None = None,
+              nvlink: float | None = None) -> float:
     """The row's figure as the cost model predicts it; ``gemm_scale`` replaces the GPU's tensor-core rate against
-    the kernel table's part (the Grand Teton rows at either end of :data:`GT_GEMM_SCALE_ENDS`)."""
+    the kernel table's part (the Grand Teton rows at either end of :data:`GT_GEMM_SCALE_ENDS`), ``nvlink`` the node's
+    bus bandwidth per GPU in bytes/s (:data:`NCCL_H100_NVLINK_BUS`)."""
     w, hw = workloads.get(row.model), hardware.get(row.hardware)
     if row.metric == "memory":
         return memory.per_gpu(w, row.job) / 2**30
     if gemm_scale is not None:
         hw = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, gemm_scale=gemm_scale))
+    if nvlink is not None:
+        hw = dataclasses.replace(hw, node=dataclasses.replace(hw.node, gpu_bandwidth=nvlink))
     p = scaling.predict(w, hw, row.job, mfu=mfu)
     if row.metric == "tokens":
         return p.samples_per_s * w.seq / row.job.gpus
