@@ -100,4 +100,7 @@ class ExpertCheckpoint:
                     rows = value[offset:offset + len(params)]
                 for j, p in enumerate(params):
                     slot = self.inner.state.setdefault(p, {})
-                    slot[skey] = rows[j].clone() if rows is not None else value
+                    if rows is not None:
+                        slot[skey] = rows[j].clone()
+                    else:  # a step count: each expert its own (Adam adds 1 in place: one shared tensor counted E times)
+                        slot[skey] = value.clone() if isinstance(value, torch.Tensor) else value

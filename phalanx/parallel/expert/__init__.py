@@ -74,13 +74,13 @@ def expert_parallel(model: nn.Module, mesh, *,
     by the whole model's norm (the experts' squares summed over ep, the dense weights counted once) and
     returns it.
     """
-    if not dist.is_initialized():  # else the first broadcast fails deep in torch with its own advice
-        raise ExpertParallelError("expert_parallel: torch.distributed is not initialised; call px.init() first "
-                                  "(alone, or under `phalanx run -np N`)")
     if mesh.pp > 1 or mesh.tp > 1:
         raise ExpertParallelError(f"expert_parallel: mesh has pp={mesh.pp}, tp={mesh.tp}; with pipeline or tensor "
                                   "parallel use phalanx.parallel.parallelize.parallelize(model, mesh, ...)")
     check_options(optimizer, data_parallel, max_grad_norm)
     check_experts(model, mesh.ep)
+    if not dist.is_initialized():  # else the first broadcast fails deep in torch with its own advice
+        raise ExpertParallelError("expert_parallel: torch.distributed is not initialised; call px.init() first "
+                                  "(alone, or under `phalanx run -np N`)")
     shard_experts(model, mesh.ep_group)
     return model, build_optimizer(model, mesh, optimizer, data_parallel, bucket_mb, max_grad_norm)
