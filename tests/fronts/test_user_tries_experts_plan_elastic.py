@@ -59,6 +59,16 @@ def test_expert_parallel_before_init_and_a_router_of_the_wrong_shape(alone):
             moe(x)
 
 
+def test_a_tensor_parallel_plan_naming_a_block_says_to_name_its_layers():
+    from phalanx.parallel.tensor import apply_tensor_parallel
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.ModuleDict({"attention": nn.Sequential(nn.Linear(4, 4))}))
+    # was: AttributeError: 'Sequential' object has no attribute 'bias' (torchtitan: 'GQAttention' ...)
+    with pytest.raises(TypeError, match=r"plan\['1.attention'\] = 'colwise': style 'colwise' applies to nn.Linear "
+                                        r"\(or HF's Conv1D\), got Sequential; name the layers inside it"):
+        apply_tensor_parallel(model, {"1.attention": "colwise"}, None)
+
+
 def test_expert_checkpoint_resumes_into_a_fresh_optimizer(alone, tmp_path):
     """A resumed job's optimizer has not stepped: its experts' Adam moments came back as the whole (E, ...)
     stack on every expert, and the first step failed (``output with shape [32, 8] doesn't match the broadcast
