@@ -134,9 +134,9 @@ def _check_hardware(args: argparse.Namespace) -> None:
             "/" in args.hardware or args.hardware.endswith((".json", ".yaml", ".yml", ".toml"))):
         raise ValueError(f"--hardware {args.hardware!r}: takes a profile name, not a file; choose one of "
                          f"{', '.join(hardware.names())}")
-    if ":" in args.model and args.model not in workloads.names():
-        raise ValueError(f"--model {args.model!r}: a --hardware plan takes a named workload ({', '.join(workloads.names())}); "
-                         "a MODULE:FACTORY model goes without --hardware/--gpus")
+    if args.model not in workloads.names():
+        raise ValueError(f"unknown model {args.model!r} for a --hardware plan; choose one of {', '.join(workloads.names())}; "
+                         "a model of your own (MODULE:FACTORY or --params N) goes without --hardware/--gpus")
     defaults = getattr(args, "cost_model_defaults", {})
     ignored = ["--" + dest.replace("_", "-") for dest, default in defaults.items() if getattr(args, dest) != default]
     if ignored:
