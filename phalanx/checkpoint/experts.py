@@ -20,7 +20,7 @@ Example::
 
 ``optimizer`` (the :class:`~phalanx.parallel.expert.data.ExpertOptimizer`): the experts'
 optimizer state is stacked the same way (``optim.{stacked name}.{state key}``), so it
-reshards too; it needs the same keys on load, i.e. an optimizer that has stepped once.
+reshards too; it loads into a fresh optimizer (a resumed job) as well as into one that has stepped.
 """
 
 from __future__ import annotations
@@ -89,11 +89,18 @@ class ExpertCheckpoint:
         self.model.load_state_dict(model, strict=False)
         if self.inner is None:
             return
-        for key, (_, _, params) in stacks.items():
+        for key, (num, offset, params) in stacks.items():
             for okey, value in tree.get("optim", {}).items():
                 if not okey.startswith(key + "."):
                     continue
                 skey = okey[len(key) + 1:]
+                rows = value.tensor if isinstance(value, Shard) else None
+                if rows is None and isinstance(value, torch.Tensor) and value.shape == (num,) + params[0].shape:
+                    # a fresh optimizer (a resumed job) has no slot to template a Shard: the whole stack was read
+                    rows = value[offset:offset + len(params)]
                 for j, p in enumerate(params):
                     slot = self.inner.state.setdefault(p, {})
-                    slot[skey] = value.tensor[j].clone() if isinstance(value, Shard) else value
+                    if rows is not None:
+                        slot[skey] = rows[j].clone()
+                    else:  # a step count: each expert its own (Adam adds 1 in place: one shared tensor counted E times)
+                        slot[skey] = value.clone() if isinstance(value, torch.Tensor) else value

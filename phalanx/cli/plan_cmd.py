@@ -13,6 +13,11 @@ import argparse
 import importlib
 import sys
 
+# The cluster cost model's flags: a --hardware plan prices a named workload on a named machine and reads none of them.
+_COST_MODEL_ONLY = ("params", "layers", "compute_ms", "act_mb", "experts", "expert_params", "moe_layers", "top_k",
+                    "hosts", "ranks_per_host", "intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us",
+                    "overlap", "memory_gb")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="rank dp/pp/tp/ZeRO/compression/bucket layouts by predicted step time",
@@ -49,7 +54,7 @@ def register(subparsers) -> None:
                    help="optimizer state in 32 bits or block-wise 8 bits (px.zero(..., state_bits=8)), for --hardware")
     p.add_argument("--batch-per-gpu", type=float, default=None,
                    help="samples per GPU for --hardware (default 64 images or 2 sequences)")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, cost_model_defaults={dest: p.get_default(dest) for dest in _COST_MODEL_ONLY})
 
 
 def _model_sizes(spec: str) -> tuple[int, tuple[float, ...]]:
@@ -73,6 +78,12 @@ def _model_sizes(spec: str) -> tuple[int, tuple[float, ...]]:
     return sum(p.numel() for p in params), tuple(float(p.numel() * 4) for p in reversed(params) if p.numel())
 
 
+def _workload_names() -> list[str]:
+    from phalanx.planner import workloads
+
+    return workloads.names()
+
+
 def _check(args: argparse.Namespace) -> None:
     """Numbers the cost model cannot use: one line naming the flag."""
     for flag, value, least in (("--hosts", args.hosts, 1), ("--ranks-per-host", args.ranks_per_host, 1),
@@ -90,19 +101,55 @@ def _check(args: argparse.Namespace) -> None:
     if args.experts and (args.experts < 1 or not args.expert_params > 0 or not args.act_mb > 0):
         raise ValueError(f"--experts {args.experts} needs --expert-params (> 0) and --act-mb (> 0): the experts' "
                          "share of the parameters, and the activations the all-to-alls carry")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if args.experts and not 0 <= args.moe_layers <= args.layers:
+        raise ValueError(f"--moe-layers {args.moe_layers} must be between 1 and --layers {args.layers} "
+                         "(0: every layer)")
+    if args.experts and args.params is not None and args.expert_params > args.params:
+        raise ValueError(f"--expert-params {args.expert_params:g} is more than --params {args.params:g}: it is the "
+                         "share of --params that sits in experts")
     if args.params is not None and not args.params > 0:
         raise ValueError(f"--params must be positive, got {args.params}")
     if not -1 <= args.overlap <= 1:
         raise ValueError(f"--overlap must be in [-1, 1], got {args.overlap}")
 
 
+def _check_hardware(args: argparse.Namespace) -> None:
+    """A --hardware plan's flags: one line naming the flag (a flag it would ignore included)."""
+    from phalanx.planner import hardware, workloads
+
+    missing = [flag for flag, value in (("--hardware NAME", args.hardware), ("--gpus N", args.gpus),
+                                        ("--model NAME", args.model)) if value is None]
+    if missing:
+        raise ValueError(f"a --hardware plan needs {' and '.join(missing)} too (give --hardware NAME, --gpus N and "
+                         "--model NAME together; for a model of your own drop them and give --params N)")
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.batch_per_gpu is not None and not args.batch_per_gpu > 0:
+        raise ValueError(f"--batch-per-gpu must be positive, got {args.batch_per_gpu:g}")
+    if args.top < 1:
+        raise ValueError(f"--top must be at least 1, got {args.top}")
+    if args.hardware not in hardware.names() and (
+            "/" in args.hardware or args.hardware.endswith((".json", ".yaml", ".yml", ".toml"))):
+        raise ValueError(f"--hardware {args.hardware!r}: takes a profile name, not a file; choose one of "
+                         f"{', '.join(hardware.names())}")
+    if args.model not in workloads.names():
+        raise ValueError(f"unknown model {args.model!r} for a --hardware plan; choose one of {', '.join(workloads.names())}; "
+                         "a model of your own (MODULE:FACTORY or --params N) goes without --hardware/--gpus")
+    defaults = getattr(args, "cost_model_defaults", {})
+    ignored = ["--" + dest.replace("_", "-") for dest, default in defaults.items() if getattr(args, dest) != default]
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)}: the cluster cost model's, unused by a --hardware plan (it reads the "
+                         "named model and machine); drop them, or drop --hardware/--gpus to use them")
+
+
 def main(args: argparse.Namespace) -> int:
     from phalanx.planner import cost, plan, scaling
 
-    if args.hardware or args.gpus:
+    if args.hardware is not None or args.gpus is not None:
         try:
-            if not (args.hardware and args.gpus and args.model):
-                raise ValueError("give --hardware NAME, --gpus N and --model NAME together")
+            _check_hardware(args)
             print("\n".join(scaling.plan(args.model, args.hardware, args.gpus, batch_per_gpu=args.batch_per_gpu,
                                          top=args.top, state_bits=args.state_bits)))
         except ValueError as err:
@@ -111,9 +158,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         _check(args)
-        if args.state_bits != 32:
-            raise ValueError("--state-bits is priced for --hardware plans only; add --hardware NAME --gpus N "
-                             "--model NAME, or leave it out")
+        for flag, given in (("--state-bits", args.state_bits != 32), ("--batch-per-gpu", args.batch_per_gpu is not None)):
+            if given:
+                raise ValueError(f"{flag} is priced for --hardware plans only; add --hardware NAME --gpus N "
+                                 "--model NAME, or leave it out")
+        if args.model and ":" not in args.model and args.model in _workload_names():
+            raise ValueError(f"--model {args.model}: a named workload needs --hardware NAME and --gpus N "
+                             f"(e.g. phalanx plan --hardware h100-ib400 --gpus 64 --model {args.model})")
         params, tensor_bytes = _model_sizes(args.model) if args.model else (args.params, ())
         if args.model and not params:
             raise ValueError(f"--model {args.model}: the model has no trainable parameters")

@@ -44,7 +44,7 @@ def discover_hosts(script: str, timeout_s: float = 30.0) -> dict[str, int]:
     hosts: dict[str, int] = {}
     for line in filter(None, (s.strip() for s in out.splitlines())):
         name, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
-        if not name or not slots.isdigit():
+        if not name or not slots.isdigit() or any(c.isspace() for c in name):  # (a name has no spaces)
             raise ValueError(f"host discovery script {script} printed {line!r}; print host:slots lines")
         hosts[name] = hosts.get(name, 0) + int(slots)
     return hosts
@@ -55,16 +55,24 @@ def discover_slots(script: str, timeout_s: float = 30.0) -> int:
     return sum(n for h, n in discover_hosts(script, timeout_s).items() if is_local(h))
 
 
-def discover_reachable(script, probed: set[str], ssh, timeout_s: float) -> dict[str, int] | None:
+def discover_reachable(script, probed: set[str], ssh, timeout_s: float,
+                       warned: set[str] | None = None) -> dict[str, int] | None:
     """The elastic supervisor's discovery round: ``{host: slots}`` from ``script`` (a discovery script's
     path, or a function giving the slots), less the remote hosts ``ssh host true`` cannot reach (each
     named in a warning; those reached once are added to ``probed`` and not probed again). None when
-    the script failed: the caller keeps the hosts it knows."""
+    the script failed: the caller keeps the hosts it knows. ``warned``: the failures already said; one
+    that repeats at every poll is said once, until a round succeeds."""
     try:
         hosts = script() if callable(script) else discover_hosts(script, timeout_s=timeout_s)
     except (OSError, ValueError, subprocess.SubprocessError) as err:
-        log.warning("host discovery script failed (%s); keeping the hosts known", err)
+        if warned is None or str(err) not in warned:
+            log.warning("host discovery script failed (%s); keeping the hosts known (said once while it fails "
+                        "this way)", err)
+            if warned is not None:
+                warned.add(str(err))
         return None
+    if warned is not None:
+        warned.clear()
     for h in [h for h in hosts if not (is_local(h) or h in probed or callable(script))]:
         try:
             probe([h], ssh, timeout_s=15)

@@ -14,7 +14,9 @@ import argparse
 import math
 import os
 import signal
+import subprocess
 
+from phalanx.launcher.discovery import discover_hosts
 from phalanx.preemption.signals import parse_signal
 
 __all__ = ["add_elastic_arguments", "elastic_launch_options", "stall_launch_options"]
@@ -92,6 +94,13 @@ def elastic_launch_options(args: argparse.Namespace, np: int, env: dict[str, str
         script = args.host_discovery_script
         if not (os.path.isfile(script) and os.access(script, os.X_OK)):
             raise ValueError(f"--host-discovery-script {script} is not an executable file; chmod +x it")
+        try:  # a script that prints what is not host:slots is a bug to fix now, not a warning every poll
+            discover_hosts(os.path.abspath(script), timeout_s=30.0)
+        except ValueError as err:
+            raise ValueError(f"--host-discovery-script {script}: at launch it printed "
+                             f"{str(err).split(' printed ', 1)[-1]} (e.g. localhost:2)") from None
+        except (OSError, subprocess.SubprocessError):
+            pass  # a failed run may pass (an API server not up yet): the supervisor retries at each poll
         env["PHALANX_HOST_DISCOVERY_SCRIPT"] = os.path.abspath(script)
     if args.resume_from is not None:
         env["PHALANX_RESUME_FROM"] = os.path.abspath(args.resume_from)

@@ -115,11 +115,13 @@ class Supervisor:
         self.output = WorkerOutput(self._rank_of, log_dir=log_dir, ranks_filter=ranks_filter)
         self._secret: bytes | None = None
         self._probed: set[str] = set()
+        self._warned: set[str] = set()  # discovery failures already said
         self.spare = Spare(self.command) if ElasticSettings.one("spare", {**os.environ, **self.env}) else None
 
     # -- hosts ------------------------------------------------------------------
     def _discover(self) -> dict[str, int] | None:
-        return discover_reachable(self.script, self._probed, self.ssh, timeout_s=max(self.interval_s, 5.0))
+        return discover_reachable(self.script, self._probed, self.ssh, timeout_s=max(self.interval_s, 5.0),
+                                  warned=self._warned)
 
     def _clamp(self, total: int) -> int:
         return max(self.min_np, min(self.max_np, total))

@@ -196,6 +196,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_ND = x.reshape(-1, x.shape[-1])
         probs_NE = self.router(x_ND)
+        if probs_NE.shape != (x_ND.shape[0], self.num_experts):  # a wider one breaks far below, a narrower one is silent
+            raise ValueError(f"MoE: the router returned shape {tuple(probs_NE.shape)} for {x_ND.shape[0]} tokens; it "
+                             f"must return (tokens, num_experts) = ({x_ND.shape[0]}, {self.num_experts}) probabilities")
         r = route(probs_NE, self.top_k, self.capacity(x_ND.shape[0]), self.normalize)
         y_MD = self.dispatcher(x_ND[r.token_M], r.counts_E, self.experts)
         out_ND = torch.zeros_like(x_ND).index_add(0, r.token_M, y_MD * r.weight_M.unsqueeze(-1).to(y_MD.dtype))

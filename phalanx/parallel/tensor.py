@@ -230,11 +230,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def _linear_weights(m: nn.Module, style: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight [out, in], bias)`` of an ``nn.Linear``, or of HF GPT-2's ``Conv1D`` (a linear layer
     storing its weight as [in, out]; its parallel form is a linear layer, weight transposed)."""
-    bias = None if m.bias is None else m.bias.data
     if isinstance(m, nn.Linear):
-        return m.weight.data, bias
+        return m.weight.data, None if m.bias is None else m.bias.data
     if type(m).__name__ == "Conv1D" and getattr(m, "nf", None) == m.weight.shape[1]:
-        return m.weight.data.t(), bias
+        return m.weight.data.t(), None if m.bias is None else m.bias.data
     raise TypeError(f"style {style!r} applies to nn.Linear (or HF's Conv1D), got {type(m).__name__}")
 
 
@@ -278,8 +277,13 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group) -> nn.M
             parent = model.get_submodule(parent_name) if parent_name else model
             child = getattr(parent, leaf)
         except AttributeError:
-            raise ValueError(f"plan names {name!r}, which is not a sub-module of {type(model).__name__}") from None
-        setattr(parent, leaf, TP_STYLES[style](child, group))
+            raise ValueError(f"plan names {name!r}, which is not a sub-module of {type(model).__name__} (its names: "
+                             "[n for n, _ in model.named_modules()]; the family's own plan: "
+                             "phalanx.parallel.plans.tp_plan(model))") from None
+        try:
+            setattr(parent, leaf, TP_STYLES[style](child, group))
+        except TypeError as err:  # a block or attention module named instead of one of its linear layers
+            raise TypeError(f"plan[{name!r}] = {style!r}: {err}; name the layers inside it") from None
     return model
 
 

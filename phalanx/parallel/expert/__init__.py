@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.parallel.expert.data import (
@@ -78,5 +79,8 @@ def expert_parallel(model: nn.Module, mesh, *,
                                   "parallel use phalanx.parallel.parallelize.parallelize(model, mesh, ...)")
     check_options(optimizer, data_parallel, max_grad_norm)
     check_experts(model, mesh.ep)
+    if not dist.is_initialized():  # else the first broadcast fails deep in torch with its own advice
+        raise ExpertParallelError("expert_parallel: torch.distributed is not initialised; call px.init() first "
+                                  "(alone, or under `phalanx run -np N`)")
     shard_experts(model, mesh.ep_group)
     return model, build_optimizer(model, mesh, optimizer, data_parallel, bucket_mb, max_grad_norm)
