@@ -82,7 +82,8 @@ def _job(vocab, embd, layers, stage, bits, steps, dp=2, pp=2):
     mesh = RankGrid(dp=dp, pp=pp)
     pm = parallelize(model, mesh, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
                      num_microbatches=2, data_parallel=f"zero{stage}",
-                     optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), zero_options={"state_bits": bits})
+                     optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                     zero_options={"state_bits": bits} if dp > 1 else None)  # dp 1: no ZeRO (refuses options)
     d = mesh.coord[0]
     times = []
     for step in range(steps):
