@@ -20,8 +20,8 @@ sit on stages 0 and 3 and stages 1 and 2 hold none: ``tied B/step`` is the bytes
 hands to collectives for the tied copies in one step (every ``dist.all_reduce`` / ``reduce`` /
 ``broadcast`` called from phalanx's tied-copy code: ZeRO's ``reduce_grad_shards`` / ``send_updated``,
 the pipeline's ``_sum_tied_grads``; counted after the first step, averaged). At dp 1 ``parallelize``
-uses no ZeRO and the pipeline sums the copies' ``.grad``; at dp 2 ZeRO does. Before 4f75307's
-successor both ran over the whole pipeline group, a middle stage sending zeros; after, over a group
+uses no ZeRO and the pipeline sums the copies' ``.grad``; at dp 2 ZeRO does. Up to 4f75307
+both ran over the whole pipeline group, a middle stage sending zeros; now, over a group
 of the holders (:func:`phalanx.parallel.pipeline.holder_groups`).
 """
 
