@@ -284,7 +284,8 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
             held = [c for c in held if c is not None]
             copies = max([copies] + [(c - held[0]).abs().max().item() for c in held[1:]])
         # the groups this stage sums and sends copies over: {holders: their global ranks}
-        holders = pm.optimizer.tied.groups if data_parallel.startswith("zero") else pm.stage.tied_groups
+        zero_tied = getattr(pm.optimizer, "tied", None) if data_parallel.startswith("zero") else None
+        holders = zero_tied.groups if zero_tied is not None else pm.stage.tied_groups
     else:
         tied = model.lm_head.weight is model.get_input_embeddings().weight if tie else False
         holders = {}
