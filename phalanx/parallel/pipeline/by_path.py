@@ -22,8 +22,9 @@ Llamas build it) stays on every stage that uses it, each holding a copy of the s
 (Megatron-LM's tied embedding, Shoeybi et al. 2019, arXiv:1909.08053): the stage lists it in
 ``tied_across_stages`` and :class:`PipelineStage` makes the copies equal at its first step and sums
 their gradients after every step, so the same optimizer step keeps them equal. Only the stages
-holding a copy take part (:func:`holder_groups`: a group of its holders per tied parameter, Megatron's
-embedding group); a stage between them without a copy does nothing for it. Under ZeRO (``px.zero(stage, opt, tied_group=pipeline_group)``) ZeRO does both instead
+holding a copy take part (:func:`holder_groups`: a group of its holders per tied parameter,
+Megatron's embedding group); a stage between them without a copy does nothing for it. Under ZeRO
+(``px.zero(stage, opt, tied_group=pipeline_group)``) ZeRO does both instead
 (``tied_summed_by = "zero"``): it sums the copies' gradient shards after its own reduction
 (:mod:`phalanx.parallel.zero.tied`).
 

@@ -32,8 +32,8 @@ Three seams, one module each:
   :func:`~phalanx.parallel.pipeline.split_by_path`: a head tied to the embedding) has a copy on
   each stage using it: the first step broadcasts the first holder's values to the others, and
   every step ends with one all-reduce (sum) of those copies' gradients over the stages holding
-  one (Megatron-LM's tied embedding and its embedding group; a middle stage takes no part), after the data-parallel reduction, so every copy takes the same
-  optimizer step. Under ZeRO the module says ``tied_summed_by == "zero"`` and ZeRO does both
+  one (Megatron-LM's tied embedding and its embedding group; a middle stage takes no part), after
+  the data-parallel reduction, so every copy takes the same optimizer step. Under ZeRO the module says ``tied_summed_by == "zero"`` and ZeRO does both
   (it holds the gradients, sharded: :mod:`phalanx.parallel.zero.tied`).
 * Each forward, backward and receive wait is a :mod:`phalanx.trace` span
   (``pp.forward`` / ``pp.backward`` / ``pp.recv``, with ``mb`` = micro-batch), so
