@@ -283,13 +283,17 @@ def parallelize_cell(kind, tie, layers, dp, pp, tp, data_parallel, checkpoint, s
         for held in zip(*every):
             held = [c for c in held if c is not None]
             copies = max([copies] + [(c - held[0]).abs().max().item() for c in held[1:]])
+        # the groups this stage sums and sends copies over: {holders: their global ranks}
+        zero_tied = getattr(pm.optimizer, "tied", None) if data_parallel.startswith("zero") else None
+        holders = zero_tied.groups if zero_tied is not None else pm.stage.tied_groups
     else:
         tied = model.lm_head.weight is model.get_input_embeddings().weight if tie else False
+        holders = {}
     diffs = {k: max_diff(full, {k: rsd[k]}) for k in own}
     out = {"losses": losses, "ref": ref_losses, "diff": max_diff(full, {k: rsd[k] for k in own}, KEY_BIAS),
            "block_forwards": len(calls), "keys": len(own), "coord": mesh.coord, "tied": tied,
            "worst": max(diffs, key=diffs.get), "copies": copies, "norms": norms, "ref norms": ref_norms,
-           "refused": refused}
+           "refused": refused, "tied groups": {s: sorted(dist.get_process_group_ranks(g)) for s, g in holders.items()}}
     if pp > 1 and data_parallel.startswith("zero"):  # a tied copy's state: on its first holder only
         state = [v for st in pm.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
         held = [t for t in pm.module.tied_across_stages if t.param is not None]

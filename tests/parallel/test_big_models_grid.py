@@ -159,6 +159,89 @@ def _zero_pp(stage: int, kind: str = "llama"):
     return {"diff": max_diff(sd, {k: rsd[k] for k in sd}, KEY_BIAS), "keys": len(sd)}
 
 
+def _zero_pp4_tied(stage: int = 2):
+    """GPT-2 tied, a pipeline of 4 stages (the copies on stages 0 and 3, stages 1 and 2 between them)
+    under ZeRO-``stage`` over a dp group of one: 3 steps of Adam against one process. Returns this
+    stage's largest difference, the copies' ("copies": every stage's copy gathered), the groups the
+    copies move over, and the optimizer state this stage keeps. Then saved (every stage's parameters
+    and moments by name) and loaded at pp 2 x dp 2 under ZeRO-2: its next two losses ("reloaded pp2")
+    against the pp 4 run's ("continued"); a fresh Adam's ("pp2 fresh adam") is the control."""
+    mesh = RankGrid(dp=1, pp=4)
+    s = mesh.coord[1]
+    m = make("gpt2", tie=True, layers=4)
+    ref = copy.deepcopy(m)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step)
+        ref_opt.zero_grad()
+        lm_loss(ref, x, y).backward()
+        ref_opt.step()
+    piece = split_by_path(m, partition(m, 4, method="parameters").boundaries(m), s)
+    pipe = PipelineStage(piece, s, 4, ranks=mesh.pp_ranks, group=mesh.pp_group, grad_group=mesh.pp_grad_group,
+                         loss_fn=_ce)
+    _, opt = zero(piece, torch.optim.Adam(piece.parameters(), lr=1e-2), stage=stage, group=mesh.dp_group,
+                  backward_passes_per_step=2, tied_group=mesh.pp_group)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
+        opt.step()
+    sd = {k.removeprefix("model."): v for k, v in piece.state_dict().items()}
+    rsd = ref.state_dict()
+    diff = max_diff(sd, {k: rsd[k] for k in sd}, KEY_BIAS)  # now: the steps below move the parameters
+    # saved: every stage's parameters and moments by name (the copy's under stage 0's name only)
+    params, moments = [None] * 4, [None] * 4
+    dist.all_gather_object(params, {k: v.clone() for k, v in piece.state_dict().items()}, group=mesh.pp_group)
+    dist.all_gather_object(moments, gather_tp_optimizer_state(piece, opt, mesh.tp_group), group=mesh.pp_group)
+    state = {k: v for st in moments for k, v in st["state"].items()}
+    names = sorted({n for st in moments for g in st["param_groups"] for n in g["params"]})  # with stage 3's copy
+    saved = {"state": state, "param_groups": [{**moments[0]["param_groups"][0], "params": names}]}
+    continued = []
+    for step in NEXT:
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, num_microbatches=2)
+        opt.step()
+        continued.append(pipe.share_loss(loss).item())
+    # loaded at pp 2 x dp 2, ZeRO-2 (the head's copy now on stage 1, stepped on stage 0); the control: a fresh Adam
+    grid2 = RankGrid(dp=2, pp=2)
+    d2, s2 = grid2.coord[0], grid2.coord[1]
+    reloaded = {}
+    for key in ("reloaded pp2", "pp2 fresh adam"):
+        whole = make("gpt2", tie=True, layers=4)
+        whole.load_state_dict({k.removeprefix("model."): v for st in params for k, v in st.items()}, strict=False)
+        piece2 = split_by_path(whole, partition(whole, 2, method="parameters").boundaries(whole), s2)
+        pipe2 = PipelineStage(piece2, s2, 2, ranks=grid2.pp_ranks, group=grid2.pp_group,
+                              grad_group=grid2.pp_grad_group, loss_fn=_ce)
+        _, opt2 = zero(piece2, torch.optim.Adam(piece2.parameters(), lr=1e-2), stage=2, group=grid2.dp_group,
+                       backward_passes_per_step=2, tied_group=grid2.pp_group)
+        if key == "reloaded pp2":
+            load_named_optimizer_state(opt2, saved)
+        losses = []
+        for step in NEXT:
+            x, y = batch(step)
+            x, y = x.chunk(2)[d2], y.chunk(2)[d2]
+            opt2.zero_grad()
+            loss = pipe2.step(x if pipe2.is_first else None, y if pipe2.is_last else None, num_microbatches=2)
+            opt2.step()
+            losses.append(pipe2.share_loss(loss).detach())
+        reloaded[key] = global_mean(losses, grid2.dp_group)
+    mine = [t.param.detach().clone() if t.param is not None else None for t in piece.tied_across_stages]
+    every = [None] * 4
+    dist.all_gather_object(every, mine, group=mesh.pp_group)
+    held = [c for c in (e[0] for e in every) if c is not None]
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+    return {"diff": diff, "keys": len(sd), "stage": s,
+            "holders": [t.stages for t in piece.tied_across_stages], "copies held": len(held),
+            "copies": max((c - held[0]).abs().max().item() for c in held),
+            "tied groups": {k: sorted(dist.get_process_group_ranks(g)) for k, g in opt.tied.groups.items()},
+            "state elements": sum(v.numel() for v in state),
+            "stepped elements": sum(c.numel() for g in opt.param_groups for c in g["params"]),
+            "params": sum(p.numel() for p in piece.parameters()),
+            "copy numel": sum(t.param.numel() for t in piece.tied_across_stages if t.param is not None),
+            "continued": continued, **reloaded}
+
+
 def _tp_then_other_layouts(kind, tie, layers):
     """Trained 3 steps at tp 2 (each tp pair the whole batch), then saved: parameters
     (gather_tp_state_dict) and Adam's moments (gather_tp_optimizer_state). Loaded at world 1, under
@@ -287,6 +370,9 @@ def _all_checks():
                                                checkpoint=False, clip=CLIP)
     out["layouts llama"] = _tp_then_other_layouts("llama", False, 4)
     out["layouts gpt2 tied"] = _tp_then_other_layouts("gpt2", True, 2)
+    out["zero2 pp4 gpt2 tied"] = _zero_pp4_tied(2)  # a tied head with two stages between its copies
+    out["parallelize gpt2 pp4"] = parallelize_cell("gpt2", True, 4, dp=1, pp=4, tp=1, data_parallel="auto",
+                                                   checkpoint=False)
     for kind in ("llama", "gpt2"):
         out[f"zero3 4->2 {kind}"] = _zero3_four_to_two(kind)
     for stage in (1, 2, 3):
@@ -382,6 +468,29 @@ def test_zero_on_a_pipeline_with_the_head_tied_across_stages_matches_one_process
         if stage == 2:  # every rank's sharded dict (stage 1's copy saved without state) into a fresh run
             assert r["reloaded"] == pytest.approx(r["continued"], rel=1e-5), r
         assert abs(r["world1 fresh adam"][1] - r["continued"][1]) > 1e-3 * r["continued"][1], r
+
+
+def test_a_tied_head_four_stages_apart_moves_among_its_holders_only(grid):
+    """GPT-2 tied as a pipeline of 4 stages (a copy on stages 0 and 3): under ZeRO-2 (a dp group of one)
+    and with the pipeline summing the copies' .grad (parallelize, no ZeRO), both match one process,
+    the copies stay exactly equal, and the copies' sums and broadcasts run over a group of ranks 0
+    and 3 only: stages 1 and 2 are in no such group, and under ZeRO they keep Adam's two moments of
+    their own parameters only; stage 3 none for its copy, which stage 0 steps. The ZeRO run's parameters
+    and moments, saved by name, load at pp 2 x dp 2 under ZeRO-2 and give the same next two losses."""
+    for res in grid:
+        z, p = res["zero2 pp4 gpt2 tied"], res["parallelize gpt2 pp4"]
+        s = z["stage"]
+        assert z["holders"] == [(0, 3)] and z["copies held"] == 2 and z["copies"] == 0, z
+        assert z["keys"] > 0 and z["diff"] < 5e-5, z
+        assert p["losses"] == pytest.approx(p["ref"], rel=1e-5) and p["diff"] < 5e-5 and p["copies"] == 0, p
+        want = {(0, 3): [0, 3]} if s in (0, 3) else {}
+        assert z["tied groups"] == want and p["tied groups"] == want, (z, p)
+        not_stepped = z["params"] - z["stepped elements"]  # stage 3's copy, stepped on stage 0
+        assert not_stepped == (z["copy numel"] if s == 3 else 0) and z["state elements"] == 2 * z["stepped elements"], z
+        assert (z["copy numel"] > 0) == (s in (0, 3)), z
+        # saved at pp 4, loaded at pp 2 x dp 2 (ZeRO-2): the same next two losses; the second needs the moments
+        assert z["reloaded pp2"] == pytest.approx(z["continued"], rel=1e-5), z
+        assert abs(z["pp2 fresh adam"][1] - z["continued"][1]) > 5e-4 * z["continued"][1], z  # 1.2e-3 here
 
 
 def _copy_state_on_its_first_holder_only(r, bits=32):

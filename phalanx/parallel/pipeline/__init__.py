@@ -18,6 +18,7 @@ from phalanx.parallel.pipeline.by_path import (
     TiedParameter,
     Zeros,
     find_blocks,
+    holder_groups,
     recompute_blocks,
     split_by_path,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "recompute_blocks",
     "StageOfModel",
     "TiedParameter",
+    "holder_groups",
     "PassThrough",
     "Zeros",
     "Partition",

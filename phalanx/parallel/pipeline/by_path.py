@@ -21,8 +21,10 @@ A parameter shared by modules of two stages (a head tied to the embedding, as GP
 Llamas build it) stays on every stage that uses it, each holding a copy of the same values
 (Megatron-LM's tied embedding, Shoeybi et al. 2019, arXiv:1909.08053): the stage lists it in
 ``tied_across_stages`` and :class:`PipelineStage` makes the copies equal at its first step and sums
-their gradients over the pipeline after every step, so the same optimizer step keeps them equal.
-Under ZeRO (``px.zero(stage, opt, tied_group=pipeline_group)``) ZeRO does both instead
+their gradients after every step, so the same optimizer step keeps them equal. Only the stages
+holding a copy take part (:func:`holder_groups`: a group of its holders per tied parameter,
+Megatron's embedding group); a stage between them without a copy does nothing for it. Under ZeRO
+(``px.zero(stage, opt, tied_group=pipeline_group)``) ZeRO does both instead
 (``tied_summed_by = "zero"``): it sums the copies' gradient shards after its own reduction
 (:mod:`phalanx.parallel.zero.tied`).
 
@@ -42,11 +44,12 @@ import inspect
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "tied_of", "path_costs",
-           "recompute_blocks"]
+__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "tied_of", "holder_groups",
+           "path_costs", "recompute_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +190,60 @@ def tied_of(module) -> list[TiedParameter]:
     """The parameters ``module`` shares with other pipeline stages: a :class:`StageOfModel`'s
     ``tied_across_stages``; none for any other module (or a bare list of parameters)."""
     return module.tied_across_stages if isinstance(module, StageOfModel) else []
+
+
+def holder_groups(tied: Sequence[TiedParameter], group) -> dict[tuple[int, ...], object]:
+    """The process group of each set of stages holding a tied copy, for the sets this stage is in.
+
+    ``group``: the pipeline's process group, group rank s running stage s. Returns ``{stages: group}``
+    (``stages`` as in :attr:`TiedParameter.stages`): ``group`` itself for a set that is every stage
+    (two stages, or a copy on each), else a group of those stages only, so that with 3 or more stages
+    the copies' sums and broadcasts leave the stages between them alone (Megatron-LM's embedding
+    group of the first and last stage, Shoeybi et al. 2019, arXiv:1909.08053: it makes one per
+    pipeline on every rank, ``parallel_state.initialize_model_parallel``). A stage in no set gets ``{}``.
+
+    ``dist.new_group`` is collective over the whole world, in one order, so every rank makes the
+    group of every set of every pipeline replica (dp x tp of them). The pipeline's group alone does
+    not say who the other replicas are, so when it is not the whole world, each rank's pipeline
+    ranks are gathered once over the world (``all_gather_object``): a plain pipeline group works
+    without a :class:`~phalanx.parallel.grid.RankGrid`, and the grid need not know which stages a
+    model's split ties (that depends on the model). Hence every rank of the world calls this at
+    once, as they build a ``RankGrid``: ``px.zero(..., tied_group=)`` at wrap, :class:`PipelineStage`
+    at its first step. ``use_local_synchronization=True`` (only members call) is not used: it names
+    a group from its ranks and the number of groups this rank has, which a middle stage, never in
+    the holders' groups, counts differently.
+
+    Example::
+
+        groups = holder_groups(stage.tied_across_stages, mesh.pp_group)   # every rank, at once
+        for stages, g in groups.items(): ...                             # this stage's holder sets
+    """
+    if not tied or not dist.is_initialized():
+        return {}
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    sets = sorted({tuple(t.stages) for t in tied})
+    out = {s: group for s in sets if len(s) == n and me in s}
+    subsets = [s for s in sets if len(s) < n]
+    if not subsets:  # every set is the whole pipeline (two stages): its own group, no collective
+        return out
+    mine = tuple(dist.get_global_rank(group, s) for s in range(n))
+    if n == dist.get_world_size():
+        pipelines = [mine]
+    else:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (mine, subsets))
+        if any(sub != subsets for _, sub in every):
+            raise ValueError(f"tied parameters: the pipelines tie different stages ({sorted({tuple(s) for _, s in every})}); "
+                             "split the same model at the same boundaries on every pipeline")
+        pipelines = sorted({p for p, _ in every})
+    for pipeline in pipelines:  # the same order on every rank
+        for s in subsets:
+            ranks = sorted(pipeline[i] for i in s)
+            g = dist.new_group(ranks)
+            if pipeline == mine and me in s:
+                out[s] = g
+    return out
 
 
 def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:

@@ -31,9 +31,9 @@ Three seams, one module each:
 * A parameter tied across stages (``module.tied_across_stages``, from
   :func:`~phalanx.parallel.pipeline.split_by_path`: a head tied to the embedding) has a copy on
   each stage using it: the first step broadcasts the first holder's values to the others, and
-  every step ends with one all-reduce (sum) over the pipeline of those copies' gradients
-  (Megatron-LM's tied embedding), after the data-parallel reduction, so every copy takes the same
-  optimizer step. Under ZeRO the module says ``tied_summed_by == "zero"`` and ZeRO does both
+  every step ends with one all-reduce (sum) of those copies' gradients over the stages holding
+  one (Megatron-LM's tied embedding and its embedding group; a middle stage takes no part), after
+  the data-parallel reduction, so every copy takes the same optimizer step. Under ZeRO the module says ``tied_summed_by == "zero"`` and ZeRO does both
   (it holds the gradients, sharded: :mod:`phalanx.parallel.zero.tied`).
 * Each forward, backward and receive wait is a :mod:`phalanx.trace` span
   (``pp.forward`` / ``pp.backward`` / ``pp.recv``, with ``mb`` = micro-batch), so
@@ -51,7 +51,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -61,7 +60,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from phalanx.comm.collectives import Sum, allreduce, broadcast
 from phalanx.log import get_logger
-from phalanx.parallel.pipeline.by_path import tied_of
+from phalanx.parallel.pipeline.by_path import holder_groups, tied_of
 from phalanx.parallel.pipeline.executor import Span, StepRun
 from phalanx.parallel.pipeline.link import StageLink
 from phalanx.parallel.pipeline.schedules import Schedule, get_schedule
@@ -144,6 +143,8 @@ class PipelineStage:
                       for c in range(v)]
         self.tied = list(tied_of(self.chunks[0])) if v == 1 else []
         self._tied_synced = False
+        # {stages holding a tied copy: their group}, for the sets this stage is in: made at the first step
+        self.tied_groups: dict[tuple[int, ...], object] = {}
         self.busy_s = 0.0  # compute seconds in the last step
         self.last_timeline: list[Span] = []  # the last step's forwards and backwards, in order
 
@@ -235,35 +236,46 @@ class PipelineStage:
 
     @torch.no_grad()
     def _sync_tied(self) -> None:
-        """First step: every copy of a tied parameter takes the values of its first holder's."""
+        """First step (every rank of the world is here): the groups of each tied parameter's holders
+        (:func:`holder_groups`), then every copy takes the values of its first holder's."""
         self._tied_synced = True
-        for t in self.tied:  # in fp32 on every stage: a stage without a copy cannot know a later cast
-            buf = t.param.data.float() if t.param is not None else torch.empty(t.shape, device=self._device())
-            broadcast(buf, root_rank=self.ranks[t.stages[0]], group=self.group, inplace=True, name="pp.tied.init")
-            if t.param is not None:
+        self.tied_groups = holder_groups(self.tied, self.group)
+        for stages, group, tied in self._tied_sets():
+            for t in tied:  # in fp32 on every holder: a holder's copy may be cast later
+                buf = t.param.data.float()
+                broadcast(buf, root_rank=self.ranks[stages[0]], group=group, inplace=True, name="pp.tied.init")
                 t.param.data.copy_(buf)
+
+    def _tied_sets(self) -> list[tuple[tuple[int, ...], object, list]]:
+        """(stages, their group, the copies this stage holds) per set of holders this stage is in, in
+        the same order on every holder; none on a stage without a copy."""
+        sets: dict[tuple[int, ...], list] = {}
+        for t in self.tied:
+            if t.param is not None:
+                sets.setdefault(tuple(t.stages), []).append(t)
+        return [(s, self.tied_groups[s], ts) for s, ts in sorted(sets.items())]
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
-        """Each tied parameter's gradient summed over the stages holding a copy (others add zeros), in
-        one all-reduce over the pipeline; its last element counts the copies that had no ``.grad``."""
-        device, parts, missing = self._device(), [], 0.0
-        for t in self.tied:
-            g = t.param.grad if t.param is not None else None
-            missing += float(t.param is not None and g is None)
-            parts.append(g.reshape(-1).float() if g is not None else torch.zeros(math.prod(t.shape), device=device))
-        flat = torch.cat(parts + [torch.tensor([missing], device=device)])
-        flat = allreduce(flat, op=Sum, group=self.group, inplace=True, name="pp.tied.grad")
-        if flat[-1].item():
-            names = ", ".join(t.name for t in self.tied)
-            raise RuntimeError(f"pipeline: {names} is tied across stages but a copy has no .grad after backward "
-                               "(a wrapper took it: ZeRO shards gradients); build the model untied "
-                               "(HF: tie_word_embeddings=False)")
-        off = 0
-        for t, part in zip(self.tied, parts):
-            if t.param is not None:
+        """Each tied parameter's gradient summed over the stages holding a copy, one all-reduce per set
+        of holders over them only (a middle stage takes no part); its last element counts the copies
+        that had no ``.grad``."""
+        for _, group, tied in self._tied_sets():
+            grads = [t.param.grad for t in tied]
+            missing = float(sum(g is None for g in grads))
+            parts = [g.reshape(-1).float() if g is not None else torch.zeros(t.param.numel(), device=t.param.device)
+                     for t, g in zip(tied, grads)]
+            flat = torch.cat(parts + [torch.tensor([missing], device=parts[0].device)])
+            flat = allreduce(flat, op=Sum, group=group, inplace=True, name="pp.tied.grad")
+            if flat[-1].item():
+                names = ", ".join(t.name for t in tied)
+                raise RuntimeError(f"pipeline: {names} is tied across stages but a copy has no .grad after backward "
+                                   "(a wrapper took it: ZeRO shards gradients); build the model untied "
+                                   "(HF: tie_word_embeddings=False)")
+            off = 0
+            for t, part in zip(tied, parts):
                 t.param.grad.copy_(flat[off : off + part.numel()].view_as(t.param.grad))
-            off += part.numel()
+                off += part.numel()
 
     def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss (what :meth:`step` returned there) on every stage, by one broadcast.

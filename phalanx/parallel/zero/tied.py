@@ -16,6 +16,7 @@ multiple of the dp size, so dp rank d owns the same elements of it on every stag
     stage 1 (lm_head)  unit [ w ......... |pad]  →  dp rank d: grad_shard[u1.shard_offset + (0..s)]
                           ── reduce (sum) to the first holder ──▶   its inner step (Adam state: here only)
                           ◀── broadcast of the updated master slice ──
+    stages 1 .. P-2 (no copy): nothing (the reduce and broadcast run over a group of the holders)
 
 Only the first stage holding a copy (``stages[0]``) keeps the copy's optimizer state and steps it;
 the others receive the stepped master slice (fp32: the same bytes as the gradient they sent). A
@@ -23,7 +24,13 @@ reduce plus a broadcast move what the all-reduce of every copy stepping on its o
 copy's Adam moments (8 bytes an element, 2 with 8-bit state) are kept once per pipeline instead of
 once per copy. Megatron-LM keeps them on both ends (its last stage's word embedding is an ordinary
 parameter with its own optimizer state, the two gradients all-reduced); ZeRO here does not have to.
-A stage without a copy (a middle stage) adds zeros to the reduce and discards the broadcast.
+Both run over a group of the copy's holders only (:func:`~phalanx.parallel.pipeline.holder_groups`,
+Megatron-LM's embedding group of the first and last stage): with 3 or more stages a middle stage,
+which holds no copy, sends and receives nothing for it (before, both ran over the whole pipeline
+group: a middle stage added zeros and discarded the result; ``benchmarks/tied_state.py`` measures
+both at pp 4). The sum over the holders is the sum the whole group took (x + 0 is x), so the results
+are bit-identical. (``dp_world`` of the two step methods is unused: every holder's slice of a copy
+is the same size, its shard.)
 """
 
 from __future__ import annotations
@@ -33,13 +40,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx.parallel.pipeline.by_path import holder_groups
+
 __all__ = ["TiedCopies"]
 
 
 class TiedCopies:
-    """The tied parameters of one stage (``stage.tied_across_stages``) and the pipeline group summing them.
+    """The tied parameters of one stage (``stage.tied_across_stages``) and the groups of their holders.
 
-    ``group``: the pipeline's process group, group rank s running stage s (``RankGrid.pp_group``).
+    ``group``: the pipeline's process group, group rank s running stage s (``RankGrid.pp_group``); the
+    copies move over a group of their holders made from it (:func:`holder_groups`: every rank of
+    the world builds its ``TiedCopies`` at once).
 
     Example::
 
@@ -55,6 +66,8 @@ class TiedCopies:
         self.group = group
         self.device = device
         self.stage = dist.get_rank(group)
+        self.groups = holder_groups(self.tied, group)
+        """{stages holding a copy: their group}, for the sets this stage is in ({} on a middle stage)"""
 
     def alone(self) -> set[int]:
         """ids of this stage's copies: each gets a ZeRO unit of its own."""
@@ -64,52 +77,45 @@ class TiedCopies:
         """ids of this stage's copies whose optimizer state another stage keeps (every holder but the first)."""
         return {id(t.param) for t in self.tied if t.param is not None and t.stages[0] != self.stage}
 
-    def _by_root(self) -> list[tuple[int, list]]:
-        roots: dict[int, list] = {}
+    def _by_holders(self) -> list[tuple[object, int, list]]:
+        """(group, global rank of the first holder, the copies) per set of holders this stage is in,
+        in the same order on every holder."""
+        sets: dict[tuple[int, ...], list] = {}
         for t in self.tied:
-            roots.setdefault(t.stages[0], []).append(t)
-        return sorted(roots.items(), key=lambda kv: kv[0])
+            if t.param is not None:
+                sets.setdefault(tuple(t.stages), []).append(t)
+        return [(self.groups[s], dist.get_global_rank(self.group, s[0]), ts) for s, ts in sorted(sets.items())]
 
     @staticmethod
-    def _views(tied: Sequence, units: Sequence[Sequence], flats: Sequence[torch.Tensor]) -> list:
-        """Each copy's slice of this rank's flat shards (None for a copy this stage does not hold)."""
+    def _views(tied: Sequence, units: Sequence[Sequence], flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each copy's slice of this rank's flat shards."""
         where = {id(u.params[0]): (g, u) for g, us in enumerate(units) for u in us if len(u.params) == 1}
         out = []
         for t in tied:
-            if t.param is None:
-                out.append(None)
-                continue
             g, u = where[id(t.param)]
             out.append(flats[g][u.shard_offset : u.shard_offset + u.shard_numel])
         return out
 
-    @staticmethod
-    def _sizes(tied: Sequence, dp_world: int) -> list[int]:
-        return [-(-int(torch.Size(t.shape).numel()) // dp_world) for t in tied]
-
     @torch.no_grad()
     def sync(self) -> None:
-        """Every copy takes the first holder's values (a stage without a copy sends and keeps nothing)."""
-        for t in self.tied:
-            root = dist.get_global_rank(self.group, t.stages[0])
-            if t.param is None:
-                buf = torch.empty(t.shape, device=self.device)
-            else:
+        """Every copy takes the first holder's values (a stage without a copy does nothing)."""
+        for group, root, tied in self._by_holders():
+            for t in tied:
                 buf = t.param.data.float().contiguous()
-            dist.broadcast(buf, src=root, group=self.group)
-            if t.param is not None:
+                dist.broadcast(buf, src=root, group=group)
                 t.param.data.copy_(buf)
 
     @torch.no_grad()
     def reduce_grad_shards(self, units: Sequence[Sequence], grad_shards: Sequence[torch.Tensor], dp_world: int) -> None:
         """Each copy's slice of the (dp-averaged) gradient shard summed on its first holder (one fp32
-        reduce per first holder); the other holders' slices are left as they were (never stepped)."""
-        for root, tied in self._by_root():
+        reduce per set of holders, over them only); the other holders' slices are left as they were
+        (never stepped)."""
+        me = dist.get_rank()
+        for group, root, tied in self._by_holders():
             views = self._views(tied, units, grad_shards)
-            flat = torch.cat([v.float() if v is not None else torch.zeros(n, device=self.device)
-                              for v, n in zip(views, self._sizes(tied, dp_world))])
-            dist.reduce(flat, dst=dist.get_global_rank(self.group, root), group=self.group)
-            if self.stage == root:
+            flat = torch.cat([v.float() for v in views])
+            dist.reduce(flat, dst=root, group=group)
+            if me == root:
                 off = 0
                 for v in views:
                     v.copy_(flat[off : off + v.numel()])
@@ -117,17 +123,14 @@ class TiedCopies:
 
     @torch.no_grad()
     def send_updated(self, units: Sequence[Sequence], masters: Sequence[torch.Tensor], dp_world: int) -> None:
-        """The first holder's stepped master slices broadcast to the other holders (one per first holder)."""
-        for root, tied in self._by_root():
-            views, sizes = self._views(tied, units, masters), self._sizes(tied, dp_world)
-            if self.stage == root:
-                flat = torch.cat(views)
-            else:
-                flat = torch.empty(sum(sizes), dtype=masters[0].dtype, device=self.device)
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, root), group=self.group)
-            if self.stage != root:
+        """The first holder's stepped master slices broadcast to the other holders (one per set of holders)."""
+        me = dist.get_rank()
+        for group, root, tied in self._by_holders():
+            views = self._views(tied, units, masters)
+            flat = torch.cat(views)
+            dist.broadcast(flat, src=root, group=group)
+            if me != root:
                 off = 0
-                for v, n in zip(views, sizes):
-                    if v is not None:
-                        v.copy_(flat[off : off + n])
-                    off += n
+                for v in views:
+                    v.copy_(flat[off : off + v.numel()])
+                    off += v.numel()
