@@ -353,7 +353,7 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             raise ValueError("ZeroOptimizer.step(closure=…) is not supported; compute the loss before step()")
         shards = self.engine.grad_shards_for_step()
         if self.tied is not None:  # the copies of a parameter tied across pipeline stages: one gradient
-            self.tied.reduce_grad_shards(self.engine.units, shards, self.world)
+            self.tied.reduce_grad_shards(self.engine.units, shards)
         grads = [g.float() if g.dtype != m.dtype else g for g, m in zip(shards, self.masters)]
         if self.loss_scale != 1.0:
             for g in grads:
@@ -385,7 +385,7 @@ class ZeroOptimizer(ShardedCheckpoint, OptimizerFace):
             for c in cs:
                 c.grad = None
         if self.tied is not None:  # the first holder stepped each copy: its values to the other holders
-            self.tied.send_updated(self.engine.units, self.masters, self.world)
+            self.tied.send_updated(self.engine.units, self.masters)
         self.engine.publish()
         self.engine.after_step()
         if self.loss_scale != 1.0:

@@ -29,8 +29,7 @@ Megatron-LM's embedding group of the first and last stage): with 3 or more stage
 which holds no copy, sends and receives nothing for it (before, both ran over the whole pipeline
 group: a middle stage added zeros and discarded the result; ``benchmarks/tied_state.py`` measures
 both at pp 4). The sum over the holders is the sum the whole group took (x + 0 is x), so the results
-are bit-identical. (``dp_world`` of the two step methods is unused: every holder's slice of a copy
-is the same size, its shard.)
+are bit-identical.
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ class TiedCopies:
                 t.param.data.copy_(buf)
 
     @torch.no_grad()
-    def reduce_grad_shards(self, units: Sequence[Sequence], grad_shards: Sequence[torch.Tensor], dp_world: int) -> None:
+    def reduce_grad_shards(self, units: Sequence[Sequence], grad_shards: Sequence[torch.Tensor]) -> None:
         """Each copy's slice of the (dp-averaged) gradient shard summed on its first holder (one fp32
         reduce per set of holders, over them only); the other holders' slices are left as they were
         (never stepped)."""
@@ -122,7 +121,7 @@ class TiedCopies:
                     off += v.numel()
 
     @torch.no_grad()
-    def send_updated(self, units: Sequence[Sequence], masters: Sequence[torch.Tensor], dp_world: int) -> None:
+    def send_updated(self, units: Sequence[Sequence], masters: Sequence[torch.Tensor]) -> None:
         """The first holder's stepped master slices broadcast to the other holders (one per set of holders)."""
         me = dist.get_rank()
         for group, root, tied in self._by_holders():
