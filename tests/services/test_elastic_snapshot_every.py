@@ -197,6 +197,14 @@ def test_live_votes_are_spaced_about_one_vote_period_apart(monkeypatch):
     assert poll.commits_to_skip() == 2   # 3 commits of 16 ms since: the same
     assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s over 3 commits): every commit votes
     assert poll.commits_to_skip() == pending._MAX_SKIP   # commits far shorter than a poll: capped
+    # quiet, a vote every VOTE_S; a change pending or an admission forming (busy), every VOTE_BUSY_S
+    monkeypatch.setattr(pending, "VOTE_S", 0.5)
+    monkeypatch.setattr(pending, "VOTE_BUSY_S", 0.05)
+    clock = iter([0.0, 0.016, 0.016 + 31 * 0.016])
+    poll = pending.PendingPoll("127.0.0.1:1", lambda: 0)
+    assert poll.commits_to_skip() == 0
+    assert poll.commits_to_skip() == 30   # quiet, 16 ms a commit: every 31st commit votes (0.5 s)
+    assert poll.commits_to_skip(busy=True) == 2   # busy: every 3rd (48 ms)
 
 
 @pytest.mark.unit
