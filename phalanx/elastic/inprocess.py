@@ -287,6 +287,8 @@ def _leave_group(free_later: bool = False) -> None:
     old = [dist.group.WORLD] if free_later and dist.is_initialized() else []
     ctx = wctx.current()
     ctx.vote, ctx.skip = None, 0  # a deferred commit vote of the broken group: never waited for
+    if ctx.pending is not None:  # the skip it proposed was not made: no commit rate from it
+        ctx.pending.forget_rate()
     shut = _shut_group_sockets(ctx)
     log.info("shut down %d connections of the old group", shut)
 
