@@ -37,8 +37,8 @@ POLL_S = 0.1
 # The spacing of the members' votes while nothing is going on. Each vote is one async allreduce, and
 # launching it costs every rank more than the collective: the enqueue wakes a gloo worker thread, and
 # with the job's ranks on every core (np 4 on cpu2) the caller loses its core to it. Profiled at np 4
-# (py-spy --native on rank 0): at one vote every 100 ms the launch, ending in pthread_cond_signal, was
-# 2.1-2.8% of rank 0's training thread, ~2-3 ms a vote. At one every 0.5 s that is ~0.5%. A change or a
+# (py-spy on rank 0, 15 s; --native: it ends in pthread_cond_signal): at one vote every ~100 ms the launch
+# was 2.8% of rank 0's training thread, ~3 ms a vote; at one every 0.5 s, 0.8% (run 8). A change or a
 # preemption signal is then noticed up to 0.5 s later (a lost worker is not: the watcher and the failed
 # collective find it), and once noticed the votes follow every VOTE_BUSY_S until it is acted on.
 VOTE_S = 0.5
