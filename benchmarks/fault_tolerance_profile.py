@@ -111,7 +111,7 @@ def job(label: str, commit_every: int, a, root: str) -> None:
         raw = os.path.join(out, "py-spy.txt")
         if a.py_spy:
             spy = subprocess.run(["py-spy", "record", "--pid", str(pids[0]), "--threads", "--idle", "-r", str(a.rate),
-                                  "-d", str(a.seconds), "--nonblocking", "--format", "raw", "-o", raw],
+                                  "-d", str(a.seconds), "--format", "raw", "-o", raw, *(["--native"] if a.native else ["--nonblocking"])],
                                  capture_output=True, text=True)
             if spy.returncode != 0:
                 sys.exit(f"{label}: py-spy record failed: {(spy.stderr or spy.stdout).strip().splitlines()[-1:]}")
@@ -145,6 +145,9 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=4.0, help="seconds after every rank started")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples a second")
     p.add_argument("--py-spy", type=int, default=1, help="1: also py-spy rank 0 (0: CPU per thread only)")
+    p.add_argument("--native", action="store_true",
+                   help="py-spy --native: C/C++ frames too (stops rank 0 at each sample, so its step time is not the job's)")
+    p.add_argument("--jobs", default="none,live", help="which of the two jobs to run (comma-separated)")
     p.add_argument("--snapshot-every", type=int, default=10)
     p.add_argument("--snapshot-period", type=float, default=None,
                    help="TorchState(snapshot_period_s=); default: TorchState's own (10 s); 0: every due commit")
@@ -159,7 +162,8 @@ def main() -> None:
           f"(None: TorchState's default), {a.seconds} s profiled per job")
     for rep in range(a.repeats):
         for label, every in (("none", 0), ("live", 1)) if rep % 2 == 0 else (("live", 1), ("none", 0)):
-            job(f"{label}-{a.np}-{rep}", every, a, root)
+            if label in a.jobs.split(","):
+                job(f"{label}-{a.np}-{rep}", every, a, root)
     if not a.keep:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -151,9 +151,10 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     thread that polls the store (no store call here), and the allreduce is started now and waited
     for at the next deferred commit, which acts on its answer: a change or a preemption is acted on
     one commit later, by every member at the same commit. A re-form drops the vote in flight. The
-    vote is taken about every ``pending.VOTE_S`` (100 ms), not every commit: each vote carries rank 0's
-    count of the commits to skip before the next one (its commits per 100 ms, less one), so at a
-    commit every 13 ms (cpu2) one commit in seven votes.
+    vote is taken about every ``pending.VOTE_S`` (0.5 s), not every commit: each vote carries rank 0's
+    count of the commits to skip before the next one (its commits per 0.5 s, less one), so at a
+    commit every 13 ms (cpu2) one commit in 38 votes; every ``pending.VOTE_BUSY_S`` (0.1 s) while rank
+    0 sees a change pending or an admission forms.
     """
     if not active():
         return None, None
@@ -182,14 +183,15 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
         ctx.skip -= 1
         return None, agreed
     # + rank 0's latest generation, the staging state, and how many commits skip the vote after this one
-    # (made only at a voting commit, about one in four here: a commit that skips the vote makes none)
+    # (made only at a voting commit: a commit that skips the vote makes none)
     flag = [0, vote, 0, ctx.admission.state(), 0]  # (one tensor made below: a tensor's item set is ~5 us)
     if size == 1 or runtime.rank() == 0:
         if ctx.pending is None:
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
         flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
         flag[2] = ctx.pending.latest
-        flag[4] = ctx.pending.commits_to_skip()
+        # a change seen or an admission forming: vote again soon (the staging's steps are votes)
+        flag[4] = ctx.pending.commits_to_skip(busy=bool(flag[0]) or ctx.admission.staging is not None)
     if size == 1:  # nobody to agree with: act on it now
         return _staged_change(ctx, flag[:4], notices), vote
     flag = torch.tensor(flag, dtype=torch.int64)
@@ -285,6 +287,8 @@ def _leave_group(free_later: bool = False) -> None:
     old = [dist.group.WORLD] if free_later and dist.is_initialized() else []
     ctx = wctx.current()
     ctx.vote, ctx.skip = None, 0  # a deferred commit vote of the broken group: never waited for
+    if ctx.pending is not None:  # the skip it proposed was not made: no commit rate from it
+        ctx.pending.forget_rate()
     shut = _shut_group_sockets(ctx)
     log.info("shut down %d connections of the old group", shut)
 

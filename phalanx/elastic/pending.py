@@ -6,7 +6,7 @@ per commit (measured ~0.7 ms median on cpu2, spikes of tens of ms under load); a
 (``TorchState(recover="live")``) instead reads the last answer of a thread that asks every
 :data:`POLL_S` with a store client of its own::
 
-    thread (rank 0, every 50 ms): pxe/latest (one store get) > gen? members of latest vs gen
+    thread (rank 0, every 100 ms): pxe/latest (one store get) > gen? members of latest vs gen
                                   -> REMOVED_ONLY / ADDED
     commit:  kind = poll.kind(gen, notice, notices)    # a dict lookup; 0 until the thread has read one
              poll.latest                               # that generation's number (a staged admission's target)
@@ -31,12 +31,19 @@ import torch.distributed as dist
 
 from phalanx.elastic.interrupts import ADDED, REMOVED_ONLY
 
-__all__ = ["PendingPoll", "pending_on", "POLL_S", "VOTE_S"]
+__all__ = ["PendingPoll", "pending_on", "POLL_S", "VOTE_S", "VOTE_BUSY_S"]
 
-POLL_S = 0.05
-# the spacing of the members' votes: each costs rank 0 an async allreduce (0.3 ms on cpu2, a 13 ms step),
-# 0.6% of the time at one a poll; a change or a preemption is acted on up to this much later
-VOTE_S = 0.1
+POLL_S = 0.1
+# The spacing of the members' votes while nothing is going on. Each vote is one async allreduce, and
+# launching it costs every rank more than the collective: the enqueue wakes a gloo worker thread, and
+# with the job's ranks on every core (np 4 on cpu2) the caller loses its core to it. Profiled at np 4
+# (py-spy on rank 0, 15 s; --native: it ends in pthread_cond_signal): at one vote every ~100 ms the launch
+# was 2.8% of rank 0's training thread, ~3 ms a vote; at one every 0.5 s, 0.8% (run 8). A change or a
+# preemption signal is then noticed up to 0.5 s later (a lost worker is not: the watcher and the failed
+# collective find it), and once noticed the votes follow every VOTE_BUSY_S until it is acted on.
+VOTE_S = 0.5
+# the spacing while rank 0 sees a change pending or a staged admission forms (each of its steps is a vote)
+VOTE_BUSY_S = 0.1
 _MAX_SKIP = 100  # a vote at least every 101 commits, however short they are
 
 
@@ -83,17 +90,28 @@ class PendingPoll:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(5.0)
 
-    def commits_to_skip(self) -> int:
+    def commits_to_skip(self, busy: bool = False) -> int:
         """How many commits the members skip voting after this one: the commits rank 0 makes in one
-        :data:`VOTE_S` (two of this thread's polls), less one.
+        :data:`VOTE_S` (five of this thread's polls), or in one :data:`VOTE_BUSY_S` when ``busy`` (a
+        change pending or an admission forming), less one.
         Called at each voting commit; every member skips what rank 0 proposed last time, so the commits
-        since the last call are that count plus one."""
+        since the last call are that count plus one. The count at most doubles (plus one) from one vote
+        to the next: the rate is measured over the commits just made, and a loop that then slows down (a
+        re-form's few quick steps, then commits 50 ms apart while a replacement is awaited) would
+        otherwise skip a quick stretch's count of slow commits (at 0.5 s, 99 commits: 5 s unvoted)."""
         now = time.monotonic()
         (last, proposed), skip = self._since, 0
         if last is not None and now > last:
-            skip = max(0, min(_MAX_SKIP, int(VOTE_S * (proposed + 1) / (now - last)) - 1))
+            period = VOTE_BUSY_S if busy else VOTE_S
+            skip = max(0, min(_MAX_SKIP, 2 * proposed + 1, int(period * (proposed + 1) / (now - last)) - 1))
         self._since = (now, skip)
         return skip
+
+    def forget_rate(self) -> None:
+        """At a re-form: the members dropped the count they were skipping, so the next vote measures no
+        commit rate from it (it would read the old generation's proposal over the re-form's pause: at a
+        0.5 s period, after 100 quick commits and a 1 s pause, ~50 commits of the new one unvoted)."""
+        self._since = (None, 0)
 
     def kind(self, gen: int, notice: int, notices: bool) -> int:
         """The last answer read for this generation (0 until the thread has read one)."""

@@ -90,10 +90,10 @@ class TorchState:
     collective raises before ``optimizer.step()`` applies the gradients it was reducing (a rank
     whose allreduce completed got every rank's part), and ``sync()`` gives every member rank 0's
     state, so the members agree again and no step is lost or applied twice. A commit then costs
-    one small allreduce about every 100 ms, started at a commit and waited for at the next one (the
-    membership vote, acted on one commit later), and a snapshot rank 0 writes by itself in the
-    background every ``snapshot_period_s`` (10 s by default; for a group restart: one file set, no
-    cross-rank wait).
+    one small allreduce about every 0.5 s (0.1 s while a change is pending), started at a commit and
+    waited for at the next one (the membership vote, acted on one commit later), and a snapshot rank 0
+    writes by itself in the background every ``snapshot_period_s`` (10 s by default; for a group
+    restart: one file set, no cross-rank wait).
     It needs a training loop that changes the state only through whole steps between
     collectives (the usual forward, backward, ``optimizer.step()``, counters), and no sharded
     piece (ZeRO re-forms by a group restart either way).

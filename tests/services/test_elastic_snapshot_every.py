@@ -185,18 +185,30 @@ def test_recover_takes_commit_or_live():
 @pytest.mark.unit
 def test_live_votes_are_spaced_about_one_vote_period_apart(monkeypatch):
     # rank 0 proposes, at each vote, the commits every member skips before the next: its commits per
-    # pending.VOTE_S less one, from the time since its last vote over the commits that vote covered
+    # pending.VOTE_S (VOTE_BUSY_S while a change is pending or an admission forms) less one, from the
+    # time since its last vote over the commits that vote covered, at most 2n+1 after a proposal of n
     from phalanx.elastic import pending
 
-    monkeypatch.setattr(pending, "VOTE_S", 0.05)
-    clock = iter([100.0, 100.016, 100.016 + 3 * 0.016, 100.064 + 0.5, 100.564 + 1e-6])
+    monkeypatch.setattr(pending, "VOTE_S", 0.5)
+    monkeypatch.setattr(pending, "VOTE_BUSY_S", 0.05)
+    times, t = [0.0], 0.0
+    for commits in (1, 2, 4, 8, 16, 31):   # 16 ms a commit, each stretch the count skipped + 1
+        t += commits * 0.016
+        times.append(t)
+    times += [t + 3 * 0.5, t + 3 * 0.5 + 1e-6, 100.0] + [100.0 + 1e-6 * k for k in range(1, 8)]
+    clock = iter(times)
     monkeypatch.setattr(pending.time, "monotonic", lambda: next(clock))
     poll = pending.PendingPoll("127.0.0.1:1", lambda: 0)   # (not started: no thread, no store)
     assert poll.commits_to_skip() == 0   # the first vote: nothing measured yet
-    assert poll.commits_to_skip() == 2   # 16 ms a commit: vote every 3rd commit (48 ms)
-    assert poll.commits_to_skip() == 2   # 3 commits of 16 ms since: the same
-    assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s over 3 commits): every commit votes
-    assert poll.commits_to_skip() == pending._MAX_SKIP   # commits far shorter than a poll: capped
+    # 16 ms a commit: a vote every 31st commit (0.5 s), reached by at most doubling
+    assert [poll.commits_to_skip() for _ in range(5)] == [1, 3, 7, 15, 30]
+    assert poll.commits_to_skip(busy=True) == 2   # busy: every 3rd commit (48 ms)
+    assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s a commit): every commit votes
+    assert poll.commits_to_skip() == 1   # a commit in a microsecond: the count doubles, no more
+    poll.forget_rate()   # a re-form: the count proposed was dropped, so no rate from it
+    assert poll.commits_to_skip() == 0
+    # commits far shorter than a vote's period: doubling up to the cap
+    assert [poll.commits_to_skip() for _ in range(7)] == [1, 3, 7, 15, 31, 63, pending._MAX_SKIP]
 
 
 @pytest.mark.unit
