@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,6 +43,7 @@ from phalanx.comm.broadcast import broadcast_coalesced
 from phalanx.comm.collectives import allgather_object, broadcast_object
 from phalanx.elastic.commit_dir import default_commit_dir, own_commit_dir
 from phalanx.elastic.snapshots import Snapshots, pack, unpack
+from phalanx.elastic.unheld import watch
 from phalanx.log import get_logger
 
 __all__ = ["State", "TorchState", "live_topology", "RECOVER", "LIVE_SNAPSHOT_S"]
@@ -144,6 +146,9 @@ class TorchState:
         object.__setattr__(self, "restored_from", None)
         object.__setattr__(self, "_world", None)  # world size of the state held (None: not synced yet)
         object.__setattr__(self, "_world_hooks", [])
+        # an optimizer with state stepping this state's model but left out of it: refused at its first step
+        ref = weakref.ref(self)
+        object.__setattr__(self, "_unheld", watch(lambda: None if (s := ref()) is None else s._pieces.values()))
 
     # commit(): also act on the launcher's host-change notices (phalanx.horovod.elastic's state does)
     _host_notices = False
