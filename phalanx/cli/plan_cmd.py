@@ -137,6 +137,13 @@ def _check_hardware(args: argparse.Namespace) -> None:
     if args.model not in workloads.names():
         raise ValueError(f"unknown model {args.model!r} for a --hardware plan; choose one of {', '.join(workloads.names())}; "
                          "a model of your own (MODULE:FACTORY or --params N) goes without --hardware/--gpus")
+    w, gpu = workloads.get(args.model), hardware.get(args.hardware).gpu
+    if w.precision not in gpu.peak:  # (the profile's own error named a precision no flag chooses)
+        fits = [h for h in hardware.names() if w.precision in hardware.get(h).gpu.peak]
+        models = [m for m in workloads.names() if workloads.get(m).precision in gpu.peak]
+        raise ValueError(f"--model {args.model} trains in {w.precision}, for which --hardware {args.hardware} has no "
+                         f"peak (it has {', '.join(sorted(gpu.peak))}); choose hardware with {w.precision} "
+                         f"({', '.join(fits[:4])}, ...) or a model it has a peak for ({', '.join(models[:4])}, ...)")
     defaults = getattr(args, "cost_model_defaults", {})
     ignored = ["--" + dest.replace("_", "-") for dest, default in defaults.items() if getattr(args, dest) != default]
     if ignored:

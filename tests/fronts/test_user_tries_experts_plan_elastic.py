@@ -119,6 +119,9 @@ PLAN_MISTAKES = [
     (["--gpus", "8", "--hardware", "h100-ib400", "--model", "gpt-14b"], "unknown model 'gpt-14b' for a --hardware plan"),
     (["--gpus", "8", "--hardware", "./hw.json", "--model", "gpt-13b"], "takes a profile name, not a file"),
     (["--model", "gpt-13b"], "a named workload needs --hardware NAME and --gpus N"),
+    # was: "cpu2 ... has no 'fp16' peak; choose one of ['fp32']", a precision no flag chooses
+    (["--gpus", "2", "--hardware", "cpu2", "--model", "gpt-13b"],
+     "--model gpt-13b trains in fp16, for which --hardware cpu2 has no peak (it has fp32); choose hardware with fp16"),
     (["--params", "1e9", "--batch-per-gpu", "4"], "--batch-per-gpu is priced for --hardware plans only"),
     (["--params", "1e9", "--experts", "8", "--expert-params", "5e8", "--act-mb", "10", "--top-k", "9"],
      "--top-k 9 must be between 1 and --experts 8"),
