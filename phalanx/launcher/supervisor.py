@@ -30,7 +30,6 @@ import contextlib
 import datetime
 import json
 import os
-import site
 import subprocess
 import sys
 import threading
@@ -46,9 +45,9 @@ from phalanx.launcher.host_notices import ADDED, HostNotices
 from phalanx.launcher.hosts import SetAside, is_local, route_source
 from phalanx.launcher.spare import Spare
 from phalanx.launcher.stall import ElasticStalls, describe_exit, ended_then_aborted
+from phalanx.launcher.worker_env import PER_RANK_VARS, worker_env
 from phalanx.launcher.worker_output import WorkerOutput, stop_processes
 from phalanx.log import get_logger
-from phalanx.runtime.heartbeat import HEARTBEAT_ENV, HEARTBEAT_STORE_ENV
 from phalanx.settings import ElasticSettings
 
 __all__ = ["Supervisor"]
@@ -57,8 +56,6 @@ log = get_logger(__name__)
 _EXEC_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exec.py")
 _GRACE_S = 10.0
 _LOCAL = "localhost"
-_PER_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "HOROVOD_RANK",
-                  "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 
 
 class _Worker:
@@ -137,20 +134,7 @@ class Supervisor:
 
     # -- workers ----------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _PER_RANK_VARS}
-        env.update(self.env)
-        # the workers import the phalanx this launcher runs (also an uninstalled checkout); a site-packages
-        # install is on their path already, and on PYTHONPATH would come ahead of the standard library
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        if root not in {*site.getsitepackages(), site.getusersitepackages()}:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(self.wanted, 1))))
-        env.update({"PHALANX_LAUNCHER": "run", "TORCHELASTIC_RUN_ID": self.run_id,
-                    "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "true",
-                    "MASTER_ADDR": self.addr, "MASTER_PORT": str(self.store.port),
-                    inprocess.STORE_ENV: f"{self.addr}:{self.store.port}",
-                    HEARTBEAT_ENV: f"{min(1.0, self.heartbeat_timeout / 6):g}", HEARTBEAT_STORE_ENV: f"{self.addr}:{self.store.port}"})
-        return env
+        return worker_env(self.env, self.run_id, self.addr, self.store.port, self.wanted, self.heartbeat_timeout)
 
     def _start(self, host: str, rank_env: dict[str, int] | None, expected_rank: int = 0) -> _Worker:
         wid = f"w{self._next_wid}"
@@ -176,7 +160,7 @@ class Supervisor:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         else:
             proc = self._start_remote(host, {k: v for k, v in env.items() if k.startswith(("PHALANX_", "TORCH",
-                                      "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in _PER_RANK_VARS or k == "PYTHONPATH"})
+                                      "MASTER_", "OMP_", "HOROVOD_", "GLOO_", "NCCL_")) or k in PER_RANK_VARS or k == "PYTHONPATH"})
         w = _Worker(wid, host, proc, joiner=rank_env is None)
         w.spare = spare is not None
         self.workers.append(w)
@@ -273,8 +257,10 @@ class Supervisor:
             return (f"every host the job's workers ran on ({', '.join(ran_on)}) was set aside after a worker there failed; "
                     "stopping the job" + self._first())
         if not kept and keep:  # the job moves off its hosts: one old member stays to hand the state over
-            if not ready:
-                return None  # (until the newcomers are ready; it leaves at the next change)
+            if not ready:  # (until the newcomers are ready; it leaves at the next change), bounded if none can come
+                return None if starting or sum(hosts.values()) >= self.min_np else self._short(
+                    f"host discovery lists {sum(hosts.values())} slot(s), fewer than --min-np {self.min_np}; the "
+                    f"workers trained on at {len(keep)}")
             kept = keep[:1]
         target = kept + ready[: max(0, self.max_np - len(kept))]
         if not kept and self.members:  # no live member to take the state from: newcomers would start over
@@ -287,13 +273,17 @@ class Supervisor:
                      f"{', '.join(f'{h}:{n}' for h, n in hosts.items()) or 'none'}{aside})")
             if not (self.aside.any_returns() or self.script):
                 return f"{short}, and none starting; stopping the job" + self._first()
-            self._short_since = self._short_since or time.monotonic()
-            if time.monotonic() - self._short_since > self.elastic_timeout:
-                return f"{short} for --elastic-timeout {self.elastic_timeout:g}s; stopping the job" + self._first()
-            return None  # hosts may come back (a cooldown, discovery): wait, bounded by --elastic-timeout
+            return self._short(short)  # hosts may come back (a cooldown, discovery): wait, bounded
         self._short_since = None
         if target != self.members or (self.notices.pending and not still and not held):
             return self._publish(target, why)  # (a host change announced must end in a generation)
+        return None
+
+    def _short(self, short: str) -> str | None:
+        """Too few slots: None while --elastic-timeout has not passed since they were first short, then the reason."""
+        self._short_since = self._short_since or time.monotonic()
+        if time.monotonic() - self._short_since > self.elastic_timeout:
+            return f"{short} for --elastic-timeout {self.elastic_timeout:g}s; stopping the job" + self._first()
         return None
 
     def _first(self) -> str:
@@ -400,8 +390,10 @@ class Supervisor:
                 hosts = self._discover()
                 if hosts is not None and hosts != self.hosts:
                     old_wanted, self.hosts = self.wanted, hosts
-                    print(f"phalanx: host discovery: {hosts}; {old_wanted} -> {self._wanted()} workers at the "
-                          "next commit", flush=True)
+                    short = self._wanted() < self.min_np  # (then the members train on, bounded, until slots return)
+                    print(f"phalanx: host discovery: {hosts}; {old_wanted} -> {self._wanted()} workers at the next commit"
+                          + (f", fewer than --min-np {self.min_np}: the workers train on until there are slots again, "
+                             f"for at most --elastic-timeout {self.elastic_timeout:g}s" if short else ""), flush=True)
                     changed.append("host discovery")
             if not finished and time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + 0.5

@@ -160,6 +160,28 @@ def test_set_aside_hosts_cool_down_and_back_off():
     assert forever.add("a") == float("inf") and not forever.any_returns()
 
 
+def test_discovery_listing_no_slots_stops_the_job_after_the_elastic_timeout():
+    """A discovery script that lists nothing mid-run (--min-np 1): the members trained on at their size
+    for ever (one stays to hand the state to newcomers that never came); now that wait is bounded by
+    --elastic-timeout and ends in one line, as a shortage of hosts does. (User tries, stop 50.)"""
+    import types
+
+    from phalanx.launcher.supervisor import Supervisor
+
+    sup = Supervisor(["true"], 2, min_np=1, max_np=2, script="/bin/true", elastic_timeout=3.0)
+    members = [types.SimpleNamespace(code=None, host="localhost", admitted=True, ready=True, started=0.0)
+               for _ in range(2)]
+    sup.workers, sup.members, sup.gen, sup.hosts = list(members), list(members), 0, {}
+    assert sup._reconcile("host discovery") is None  # within the timeout: the members train on
+    sup._short_since -= 4.0
+    assert sup._reconcile("host discovery") == ("host discovery lists 0 slot(s), fewer than --min-np 1; the workers "
+                                                "trained on at 2 for --elastic-timeout 3s; stopping the job")
+    sup._short_since = None
+    sup.workers.append(types.SimpleNamespace(code=None, host="b", admitted=False, ready=False, started=1e18))
+    sup.hosts = {"b": 2}  # a newcomer starting on another host: wait for it, unbounded by this rule
+    assert sup._reconcile("host discovery") is None and sup._short_since is None
+
+
 def test_discovery_keeps_host_names_and_new_flags_are_checked(tmp_path):
     import argparse
 
