@@ -18,18 +18,6 @@ from torch import nn
 
 pytestmark = pytest.mark.unit
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE")
-
-
-@pytest.fixture
-def alone(monkeypatch):
-    """This process as a plain ``python script.py``: no launcher's variables, no process group."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    for name in _LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
 
 def _moe_net():
     from phalanx.models.moe import MoE

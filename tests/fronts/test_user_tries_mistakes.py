@@ -13,18 +13,6 @@ from torch import nn
 
 pytestmark = pytest.mark.unit
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE")
-
-
-@pytest.fixture
-def alone(monkeypatch):
-    """This process as a plain ``python script.py``: no launcher's variables, no process group."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    for name in _LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
 
 def test_a_grid_before_init_or_outside_the_launcher_says_which(alone):
     from phalanx.parallel.grid import GridError, RankGrid

@@ -65,6 +65,18 @@ def _groups():
     return r // 2, dp[r % 2], tp[r // 2]
 
 
+def _one_process(m):
+    """A copy of ``m`` after STEPS steps of Adam on the whole batches: the single-process reference."""
+    ref = copy.deepcopy(m)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        lm_loss(ref, x, y).backward()
+        opt.step()
+    return ref
+
+
 def _zero3_tp(state_bits: int, kind: str = "llama"):
     """ZeRO-3 (dp 2) x TP (tp 2) + recomputation: 3 steps of Adam on the dp half of the batch."""
     d, dp_group, tp_group = _groups()
@@ -136,13 +148,7 @@ def _zero_pp(stage: int, kind: str = "llama"):
     mesh = RankGrid(dp=2, pp=2)
     d, s, _ = mesh.coord
     m = make(kind, tie=False, layers=4)
-    ref = copy.deepcopy(m)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = batch(step)
-        ref_opt.zero_grad()
-        lm_loss(ref, x, y).backward()
-        ref_opt.step()
+    ref = _one_process(m)
     piece = split_by_path(m, partition(m, 2, method="parameters").boundaries(m), s)
     pipe = PipelineStage(piece, s, 2, ranks=mesh.pp_ranks, group=mesh.pp_group, grad_group=mesh.pp_grad_group,
                          loss_fn=_ce, checkpoint=True)
@@ -169,13 +175,7 @@ def _zero_pp4_tied(stage: int = 2):
     mesh = RankGrid(dp=1, pp=4)
     s = mesh.coord[1]
     m = make("gpt2", tie=True, layers=4)
-    ref = copy.deepcopy(m)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = batch(step)
-        ref_opt.zero_grad()
-        lm_loss(ref, x, y).backward()
-        ref_opt.step()
+    ref = _one_process(m)
     piece = split_by_path(m, partition(m, 4, method="parameters").boundaries(m), s)
     pipe = PipelineStage(piece, s, 4, ranks=mesh.pp_ranks, group=mesh.pp_group, grad_group=mesh.pp_grad_group,
                          loss_fn=_ce)
