@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "tied_of", "holder_groups",
+__all__ = ["PassThrough", "Zeros", "find_blocks", "split_by_path", "StageOfModel", "TiedParameter", "tied_of", "holder_groups", "held_sets",
            "path_costs", "recompute_blocks"]
 
 
@@ -244,6 +244,16 @@ def holder_groups(tied: Sequence[TiedParameter], group) -> dict[tuple[int, ...],
             if pipeline == mine and me in s:
                 out[s] = g
     return out
+
+
+def held_sets(tied: Sequence[TiedParameter], groups: dict) -> list[tuple[tuple[int, ...], object, list]]:
+    """``(stages, their group, the copies this stage holds)`` per set of holders this stage is in, in the
+    same order on every holder (none on a stage without a copy); ``groups`` from :func:`holder_groups`."""
+    sets: dict[tuple[int, ...], list] = {}
+    for t in tied:
+        if t.param is not None:
+            sets.setdefault(tuple(t.stages), []).append(t)
+    return [(s, groups[s], ts) for s, ts in sorted(sets.items())]
 
 
 def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:

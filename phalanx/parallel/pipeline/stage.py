@@ -60,7 +60,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from phalanx.comm.collectives import Sum, allreduce, broadcast
 from phalanx.log import get_logger
-from phalanx.parallel.pipeline.by_path import holder_groups, tied_of
+from phalanx.parallel.pipeline.by_path import held_sets, holder_groups, tied_of
 from phalanx.parallel.pipeline.executor import Span, StepRun
 from phalanx.parallel.pipeline.link import StageLink
 from phalanx.parallel.pipeline.schedules import Schedule, get_schedule
@@ -240,27 +240,18 @@ class PipelineStage:
         (:func:`holder_groups`), then every copy takes the values of its first holder's."""
         self._tied_synced = True
         self.tied_groups = holder_groups(self.tied, self.group)
-        for stages, group, tied in self._tied_sets():
+        for stages, group, tied in held_sets(self.tied, self.tied_groups):
             for t in tied:  # in fp32 on every holder: a holder's copy may be cast later
                 buf = t.param.data.float()
                 broadcast(buf, root_rank=self.ranks[stages[0]], group=group, inplace=True, name="pp.tied.init")
                 t.param.data.copy_(buf)
-
-    def _tied_sets(self) -> list[tuple[tuple[int, ...], object, list]]:
-        """(stages, their group, the copies this stage holds) per set of holders this stage is in, in
-        the same order on every holder; none on a stage without a copy."""
-        sets: dict[tuple[int, ...], list] = {}
-        for t in self.tied:
-            if t.param is not None:
-                sets.setdefault(tuple(t.stages), []).append(t)
-        return [(s, self.tied_groups[s], ts) for s, ts in sorted(sets.items())]
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
         """Each tied parameter's gradient summed over the stages holding a copy, one all-reduce per set
         of holders over them only (a middle stage takes no part); its last element counts the copies
         that had no ``.grad``."""
-        for _, group, tied in self._tied_sets():
+        for _, group, tied in held_sets(self.tied, self.tied_groups):
             grads = [t.param.grad for t in tied]
             missing = float(sum(g is None for g in grads))
             parts = [g.reshape(-1).float() if g is not None else torch.zeros(t.param.numel(), device=t.param.device)

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.parallel.pipeline.by_path import holder_groups
+from phalanx.parallel.pipeline.by_path import held_sets, holder_groups
 
 __all__ = ["TiedCopies"]
 
@@ -77,13 +77,8 @@ class TiedCopies:
         return {id(t.param) for t in self.tied if t.param is not None and t.stages[0] != self.stage}
 
     def _by_holders(self) -> list[tuple[object, int, list]]:
-        """(group, global rank of the first holder, the copies) per set of holders this stage is in,
-        in the same order on every holder."""
-        sets: dict[tuple[int, ...], list] = {}
-        for t in self.tied:
-            if t.param is not None:
-                sets.setdefault(tuple(t.stages), []).append(t)
-        return [(self.groups[s], dist.get_global_rank(self.group, s[0]), ts) for s, ts in sorted(sets.items())]
+        """(group, global rank of the first holder, the copies) per set of holders this stage is in."""
+        return [(g, dist.get_global_rank(self.group, s[0]), ts) for s, g, ts in held_sets(self.tied, self.groups)]
 
     @staticmethod
     def _views(tied: Sequence, units: Sequence[Sequence], flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
