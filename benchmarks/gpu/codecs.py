@@ -24,9 +24,7 @@ N(0, 1e-3^2) so that the threshold codec's default cut 1e-3 keeps about a third 
 * variant ``no-ef``: the same codec with ``error_feedback=False`` (the codec alone).
 * variant ``ef-unfused`` (codecs that add error feedback's gradient inside their compress): the
   same error feedback with that add as its own pass first (``res += g``, then ``compress_ef(res)``),
-  timed in the same run on the same card: the A/B of the fused add; ``ef-fused`` is the other side for
-  the codecs whose default keeps the add as its own pass (int8 and sign: run 8 measured the fused add
-  slower there, so ``fuse_add`` is off for them).
+  timed in the same run on the same card: the A/B of the fused add.
 * ``ratio_vs_copy`` = copy seconds / round-trip seconds; ``within_goal``: round trip <= 5 x copy.
 * ``payload_bytes`` (what one rank would send), ``rel_err`` = ||decompress(compress(g)) - g|| /
   ||g|| of a fresh codec (its first call: no residual yet), ``max_diff_vs_cpu``: the same round trip
@@ -96,10 +94,7 @@ def _as_input(name: str, flat: torch.Tensor) -> torch.Tensor:
 def _make(name: str, variant: str):
     if variant == "no-ef":
         return get_compressor(name, error_feedback=False)
-    codec = get_compressor(name)
-    if variant == "ef-fused":  # the B side for a codec whose default keeps the add as its own pass
-        codec.inner.fuse_add = True
-    return codec
+    return get_compressor(name)
 
 
 def _roundtrip_fn(codec, variant: str, x: torch.Tensor):
@@ -351,8 +346,8 @@ def main() -> None:
             pass
         if probe is not None and hasattr(probe, "inner"):  # error feedback around a codec
             jobs.append((name, "no-ef"))
-            if isinstance(probe.inner, AddendResidual):  # the A/B of the fused add, the other side of the default
-                jobs.append((name, "ef-unfused" if probe.inner.fuse_add else "ef-fused"))
+            if isinstance(probe.inner, AddendResidual):
+                jobs.append((name, "ef-unfused"))
         if name == "powersgd":
             jobs.append((name, "reduce_many"))
 

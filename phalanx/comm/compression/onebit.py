@@ -60,14 +60,11 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDecode
 
     summable = False
 
-    def __init__(self, chunk: int = 256, two_level: bool = True, fuse_add: bool = False) -> None:
+    def __init__(self, chunk: int = 256, two_level: bool = True) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.chunk = int(chunk)
         self.two_level = bool(two_level)
-        # Off by default: on an H100 (benchmarks/gpu/codecs.py, run 8, one card) error feedback's add inside the
-        # compiled encode made the round trip slower, 306 us against 267 us with the add as its own pass.
-        self.fuse_add = bool(fuse_add)
         self.name = "sign"
 
     def __repr__(self) -> str:
@@ -85,8 +82,8 @@ class SignCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDecode
         return self._encode(x, residual=True), (x.numel(), x.dtype, tuple(x.shape))
 
     def takes_addend(self, x: torch.Tensor) -> bool:
-        """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA, where ``fuse_add``)."""
-        return self.fuse_add and self._words() and kernels.wanted(x)
+        """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA)."""
+        return self._words() and kernels.wanted(x)
 
     def encode_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
         """The fused encode of ``x + addend`` (:class:`AddendResidual`)."""

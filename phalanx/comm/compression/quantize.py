@@ -105,8 +105,7 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDe
 
     summable = False
 
-    def __init__(self, bits: int = 8, chunk: int = 256, stochastic: bool = False, seed: int | None = None,
-                 fuse_add: bool | None = None) -> None:
+    def __init__(self, bits: int = 8, chunk: int = 256, stochastic: bool = False, seed: int | None = None) -> None:
         if bits not in (2, 4, 8):
             raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
         if chunk < 1:
@@ -116,10 +115,6 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDe
         self.name = "int8" if bits == 8 else ("int4" if bits == 4 else "2bit")
         self._gen = torch.Generator().manual_seed(seed) if seed is not None else None
         self._buf: torch.Tensor | None = None  # scratch kept between calls
-        # Error feedback's ``res += g`` inside the compiled encode (AddendResidual) pays off for 4 and 2 bits and
-        # not for 8: on an H100 (benchmarks/gpu/codecs.py, run 8, one card) the int8 round trip took 490 us fused
-        # against 345 us with the add as its own pass; int4 409 against 439, 2bit 416 against 431.
-        self.fuse_add = bits < 8 if fuse_add is None else bool(fuse_add)
 
     def __repr__(self) -> str:
         return f"QuantizeCompressor(bits={self.bits}, chunk={self.chunk}, stochastic={self.stochastic})"
@@ -192,8 +187,8 @@ class QuantizeCompressor(ChunkedCodec, FixedSizePayload, AddendResidual, FusedDe
         return out
 
     def takes_addend(self, x: torch.Tensor) -> bool:
-        """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA, where ``fuse_add``)."""
-        return self.fuse_add and self._fused(x)
+        """:meth:`compress_ef_add` fuses the add for ``x`` (the compiled path, on CUDA)."""
+        return self._fused(x)
 
     def encode_ef_add(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
         """The fused encode of ``x + addend`` (:class:`AddendResidual`)."""
