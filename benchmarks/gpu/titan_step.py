@@ -311,6 +311,35 @@ def isolated_block(device: str, iters: int) -> dict:
     return out
 
 
+def sustain(args, layers: int) -> None:
+    """Step without a pause for ``args.sustain`` seconds; one line per 10 s window."""
+    device = args.device
+    *_, vocab, seq, batch = SHAPES[device]
+    torch.manual_seed(0)
+    model, opt = build(layers, device, False)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    labels = torch.randint(0, vocab, (batch, seq), device=device)
+    step, _ = step_fn(model, opt, ids, labels, device)
+    temp = Clock()
+    t_end, window = time.perf_counter() + args.sustain, 0
+    while time.perf_counter() < t_end:
+        walls = []
+        with Clock() as clock:
+            w_end = time.perf_counter() + min(10.0, args.sustain)
+            while time.perf_counter() < w_end:
+                t0 = time.perf_counter()
+                step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+        celsius = None
+        if temp._nvml:
+            celsius = temp._nvml.nvmlDeviceGetTemperature(temp._h, temp._nvml.NVML_TEMPERATURE_GPU)
+        emit(args.out, "titan_sustain", device, layers=layers, window=window, steps=len(walls),
+             step_s=sorted(walls)[len(walls) // 2], step_s_max=max(walls), gpu_celsius=celsius, **clock.summary())
+        window += 1
+
+
 def predicted(layers: int, compiled: bool) -> dict:
     """The planner's step for the same job: one GPU, ZeRO-3 (FSDP2) in a world of one, op checkpointing."""
     from phalanx.planner import hardware, published, scaling, workloads
@@ -329,6 +358,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also the largest size with per-block torch.compile")
     ap.add_argument("--profile", action="store_true", help="profile one step of the largest eager size")
     ap.add_argument("--trace-dir", default=None, help="write that step's chrome trace here")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                    help="instead: the largest eager size stepped for this long, a line per 10 s window "
+                         "(step time, SM clock, power, temperature): do clocks fall as the card heats?")
     args = ap.parse_args()
     check_device(args.device)
     args.layers = sorted(args.layers or ([1, 3] if args.device == "cuda" else [1, 2]))
@@ -341,6 +373,8 @@ def main() -> None:
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
     try:
+        if args.sustain:
+            return sustain(args, max(args.layers))
         emit(args.out, "titan_block_alone", args.device, **isolated_block(args.device, 8 if args.device == "cuda" else 2))
         runs = [(n, False) for n in args.layers] + ([(max(args.layers), True)] if args.compile else [])
         done = {}
