@@ -253,8 +253,8 @@ def profile_step(step, device: str, trace_dir: str | None, layers: int) -> dict:
         wall = time.perf_counter() - t0
     classes, spans, names = defaultdict(float), [], defaultdict(float)
     for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
-            continue
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue  # a range such as "Optimizer.step#AdamW.step" on the GPU's timeline is no kernel
         us = e.time_range.elapsed_us()
         classes[kernel_class(e.name)] += us / 1e6
         names[e.name[:90]] += us / 1e6
