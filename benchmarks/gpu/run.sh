@@ -16,8 +16,9 @@
 #                   line, two gloo ranks sharing the GPU
 #   8 variants      what compiling cannot fuse (top-k, threshold, PowerSGD orthogonalisation) timed alone
 #   9 codec_profile where a codec's round trip goes: device kernel time vs wall, top ops, top Python
-#  10 titan_step    a Llama 3 8B step (1 and 3 blocks) as torchtitan runs it, profiled, against the planner
-# Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2, 4, 8, 9 and 10 time
+#  10 fused_add     error feedback's add fused or as its own pass: a paired, interleaved A/B per codec
+#  11 titan_step    a Llama 3 8B step (1 and 3 blocks) as torchtitan runs it, profiled, against the planner
+# Steps 1, 3, 5, 6 and 7 measure no time, so the others run beside the tests; 2, 4, 8, 9, 10 and 11 time
 # kernels and run alone afterwards (after the tests, which have filled TorchInductor's cache of
 # the codecs' compiled kernels).
 #
@@ -107,6 +108,7 @@ timed_steps() {
   # on the CPU: the codecs' CUDA path, run eagerly (its host ops counted; on CUDA it is the default)
   # shellcheck disable=SC2046
   step codec_profile 120 $PY benchmarks/gpu/codec_profile.py $J $([ "$DEVICE" = cpu ] && echo --fused)
+  step fused_add 120 $PY benchmarks/gpu/fused_add_ab.py $J
   # a real Llama 3 8B step (truncated) as torchtitan runs it, against the planner's price (issue 42)
   # shellcheck disable=SC2046
   step titan_step 240 $PY benchmarks/gpu/titan_step.py $J --profile --trace-dir "$WORK" \
@@ -119,7 +121,7 @@ step zero_memory "$T_ZERO" $PY benchmarks/gpu/zero_memory.py $J $ZERO_ARGS
 step overlap "$T_OVERLAP" $PY benchmarks/gpu/overlap.py $J --trace-dir "$WORK"
 step launcher "$T_LAUNCHER" $PY benchmarks/gpu/launcher_check.py $J
 wait
-if [ "$DEVICE" = cuda ]; then timed_steps; fi  # 2, 4, 8, 9 and 10 alone: they time kernels
+if [ "$DEVICE" = cuda ]; then timed_steps; fi  # 2, 4, 8, 9, 10 and 11 alone: they time kernels
 
 tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" . 2>/dev/null
 rm -rf "$WORK"

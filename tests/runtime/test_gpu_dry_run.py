@@ -13,7 +13,7 @@ pytestmark = pytest.mark.ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ("correctness", "amp", "zero_memory", "overlap", "launcher", "overhead", "codecs", "variants", "codec_profile",
-         "titan_step")
+         "fused_add", "titan_step")
 
 
 @pytest.fixture(scope="module")
