@@ -185,14 +185,19 @@ def step_fn(model, opt, ids, labels, device):
     return step, ev
 
 
-def run_size(args, layers: int, compile_blocks: bool) -> dict:
-    device = args.device
+def trainer(layers: int, device: str, compile_blocks: bool):
+    """The model, its optimizer and one step on a fixed random batch (seeded)."""
     *_, vocab, seq, batch = SHAPES[device]
     torch.manual_seed(0)
     model, opt = build(layers, device, compile_blocks)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     labels = torch.randint(0, vocab, (batch, seq), device=device)
-    step, ev = step_fn(model, opt, ids, labels, device)
+    return (model, opt, *step_fn(model, opt, ids, labels, device))
+
+
+def run_size(args, layers: int, compile_blocks: bool) -> dict:
+    device = args.device
+    model, opt, step, ev = trainer(layers, device, compile_blocks)
     for _ in range(args.warmup):
         step()
     if device == "cuda":
@@ -314,12 +319,7 @@ def isolated_block(device: str, iters: int) -> dict:
 def sustain(args, layers: int) -> None:
     """Step without a pause for ``args.sustain`` seconds; one line per 10 s window."""
     device = args.device
-    *_, vocab, seq, batch = SHAPES[device]
-    torch.manual_seed(0)
-    model, opt = build(layers, device, False)
-    ids = torch.randint(0, vocab, (batch, seq), device=device)
-    labels = torch.randint(0, vocab, (batch, seq), device=device)
-    step, _ = step_fn(model, opt, ids, labels, device)
+    step = trainer(layers, device, False)[2]
     temp = Clock()
     t_end, window = time.perf_counter() + args.sustain, 0
     while time.perf_counter() < t_end:
