@@ -97,15 +97,16 @@ def psi_of(spec: dict) -> int:
 
 
 def formula_states(config: str, psi: int, n: int) -> dict[str, float]:
-    """docs/zero.md's per-rank bytes (AdamW: K = 12 with an fp32 master, 8 without)."""
+    """docs/zero.md's per-rank bytes (AdamW: K = 12 with a separate fp32 master, 8 where the master is the
+    parameter: ZeRO-3 and FSDP2)."""
     if config == "ddp":
         return {"params": 4 * psi, "grads": 4 * psi, "optimizer_state": 8 * psi}
     if config == "zero1":
         return {"params": 2 * psi, "grads": 2 * psi, "optimizer_state": 12 * psi / n}
     if config == "zero2":
         return {"params": 2 * psi, "grads": 2 * psi / n, "optimizer_state": 12 * psi / n}
-    if config == "zero3":
-        return {"params": 2 * psi / n, "grads": 2 * psi / n, "optimizer_state": 12 * psi / n}
+    if config == "zero3":  # the fp32 shard is the parameter, the gradient shard fp32: FSDP2's layout
+        return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer_state": 8 * psi / n}
     if config == "fsdp2":
         return {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer_state": 8 * psi / n}
     raise ValueError(config)

@@ -101,9 +101,10 @@ def _max_diff(sd, ref_sd):
 
 def _expected_bytes(stage, psi, n, mp):
     """ZeRO paper, Adam: mixed precision 2/2/K=12; fp32 analogue 4/4/K=12 (separate fp32
-    master shard) for stages 1-2, and (4+4+8)Ψ/N for stage 3, where the fp32 shard is the parameter."""
-    p = 2 if mp else 4
-    k = 8 if (stage == 3 and not mp) else 12
+    master shard) for stages 1-2, and (4+4+8)Ψ/N for stage 3 with or without mixed precision, where
+    the fp32 shard is the parameter (gathers cast it) and the gradient shard is fp32, as in FSDP2."""
+    p = 4 if (stage == 3 or not mp) else 2
+    k = 8 if stage == 3 else 12
     return {
         "params": p * psi / n if stage == 3 else p * psi,
         "grads": p * psi if stage == 1 else p * psi / n,
@@ -415,7 +416,8 @@ def test_bad_arguments_name_the_field():
         zero(m, opt, stage=2, compression="topk")
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         zero(m, opt, stage=1, backward_passes_per_step=0)
-    assert math.isclose(_expected_bytes(3, 100, 4, "bf16")["optimizer_state"], 300.0)
+    assert math.isclose(_expected_bytes(2, 100, 4, "bf16")["optimizer_state"], 300.0)  # the paper's K = 12
+    assert math.isclose(sum(_expected_bytes(3, 100, 4, "bf16").values()), 400.0)  # 16Ψ/N, laid out as FSDP2
 
 
 def test_memory_report_of_a_plain_optimizer_reads_tensor_sizes():

@@ -10,7 +10,14 @@ pointing at the same storage, which is refilled before backward::
     backward:  grad of u_i's output: wait gather(u_i) · prefetch gather(u_i-1)
                grads in → free(u_i) → the data-parallel engine's bucket u_i: copy into its flat,
                drop the grads, reduce_scatter(async, fixed order) into the shard, free the flat
-    step():    inner optimizer on the fp32 shard → refresh the compute-dtype shard
+    step():    inner optimizer on the fp32 shard, in place: the next gather reads it
+
+Under mixed precision the fp32 shard is the parameter itself, as in FSDP2: a gather casts it into the
+unit's compute-dtype flat (the rank's own slot, or a shard-sized temporary on NCCL), and the gradient
+shard is fp32 too, the compute-dtype reduce-scatter's result added into it. Persistent bytes are
+those of the paper's mixed-precision layout, 16Ψ/N (4 + 4 + Adam's 8, against its 2 + 2 + 12), but
+nothing is copied at the step: the paper's layout casts its 2-byte gradient shard to fp32 there, a
+4Ψ/N transient that made ZeRO-3's peak 1.13x FSDP2's on an H100 (benchmarks/LOG.md, GPU ZeRO memory).
 
 The model's code is untouched: only forward pre/post hooks, a multi-grad hook on
 each unit's outputs and post-accumulate-grad hooks on parameters are added.
@@ -109,9 +116,10 @@ class Stage3:
                     p.data = v
                 self.flats[id(u)] = flat
                 self._free(u)
-        # The compute-dtype shard that is gathered; in full precision it is the master itself.
-        self.shards = self.masters if compute_dtype == master_dtype else [m.to(compute_dtype) for m in self.masters]
-        self.grad_shards = [torch.zeros_like(m, dtype=compute_dtype) for m in self.masters]
+        # What is gathered is the master shard itself, cast into the compute-dtype flat at each gather;
+        # the gradient shard is in the master's dtype (the module docstring says why).
+        self.shards = self.masters
+        self.grad_shards = [torch.zeros_like(m) for m in self.masters]
         self._gathered: set[int] = set()
         self._prefetch: dict[int, object] = {}
         self._order: list[int] = []  # forward order of module units, learned on the first pass
@@ -236,15 +244,13 @@ class Stage3:
         self.reduction.zero()
 
     def publish(self) -> None:
-        if self.shards is not self.masters:
-            for s, m in zip(self.shards, self.masters):
-                s.copy_(m)
+        """Nothing to refresh: a gather reads the master shard itself."""
 
     def param_bytes(self) -> int:
         gathered = sum(
             self.flats[id(u)].untyped_storage().nbytes() for us in self.units for u in us
         )
-        return gathered + sum(s.numel() * s.element_size() for s in self.shards)
+        return gathered + sum(s.numel() * s.element_size() for s in self.masters)
 
     def grad_bytes(self) -> int:
         return grad_bytes(self.grad_engine, self.grad_shards)
