@@ -72,7 +72,7 @@ def run(args, cpu: bool) -> None:
             ratios.append(got["unfused"] / got["fused"])
         med = {k: median_ci(v)[0] for k, v in times.items()}
         ratio, lo, hi = median_ci(ratios)
-        emit(args.out, "fused_add_ab", args.device, codec=name, mb=mb, rounds=rounds, iters=args.iters,
+        emit(args.out, "fused_add", args.device, codec=name, mb=mb, rounds=rounds, iters=args.iters,
              fused_s=med["fused"], unfused_s=med["unfused"], copy_s=med["copy"],
              fused_x_copy=med["fused"] / med["copy"], unfused_x_copy=med["unfused"] / med["copy"],
              unfused_over_fused=ratio, ci_lo=lo, ci_hi=hi,
