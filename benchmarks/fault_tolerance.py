@@ -487,9 +487,11 @@ def main() -> None:
             wins = [r for r in rows(os.path.join(root, f"ab-{n}")) if r["what"] == "window" and "commit_s" in r]
             inside = {m: statistics.median([r["commit_s"] / r["s"] for r in wins if r["mode"] == m] or [float("nan")])
                       for m in ("live", "copy")}
+            voted = [r["votes"] for r in wins if r["mode"] == "live" and "votes" in r]
             print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by['copy'])} "
                   f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms; rank 0's time "
-                  f"inside commit(), median share of its window: live {inside['live']:.1%}, copy {inside['copy']:.1%})")
+                  f"inside commit(), median share of its window: live {inside['live']:.1%}, copy {inside['copy']:.1%}"
+                  + (f"; votes per live window: mean {statistics.mean(voted):.2f}" if voted else "") + ")")
     doc = {"bench": "fault_tolerance", "ab": {str(n): by for n, by in ab.items()}, "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
            "snapshot_every": a.snapshot_every, "snapshot_period": a.snapshot_period, "recover": a.recover, "spare": a.spare,
            "ckpt_every": a.ckpt_every, "timeout": a.timeout, "minutes": round(wall / 60, 2), **saved,

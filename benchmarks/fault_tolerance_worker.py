@@ -116,6 +116,13 @@ if MODE.startswith("phalanx"):
         copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
                                 snapshot_every=A["snapshot_every"], recover="commit")
         modes = {"none": None, "live": state, "copy": copying}
+        import torch.distributed as dist_
+        votes, all_reduce = [0], dist_.all_reduce
+
+        def counted(tensor, *args, **kwargs):   # the commits' votes: the one int64 allreduce of the job
+            votes[0] += tensor.dtype == torch.int64
+            return all_reduce(tensor, *args, **kwargs)
+        dist_.all_reduce = counted
 
     @el.run
     def train(state):
@@ -123,7 +130,7 @@ if MODE.startswith("phalanx"):
             names = list(modes)
             for w in range(A["ab_rounds"] * len(names)):
                 name = names[(w + w // len(names)) % len(names)]   # the order rotates every round
-                t, in_commit = time.perf_counter(), 0.0
+                t, in_commit, voted = time.perf_counter(), 0.0, votes[0]
                 for _ in range(A["ab_window"]):
                     x, y = batch(state.step, px.rank(), px.size())
                     opt.zero_grad()
@@ -136,7 +143,8 @@ if MODE.startswith("phalanx"):
                         modes[name].commit()
                         in_commit += time.perf_counter() - c
                 if px.rank() == 0 and w >= len(names):   # the first round warms up
-                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t, commit_s=in_commit)
+                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t, commit_s=in_commit,
+                        votes=votes[0] - voted)
             return
         while state.step < stop_at():
             check_raise(state.step)
