@@ -110,7 +110,7 @@ if MODE.startswith("phalanx"):
                                                    if A.get("snapshot_period") is not None and A["recover"] == "live" else {}))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     boot()
-    log("start", rank=px.rank(), size=px.size())
+    log("start", rank=px.rank(), size=px.size(), phalanx=px.__file__)
 
     if MODE == "phalanx-ab":   # windows of the same job: no commit / live commits / copying commits
         copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
