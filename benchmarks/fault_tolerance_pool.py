@@ -1,8 +1,8 @@
 """Pool the in-job A/B rounds of several `fault_tolerance.py --ab-rounds` runs: live (or copying) commits'
 window over the same round's no-commit window, median and the distribution-free 95% interval of the median.
 
-Run:  python benchmarks/fault_tolerance_pool.py after=benchmarks/results/ft-run9-ab-after-np4-*.windows.jsonl \\
-             before=benchmarks/results/ft-run9-ab-before-np4-*.windows.jsonl
+Run:  cd benchmarks && python fault_tolerance_pool.py "after=results/fault_tolerance-cpu2-run9-ab-after-np4-*.windows.jsonl" \\
+             "before=results/fault_tolerance-cpu2-run9-ab-before-np4-*.windows.jsonl"   (--mode none2: the control)
 
 Each file is the window rows of one run's rank 0 log (`--keep DIR`: DIR/ab-N/log.jsonl, or the rows with
 "what": "window" copied out of it). Rounds are paired within their own run only. Also printed: rank 0's
@@ -35,7 +35,7 @@ def rounds(path: str, mode: str) -> tuple[list[float], list[float], list[int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("groups", nargs="+", metavar="LABEL=GLOB", help="a label and the window files pooled under it")
-    p.add_argument("--mode", default="live", choices=("live", "copy"))
+    p.add_argument("--mode", default="live", choices=("live", "copy", "none2"))
     a = p.parse_args()
     for group in a.groups:
         label, sep, pattern = group.partition("=")

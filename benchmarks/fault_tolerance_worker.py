@@ -116,6 +116,8 @@ if MODE.startswith("phalanx"):
         copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
                                 snapshot_every=A["snapshot_every"], recover="commit")
         modes = {"none": None, "live": state, "copy": copying}
+        if A.get("ab_control"):   # a fourth window that commits nothing either: the A/B read on no difference
+            modes["none2"] = None
         import torch.distributed as dist_
         votes, all_reduce = [0], dist_.all_reduce
 
