@@ -102,7 +102,7 @@ class Job:
                                 "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
                                 "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
                                 "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window,
-                                "ab_control": a.ab_control,
+                                "ab_control": a.ab_control, "vote_s": a.vote_s,
                                 "trace": a.trace})
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
@@ -367,6 +367,9 @@ def main() -> None:
     p.add_argument("--ab-control", action="store_true",
                    help="--ab-rounds: a fourth window a round, committing nothing like the first (an A/A control: "
                         "its ratio is what the A/B reads where nothing differs)")
+    p.add_argument("--vote-s", type=float, default=None,
+                   help="phalanx: set pending.VOTE_S, the members' vote spacing while nothing is pending (a "
+                        "diagnostic; default: the library's 0.5 s; at most one vote in 101 commits either way)")
     p.add_argument("--spare", action="store_true",
                    help="phalanx: PHALANX_ELASTIC_SPARE=1 (a warm spare process replaces a lost or added worker)")
     p.add_argument("--trace", action="store_true",

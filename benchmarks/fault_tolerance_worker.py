@@ -101,6 +101,9 @@ if MODE.startswith("phalanx"):
             for name in names:
                 traced(owner, name)
 
+    if A.get("vote_s") is not None:   # --vote-s: the members' quiet vote spacing (a diagnostic)
+        from phalanx.elastic import pending
+        pending.VOTE_S = A["vote_s"]
     px.init()
     net = make()
     opt = optimizer(net)
