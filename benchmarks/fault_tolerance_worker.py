@@ -101,6 +101,9 @@ if MODE.startswith("phalanx"):
             for name in names:
                 traced(owner, name)
 
+    if A.get("vote_s") is not None:   # --vote-s: the members' quiet vote spacing (a diagnostic)
+        from phalanx.elastic import pending
+        pending.VOTE_S = A["vote_s"]
     px.init()
     net = make()
     opt = optimizer(net)
@@ -110,12 +113,21 @@ if MODE.startswith("phalanx"):
                                                    if A.get("snapshot_period") is not None and A["recover"] == "live" else {}))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     boot()
-    log("start", rank=px.rank(), size=px.size())
+    log("start", rank=px.rank(), size=px.size(), phalanx=px.__file__)
 
     if MODE == "phalanx-ab":   # windows of the same job: no commit / live commits / copying commits
         copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
                                 snapshot_every=A["snapshot_every"], recover="commit")
         modes = {"none": None, "live": state, "copy": copying}
+        if A.get("ab_control"):   # a fourth window that commits nothing either: the A/B read on no difference
+            modes["none2"] = None
+        import torch.distributed as dist_
+        votes, all_reduce = [0], dist_.all_reduce
+
+        def counted(tensor, *args, **kwargs):   # the commits' votes: the one int64 allreduce of the job
+            votes[0] += tensor.dtype == torch.int64
+            return all_reduce(tensor, *args, **kwargs)
+        dist_.all_reduce = counted
 
     @el.run
     def train(state):
@@ -123,7 +135,7 @@ if MODE.startswith("phalanx"):
             names = list(modes)
             for w in range(A["ab_rounds"] * len(names)):
                 name = names[(w + w // len(names)) % len(names)]   # the order rotates every round
-                t, in_commit = time.perf_counter(), 0.0
+                t, in_commit, voted = time.perf_counter(), 0.0, votes[0]
                 for _ in range(A["ab_window"]):
                     x, y = batch(state.step, px.rank(), px.size())
                     opt.zero_grad()
@@ -136,7 +148,8 @@ if MODE.startswith("phalanx"):
                         modes[name].commit()
                         in_commit += time.perf_counter() - c
                 if px.rank() == 0 and w >= len(names):   # the first round warms up
-                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t, commit_s=in_commit)
+                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t, commit_s=in_commit,
+                        votes=votes[0] - voted)
             return
         while state.step < stop_at():
             check_raise(state.step)

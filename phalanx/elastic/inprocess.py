@@ -151,10 +151,11 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     thread that polls the store (no store call here), and the allreduce is started now and waited
     for at the next deferred commit, which acts on its answer: a change or a preemption is acted on
     one commit later, by every member at the same commit. A re-form drops the vote in flight. The
-    vote is taken about every ``pending.VOTE_S`` (0.5 s), not every commit: each vote carries rank 0's
-    count of the commits to skip before the next one (its commits per 0.5 s, less one), so at a
-    commit every 13 ms (cpu2) one commit in 38 votes; every ``pending.VOTE_BUSY_S`` (0.1 s) while rank
-    0 sees a change pending or an admission forms.
+    vote is taken about every ``pending.VOTE_S`` (0.5 s) of commits, not every commit: each vote carries
+    rank 0's count of the commits to skip before the next one (its commits per 0.5 s, less one, timed
+    commit by commit so that a pause between commits does not shorten it), so at a commit every 13 ms
+    (cpu2) one commit in 38 votes; every ``pending.VOTE_BUSY_S`` (0.1 s) while rank 0 sees a change
+    pending or an admission forms.
     """
     if not active():
         return None, None
@@ -170,6 +171,8 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (launcher_interrupt(int(flag[0])) if flag[0] else None), int(flag[1])
     agreed = 0
+    if ctx.pending is not None:  # (rank 0) time every commit, so a pause between them is not read as slow commits
+        ctx.pending.tick()
     if size > 1 and ctx.vote is not None:  # the previous commit's vote: done long ago, a step ran since
         work, answer = ctx.vote
         ctx.vote = None
@@ -188,6 +191,7 @@ def commit_round(notices: bool = False, vote: int = 0, deferred: bool = False
     if size == 1 or runtime.rank() == 0:
         if ctx.pending is None:
             ctx.pending = pending.PendingPoll(ElasticSettings.one("store"), lambda: ctx.gen).start()
+            ctx.pending.tick()
         flag[0] = ctx.pending.kind(ctx.gen, ctx.notice, notices)
         flag[2] = ctx.pending.latest
         # a change seen or an admission forming: vote again soon (the staging's steps are votes)

@@ -45,6 +45,13 @@ VOTE_S = 0.5
 # the spacing while rank 0 sees a change pending or a staged admission forms (each of its steps is a vote)
 VOTE_BUSY_S = 0.1
 _MAX_SKIP = 100  # a vote at least every 101 commits, however short they are
+# A gap between two commits longer than this many times the last measured commit is a pause (an
+# evaluation, a checkpoint, steps that commit nothing), counted as that many commits' time, unless most
+# of the gaps since the last vote are that long (the commits themselves slowed down). Counted whole, a
+# pause made the next count of commits to skip small, so the votes crowded into the commits after it:
+# the in-job A/B's live windows, each after windows without commits, voted 2.5 times a 0.43 s window at
+# np 4 (cpu2) where commits without pauses vote about once every 0.5 s (run 9).
+_PAUSE = 4
 
 
 def pending_on(store, gen: int, notice: int, notices: bool, latest: int | None = None) -> int:
@@ -75,7 +82,13 @@ class PendingPoll:
         self.address, self.current_gen = address, current_gen
         self.seen: dict[tuple[int, int, bool], int] = {}  # (generation, notice, notices) -> kind
         self.latest = 0  # the newest generation the launcher had published at the last read
-        self._since: tuple[float | None, int] = (None, 0)  # (the last voting commit's time, its proposal)
+        # (rank 0's commits, timed by tick()) the last commit's time, and the seconds a commit took as the
+        # last vote measured them; since the last vote: the time its commits took, the same with each
+        # pause counted as _PAUSE commits, how many commits and pauses; the count that vote proposed
+        self._last: float | None = None
+        self._per: float | None = None
+        self._spent = self._spent_paused = 0.0
+        self._commits = self._pauses = self._proposed = 0
         self.asked: set[tuple[int, int, bool]] = set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="phalanx-elastic-pending", daemon=True)
@@ -90,28 +103,49 @@ class PendingPoll:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(5.0)
 
+    def tick(self) -> None:
+        """At each of rank 0's deferred commits, voting or not (before :meth:`commits_to_skip` at a voting
+        one): the time since its last commit counts as commit time, a pause (over :data:`_PAUSE` times the
+        last measured commit) as that many commits' time."""
+        now = time.monotonic()
+        if self._last is not None:
+            took = now - self._last
+            self._spent += took
+            if self._per is not None and took > _PAUSE * self._per:
+                took = _PAUSE * self._per
+                self._pauses += 1
+            self._spent_paused += took
+            self._commits += 1
+        self._last = now
+
     def commits_to_skip(self, busy: bool = False) -> int:
         """How many commits the members skip voting after this one: the commits rank 0 makes in one
         :data:`VOTE_S` (five of this thread's polls), or in one :data:`VOTE_BUSY_S` when ``busy`` (a
         change pending or an admission forming), less one.
-        Called at each voting commit; every member skips what rank 0 proposed last time, so the commits
-        since the last call are that count plus one. The count at most doubles (plus one) from one vote
-        to the next: the rate is measured over the commits just made, and a loop that then slows down (a
-        re-form's few quick steps, then commits 50 ms apart while a replacement is awaited) would
-        otherwise skip a quick stretch's count of slow commits (at 0.5 s, 99 commits: 5 s unvoted)."""
-        now = time.monotonic()
-        (last, proposed), skip = self._since, 0
-        if last is not None and now > last:
+        Called at each voting commit, after :meth:`tick`: the commits since the last call are the count
+        proposed then plus one, timed by :meth:`tick`, so a pause between commits is not read as slow
+        commits (when most of the gaps are long, the commits slowed down: timed as they are). The count
+        at most doubles (plus one) from one vote to the next: the rate is measured over the commits just
+        made, and a loop that then slows down (a re-form's few quick steps, then commits 50 ms apart
+        while a replacement is awaited) would otherwise skip a quick stretch's count of slow commits (at
+        0.5 s, 99 commits: 5 s unvoted)."""
+        skip = 0
+        if self._commits and self._spent > 0:
+            self._per = (self._spent if 2 * self._pauses > self._commits else self._spent_paused) / self._commits
             period = VOTE_BUSY_S if busy else VOTE_S
-            skip = max(0, min(_MAX_SKIP, 2 * proposed + 1, int(period * (proposed + 1) / (now - last)) - 1))
-        self._since = (now, skip)
+            skip = max(0, min(_MAX_SKIP, 2 * self._proposed + 1, int(period / self._per) - 1))
+        self._spent = self._spent_paused = 0.0
+        self._commits, self._pauses, self._proposed = 0, 0, skip
         return skip
 
     def forget_rate(self) -> None:
         """At a re-form: the members dropped the count they were skipping, so the next vote measures no
         commit rate from it (it would read the old generation's proposal over the re-form's pause: at a
-        0.5 s period, after 100 quick commits and a 1 s pause, ~50 commits of the new one unvoted)."""
-        self._since = (None, 0)
+        0.5 s period, after 100 quick commits and a 1 s pause, ~50 commits of the new one unvoted), and
+        the new generation's commits are timed afresh."""
+        self._last, self._per = None, None
+        self._spent = self._spent_paused = 0.0
+        self._commits = self._pauses = self._proposed = 0
 
     def kind(self, gen: int, notice: int, notices: bool) -> int:
         """The last answer read for this generation (0 until the thread has read one)."""

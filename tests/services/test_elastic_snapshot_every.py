@@ -185,30 +185,49 @@ def test_recover_takes_commit_or_live():
 @pytest.mark.unit
 def test_live_votes_are_spaced_about_one_vote_period_apart(monkeypatch):
     # rank 0 proposes, at each vote, the commits every member skips before the next: its commits per
-    # pending.VOTE_S (VOTE_BUSY_S while a change is pending or an admission forms) less one, from the
-    # time since its last vote over the commits that vote covered, at most 2n+1 after a proposal of n
+    # pending.VOTE_S (VOTE_BUSY_S while a change is pending or an admission forms) less one, timed commit
+    # by commit since its last vote (a pause between commits counted as 4 commits), at most 2n+1 after n
     from phalanx.elastic import pending
 
     monkeypatch.setattr(pending, "VOTE_S", 0.5)
     monkeypatch.setattr(pending, "VOTE_BUSY_S", 0.05)
-    times, t = [0.0], 0.0
-    for commits in (1, 2, 4, 8, 16, 31):   # 16 ms a commit, each stretch the count skipped + 1
-        t += commits * 0.016
-        times.append(t)
-    times += [t + 3 * 0.5, t + 3 * 0.5 + 1e-6, 100.0] + [100.0 + 1e-6 * k for k in range(1, 8)]
-    clock = iter(times)
-    monkeypatch.setattr(pending.time, "monotonic", lambda: next(clock))
+    now, left = [0.0], [0]
+    monkeypatch.setattr(pending.time, "monotonic", lambda: now[0])
     poll = pending.PendingPoll("127.0.0.1:1", lambda: 0)   # (not started: no thread, no store)
-    assert poll.commits_to_skip() == 0   # the first vote: nothing measured yet
-    # 16 ms a commit: a vote every 31st commit (0.5 s), reached by at most doubling
-    assert [poll.commits_to_skip() for _ in range(5)] == [1, 3, 7, 15, 30]
-    assert poll.commits_to_skip(busy=True) == 2   # busy: every 3rd commit (48 ms)
-    assert poll.commits_to_skip() == 0   # a slow stretch (0.5 s a commit): every commit votes
-    assert poll.commits_to_skip() == 1   # a commit in a microsecond: the count doubles, no more
+
+    def commits(n: int, apart: float, *, busy: bool = False, pause: float = 0.0) -> list[int]:
+        """n commits, each ``apart`` seconds after the one before (the first ``pause`` more): the counts
+        proposed at the votes among them."""
+        proposed = []
+        now[0] += pause
+        for _ in range(n):
+            now[0] += apart
+            poll.tick()
+            if left[0]:
+                left[0] -= 1
+            else:
+                left[0] = poll.commits_to_skip(busy=busy)
+                proposed.append(left[0])
+        return proposed
+
+    # 16 ms a commit: a vote every 31st commit (0.5 s), reached by at most doubling (the first vote
+    # measured nothing yet)
+    assert commits(62, 0.016) == [0, 1, 3, 7, 15, 30]
+    # a 1 s pause before the next commit (an evaluation, steps that commit nothing) is not slow commits:
+    # 30 x 16 ms + 4 x 16 ms over 31 commits, a vote every 28th (timed whole: every 10th, so the votes
+    # crowded into the commits after each pause)
+    assert commits(28, 0.016, pause=1.0) == [27]
+    assert commits(31, 0.016) == [30]
+    assert commits(3, 0.016, busy=True) == [2]   # busy: every 3rd commit (48 ms)
+    # commits slowed to 0.5 s: the first long gap is taken for a pause (the count still at most doubles),
+    # then most gaps since the vote are long, so they are timed as they are: every commit votes
+    assert commits(8, 0.5) == [5, 0, 0]
+    assert commits(1, 1e-6) == [1]   # a commit in a microsecond: the count doubles, no more
     poll.forget_rate()   # a re-form: the count proposed was dropped, so no rate from it
-    assert poll.commits_to_skip() == 0
+    left[0] = 0
+    assert commits(1, 1e-6) == [0]
     # commits far shorter than a vote's period: doubling up to the cap
-    assert [poll.commits_to_skip() for _ in range(7)] == [1, 3, 7, 15, 31, 63, pending._MAX_SKIP]
+    assert commits(255, 1e-6)[:7] == [1, 3, 7, 15, 31, 63, pending._MAX_SKIP]
 
 
 @pytest.mark.unit
