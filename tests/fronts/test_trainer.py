@@ -448,34 +448,61 @@ px.print0("done")
 """
 
 
-def _phalanx_run(tmp_path, code):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(code))
+# Both scripts run in one `phalanx run -np 2` job, one after the other in the same two processes (each in
+# a namespace of its own, the job left between them, so the second must init on its own): Python, torch and
+# phalanx start once. Rank 0 marks where each script's output begins.
+_RUN_SCRIPTS = """
+import os, runpy, sys
+import phalanx as px
+for path in sys.argv[1:]:
+    assert not px.is_initialized(), "a script left the job initialized for the next one"
+    if os.environ["RANK"] == "0":
+        print("=== " + os.path.basename(path), flush=True)
+    runpy.run_path(path, run_name="__main__")
+    px.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def phalanx_run_scripts(tmp_path_factory):
+    """{script name: the job's stdout lines from that script's start}, and the job (one per module)."""
+    tmp_path = tmp_path_factory.mktemp("phalanx_run_scripts")
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    scripts = {"train.py": _TRAIN_SCRIPT, "readme_train.py": re.search(r"```python\n(# train.py.*?)```", readme, re.S).group(1)}
+    for name, code in [*scripts.items(), ("run_scripts.py", _RUN_SCRIPTS)]:
+        (tmp_path / name).write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    return subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, str(script)],
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
+                           str(tmp_path / "run_scripts.py"), *(str(tmp_path / n) for n in scripts)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    sections, name = {}, None
+    for line in proc.stdout.splitlines():
+        if line.startswith("[0]: === "):
+            name = line[len("[0]: === "):]
+        sections.setdefault(name, []).append(line)
+    return sections, proc
 
 
-def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(tmp_path):
-    out = _phalanx_run(tmp_path, _TRAIN_SCRIPT)
+def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(phalanx_run_scripts):
+    sections, out = phalanx_run_scripts
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
+    lines = sections.get("train.py", [])
     epochs = [ln for ln in lines if re.match(r"\[0\]: epoch \d/2: loss ", ln)]
     assert len(epochs) == 2, out.stdout
     assert all("val_accuracy" in ln and "samples/s" in ln for ln in epochs), epochs
     assert any(re.match(r"\[0\]: epoch 1 batch 10/\d+: loss .* samples/s", ln) for ln in lines), out.stdout
-    assert not any(ln.startswith("[1]:") for ln in lines), out.stdout  # rank 0 only
+    assert not any(ln.startswith("[1]:") for ln in out.stdout.splitlines()), out.stdout  # rank 0 only
     assert "%|" not in out.stdout + out.stderr  # no bar redraws in a log
     assert "[0]: done" in lines
 
 
-def test_readme_minimal_script_runs_under_phalanx_run(tmp_path):
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    code = re.search(r"```python\n(# train.py.*?)```", readme, re.S).group(1)
+def test_readme_minimal_script_runs_under_phalanx_run(phalanx_run_scripts):
+    sections, out = phalanx_run_scripts
+    code = open(out.args[-1]).read()
     assert "DistributedSampler" in code and "set_epoch" in code
-    out = _phalanx_run(tmp_path, code)
     assert out.returncode == 0, out.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", out.stdout, re.M)]
+    text = "\n".join(sections.get("readme_train.py", []))
+    losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", text, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
     assert "[1]:" not in out.stdout
 
