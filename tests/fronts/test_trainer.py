@@ -5,13 +5,12 @@ reference; refused input; progress lines and the README script under `phalanx ru
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import warnings
 
 import pytest
 import torch
+from scripts_job import run_scripts
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
@@ -448,63 +447,40 @@ px.print0("done")
 """
 
 
-# Both scripts run in one `phalanx run -np 2` job, one after the other in the same two processes (each in
-# a namespace of its own, the job left between them, so the second must init on its own): Python, torch and
-# phalanx start once. Rank 0 marks where each script's output begins.
-_RUN_SCRIPTS = """
-import os, runpy, sys
-import phalanx as px
-for path in sys.argv[1:]:
-    assert not px.is_initialized(), "a script left the job initialized for the next one"
-    if os.environ["RANK"] == "0":
-        print("=== " + os.path.basename(path), flush=True)
-    runpy.run_path(path, run_name="__main__")
-    px.shutdown()
-"""
-
-
 @pytest.fixture(scope="module")
 def phalanx_run_scripts(tmp_path_factory):
-    """{script name: the job's stdout lines from that script's start}, and the job (one per module)."""
+    """Both scripts in one `phalanx run -np 2` job (scripts_job.py): (the job, {script: its output lines})."""
     tmp_path = tmp_path_factory.mktemp("phalanx_run_scripts")
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     scripts = {"train.py": _TRAIN_SCRIPT, "readme_train.py": re.search(r"```python\n(# train.py.*?)```", readme, re.S).group(1)}
-    for name, code in [*scripts.items(), ("run_scripts.py", _RUN_SCRIPTS)]:
+    for name, code in scripts.items():
         (tmp_path / name).write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
-                           str(tmp_path / "run_scripts.py"), *(str(tmp_path / n) for n in scripts)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    sections, name = {}, None
-    for line in proc.stdout.splitlines():
-        if line.startswith("[0]: === "):
-            name = line[len("[0]: === "):]
-        sections.setdefault(name, []).append(line)
-    return sections, proc
+    return run_scripts(tmp_path, [tmp_path / n for n in scripts], timeout=300, env=env, cwd=tmp_path)
 
 
 def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(phalanx_run_scripts):
-    sections, out = phalanx_run_scripts
+    out, sections = phalanx_run_scripts
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sections.get("train.py", [])
+    lines = sections.get("train.py", "").splitlines()
     epochs = [ln for ln in lines if re.match(r"\[0\]: epoch \d/2: loss ", ln)]
     assert len(epochs) == 2, out.stdout
     assert all("val_accuracy" in ln and "samples/s" in ln for ln in epochs), epochs
     assert any(re.match(r"\[0\]: epoch 1 batch 10/\d+: loss .* samples/s", ln) for ln in lines), out.stdout
-    assert not any(ln.startswith("[1]:") for ln in out.stdout.splitlines()), out.stdout  # rank 0 only
+    assert not any(ln.startswith("[1]:") for ln in lines), out.stdout  # rank 0 only
     assert "%|" not in out.stdout + out.stderr  # no bar redraws in a log
     assert "[0]: done" in lines
 
 
 def test_readme_minimal_script_runs_under_phalanx_run(phalanx_run_scripts):
-    sections, out = phalanx_run_scripts
+    out, sections = phalanx_run_scripts
     code = open(out.args[-1]).read()
     assert "DistributedSampler" in code and "set_epoch" in code
     assert out.returncode == 0, out.stderr[-3000:]
-    text = "\n".join(sections.get("readme_train.py", []))
+    text = sections.get("readme_train.py", "")
     losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", text, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
-    assert "[1]:" not in out.stdout
+    assert not any(ln.startswith("[1]:") for ln in text.splitlines()), out.stdout
 
 
 class _FakeTerminal:
