@@ -5,12 +5,14 @@ seconds): 2 ranks with local batch B against one process with batch 2B (SGD with
 momentum and Adam, backward_passes_per_step 1 and 2), Horovod's warm-up formula
 batch by batch, metric averaging, the broadcast callback, the collectives and
 load_model (JAX: the equivalence through both of its reduction paths and the
-collectives). Then seed 002's script under ``phalanx run`` and an elastic Keras job
-that loses a worker.
+collectives). On torch and TensorFlow that group is seed 002's ``phalanx run`` job: its
+script first, then the checks in the same two processes (Keras and its backend start once;
+each check still its own test). Then an elastic Keras job that loses a worker.
 """
 
 import importlib.util
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -160,6 +162,49 @@ def _warmup_expected(initial_lr, warmup_epochs, steps_per_epoch, epochs, size):
     return lrs
 
 
+SEED_BACKENDS = ("torch", "tensorflow")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Seed 002's script under `phalanx run -np 2`, then, in the same two processes, _keras_checks (each rank's
+# results pickled to OUT): Keras and its backend start once for both tests of a backend.
+SEED_THEN_CHECKS = textwrap.dedent("""
+    import os, pickle, runpy, sys, traceback
+    root, out = sys.argv[1], sys.argv[2]
+    runpy.run_path(os.path.join(root, "examples", "keras_seed_002.py"), run_name="__main__")
+    print("SEED DONE", flush=True)
+    sys.path.insert(0, os.path.join(root, "tests", "fronts"))
+    import keras
+    from test_keras import _keras_checks
+    import phalanx.keras as hvd
+    try:  # a failing check fails its own test, not the seed script's
+        results = _keras_checks(keras.backend.backend(), os.path.join(out, "checks"))
+    except Exception:
+        results = {"error": traceback.format_exc()}
+    with open(os.path.join(out, f"checks.{hvd.rank()}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def seed_job(tmp_path_factory):
+    """seed_job(backend) -> (the finished `phalanx run`, its working directory); one job per backend."""
+    jobs = {}
+
+    def get(backend):
+        if backend not in jobs:
+            if not (HAS_KERAS and HAS_TF):
+                pytest.skip("the seed script needs keras and tensorflow (TensorBoard); pip install 'phalanx[tensorflow]'")
+            tmp_path = tmp_path_factory.mktemp(f"seed_{backend}")
+            (tmp_path / "checks").mkdir()
+            (tmp_path / "job.py").write_text(SEED_THEN_CHECKS)
+            env = {**os.environ, "KERAS_BACKEND": backend, "EPOCHS": "3", "PYTHONPATH": ROOT}
+            jobs[backend] = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
+                                            str(tmp_path / "job.py"), ROOT, str(tmp_path)],
+                                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420), tmp_path
+        return jobs[backend]
+
+    return get
+
+
 @pytest.mark.skipif(not HAS_KERAS, reason="keras is not installed (pip install 'phalanx[keras]')")
 @pytest.mark.parametrize("backend", [
     "torch",
@@ -168,9 +213,15 @@ def _warmup_expected(initial_lr, warmup_epochs, steps_per_epoch, epochs, size):
     pytest.param("jax", marks=pytest.mark.skipif(not HAS_JAX, reason="jax is not installed (pip install "
                                                                       "'phalanx[jax]')")),
 ])
-def test_keras_front_on_two_ranks(backend, tmp_path):
-    results = distributed(_keras_checks, np=2, args=(backend, str(tmp_path)), env={"KERAS_BACKEND": backend},
-                          timeout=300)
+def test_keras_front_on_two_ranks(backend, tmp_path, seed_job):
+    if backend in SEED_BACKENDS and HAS_TF:  # in the ranks of seed 002's job, after its script
+        proc, out = seed_job(backend)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results = [pickle.loads((out / f"checks.{r}.pkl").read_bytes()) for r in (0, 1)]
+        assert not any("error" in res for res in results), "\n".join(res.get("error", "") for res in results)
+    else:
+        results = distributed(_keras_checks, np=2, args=(backend, str(tmp_path)), env={"KERAS_BACKEND": backend},
+                              timeout=300)
     a, b = results
     assert a["sizes"][:2] == (2, 0) and b["sizes"][:2] == (2, 1)
     for key in EQUIVALENCE[backend]:
@@ -206,14 +257,11 @@ def test_keras_front_on_two_ranks(backend, tmp_path):
 
 @pytest.mark.skipif(not (HAS_KERAS and HAS_TF), reason="the seed script needs keras and tensorflow "
                                                         "(TensorBoard); pip install 'phalanx[tensorflow]'")
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_seed_002_keras_script_runs_under_phalanx_run(backend, tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "KERAS_BACKEND": backend, "EPOCHS": "3", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable,
-                           os.path.join(root, "examples", "keras_seed_002.py")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+@pytest.mark.parametrize("backend", SEED_BACKENDS)
+def test_seed_002_keras_script_runs_under_phalanx_run(backend, seed_job):
+    proc, tmp_path = seed_job(backend)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(f"[{r}]: SEED DONE" in proc.stdout.splitlines() for r in (0, 1)), proc.stdout[-2000:]
     finals = {}
     for line in proc.stdout.splitlines():
         if ": rank " in line and " weights " in line:

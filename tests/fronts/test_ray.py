@@ -1,7 +1,8 @@
 """phalanx.ray on a local Ray cluster: horovod.ray's documented examples with only the import
 changed, bitwise-equal training against ``phalanx.run`` and ``phalanx run -np 2``, callbacks,
 rank-prefixed output, a failing rank that stops the whole job, and an elastic job that survives
-a killed actor in-process and admits its replacement."""
+a killed actor in-process and admits its replacement. On the same cluster (one start for both):
+phalanx.tune's Ray Tune trials, RayExecutor jobs that ASHA stops early."""
 
 import os
 import resource
@@ -440,6 +441,45 @@ def test_elastic_use_gpu_without_gpus_in_the_cluster_says_so(local_ray):
     settings.discovery = object()
     with pytest.raises(ValueError, match="has no find_available_hosts_and_slots"):
         ElasticRayExecutor(settings, override_discovery=False)
+
+
+# -- phalanx.tune: Ray Tune trials that are RayExecutor jobs, on this module's cluster ---------------------
+
+def tune_train_fn(config):
+    """Every rank; the metric is `score` * epoch, so lower-score trials fall behind at each rung."""
+    from phalanx.tune import report
+
+    px.init()
+    for epoch in range(1, 5):
+        value = px.allreduce(torch.tensor([config["score"] * epoch]), op=px.Average).item()
+        report(score=value, epoch=epoch)
+
+
+def test_ray_tune_asha_stops_trials_early(local_ray, tmp_path):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from phalanx.tune import distributed_trainable
+
+    # each trial takes both CPUs of the cluster: the jobs before this one must have given theirs back
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) >= 2, (ray.available_resources(), _live_actor_names(""))
+    tuner = tune.Tuner(
+        distributed_trainable(tune_train_fn, num_workers=2, cpus_per_worker=1),
+        param_space={"score": tune.grid_search([1.0, 0.25])},  # one at a time: 1.0 first, 0.25 falls behind
+        tune_config=tune.TuneConfig(scheduler=ASHAScheduler(metric="score", mode="max", max_t=4,
+                                                            grace_period=1, reduction_factor=2,
+                                                            time_attr="training_iteration")),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="asha", verbose=0))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    epochs = {r.config["score"]: r.metrics["epoch"] for r in results}
+    assert epochs[1.0] == 4, epochs  # the best trial runs to the end
+    assert epochs[0.25] < 4, f"ASHA did not stop the worse trial: {epochs}"
+    histories = {r.config["score"]: list(r.metrics_dataframe["score"]) for r in results}
+    assert histories[1.0] == [1.0, 2.0, 3.0, 4.0], "every epoch of rank 0 reached Tune"
 
 
 def test_horovods_pytorch_ray_elastic_example_with_only_the_import_changed(tmp_path):

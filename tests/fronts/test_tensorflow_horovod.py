@@ -2,7 +2,8 @@
 Keras pieces, on 2 real ranks against what one process computes from both ranks' inputs.
 
 One spawned group (Keras 3 on TensorFlow) runs every check (``tf_horovod_checks.py``: what the ranks
-run); each check is its own test here.
+run), phalanx.tensorflow's own ones last (the alias modules, eager and tf.function collectives,
+DistributedGradientTape against one process); each check is its own test here.
 The Keras 2 (tf-keras) side and Horovod's own example scripts are in
 ``test_tensorflow_horovod_examples.py``.
 """
@@ -12,6 +13,7 @@ import importlib.util
 import numpy as np
 import pytest
 from tf_horovod_checks import GRAPH_N, V1_X, V1_Y, tf_body, value
+from tf_phalanx_checks import HAS_TF_KERAS
 
 from phalanx.testing import distributed
 
@@ -243,3 +245,22 @@ def test_horovods_private_compute_gradients_and_counter_on_keras_3(tf_ranks):
         assert got["returned"] == [[r + 1.0] * 2, [4.5, 4.5], [3.0 * (r + 1)] * 2], got
         assert got["x"] == [[1.0, 2.0], [-3.5, -2.5], [-3.5, -2.5]], got
         assert got["iterations"] == 3 and got["counter"] == 1, got
+
+
+def test_phalanx_tensorflow_on_two_ranks(tf_ranks):
+    """phalanx.tensorflow's own checks (tf_phalanx_checks.py), in this module's group."""
+    a, b = (out["phalanx_tf"] for out in tf_ranks)
+    for res in (a, b):
+        assert res["alias"] and res["optimizer_alias"], "phalanx.tensorflow.keras must be phalanx.keras (and its optimizer)"
+        if HAS_TF_KERAS:
+            assert "backward_passes_per_step must be an integer >= 1" in res.get("tf_keras_k0", ""), res
+        np.testing.assert_allclose(res["eager_avg"], [1.5, 3.0])
+        np.testing.assert_allclose(res["eager_sum"], [3.0, 6.0])
+        s, g, bc = res["graph"]
+        np.testing.assert_allclose(s, [3.0, 6.0])
+        np.testing.assert_allclose(g, [[0, 0], [1, 1], [1, 1]])
+        np.testing.assert_allclose(bc, [2.0, 4.0])
+        np.testing.assert_allclose(res["broadcast_variables"], [1.0, 1.0, 1.0])
+        np.testing.assert_allclose(res["tape"], res["tape_ref"], atol=1e-5,
+                                   err_msg="DistributedGradientTape: 2 ranks x B differ from 1 process x 2B")
+    np.testing.assert_array_equal(a["tape"], b["tape"])

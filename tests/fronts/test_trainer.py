@@ -5,13 +5,12 @@ reference; refused input; progress lines and the README script under `phalanx ru
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import warnings
 
 import pytest
 import torch
+from scripts_job import run_scripts
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
@@ -448,18 +447,22 @@ px.print0("done")
 """
 
 
-def _phalanx_run(tmp_path, code):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(code))
+@pytest.fixture(scope="module")
+def phalanx_run_scripts(tmp_path_factory):
+    """Both scripts in one `phalanx run -np 2` job (scripts_job.py): (the job, {script: its output lines})."""
+    tmp_path = tmp_path_factory.mktemp("phalanx_run_scripts")
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    scripts = {"train.py": _TRAIN_SCRIPT, "readme_train.py": re.search(r"```python\n(# train.py.*?)```", readme, re.S).group(1)}
+    for name, code in scripts.items():
+        (tmp_path / name).write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    return subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", "2", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    return run_scripts(tmp_path, [tmp_path / n for n in scripts], timeout=300, env=env, cwd=tmp_path)
 
 
-def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(tmp_path):
-    out = _phalanx_run(tmp_path, _TRAIN_SCRIPT)
+def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(phalanx_run_scripts):
+    out, sections = phalanx_run_scripts
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
+    lines = sections.get("train.py", "").splitlines()
     epochs = [ln for ln in lines if re.match(r"\[0\]: epoch \d/2: loss ", ln)]
     assert len(epochs) == 2, out.stdout
     assert all("val_accuracy" in ln and "samples/s" in ln for ln in epochs), epochs
@@ -469,15 +472,15 @@ def test_progress_under_phalanx_run_is_a_line_per_epoch_from_rank_0(tmp_path):
     assert "[0]: done" in lines
 
 
-def test_readme_minimal_script_runs_under_phalanx_run(tmp_path):
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    code = re.search(r"```python\n(# train.py.*?)```", readme, re.S).group(1)
+def test_readme_minimal_script_runs_under_phalanx_run(phalanx_run_scripts):
+    out, sections = phalanx_run_scripts
+    code = open(out.args[-1]).read()
     assert "DistributedSampler" in code and "set_epoch" in code
-    out = _phalanx_run(tmp_path, code)
     assert out.returncode == 0, out.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", out.stdout, re.M)]
+    text = sections.get("readme_train.py", "")
+    losses = [float(m) for m in re.findall(r"^\[0\]: epoch \d: loss ([\d.]+)$", text, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
-    assert "[1]:" not in out.stdout
+    assert not any(ln.startswith("[1]:") for ln in text.splitlines()), out.stdout
 
 
 class _FakeTerminal:

@@ -1,6 +1,6 @@
 """phalanx.tune: an Optuna study whose trials are 2-rank jobs (every rank follows rank 0's
-suggestions and pruning; the SQLite study survives its driver), and a Ray Tune run whose
-trials are RayExecutor jobs stopped early by ASHA."""
+suggestions and pruning; the SQLite study survives its driver). The Ray Tune run whose trials are
+RayExecutor jobs stopped early by ASHA is in test_ray.py, on that module's local Ray cluster."""
 
 import os
 import signal
@@ -121,45 +121,3 @@ def test_study_survives_a_killed_driver(tmp_path):
     states = [t.state for t in study.get_trials()]
     assert states[0] == optuna.trial.TrialState.FAIL, "the killed driver's trial was not marked FAIL"
     assert states[1] == optuna.trial.TrialState.COMPLETE
-
-
-# -- Ray Tune ---------------------------------------------------------------------------------------------
-
-def tune_train_fn(config):
-    """Every rank; the metric is `score` * epoch, so lower-score trials fall behind at each rung."""
-    from phalanx.tune import report
-
-    px.init()
-    for epoch in range(1, 5):
-        value = px.allreduce(torch.tensor([config["score"] * epoch]), op=px.Average).item()
-        report(score=value, epoch=epoch)
-
-
-@pytest.mark.timeout(900)  # a local cluster plus two 2-actor trials: minutes on a loaded 2-core machine
-def test_ray_tune_asha_stops_trials_early(tmp_path):
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-    from ray_local import start_local_ray
-
-    from phalanx.tune import distributed_trainable
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    start_local_ray(ray)
-    try:
-        tuner = tune.Tuner(
-            distributed_trainable(tune_train_fn, num_workers=2, cpus_per_worker=1),
-            param_space={"score": tune.grid_search([1.0, 0.25])},  # one at a time: 1.0 first, 0.25 falls behind
-            tune_config=tune.TuneConfig(scheduler=ASHAScheduler(metric="score", mode="max", max_t=4,
-                                                                grace_period=1, reduction_factor=2,
-                                                                time_attr="training_iteration")),
-            run_config=tune.RunConfig(storage_path=str(tmp_path), name="asha", verbose=0))
-        results = tuner.fit()
-    finally:
-        ray.shutdown()
-    assert not results.errors, results.errors
-    epochs = {r.config["score"]: r.metrics["epoch"] for r in results}
-    assert epochs[1.0] == 4, epochs  # the best trial runs to the end
-    assert epochs[0.25] < 4, f"ASHA did not stop the worse trial: {epochs}"
-    histories = {r.config["score"]: list(r.metrics_dataframe["score"]) for r in results}
-    assert histories[1.0] == [1.0, 2.0, 3.0, 4.0], "every epoch of rank 0 reached Tune"

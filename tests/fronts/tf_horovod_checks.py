@@ -6,6 +6,7 @@ seconds); the test module asserts on each entry.
 """
 
 import numpy as np
+from tf_phalanx_checks import phalanx_tensorflow
 
 
 def value(rank, shape=(3, 2)):
@@ -378,4 +379,5 @@ def tf_body():
     _keras_state(tf, hvd, r, out)
     _broadcast_callback_local(tf, hvd, r, out)
     _private_names(tf, hvd, r, out)
+    out["phalanx_tf"] = phalanx_tensorflow(tf, hvd)  # last: it imports tf_keras too
     return out
