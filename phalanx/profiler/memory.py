@@ -5,7 +5,8 @@ Reads real tensor sizes, so users see what each ZeRO stage saves::
     stage 1: params 2Ψ  grads 2Ψ   optimizer KΨ/N        (mixed precision, K = 12 for Adam;
                                                            + a 2Ψ/N grad shard between the reduce and step)
     stage 2: params 2Ψ  grads 2Ψ/N optimizer KΨ/N
-    stage 3: params 2Ψ/N grads 2Ψ/N optimizer KΨ/N       (+ one gathered unit while it runs)
+    stage 3: params 4Ψ/N grads 4Ψ/N optimizer 8Ψ/N       (the fp32 shard is the parameter, as in FSDP2;
+                                                           + one gathered unit while it runs)
 
 Example::
 
@@ -52,12 +53,12 @@ def memory_report(optimizer) -> dict[str, int]:
 
     ``optimizer`` is a :class:`phalanx.parallel.zero.ZeroOptimizer` (fp32 master shards
     count as optimizer state, as in the ZeRO paper, unless they are also the
-    parameters: stage 3 without mixed precision) or any plain ``torch.optim`` optimizer.
+    parameters: stage 3) or any plain ``torch.optim`` optimizer.
     """
     if isinstance(optimizer, ZeroOptimizer):
         engine = optimizer.engine
         masters = optimizer.masters
-        aliased = getattr(engine, "shards", None) is masters
+        aliased = optimizer.stage == 3  # the masters are the parameters, counted by param_bytes()
         opt = _state_bytes(optimizer.inner) + (0 if aliased else sum(_nbytes(m) for m in masters))
         device = masters[0].device if masters else None
         return {"params": engine.param_bytes(), "grads": engine.grad_bytes(), "optimizer_state": opt,

@@ -56,7 +56,7 @@ def _zero3(kind, recompute):
     train(model, opt, range(STEPS))
     sd, rsd = model.state_dict(), ref.state_dict()
     tied = m.lm_head.weight is m.get_input_embeddings().weight
-    gathered_after = opt.engine.param_bytes() - sum(s.numel() * s.element_size() for s in opt.engine.shards)
+    gathered_after = opt.engine.param_bytes() - sum(s.numel() * s.element_size() for s in opt.engine.masters)
     return {"diff": max_diff(sd, rsd, KEY_BIAS), "key_bias": max_diff(sd, rsd) if kind == "gpt2" else 0.0,
             "block_forwards": len(calls), "tied": tied, "gathered_after_step": gathered_after,
             "units": [type(mod).__name__ for mod, _ in opt.engine.module_units]}

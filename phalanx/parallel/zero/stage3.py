@@ -118,7 +118,6 @@ class Stage3:
                 self._free(u)
         # What is gathered is the master shard itself, cast into the compute-dtype flat at each gather;
         # the gradient shard is in the master's dtype (the module docstring says why).
-        self.shards = self.masters
         self.grad_shards = [torch.zeros_like(m) for m in self.masters]
         self._gathered: set[int] = set()
         self._prefetch: dict[int, object] = {}
@@ -149,7 +148,7 @@ class Stage3:
     def _launch_gather(self, g: int, u: Unit):
         flat = self.flats[id(u)]
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        mine = self.shards[g][u.shard_offset : u.shard_offset + u.shard_numel]
+        mine = self.masters[g][u.shard_offset : u.shard_offset + u.shard_numel]
         return gather_into(flat, mine, self.group, self.rank, self.world)
 
     def _gather_module(self, i: int) -> None:
