@@ -345,7 +345,7 @@ def predicted(layers: int, compiled: bool) -> dict:
     from phalanx.planner import hardware, published, scaling, workloads
     h, heads, kv, ffn, vocab, seq, batch = SHAPES["cuda"]
     w = workloads.llama(layers, h, heads, kv, ffn, vocab, seq, name=f"llama3-8b-{layers}-blocks")
-    job = published._titan_2024(dp=1, global_batch=batch, zero=3, ac="op", compiled=compiled)
+    job = published.titan_2024(dp=1, global_batch=batch, zero=3, ac="op", compiled=compiled)
     p = scaling.predict(w, hardware.get("h100-ib400"), job)
     return {"step_s": p.step_s, **{k: v for k, v in p.parts["compute_terms"].items()}}
 

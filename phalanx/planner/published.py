@@ -23,7 +23,7 @@ import dataclasses
 from phalanx.planner import hardware, memory, scaling, workloads
 
 __all__ = ["Row", "ROWS", "TORCHTITAN", "TORCHTITAN_H200", "MEGATRON", "MLPERF", "reproduce", "error", "goal", "BOUND",
-           "RELATIVE_BOUND", "by_key", "GT_GEMM_SCALE_ENDS", "MEMORY", "NCCL_H100_NVLINK_BUS"]
+           "RELATIVE_BOUND", "by_key", "GT_GEMM_SCALE_ENDS", "MEMORY", "NCCL_H100_NVLINK_BUS", "titan_2024"]
 
 BOUND = 0.10
 """the goal for the efficiency and %-of-peak rows: within 10 points (docs/scaling.md lists each row's own bound)"""
@@ -95,7 +95,7 @@ def _titan(**kw) -> scaling.Job:
                        pipeline_buffers="torch", **kw)
 
 
-def _titan_2024(**kw) -> scaling.Job:
+def titan_2024(**kw) -> scaling.Job:
     """A torchtitan job at 9dec370 (Dec 2024), for memory too: the loss not compiled ("compiling loss function causes
     CUDA errors, turning off for now", train.py), so ``cross_entropy(pred.float())`` op by op (``loss="eager"``), and
     launched by run_llama_train.sh, which sets PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"."""
@@ -106,21 +106,21 @@ _TT = "torchtitan, arXiv:2410.06511 / benchmarks/llama3_h100_202412_torchtitan.m
 _TT_2025 = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 70B on 256 H100"
 TORCHTITAN: tuple[Row, ...] = (
     Row("torchtitan-8b-8", _TT + " Table 1 (FSDP)", "llama3-8b", "h100-gt", "tokens", 5762,
-        _titan_2024(dp=8, global_batch=16, zero=3, ac="op"), bound=0.30,
+        titan_2024(dp=8, global_batch=16, zero=3, ac="op"), bound=0.30,
         note="8 GPUs, local batch 2, selective (op) activation checkpointing, eager (llama3_8b.toml at 9dec370)"),
     Row("torchtitan-8b-8-compile", _TT + " Table 1 (FSDP + compile)", "llama3-8b", "h100-gt", "tokens", 6667,
-        _titan_2024(dp=8, global_batch=16, zero=3, ac="op", compiled=True), bound=0.30),
+        titan_2024(dp=8, global_batch=16, zero=3, ac="op", compiled=True), bound=0.30),
     Row("torchtitan-8b-8-float8", _TT + " Table 1 (FSDP + compile + Float8)", "llama3-8b", "h100-gt", "tokens",
-        8532, _titan_2024(dp=8, global_batch=16, zero=3, ac="op", compiled=True, float8=True), bound=0.30),
+        8532, titan_2024(dp=8, global_batch=16, zero=3, ac="op", compiled=True, float8=True), bound=0.30),
     Row("torchtitan-8b-128", _TT + " Table 3 (FSDP)", "llama3-8b", "h100-gt", "tokens", 5605,
-        _titan_2024(dp=128, global_batch=256, zero=3, ac="op"), bound=0.30,
+        titan_2024(dp=128, global_batch=256, zero=3, ac="op"), bound=0.30,
         note="128 GPUs, local batch 2, selective (op) activation checkpointing, eager"),
     Row("torchtitan-70b-256", _TT + " Table 4 (2D)", "llama3-70b", "h100-gt", "tokens", 829,
-        _titan_2024(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
+        titan_2024(dp=32, tp=8, global_batch=512, zero=3, ac="full", compiled=True, float8=True,
                     sequence_parallel=True), bound=0.15,
         note="FSDP 32 x TP 8, local batch 16, full AC, Float8 + torch.compile (synchronous TP)"),
     Row("torchtitan-405b-512", _TT + " Table 5 (3D, 1F1B)", "llama3-405b", "h100-gt", "tokens", 100,
-        _titan_2024(dp=8, tp=8, pp=8, global_batch=256, micro_batch=4, zero=3, overlap=False, ac="full",
+        titan_2024(dp=8, tp=8, pp=8, global_batch=256, micro_batch=4, zero=3, overlap=False, ac="full",
                     compiled=True, float8=True, regather=False, sequence_parallel=True), bound=0.15,
         note="FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32 in 8 micro-batches (torchtitan's default: as many as "
              "stages), full AC, Float8 + compile; AsyncTP not modelled"),
@@ -219,9 +219,9 @@ MEMORY: tuple[Row, ...] = (
     _memory("torchtitan-8b-8-float8", _TT + " Table 1 (FSDP + compile + Float8)", 76.8),
     _memory("torchtitan-8b-128", _TT + " Table 3 (FSDP)", 67.0),
     _memory("torchtitan-8b-128-compile", _TT + " Table 3 (FSDP + compile)", 62.0,
-            job=_titan_2024(compiled=True, **_8B_128)),
+            job=titan_2024(compiled=True, **_8B_128)),
     _memory("torchtitan-8b-128-float8", _TT + " Table 3 (FSDP + compile + Float8)", 61.8,
-            job=_titan_2024(compiled=True, float8=True, **_8B_128)),
+            job=titan_2024(compiled=True, float8=True, **_8B_128)),
     _memory("torchtitan-70b-256", _TT + " Table 4 (2D)", 71.9),
     _memory("torchtitan-405b-512", _TT + " Table 5 (3D, 1F1B)", 82.5, bound=0.30),
     _memory("torchtitan-8b-h200-32", _TT_H200 + " (4 nodes)", 47.96, bound=0.25),

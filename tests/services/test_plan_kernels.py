@@ -233,7 +233,7 @@ def test_a_real_8b_step_on_one_h100_is_priced_as_measured():
 
     def model(layers, compiled=False):
         w = workloads.llama(layers, 4096, 32, 8, 14336, 128256, 8192, name=f"llama3-8b-{layers}")
-        job = published._titan_2024(dp=1, global_batch=2, zero=3, ac="op", compiled=compiled)
+        job = published.titan_2024(dp=1, global_batch=2, zero=3, ac="op", compiled=compiled)
         return scaling.predict(w, hardware.get("h100-ib400"), job).step_s
 
     per_block = (steps[(3, False)]["step_s"] - steps[(1, False)]["step_s"]) / 2
