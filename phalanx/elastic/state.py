@@ -218,8 +218,11 @@ class TorchState:
         """recover='live': the vote (waited for at the next commit), a background snapshot when due."""
         from phalanx.elastic import inprocess, preempt
 
-        changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
-        due = self._commit_count % self._snapshot_every == 0 or not inprocess.active()
+        if inprocess.skips_vote():  # most commits: between two votes, nothing to agree on
+            changed, reduced = None, 0
+        else:  # (reduced None: not an in-process elastic worker)
+            changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
+        due = self._commit_count % self._snapshot_every == 0 or reduced is None
         if due and self._snapshot_period_s:  # at most one snapshot a period
             now = _clock()
             due = self._snapshot_at is None or now - self._snapshot_at >= self._snapshot_period_s
