@@ -3,7 +3,7 @@
 One :class:`~phalanx.preemption.Preemption` per worker, built when ``elastic.run`` starts
 (SIGTERM + ``$PHALANX_PREEMPT_SIGNAL``), its topology replaced after each re-form. Each
 ``TorchState.commit()`` votes (a blocking allreduce: under in-process elastic the commit's own,
-:func:`phalanx.elastic.inprocess.commit_round`, else :meth:`Preemption.requested_now`:
+:func:`phalanx.elastic.vote.commit_round`, else :meth:`Preemption.requested_now`:
 every member answers the same at the same commit, and no vote stays in flight into the steps
 after it, where a lost worker must fail the next collective at once); when the answer is yes the
 commit just written is

@@ -196,13 +196,13 @@ class TorchState:
             self._commit_live()
             return
         self.remember()
-        from phalanx.elastic import inprocess, preempt
+        from phalanx.elastic import inprocess, preempt, vote
 
         # in-process elastic: workers join or leave at this commit. Asked before the snapshot is
         # written: the question is one small allreduce, which fails at once when a peer died since
         # the last step, where the snapshot's cross-rank waits would only time out. It carries the
         # preemption vote too (a HostsUpdatedInterrupt or None, and the largest vote).
-        changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote())
+        changed, reduced = vote.commit_round(notices=self._host_notices, vote=preempt.vote())
 
         def save() -> str:
             return self._manager.save(self._commit_count, self.pieces(), fsync=not self.commit_dir.startswith("/dev/shm"))
@@ -216,12 +216,12 @@ class TorchState:
 
     def _commit_live(self) -> None:
         """recover='live': the vote (waited for at the next commit), a background snapshot when due."""
-        from phalanx.elastic import inprocess, preempt
+        from phalanx.elastic import preempt, vote
 
-        if inprocess.skips_vote():  # most commits: between two votes, nothing to agree on
+        if vote.skips_vote():  # most commits: between two votes, nothing to agree on
             changed, reduced = None, 0
         else:  # (reduced None: not an in-process elastic worker)
-            changed, reduced = inprocess.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
+            changed, reduced = vote.commit_round(notices=self._host_notices, vote=preempt.vote(), deferred=True)
         due = self._commit_count % self._snapshot_every == 0 or reduced is None
         if due and self._snapshot_period_s:  # at most one snapshot a period
             now = _clock()

@@ -218,7 +218,7 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch, request):
     import torch.distributed as dist
 
     from phalanx import elastic
-    from phalanx.elastic import inprocess
+    from phalanx.elastic import inprocess, vote
     from phalanx.horovod import elastic as hel
     from phalanx.launcher.host_notices import ADDED, HostNotices
 
@@ -234,14 +234,14 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch, request):
     notices = HostNotices(store)
     store.set("pxe/latest", "0")
     messages = hel.state.HostMessages()
-    assert messages.empty() and inprocess.change_at_commit(notices=True) is None
+    assert messages.empty() and vote.change_at_commit(notices=True) is None
     notices.post(ADDED)  # workers started on a new host
     assert not messages.empty() and messages.qsize() == 1
     stamp, update = messages.get_nowait()
     assert update is hel.HostUpdateResult.added and isinstance(stamp, float)
     assert messages.empty()  # each notice once
-    assert inprocess.change_at_commit(notices=True) is not None and inprocess.change_at_commit() is None
-    err = inprocess.change_at_commit(notices=True)  # what a commit raises: Horovod's class, and ours
+    assert vote.change_at_commit(notices=True) is not None and vote.change_at_commit() is None
+    err = vote.change_at_commit(notices=True)  # what a commit raises: Horovod's class, and ours
     assert type(err) is hel.HostsUpdatedInterrupt and hel.HostsUpdatedInterrupt is elastic.HostsUpdatedInterrupt
     assert isinstance(err, inprocess.MembershipChanged) and isinstance(err, RuntimeError)
     assert err.reform and err.skip_sync is False  # workers added: the state must be synced to them
@@ -253,18 +253,18 @@ def test_host_messages_follow_the_launchers_notices(monkeypatch, request):
     assert [u for _, _, u in inprocess.host_updates(1)] == [hel.HostUpdateResult.removed]
     ctx = worker_context.current()
     ctx.notice = 1  # this worker's generation covers notice 1: only the removal is pending
-    assert inprocess.change_at_commit(notices=True).skip_sync
+    assert vote.change_at_commit(notices=True).skip_sync
     gen = {0: ["w0", "w1"], 1: ["w1"]}  # a generation that drops w0: removed only
     for g, wids in gen.items():
         store.set(f"pxe/gen/{g}", json.dumps({"members": [[w, "localhost"] for w in wids]}))
     store.set("pxe/latest", "1")
-    assert inprocess.change_at_commit().skip_sync
+    assert vote.change_at_commit().skip_sync
     store.set("pxe/gen/1", json.dumps({"members": [["w1", "localhost"], ["w2", "127.0.0.1"]]}))
-    assert not inprocess.change_at_commit().skip_sync  # w2 is new: not removals only
+    assert not vote.change_at_commit().skip_sync  # w2 is new: not removals only
     store.set("pxe/latest", "0")
     messages.put((0.0, hel.HostUpdateResult.mixed))
     ctx.gen, ctx.notice = 2, 2  # re-formed into a generation covering both notices
-    assert messages.empty() and inprocess.change_at_commit(notices=True) is None
+    assert messages.empty() and vote.change_at_commit(notices=True) is None
     with pytest.raises(queue.Empty):
         messages.get(timeout=0.2)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx import elastic as _elastic
-from phalanx.elastic import inprocess, restart_count
+from phalanx.elastic import inprocess, restart_count, vote
 
 __all__ = ["TorchState", "ObjectState", "HostUpdateResult", "HostMessages"]
 
@@ -117,7 +117,7 @@ class TorchState(_elastic.TorchState):
         """Raise on every rank (one allreduce) when the launcher announced a host change or changed the
         membership since this generation formed; ``phalanx.elastic.run`` then re-forms. ``commit()``
         makes the same check itself."""
-        interrupt = inprocess.change_at_commit(notices=True)
+        interrupt = vote.change_at_commit(notices=True)
         if interrupt is not None:
             raise interrupt
 
