@@ -102,7 +102,7 @@ class Job:
                                 "recover": "commit" if runner in ("phalanx-file", "phalanx-copy") else a.recover,
                                 "commit_every": 0 if runner == "phalanx-plain" else a.commit_every,
                                 "ft_ddp": runner == "torchft", "ab_rounds": a.ab_rounds, "ab_window": a.ab_window,
-                                "ab_control": a.ab_control, "vote_s": a.vote_s,
+                                "ab_control": a.ab_control, "ab_copy": a.ab_copy, "vote_s": a.vote_s,
                                 "trace": a.trace})
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(os.path.join(out, "output.log"), "w")
@@ -367,6 +367,9 @@ def main() -> None:
     p.add_argument("--ab-control", action="store_true",
                    help="--ab-rounds: a fourth window a round, committing nothing like the first (an A/A control: "
                         "its ratio is what the A/B reads where nothing differs)")
+    p.add_argument("--ab-no-copy", dest="ab_copy", action="store_false",
+                   help="--ab-rounds: no copying-commit window, so no window follows a copy's 35%% slower one "
+                        "(the rotation puts the no-commit window after it twice as often as the live one)")
     p.add_argument("--vote-s", type=float, default=None,
                    help="phalanx: set pending.VOTE_S, the members' vote spacing while nothing is pending (a "
                         "diagnostic; default: the library's 0.5 s; at most one vote in 101 commits either way)")
@@ -419,7 +422,7 @@ def main() -> None:
             info = one_run("phalanx-ab", n, None, a, os.path.join(root, f"ab-{n}"))
             wins = [r for r in info["rows"] if r["what"] == "window"]
             ab[n] = {}
-            for mode in ("live", "copy", *(["none2"] if a.ab_control else [])):
+            for mode in ("live", *(["copy"] if a.ab_copy else []), *(["none2"] if a.ab_control else [])):
                 ratios = []
                 for rnd in sorted({r["round"] for r in wins}):
                     got = {r["mode"]: r["s"] for r in wins if r["round"] == rnd}
@@ -495,10 +498,16 @@ def main() -> None:
             inside = {m: statistics.median([r["commit_s"] / r["s"] for r in wins if r["mode"] == m] or [float("nan")])
                       for m in ("live", "copy")}
             voted = [r["votes"] for r in wins if r["mode"] == "live" and "votes" in r]
-            print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by['copy'])} "
+            ranks = {}   # every rank's median share of its live windows inside commit() (rank 0: above)
+            for r in rows(os.path.join(root, f"ab-{n}")):
+                if r["what"] in ("window", "rank_window") and r["mode"] == "live" and "rank" in r:
+                    ranks.setdefault(r["rank"], []).append(r["commit_s"] / r["s"])
+            print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by.get('copy', []))} "
                   f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms; rank 0's time "
                   f"inside commit(), median share of its window: live {inside['live']:.1%}, copy {inside['copy']:.1%}"
-                  + (f"; votes per live window: mean {statistics.mean(voted):.2f}" if voted else "") + ")"
+                  + (f"; votes per live window: mean {statistics.mean(voted):.2f}" if voted else "")
+                  + ("; every rank's live share: " + ", ".join(f"r{k} {statistics.median(v):.2%}" for k, v in
+                                                              sorted(ranks.items())) if len(ranks) > 1 else "") + ")"
                   + (f"; control, no commits either: {summary(by['none2'])}" if "none2" in by else ""))
     doc = {"bench": "fault_tolerance", "ab": {str(n): by for n, by in ab.items()}, "repeats": a.repeats, "np": sizes, "commit_every": a.commit_every,
            "snapshot_every": a.snapshot_every, "snapshot_period": a.snapshot_period, "recover": a.recover, "spare": a.spare,

@@ -118,7 +118,7 @@ if MODE.startswith("phalanx"):
     if MODE == "phalanx-ab":   # windows of the same job: no commit / live commits / copying commits
         copying = el.TorchState(net, opt, step=0, commit_dir=OUT + "/commits-copy",
                                 snapshot_every=A["snapshot_every"], recover="commit")
-        modes = {"none": None, "live": state, "copy": copying}
+        modes = {"none": None, "live": state, **({"copy": copying} if A.get("ab_copy", True) else {})}
         if A.get("ab_control"):   # a fourth window that commits nothing either: the A/B read on no difference
             modes["none2"] = None
         import torch.distributed as dist_
@@ -147,9 +147,9 @@ if MODE.startswith("phalanx"):
                         modes[name].step = state.step
                         modes[name].commit()
                         in_commit += time.perf_counter() - c
-                if px.rank() == 0 and w >= len(names):   # the first round warms up
-                    log("window", mode=name, round=w // len(names), s=time.perf_counter() - t, commit_s=in_commit,
-                        votes=votes[0] - voted)
+                if w >= len(names):   # the first round warms up; rank 0's windows are the A/B's
+                    log("window" if px.rank() == 0 else "rank_window", mode=name, round=w // len(names),
+                        s=time.perf_counter() - t, commit_s=in_commit, votes=votes[0] - voted, rank=px.rank())
             return
         while state.step < stop_at():
             check_raise(state.step)
