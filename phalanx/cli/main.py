@@ -10,6 +10,7 @@ one line, exit code 2; Ctrl-C exits 130 without a traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import importlib.metadata
 import sys
@@ -48,8 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _freeze_before_teardown() -> None:
+    """The command's process is exiting: spare its teardown a walk over torch's objects when it has
+    them (``phalanx run`` exits after its workers, so this is on every job's way out)."""
+    runtime = sys.modules.get("phalanx.runtime")
+    if runtime is not None:
+        runtime.freeze_before_teardown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if argv is None:  # the command itself, not a call from Python
+        atexit.register(_freeze_before_teardown)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -352,11 +352,13 @@ def test_a_new_state_never_inherits_an_earlier_states_commit(tmp_path, monkeypat
 
 EXIT_RUNS = int(os.environ.get("PHALANX_TEST_EXIT_RUNS", "1"))
 # Every Python thread still alive once every exit hook but this one has run (a sitecustomize registers it
-# first, so it runs last): a phalanx thread there is what ended in SIGABRT about one run in five.
-THREADS_AT_EXIT = """import atexit, threading
+# first, so it runs last): a phalanx thread there is what ended in SIGABRT about one run in five. And whether
+# phalanx froze the objects there are for the teardown (runtime.freeze_before_teardown: a quicker exit).
+THREADS_AT_EXIT = """import atexit, gc, threading
 def _report():
     alive = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive())
     print("THREADS-AT-EXIT", alive, flush=True)
+    print("FROZEN-AT-EXIT", gc.get_freeze_count() > 0, flush=True)
 atexit.register(_report)
 """
 
@@ -400,6 +402,9 @@ def test_horovods_elastic_mnist_example_leaves_no_thread_at_exit_and_never_abort
         reports = [line for line in out.splitlines() if "THREADS-AT-EXIT" in line]
         assert len(reports) == 3, f"run {run}: want the launcher's and both ranks' thread lists\n{out[-4000:]}"
         failures += [f"run {run}: {line}" for line in reports if not line.endswith("THREADS-AT-EXIT []")]
+        frozen = [line for line in out.splitlines() if "FROZEN-AT-EXIT" in line]
+        if len(frozen) != 3 or not all(line.endswith("FROZEN-AT-EXIT True") for line in frozen):
+            failures.append(f"run {run}: a process whose teardown walks torch's objects again: {frozen}")
         if "terminate called" in out or "aborted in the interpreter's teardown" in out:
             failures.append(f"run {run}: " + "; ".join(line for line in out.splitlines()
                                                           if "terminate called" in line or "aborted" in line))
