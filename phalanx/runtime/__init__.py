@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
-import gc
 import os
 import sys
 import threading
@@ -48,7 +47,6 @@ __all__ = [
     "import_dynamo_first",
     "exit_after_hooks",
     "skip_teardown_if_uncaught",
-    "freeze_before_teardown",
     "init",
     "shutdown",
     "is_initialized",
@@ -115,17 +113,6 @@ def _end_after_hooks() -> None:
 
 
 atexit.register(_end_after_hooks)  # at import, before every other phalanx hook: so it runs after them all
-
-
-def freeze_before_teardown() -> None:
-    """At exit, after the exit hooks that release resources: collect the garbage there is now, then
-    freeze the rest (``gc.freeze``), so the interpreter's teardown frees it by reference counts
-    without walking it again. The teardown's collections walk every object torch (and its dynamo)
-    made at import: 0.75 s of a process's exit on the 2-core machine, 0.15 s once frozen, paid by
-    every worker and by the launcher after them. Only cycles that become garbage during the teardown
-    itself are left to the operating system, which the interpreter does not promise to finalize."""
-    gc.collect()
-    gc.freeze()
 
 
 _topology: Topology | None = None
@@ -270,7 +257,6 @@ def _shutdown_at_exit() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_stores()
-        freeze_before_teardown()
     except Exception:  # noqa: BLE001 - exiting anyway; a failing teardown must not mask the exit status
         pass
 

@@ -353,12 +353,20 @@ def test_a_new_state_never_inherits_an_earlier_states_commit(tmp_path, monkeypat
 EXIT_RUNS = int(os.environ.get("PHALANX_TEST_EXIT_RUNS", "1"))
 # Every Python thread still alive once every exit hook but this one has run (a sitecustomize registers it
 # first, so it runs last): a phalanx thread there is what ended in SIGABRT about one run in five. And whether
-# phalanx froze the objects there are for the teardown (runtime.freeze_before_teardown: a quicker exit).
-THREADS_AT_EXIT = """import atexit, gc, threading
+# the objects were frozen for the teardown (gc.freeze: a quicker exit, which the phalanx command does). Each
+# rank also writes a line to a file its script never closes, held by an object that refers to itself, as a
+# user's own logger can be: only the teardown's last collection flushes it, which a freeze would skip.
+THREADS_AT_EXIT = """import atexit, gc, os, sys, threading
+class _Held:
+    def __init__(self, path):
+        self.file, self.me = open(path, "w"), self
+if sys.argv and sys.argv[0].endswith("pytorch_mnist_elastic.py"):
+    _held = _Held(os.path.join(os.environ["HELD_DIR"], f"held.{os.getpid()}"))
+    _held.file.write("written, never flushed or closed by the script\\n")
 def _report():
     alive = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive())
     print("THREADS-AT-EXIT", alive, flush=True)
-    print("FROZEN-AT-EXIT", gc.get_freeze_count() > 0, flush=True)
+    print("FROZEN-AT-EXIT", "worker" if "_held" in globals() else "launcher", gc.get_freeze_count() > 0, flush=True)
 atexit.register(_report)
 """
 
@@ -389,7 +397,10 @@ def test_horovods_elastic_mnist_example_leaves_no_thread_at_exit_and_never_abort
     path = [str(site), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
     if importlib.util.find_spec("torchvision") is None:
         path.insert(1, str(jobs / "standin"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
+    held_dir = tmp_path / "held"
+    held_dir.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore",
+           "HELD_DIR": str(held_dir)}
     began, failures = time.monotonic(), []
     for run in range(EXIT_RUNS):
         env["PHALANX_ELASTIC_DIR"] = str(tmp_path / f"commits{run}")
@@ -402,9 +413,16 @@ def test_horovods_elastic_mnist_example_leaves_no_thread_at_exit_and_never_abort
         reports = [line for line in out.splitlines() if "THREADS-AT-EXIT" in line]
         assert len(reports) == 3, f"run {run}: want the launcher's and both ranks' thread lists\n{out[-4000:]}"
         failures += [f"run {run}: {line}" for line in reports if not line.endswith("THREADS-AT-EXIT []")]
-        frozen = [line for line in out.splitlines() if "FROZEN-AT-EXIT" in line]
-        if len(frozen) != 3 or not all(line.endswith("FROZEN-AT-EXIT True") for line in frozen):
-            failures.append(f"run {run}: a process whose teardown walks torch's objects again: {frozen}")
+        frozen = sorted(line[line.index("FROZEN-AT-EXIT"):] for line in out.splitlines() if "FROZEN-AT-EXIT" in line)
+        if frozen != ["FROZEN-AT-EXIT launcher True"] + ["FROZEN-AT-EXIT worker False"] * 2:
+            failures.append(f"run {run}: want the launcher's objects frozen for its teardown (quicker) and the "
+                            f"workers' not (their scripts' files in cycles are flushed there): {frozen}")
+        held = sorted(held_dir.glob("held.*"))
+        lines = [p.read_text() for p in held]
+        if len(held) != 2 or lines != ["written, never flushed or closed by the script\n"] * 2:
+            failures.append(f"run {run}: a rank's unclosed file in a cycle lost its line at exit: {lines}")
+        for p in held:
+            p.unlink()
         if "terminate called" in out or "aborted in the interpreter's teardown" in out:
             failures.append(f"run {run}: " + "; ".join(line for line in out.splitlines()
                                                           if "terminate called" in line or "aborted" in line))
