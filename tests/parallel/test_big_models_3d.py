@@ -51,7 +51,7 @@ def test_zero_tensor_and_pipeline_parallel_at_once_match_one_process(name, grid3
         r = res[name]
         assert r["tied"] == CELLS[name][3], r
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), r
-        assert r["keys"] > 0 and r["diff"] < PARAM_TOL.get(CELLS[name][0], 5e-5), (r["worst"], r)
+        assert r["keys"] > 0 and r["diff"] < PARAM_TOL, (r["worst"], r)
         # block 0 (stage 0): 2 micro-batches a step, each run twice when recomputed
         assert r["block_forwards"] == (STEPS * 2 * (2 if recomputed else 1) if r["coord"][1] == 0 else 0), r
         if name == "llama zero3":  # parameters and Adam's moments of all 8 ranks, at world 1: the next two losses

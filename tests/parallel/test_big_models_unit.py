@@ -211,6 +211,7 @@ def test_clip_grad_norm_on_one_piece_is_torchs_and_refuses_a_bad_max_norm():
     """With no split axis the whole model's norm is torch's (the grid checks it over pp and tp)."""
     from phalanx.parallel import clip_grad_norm_
 
+    torch.manual_seed(0)  # (not whatever the tests before left)
     ours, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     ref.load_state_dict(ours.state_dict())
     for m in (ours, ref):
@@ -218,6 +219,8 @@ def test_clip_grad_norm_on_one_piece_is_torchs_and_refuses_a_bad_max_norm():
     norm = clip_grad_norm_(ours, 0.1)  # below the norm: clipping active
     assert norm.item() == pytest.approx(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item()) and norm > 0.1
     for p, q in zip(ours.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+        # equal to rounding: torch takes the norm of the per-tensor norms, phalanx the root of the summed
+        # squares (what pieces on several ranks add up), which can differ in the last bit (seen with some seeds)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match=r"^clip_grad_norm_\(max_norm=0\): must be a positive number$"):
         clip_grad_norm_(ours, 0)
