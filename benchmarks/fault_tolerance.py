@@ -73,6 +73,7 @@ from pathlib import Path
 
 from chaos import rows  # the job log reader (this script's folder is sys.path[0])
 from dp_vs_ddp import median_ci
+from fault_tolerance_pool import rounds as ab_rounds
 
 WORKER = (Path(__file__).resolve().parent / "fault_tolerance_worker.py").read_text()  # the job, as text
 
@@ -416,19 +417,13 @@ def main() -> None:
                                 "out": os.path.join(root, f"ff-{r}-{n}-{rep}")})
                 print(f"fault-free {r} np {n}: step {results[-1]['step_s']}", flush=True)
     a.max_steps = saved_max
-    ab = {}
+    ab, ab_read = {}, {}   # np -> mode -> ratios; np -> mode -> all that fault_tolerance_pool.rounds reads
     if a.ab_rounds:   # the commit's cost against the same job's own steps, window by window
         for n in sizes:
-            info = one_run("phalanx-ab", n, None, a, os.path.join(root, f"ab-{n}"))
-            wins = [r for r in info["rows"] if r["what"] == "window"]
-            ab[n] = {}
-            for mode in ("live", *(["copy"] if a.ab_copy else []), *(["none2"] if a.ab_control else [])):
-                ratios = []
-                for rnd in sorted({r["round"] for r in wins}):
-                    got = {r["mode"]: r["s"] for r in wins if r["round"] == rnd}
-                    if mode in got and "none" in got:
-                        ratios.append(got[mode] / got["none"])
-                ab[n][mode] = ratios
+            one_run("phalanx-ab", n, None, a, os.path.join(root, f"ab-{n}"))
+            modes = ("live", *(["copy"] if a.ab_copy else []), *(["none2"] if a.ab_control else []))
+            ab_read[n] = {m: ab_rounds(os.path.join(root, f"ab-{n}", "log.jsonl"), m) for m in modes}
+            ab[n] = {m: got[0] for m, got in ab_read[n].items()}
             print(f"ab np {n}: " + json.dumps({m: summary(v) for m, v in ab[n].items()}), flush=True)
     for rep in range(a.repeats):
         for n in sizes:
@@ -494,14 +489,9 @@ def main() -> None:
         for n, by in ab.items():
             none_ms = [r["s"] / a.ab_window * 1e3 for r in rows(os.path.join(root, f"ab-{n}"))
                        if r["what"] == "window" and r["mode"] == "none"]
-            wins = [r for r in rows(os.path.join(root, f"ab-{n}")) if r["what"] == "window" and "commit_s" in r]
-            inside = {m: statistics.median([r["commit_s"] / r["s"] for r in wins if r["mode"] == m] or [float("nan")])
+            inside = {m: statistics.median(ab_read[n][m][1] if m in ab_read[n] else [float("nan")])
                       for m in ("live", "copy")}
-            voted = [r["votes"] for r in wins if r["mode"] == "live" and "votes" in r]
-            ranks = {}   # every rank's median share of its live windows inside commit() (rank 0: above)
-            for r in rows(os.path.join(root, f"ab-{n}")):
-                if r["what"] in ("window", "rank_window") and r["mode"] == "live" and "rank" in r:
-                    ranks.setdefault(r["rank"], []).append(r["commit_s"] / r["s"])
+            voted, ranks = ab_read[n]["live"][2], ab_read[n]["live"][3]   # (ranks: every rank's live shares)
             print(f"np {n}: live commits {summary(by['live'])}, copying commits {summary(by.get('copy', []))} "
                   f"(no-commit step {statistics.median(none_ms) if none_ms else float('nan'):.1f} ms; rank 0's time "
                   f"inside commit(), median share of its window: live {inside['live']:.1%}, copy {inside['copy']:.1%}"

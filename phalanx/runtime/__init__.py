@@ -113,8 +113,6 @@ def _end_after_hooks() -> None:
 
 
 atexit.register(_end_after_hooks)  # at import, before every other phalanx hook: so it runs after them all
-
-
 _topology: Topology | None = None
 _settings: Settings | None = None
 _owns_default_group = False
